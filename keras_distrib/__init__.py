@@ -1,0 +1,33 @@
+"""keras_distrib: exact, easy tf.distribute training for Keras 3.
+
+The same global batches give the same model, whatever the strategy, the
+number of replicas or workers, and whether you call `fit` or a custom loop.
+"""
+
+import os as _os
+
+_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from keras_distrib import losses
+from keras_distrib.cluster import ClusterInfo
+from keras_distrib.cluster import cluster_info
+from keras_distrib.cluster import is_chief
+from keras_distrib.devices import virtual_devices
+from keras_distrib.models import DistributedModelMixin
+from keras_distrib.models import Model
+from keras_distrib.models import Sequential
+from keras_distrib.strategies import make_strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterInfo",
+    "DistributedModelMixin",
+    "Model",
+    "Sequential",
+    "cluster_info",
+    "is_chief",
+    "losses",
+    "make_strategy",
+    "virtual_devices",
+]

@@ -1,0 +1,126 @@
+"""What a launched task runs: a user function, or a parameter-server server.
+
+`python -m keras_distrib._task_entry --function mod:fn --values DIR ARGS`
+calls `mod.fn(*ARGS)` (ARGS pickled) and stores the return value for the
+launcher; `--server` starts a `tf.distribute.Server` for this task's
+TF_CONFIG and blocks.
+"""
+
+import argparse
+import base64
+import importlib
+import os
+import pickle
+import sys
+
+
+def function_spec(target):
+    """`"module:qualname"` for an importable function (or that string)."""
+    if isinstance(target, str):
+        module, _, name = target.partition(":")
+        if not module or not name:
+            raise ValueError(
+                f"`target`={target!r}: expected 'package.module:function'."
+            )
+        return target
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__qualname__", None)
+    if not callable(target) or not module or not name or "<" in name:
+        raise ValueError(
+            f"`target`={target!r} is not an importable function. Define it at "
+            "module level in a .py file (from a notebook: write the file with "
+            "%%writefile, then import it)."
+        )
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        if not path:
+            raise ValueError(
+                f"`target`={name} is defined in an interactive session, which "
+                "other processes cannot import. Put it in a .py module."
+            )
+        module = os.path.splitext(os.path.basename(path))[0]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    return f"{module}:{name}"
+
+
+def argv_factory(spec, args, values_dir):
+    payload = base64.b64encode(pickle.dumps(tuple(args))).decode()
+    path_entries = os.pathsep.join(p for p in sys.path if p)
+
+    def argv_for(task_type, task_index):
+        return [
+            sys.executable, "-u", "-m", "keras_distrib._task_entry",
+            "--function", spec, "--values", values_dir,
+            "--args", payload, "--path", path_entries,
+        ]
+
+    return argv_for
+
+
+def collect_values(values_dir):
+    values = {}
+    for name in sorted(os.listdir(values_dir)):
+        with open(os.path.join(values_dir, name), "rb") as f:
+            values[name.replace("_", " ")] = pickle.load(f)
+    return values
+
+
+def _resolve(spec):
+    module_name, _, qualname = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _run_function(spec, values_dir, payload):
+    args = pickle.loads(base64.b64decode(payload))
+    value = _resolve(spec)(*args)
+    task = os.environ.get("KD_TASK", "worker 0").replace(" ", "_")
+    tmp = os.path.join(values_dir, f".{task}.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(value, f)
+    os.replace(tmp, os.path.join(values_dir, task))
+
+
+def _run_server():
+    import tensorflow as tf
+
+    from keras_distrib import cluster
+
+    info = cluster.cluster_info()
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    # Two inter-op threads are not enough on a 2-core machine: the server
+    # deadlocks while a worker waits on a ps (see FINDINGS).
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=4)
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=info.task_type,
+        task_index=info.task_index,
+        protocol=resolver.rpc_layer or "grpc",
+        config=config,
+        start=True,
+    )
+    print(f"{info.label} server listening", flush=True)
+    server.join()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="keras_distrib._task_entry")
+    parser.add_argument("--server", action="store_true")
+    parser.add_argument("--function")
+    parser.add_argument("--values")
+    parser.add_argument("--args", default="")
+    parser.add_argument("--path", default="")
+    options = parser.parse_args(argv)
+    if options.server:
+        return _run_server()
+    for entry in reversed(options.path.split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+    _run_function(options.function, options.values, options.args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The `keras-distrib` command: `launch` a local cluster, or run the `demo`."""
+
+import argparse
+import sys
+
+from keras_distrib import launch as launch_lib
+
+
+def _launch(options):
+    try:
+        result = launch_lib.launch(
+            options.script,
+            workers=options.workers,
+            ps=options.ps,
+            chief=options.chief,
+            args=options.args,
+            max_restarts=options.max_restarts,
+            timeout=options.timeout,
+            log_dir=options.log_dir,
+        )
+    except launch_lib.LaunchError as error:
+        print(f"keras-distrib launch: {error}", file=sys.stderr)
+        return 2
+    return result.returncode
+
+
+def _demo(options):
+    from keras_distrib import demo
+
+    return demo.main(quick=options.quick, out=options.out)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    launch = commands.add_parser(
+        "launch", help="run a script on a local cluster (one process per task)"
+    )
+    launch.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    launch.add_argument("--ps", type=int, default=0, help="parameter-server tasks")
+    launch.add_argument("--chief", action="store_true", help="add a separate chief task")
+    launch.add_argument("--max-restarts", type=int, default=0, help="restart the cluster up to K times")
+    launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
+    launch.add_argument("--log-dir", default=None, help="also write each task's log here")
+    launch.add_argument("script", help="the Python script every task runs")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    launch.set_defaults(run=_launch)
+
+    demo = commands.add_parser("demo", help="show exact distributed training on this machine")
+    demo.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
+    demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv=None):
+    options = build_parser().parse_args(argv)
+    return options.run(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Who am I in the cluster: TF_CONFIG parsing, the chief, and where to write.
+
+Every file writer in keras_distrib asks this module for its directory, so the
+rule "only the chief's files persist" lives in one place.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import types
+
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+TRAINING_TASK_TYPES = ("chief", "worker")
+
+
+class ClusterConfigError(ValueError):
+    """TF_CONFIG is malformed; the message lists every problem found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """This process's place in the cluster, parsed from TF_CONFIG.
+
+    Attributes:
+        task_type: `"chief"`, `"worker"`, `"ps"`, `"evaluator"`, or `None`
+            when there is no cluster (a single process).
+        task_index: Index of this task among tasks of its type.
+        num_workers: Number of processes that train (chief + workers), 1 for
+            a single process.
+        is_chief: Whether this process writes checkpoints and summaries.
+        cluster: Task type -> tuple of `"host:port"` addresses (read-only).
+    """
+
+    task_type: object = None
+    task_index: int = 0
+    num_workers: int = 1
+    is_chief: bool = True
+    cluster: types.MappingProxyType = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
+
+    @property
+    def num_ps(self):
+        return len(self.cluster.get("ps", ()))
+
+    @property
+    def is_multi_worker(self):
+        return self.num_workers > 1
+
+    @property
+    def label(self):
+        """A short name for logs, e.g. `"worker 1"`, or `""` if single."""
+        if self.task_type is None:
+            return ""
+        return f"{self.task_type} {self.task_index}"
+
+
+def _address_problems(task_type, addresses):
+    problems = []
+    if not isinstance(addresses, (list, tuple)) or not addresses:
+        return [
+            f"cluster[{task_type!r}] must be a non-empty list of 'host:port' "
+            f"strings, got {addresses!r}"
+        ]
+    for i, address in enumerate(addresses):
+        host, sep, port = str(address).rpartition(":")
+        if not isinstance(address, str) or not sep or not host or not port.isdigit():
+            problems.append(
+                f"cluster[{task_type!r}][{i}]={address!r} is not 'host:port'"
+            )
+    return problems
+
+
+def parse_tf_config(tf_config):
+    """Validates a TF_CONFIG value (str or dict) and returns a `ClusterInfo`.
+
+    Raises:
+        ClusterConfigError: listing every problem, with the fix.
+    """
+    if isinstance(tf_config, str):
+        try:
+            config = json.loads(tf_config)
+        except json.JSONDecodeError as error:
+            raise ClusterConfigError(
+                f"`TF_CONFIG` is not valid JSON ({error.msg} at character "
+                f"{error.pos}): {tf_config[:200]!r}. Expected e.g. "
+                '{"cluster": {"worker": ["localhost:12345", '
+                '"localhost:23456"]}, "task": {"type": "worker", "index": 0}}.'
+            ) from None
+    else:
+        config = tf_config
+    if not isinstance(config, dict):
+        raise ClusterConfigError(
+            f"`TF_CONFIG` must be a JSON object, got {type(config).__name__}."
+        )
+    if not config:
+        return ClusterInfo()
+
+    problems = []
+    unknown_keys = sorted(set(config) - {"cluster", "task", "environment", "rpc_layer"})
+    if unknown_keys:
+        problems.append(f"unknown top-level key(s) {unknown_keys}")
+    cluster = config.get("cluster")
+    task = config.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        problems.append(
+            f"'cluster' must be a non-empty object of task lists, got {cluster!r}"
+        )
+        cluster = {}
+    for task_type, addresses in cluster.items():
+        if task_type not in TASK_TYPES:
+            problems.append(
+                f"unknown task type {task_type!r} in 'cluster' (expected "
+                f"one of {list(TASK_TYPES)})"
+            )
+        problems.extend(_address_problems(task_type, addresses))
+    if len(cluster.get("chief", ())) > 1:
+        problems.append(
+            f"'cluster' names {len(cluster['chief'])} chiefs; at most one is allowed"
+        )
+    if cluster and not any(t in cluster for t in TRAINING_TASK_TYPES):
+        problems.append("'cluster' names no 'chief' or 'worker' task")
+
+    task_type, task_index = None, 0
+    if not isinstance(task, dict):
+        problems.append(
+            f"'task' must be an object like {{'type': 'worker', 'index': 0}}, got {task!r}"
+        )
+    else:
+        task_type = task.get("type")
+        task_index = task.get("index", 0)
+        if task_type not in TASK_TYPES:
+            problems.append(
+                f"task type {task_type!r} is unknown (expected one of {list(TASK_TYPES)})"
+            )
+        elif task_type != "evaluator" and task_type not in cluster:
+            problems.append(f"task type {task_type!r} is not in 'cluster'")
+        if isinstance(task_index, bool) or not isinstance(task_index, int) or task_index < 0:
+            problems.append(f"task index {task_index!r} is not a whole number >= 0")
+        elif task_type in cluster and isinstance(cluster[task_type], (list, tuple)):
+            if task_index >= len(cluster[task_type]):
+                problems.append(
+                    f"task index {task_index} is out of range: 'cluster' has "
+                    f"{len(cluster[task_type])} {task_type!r} task(s), so the "
+                    f"index must be 0..{len(cluster[task_type]) - 1}"
+                )
+    if problems:
+        raise ClusterConfigError(
+            "`TF_CONFIG` is invalid:\n  - "
+            + "\n  - ".join(problems)
+            + "\nFix TF_CONFIG (or let `keras-distrib launch` write it)."
+        )
+
+    num_workers = sum(len(cluster.get(t, ())) for t in TRAINING_TASK_TYPES)
+    if "chief" in cluster:
+        chief = task_type == "chief"
+    else:
+        chief = task_type == "worker" and task_index == 0
+    return ClusterInfo(
+        task_type=task_type,
+        task_index=int(task_index),
+        num_workers=max(num_workers, 1),
+        is_chief=chief,
+        cluster=types.MappingProxyType(
+            {k: tuple(v) for k, v in cluster.items()}
+        ),
+    )
+
+
+def cluster_info(tf_config=None):
+    """Parses and validates TF_CONFIG into a frozen `ClusterInfo`.
+
+    Args:
+        tf_config: A JSON string or dict; the `TF_CONFIG` environment
+            variable when `None`. Unset or empty means a single process.
+
+    Returns:
+        A `ClusterInfo`.
+
+    Raises:
+        ClusterConfigError: TF_CONFIG is malformed (every problem is listed).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> info = kd.cluster_info({"cluster": {"worker": ["h:1", "h:2"]},
+        ...                         "task": {"type": "worker", "index": 1}})
+        >>> (info.num_workers, info.is_chief)
+        (2, False)
+    """
+    if tf_config is None:
+        tf_config = os.environ.get("TF_CONFIG", "")
+        if not tf_config.strip():
+            return ClusterInfo()
+    return parse_tf_config(tf_config)
+
+
+def is_chief(tf_config=None):
+    """Whether this process is the chief (the one whose files persist)."""
+    return cluster_info(tf_config).is_chief
+
+
+@contextlib.contextmanager
+def writer_directory(directory, info=None):
+    """Yields the directory this process should write `directory`'s files to.
+
+    The chief writes to `directory` itself. Every other worker still takes
+    part in the save (collectives must not deadlock), but writes into a
+    private temporary directory that is removed when the block exits.
+
+    Args:
+        directory: The real destination.
+        info: A `ClusterInfo`; the current process's when `None`.
+    """
+    info = info or cluster_info()
+    if info.is_chief:
+        os.makedirs(directory, exist_ok=True)
+        yield directory
+        return
+    scratch = tempfile.mkdtemp(
+        prefix=f"kd_{info.task_type}{info.task_index}_"
+    )
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,205 @@
+"""The one place where steps are wrapped in `strategy.run` and reduced.
+
+`Model.fit`/`evaluate`/`predict` (through `DistributedModelMixin`) and
+`kd.TrainLoop` both get their compiled functions from here, so the two paths
+cannot drift apart.
+
+Logs are read from the metric variables in cross-replica context, where
+SyncOnRead variables are summed over every replica and worker: the true
+global values. Keras instead averages each replica's local metric results,
+which is wrong whenever replicas hold different numbers of rows.
+"""
+
+import tensorflow as tf
+from keras.src import tree
+
+from keras_distrib import _keras_compat
+
+
+def _metric_results(model):
+    results = {}
+    for metric in model.metrics:
+        value = metric.result()
+        if isinstance(value, dict):
+            results.update(value)
+        else:
+            results[metric.name] = value
+    return results
+
+
+def _is_multi_worker(strategy):
+    extended = strategy.extended
+    return bool(getattr(extended, "_in_multi_worker_mode", lambda: False)())
+
+
+def reduce_mean(strategy, value):
+    """Mean over replicas of a per-replica value (what Keras calls "auto")."""
+    if isinstance(value, tf.distribute.DistributedValues) or _is_multi_worker(strategy):
+        return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+    return value
+
+
+def step_logs(model, strategy, outputs):
+    """Global logs for the outputs of a replica step.
+
+    Keys that name a model metric take the metric's global value; anything
+    else a custom `train_step` returns is averaged over replicas.
+    """
+    if not isinstance(outputs, dict):
+        return tree.map_structure(lambda v: reduce_mean(strategy, v), outputs)
+    metric_values = _metric_results(model)
+    return {
+        key: metric_values[key] if key in metric_values else reduce_mean(strategy, value)
+        for key, value in outputs.items()
+    }
+
+
+def whole_step_xla(strategy):
+    """Whether XLA may compile a whole replica step under `strategy`.
+
+    A step all-reduces (row counts, gradients). TensorFlow only lowers that
+    into XLA for one replica, TPUs, or mirrored replicas that are all GPUs;
+    elsewhere a synchronization inside a compiled function fails.
+    """
+    if strategy.num_replicas_in_sync == 1 or isinstance(strategy, tf.distribute.TPUStrategy):
+        return True
+    devices = tuple(getattr(strategy.extended, "worker_devices", ()))
+    return bool(devices) and all("GPU" in d.upper() for d in devices) and not _is_multi_worker(strategy)
+
+
+def on_replica_device(function):
+    """Calls `function` placed on the current replica's device."""
+
+    def placed(*args, **kwargs):
+        # XLA compiles for the device the call is placed on; without this,
+        # every replica's cluster lands on the first device and cannot reach
+        # the other replicas' variables.
+        context = tf.distribute.get_replica_context()
+        devices = tf.nest.flatten(getattr(context, "devices", None) or [None])
+        with tf.device(devices[0]):
+            return function(*args, **kwargs)
+
+    return placed
+
+
+def replica_function(model, step_fn):
+    """The per-replica step, with Keras's Optional inputs turned into None.
+
+    With `jit_compile=True`, the whole step is compiled by XLA where the
+    strategy allows it; otherwise (e.g. several CPU replicas) the model's
+    forward and backward passes are, and the all-reduces run outside XLA.
+    """
+
+    def replica_step(data):
+        return step_fn(_keras_compat.autoconvert_optionals(data))
+
+    model._kd_xla_forward = False
+    if not model.jit_compile or model.run_eagerly:
+        return replica_step
+    if not whole_step_xla(model.distribute_strategy):
+        model._kd_xla_forward = True
+        return replica_step
+    compiled = tf.function(replica_step, jit_compile=True, reduce_retracing=True)
+    return on_replica_device(compiled)
+
+
+def make_step_function(model, step_fn, *, steps_per_execution=None):
+    """Compiles `step_fn` (a train or test step) into a distributed function.
+
+    The returned `function(iterator)` runs up to `steps_per_execution` steps
+    inside one `tf.function` (a `tf.range` loop, so the graph does not grow
+    with k), and returns the global logs after the last step. It raises
+    `StopIteration` when the iterator is exhausted before the first step.
+
+    Args:
+        model: The Keras model (its strategy, jit and eager settings apply).
+        step_fn: A per-replica step taking one batch, returning a dict.
+        steps_per_execution: Steps per call; `model.steps_per_execution` when
+            `None`.
+
+    Returns:
+        The callable Keras stores as `train_function` / `test_function`.
+    """
+    strategy = model.distribute_strategy
+    steps = int(steps_per_execution or model.steps_per_execution or 1)
+    replica_step = replica_function(model, step_fn)
+
+    def run(data):
+        return strategy.run(replica_step, args=(data,))
+
+    def extras_of(outputs):
+        if not isinstance(outputs, dict):
+            return {}
+        names = set(_metric_results(model))
+        return {k: reduce_mean(strategy, v) for k, v in outputs.items() if k not in names}
+
+    def finish(outputs, extras):
+        logs = step_logs(model, strategy, outputs)
+        if isinstance(logs, dict):
+            logs.update(extras)
+        return logs
+
+    def multi_step(iterator):
+        outputs = run(next(iterator))
+        extras = extras_of(outputs)
+        for _ in tf.range(steps - 1):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            extras = extras_of(run(optional.get_value()))
+        return finish(outputs, extras)
+
+    def one_batch(data):
+        outputs = run(data)
+        return finish(outputs, extras_of(outputs))
+
+    if not model.run_eagerly:
+        multi_step = tf.function(multi_step, reduce_retracing=True)
+        one_batch = tf.function(one_batch, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            try:
+                return multi_step(iterator)
+            except tf.errors.OutOfRangeError:
+                raise StopIteration from None
+        logs = None
+        for _, data in zip(range(steps), iterator):
+            logs = one_batch(data)
+        if logs is None:
+            raise StopIteration
+        return logs
+
+    return function
+
+
+def make_predict_function(model, *, steps_per_execution=None):
+    """Compiles `model.predict_step` into a distributed function.
+
+    The function takes a list of batches (Keras's predict loop hands over
+    `steps_per_execution` at a time) and returns the outputs of every row,
+    in input order, concatenated across replicas and workers.
+    """
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    strategy = model.distribute_strategy
+    replica_step = replica_function(model, model.predict_step)
+
+    def predict_batches(batches):
+        outputs = None
+        for batch in batches:
+            per_replica = strategy.run(replica_step, args=(batch,))
+            step_outputs = tf_trainer.reduce_per_replica(
+                per_replica, strategy, reduction="concat"
+            )
+            if outputs is None:
+                outputs = step_outputs
+            else:
+                outputs = tree.map_structure(
+                    lambda a, b: tf_trainer.concat([a, b]), outputs, step_outputs
+                )
+        return outputs
+
+    if not model.run_eagerly:
+        predict_batches = tf.function(predict_batches, reduce_retracing=True)
+    return predict_batches

@@ -1,0 +1,260 @@
+"""`make_strategy`: one factory for every `tf.distribute` strategy we support.
+
+Each kind validates its options up front and fails with a message that says
+what hardware or configuration is missing, instead of TensorFlow's deep
+stack traces (NCCL without GPUs, a TPU that is not there, a multi-worker
+strategy without TF_CONFIG).
+"""
+
+import os
+
+import tensorflow as tf
+
+from keras_distrib import cluster as cluster_lib
+
+KINDS = (
+    "auto",
+    "default",
+    "one_device",
+    "mirrored",
+    "central_storage",
+    "multi_worker",
+    "parameter_server",
+    "tpu",
+)
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one_device")
+COMMUNICATIONS = ("auto", "ring", "nccl")
+
+# Which options each kind accepts besides devices/communication/resolver.
+_KIND_OPTIONS = {
+    "auto": {"cross_device_ops", "num_packs", "tpu", "variable_partitioner"},
+    "default": set(),
+    "one_device": set(),
+    "mirrored": {"cross_device_ops", "num_packs"},
+    "central_storage": {"parameter_device"},
+    "multi_worker": set(),
+    "parameter_server": {"variable_partitioner"},
+    "tpu": {"tpu"},
+}
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(
+            f"`{name}`={value!r} is not supported. Expected one of "
+            f"{list(choices)}."
+        )
+
+
+def _local_devices(device_type):
+    return [d.name for d in tf.config.list_logical_devices(device_type)]
+
+
+def _gpu_required(what):
+    if not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            f"{what} needs GPUs, and this machine has none. On CPU use "
+            "cross_device_ops='reduce_to_one_device' (or 'auto'), and "
+            "communication='ring' (or 'auto')."
+        )
+
+
+def _cross_device_ops(choice, devices, num_packs):
+    if not isinstance(choice, str):
+        if isinstance(choice, tf.distribute.CrossDeviceOps):
+            return choice
+        raise ValueError(
+            f"`cross_device_ops`={choice!r} must be one of "
+            f"{list(CROSS_DEVICE_OPS)} or a tf.distribute.CrossDeviceOps."
+        )
+    _check_choice("cross_device_ops", choice, CROSS_DEVICE_OPS)
+    if choice == "auto":
+        return None
+    if choice == "nccl":
+        _gpu_required("`cross_device_ops`='nccl'")
+        return tf.distribute.NcclAllReduce(num_packs=num_packs)
+    if choice == "hierarchical_copy":
+        _gpu_required("`cross_device_ops`='hierarchical_copy'")
+        return tf.distribute.HierarchicalCopyAllReduce(num_packs=num_packs)
+    reduce_to = devices[0] if devices else "/device:CPU:0"
+    return tf.distribute.ReductionToOneDevice(reduce_to_device=reduce_to)
+
+
+def _communication_options(communication):
+    if isinstance(communication, tf.distribute.experimental.CommunicationOptions):
+        return communication
+    _check_choice("communication", communication, COMMUNICATIONS)
+    if communication == "nccl":
+        _gpu_required("`communication`='nccl'")
+    implementation = tf.distribute.experimental.CommunicationImplementation[
+        communication.upper()
+    ]
+    return tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation
+    )
+
+
+def _tpu_present():
+    if tf.config.list_logical_devices("TPU"):
+        return True
+    return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"))
+
+
+def resolve_auto_kind(cluster_resolver=None):
+    """The kind `"auto"` picks here, in the contract's order."""
+    if _tpu_present():
+        return "tpu"
+    info = cluster_lib.cluster_info()
+    if cluster_resolver is not None:
+        spec = cluster_resolver.cluster_spec().as_dict()
+        if spec.get("ps"):
+            return "parameter_server"
+        if sum(len(spec.get(t, ())) for t in ("chief", "worker")) > 1:
+            return "multi_worker"
+    if info.num_ps:
+        return "parameter_server"
+    if info.num_workers > 1:
+        return "multi_worker"
+    if len(_local_devices("GPU")) > 1 or len(_local_devices("CPU")) > 1:
+        return "mirrored"
+    return "one_device"
+
+
+def _make_tpu(tpu, cluster_resolver):
+    if cluster_resolver is None:
+        if not _tpu_present() and tpu is None:
+            raise ValueError(
+                "`kind`='tpu' but no TPU was found: no local TPU devices and "
+                "neither TPU_NAME nor COLAB_TPU_ADDR is set. Pass "
+                "`tpu='name-or-grpc-address'` (or a cluster_resolver) on a "
+                "TPU host, or use kind='auto' to fall back to CPU/GPU."
+            )
+        try:
+            cluster_resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
+                tpu=tpu or ""
+            )
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(
+                f"`kind`='tpu': could not resolve TPU {tpu!r}: {error}. Check "
+                "the TPU name and that this VM can reach it."
+            ) from error
+    tf.config.experimental_connect_to_cluster(cluster_resolver)
+    tf.tpu.experimental.initialize_tpu_system(cluster_resolver)
+    return tf.distribute.TPUStrategy(cluster_resolver)
+
+
+def _make_parameter_server(cluster_resolver, variable_partitioner):
+    if cluster_resolver is None:
+        info = cluster_lib.cluster_info()
+        if not info.num_ps:
+            raise ValueError(
+                "`kind`='parameter_server' needs a cluster with 'ps' tasks: "
+                "set TF_CONFIG (e.g. with `keras-distrib launch --ps 1`), "
+                "pass a cluster_resolver, or use kd.local_cluster()."
+            )
+        cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return tf.distribute.experimental.ParameterServerStrategy(
+        cluster_resolver, variable_partitioner=variable_partitioner
+    )
+
+
+def make_strategy(
+    kind="auto",
+    *,
+    devices=None,
+    communication="auto",
+    cluster_resolver=None,
+    **options,
+):
+    """Creates a `tf.distribute.Strategy` of the given kind.
+
+    `"auto"` picks a TPU if one is found, multi-worker if TF_CONFIG names
+    several workers, parameter-server if it names `ps` tasks, mirrored if
+    several GPUs (or virtual devices) exist, and one-device otherwise.
+
+    Args:
+        kind: One of `"auto"`, `"default"`, `"one_device"`, `"mirrored"`,
+            `"central_storage"`, `"multi_worker"`, `"parameter_server"`,
+            `"tpu"`.
+        devices: Devices to replicate on (mirrored, central storage,
+            one-device: the single device). All local ones when `None`.
+        communication: Multi-worker collectives: `"auto"`, `"ring"`,
+            `"nccl"` or a `tf.distribute.experimental.CommunicationOptions`.
+        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`
+            for multi-worker, parameter-server or TPU strategies; TF_CONFIG
+            is used when `None`.
+        **options: Per kind: `cross_device_ops` (`"auto"`, `"nccl"`,
+            `"hierarchical_copy"`, `"reduce_to_one_device"` or an instance)
+            and `num_packs` for mirrored; `parameter_device` for central
+            storage; `variable_partitioner` for parameter server; `tpu` (name
+            or address) for TPU.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        ValueError: unknown kind or option, or hardware the kind needs is
+            missing.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> kd.make_strategy("one_device").num_replicas_in_sync
+        1
+    """
+    if kind not in KINDS:
+        raise ValueError(
+            f"`kind`={kind!r} is not a strategy kind. Expected one of "
+            f"{list(KINDS)}."
+        )
+    unknown = sorted(set(options) - _KIND_OPTIONS[kind])
+    if unknown:
+        raise ValueError(
+            f"Option(s) {unknown} are not accepted by `kind`={kind!r}. "
+            f"Accepted: {sorted(_KIND_OPTIONS[kind]) or 'none'}."
+        )
+    if kind == "auto":
+        kind = resolve_auto_kind(cluster_resolver)
+        options = {k: v for k, v in options.items() if k in _KIND_OPTIONS[kind]}
+
+    if kind == "default":
+        return tf.distribute.get_strategy()
+    if kind == "one_device":
+        if devices and len(devices) != 1:
+            raise ValueError(
+                f"`devices`={devices!r}: kind='one_device' takes exactly one "
+                "device. Use kind='mirrored' for several."
+            )
+        device = devices[0] if devices else (
+            (_local_devices("GPU") or _local_devices("CPU"))[0]
+        )
+        return tf.distribute.OneDeviceStrategy(device)
+    if kind == "mirrored":
+        cross_ops = _cross_device_ops(
+            options.get("cross_device_ops", "auto"),
+            devices,
+            options.get("num_packs", 1),
+        )
+        if devices is None and not _local_devices("GPU"):
+            devices = _local_devices("CPU")
+        return tf.distribute.MirroredStrategy(
+            devices=devices, cross_device_ops=cross_ops
+        )
+    if kind == "central_storage":
+        if devices is None and not _local_devices("GPU"):
+            devices = _local_devices("CPU")
+        return tf.distribute.experimental.CentralStorageStrategy(
+            compute_devices=devices,
+            parameter_device=options.get("parameter_device"),
+        )
+    if kind == "multi_worker":
+        if cluster_resolver is None:
+            cluster_lib.cluster_info()  # Validates TF_CONFIG with a clear error.
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=cluster_resolver,
+            communication_options=_communication_options(communication),
+        )
+    if kind == "parameter_server":
+        return _make_parameter_server(
+            cluster_resolver, options.get("variable_partitioner")
+        )
+    return _make_tpu(options.get("tpu"), cluster_resolver)

@@ -1,0 +1,62 @@
+"""Run a strategy configuration in its own process, or a cluster of them.
+
+A process holds one device layout and one collective group size, so every
+multi-replica configuration runs in a fresh interpreter. Every process that
+is started has a timeout and is killed (with its process group) on exit.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import keras_distrib.launch as kd_launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def run_script(name, *args, timeout=300):
+    """Runs tests/scripts/<name> in a new process; returns (returncode, output)."""
+    argv = [sys.executable, "-u", os.path.join(SCRIPTS, name), *map(str, args)]
+    process = subprocess.Popen(
+        argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{name} {args} timed out after {timeout}s:\n{output[-4000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return process.returncode, output
+
+
+def results_of(output):
+    """The JSON objects a script printed on lines starting with 'RESULT '."""
+    return [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+
+
+def run_cluster(name, *args, workers=2, timeout=300, **kwargs):
+    """Runs tests/scripts/<name> on `workers` local processes (via kd.launch)."""
+    lines = []
+    result = kd_launch.launch(
+        os.path.join(SCRIPTS, name), workers=workers, args=args, timeout=timeout,
+        env=_env(), sink=lines.append, **kwargs,
+    )
+    return result, "\n".join(lines)

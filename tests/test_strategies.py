@@ -1,0 +1,61 @@
+import pytest
+import tensorflow as tf
+
+import keras_distrib as kd
+from tests import _harness
+
+
+def test_unknown_kind_is_explained():
+    with pytest.raises(ValueError, match=r"`kind`='mirror' is not a strategy kind.*'mirrored'"):
+        kd.make_strategy("mirror")
+
+
+def test_option_not_accepted_by_kind():
+    with pytest.raises(ValueError, match=r"\['cross_device_ops'\] are not accepted by `kind`='one_device'"):
+        kd.make_strategy("one_device", cross_device_ops="nccl")
+
+
+def test_nccl_needs_gpus():
+    with pytest.raises(ValueError, match="needs GPUs"):
+        kd.make_strategy("mirrored", cross_device_ops="nccl")
+    with pytest.raises(ValueError, match="needs GPUs"):
+        kd.make_strategy("mirrored", cross_device_ops="hierarchical_copy")
+
+
+def test_bad_cross_device_ops_value():
+    with pytest.raises(ValueError, match=r"`cross_device_ops`='ring' is not supported"):
+        kd.make_strategy("mirrored", cross_device_ops="ring")
+
+
+def test_tpu_absent_is_explained(monkeypatch):
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)
+    with pytest.raises(ValueError, match="no TPU was found"):
+        kd.make_strategy("tpu")
+
+
+def test_parameter_server_needs_ps_tasks(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="needs a cluster with 'ps' tasks"):
+        kd.make_strategy("parameter_server")
+
+
+def test_default_and_one_device():
+    assert kd.make_strategy("default") is tf.distribute.get_strategy()
+    one = kd.make_strategy("one_device")
+    assert isinstance(one, tf.distribute.OneDeviceStrategy)
+
+
+def test_auto_picks_by_environment():
+    code, output = _harness.run_script("strategy_kinds.py")
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    assert result == {
+        "auto": "MirroredStrategy",
+        "auto_replicas": 2,
+        "central_storage": 2,
+        "reduce_to_one_device": 2,
+        "ring_multi_worker": [True, "RING"],
+        "auto_with_tf_config": "multi_worker",
+        "auto_with_ps": "parameter_server",
+    }
