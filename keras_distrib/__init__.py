@@ -13,6 +13,8 @@ from keras_distrib.cluster import ClusterInfo
 from keras_distrib.cluster import cluster_info
 from keras_distrib.cluster import is_chief
 from keras_distrib.devices import virtual_devices
+from keras_distrib.launch import launch
+from keras_distrib.loop import TrainLoop
 from keras_distrib.models import DistributedModelMixin
 from keras_distrib.models import Model
 from keras_distrib.models import Sequential
@@ -25,8 +27,10 @@ __all__ = [
     "DistributedModelMixin",
     "Model",
     "Sequential",
+    "TrainLoop",
     "cluster_info",
     "is_chief",
+    "launch",
     "losses",
     "make_strategy",
     "virtual_devices",

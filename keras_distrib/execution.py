@@ -16,7 +16,8 @@ from keras.src import tree
 from keras_distrib import _keras_compat
 
 
-def _metric_results(model):
+def metric_results(model):
+    """Every model metric's value; global when read in cross-replica context."""
     results = {}
     for metric in model.metrics:
         value = metric.result()
@@ -47,7 +48,7 @@ def step_logs(model, strategy, outputs):
     """
     if not isinstance(outputs, dict):
         return tree.map_structure(lambda v: reduce_mean(strategy, v), outputs)
-    metric_values = _metric_results(model)
+    metric_values = metric_results(model)
     return {
         key: metric_values[key] if key in metric_values else reduce_mean(strategy, value)
         for key, value in outputs.items()
@@ -130,7 +131,7 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
     def extras_of(outputs):
         if not isinstance(outputs, dict):
             return {}
-        names = set(_metric_results(model))
+        names = set(metric_results(model))
         return {k: reduce_mean(strategy, v) for k, v in outputs.items() if k not in names}
 
     def finish(outputs, extras):

@@ -1,6 +1,9 @@
 """Parity of kd under one strategy configuration against one-device Keras.
 
 Usage: parity.py DEVICES KIND COMPILE_JSON SCENARIO[,SCENARIO...] [OPTIONS_JSON]
+
+OPTIONS_JSON holds make_strategy options, and `steps_per_loop` to train
+through kd.TrainLoop (compared with both one-device Keras and kd fit).
 Prints one 'RESULT {json}' line per scenario.
 """
 
@@ -21,9 +24,13 @@ if devices > 1:
 
 import scenarios as sc  # noqa: E402
 
+steps_per_loop = options.pop("steps_per_loop", None)
 strategy = kd.make_strategy(kind, **options)
 for name in scenarios:
-    result = sc.compare(name, kd.Model, strategy=strategy, compile_kwargs=compile_kwargs)
+    result = sc.compare(
+        name, kd.Model, strategy=strategy, compile_kwargs=compile_kwargs,
+        steps_per_loop=steps_per_loop,
+    )
     result.update(
         replicas=strategy.num_replicas_in_sync,
         task=kd.cluster_info().label,

@@ -128,8 +128,12 @@ SCENARIOS = {
 }
 
 
-def train(cls, scenario, *, strategy=None, compile_kwargs=None, epochs=3):
-    """Builds, compiles and fits; returns (model, history, eval logs, predictions)."""
+def train(cls, scenario, *, strategy=None, compile_kwargs=None, epochs=3, steps_per_loop=None):
+    """Builds, compiles and fits; returns (model, history, eval logs, predictions).
+
+    With `steps_per_loop`, trains and evaluates through `kd.TrainLoop` instead
+    of `Model.fit`.
+    """
     spec = SCENARIOS[scenario]()
 
     def build():
@@ -144,11 +148,21 @@ def train(cls, scenario, *, strategy=None, compile_kwargs=None, epochs=3):
     else:
         with strategy.scope():
             model = build()
-    history = model.fit(
-        **spec["fit"], batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0
-    )
-    logs = model.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
-    predictions = model.predict(spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+    if steps_per_loop:
+        import keras_distrib as kd
+
+        loop = kd.TrainLoop(model, steps_per_loop=steps_per_loop)
+        history = loop.fit(
+            **spec["fit"], batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0
+        )
+        logs = loop.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0)
+        predictions = loop.predict(spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+    else:
+        history = model.fit(
+            **spec["fit"], batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0
+        )
+        logs = model.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+        predictions = model.predict(spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
     return model, history.history, logs, predictions
 
 
@@ -165,11 +179,25 @@ def max_diff(a, b):
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
-def compare(scenario, kd_cls, *, strategy, compile_kwargs=None):
-    """Trains the reference and the kd model; returns the differences."""
+def compare(scenario, kd_cls, *, strategy, compile_kwargs=None, steps_per_loop=None):
+    """Trains the reference and the kd model; returns the differences.
+
+    With `steps_per_loop`, the kd model is trained with `kd.TrainLoop`, and a
+    second kd model trained with `fit` gives the loop-vs-fit differences.
+    """
     reference = train(keras.Model, scenario)
-    candidate = train(kd_cls, scenario, strategy=strategy, compile_kwargs=compile_kwargs)
-    return {
+    candidate = train(
+        kd_cls, scenario, strategy=strategy, compile_kwargs=compile_kwargs,
+        steps_per_loop=steps_per_loop,
+    )
+    extra = {}
+    if steps_per_loop:
+        fitted = train(kd_cls, scenario, strategy=strategy, compile_kwargs=compile_kwargs)
+        extra = {
+            "loop_vs_fit_weights": max_diff(fitted[0].get_weights(), candidate[0].get_weights()),
+            "loop_vs_fit_history": max_diff(fitted[1], candidate[1]),
+        }
+    return extra | {
         "scenario": scenario,
         "weights": max_diff(reference[0].get_weights(), candidate[0].get_weights()),
         "history": max_diff(reference[1], candidate[1]),

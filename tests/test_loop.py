@@ -1,0 +1,131 @@
+"""kd.TrainLoop: same weights and History as Model.fit, and as one device."""
+
+import csv
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from tests import _harness
+from tests.test_models import CORE, TOLERANCE
+
+LOOP_CONFIGS = [
+    (1, "default", 1),
+    (2, "mirrored", 1),
+    (2, "mirrored", 10),
+    (4, "mirrored", 10),
+    (2, "central_storage", 10),
+]
+
+
+def _check(results, replicas):
+    assert [r["scenario"] for r in results] == CORE.split(",")
+    for result in results:
+        assert result["replicas"] == replicas
+        assert result["loop_vs_fit_weights"] <= 1e-6, result
+        assert result["loop_vs_fit_history"] <= 1e-6, result
+        for key in ("weights", "history", "evaluate", "predict"):
+            assert result[key] <= TOLERANCE, (key, result)
+
+
+@pytest.mark.parametrize("devices,kind,steps_per_loop", LOOP_CONFIGS,
+                         ids=[f"{k}{d}-loop{s}" for d, k, s in LOOP_CONFIGS])
+def test_loop_matches_fit_and_one_device(devices, kind, steps_per_loop):
+    code, output = _harness.run_script(
+        "parity.py", devices, kind, "{}", CORE, json.dumps({"steps_per_loop": steps_per_loop})
+    )
+    assert code == 0, output[-4000:]
+    _check(_harness.results_of(output), devices)
+
+
+def test_loop_on_two_worker_processes():
+    result, output = _harness.run_cluster(
+        "parity.py", 1, "multi_worker", "{}", CORE, json.dumps({"steps_per_loop": 10}), workers=2
+    )
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert sorted({r["task"] for r in results}) == ["worker 0", "worker 1"]
+    for task in ("worker 0", "worker 1"):
+        _check([r for r in results if r["task"] == task], 2)
+
+
+def test_tensorflow_tutorial_loop_gives_the_same_weights():
+    code, output = _harness.run_script("tf_tutorial_loop.py")
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    assert result["step_vs_tutorial"] <= 1e-6, result
+    assert result["epoch_vs_tutorial"] <= 1e-6, result
+    assert result["logs"] == ["loss"]
+    errors = result["errors"]
+    assert "not a distributed iterator" in errors["not_distributed"]
+    assert "loop.distribute(dataset)" in errors["not_distributed"]
+    assert "Create and compile the model inside" in errors["model_outside"]
+    assert "Create the optimizer inside" in errors["optimizer_outside"]
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    model = kd.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(6, activation="tanh")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(50, 4)).astype("float32")
+    return x, (x.sum(axis=1, keepdims=True) * 0.3).astype("float32")
+
+
+def test_stock_callbacks_see_the_same_logs(tmp_path):
+    x, y = _data()
+    runs = {}
+    for name in ("fit", "loop"):
+        model = _model()
+        log = tmp_path / f"{name}.csv"
+        callbacks = [
+            keras.callbacks.CSVLogger(str(log)),
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0),
+        ]
+        kwargs = dict(batch_size=16, epochs=6, callbacks=callbacks, validation_data=(x, y),
+                      shuffle=False, verbose=0)
+        if name == "fit":
+            history = model.fit(x, y, **kwargs)
+        else:
+            history = kd.TrainLoop(model, steps_per_loop=3).fit(x, y, **kwargs)
+        with open(log) as f:
+            runs[name] = (list(csv.reader(f)), history.history, model.get_weights())
+    fit_rows, fit_history, fit_weights = runs["fit"]
+    loop_rows, loop_history, loop_weights = runs["loop"]
+    assert len(fit_rows) == 3  # header + 2 epochs: EarlyStopping stopped both
+    assert fit_rows == loop_rows
+    assert fit_history == loop_history
+    for a, b in zip(fit_weights, loop_weights):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_loop_evaluate_and_predict_match_model():
+    x, y = _data()
+    model = _model()
+    loop = kd.TrainLoop(model)
+    loop.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert loop.evaluate(x, y, batch_size=16, verbose=0) == model.evaluate(
+        x, y, batch_size=16, verbose=0, return_dict=True
+    )
+    np.testing.assert_array_equal(loop.predict(x, batch_size=16, verbose=0), model.predict(x, verbose=0, batch_size=16))
+
+
+def test_bad_arguments():
+    model = _model()
+    with pytest.raises(ValueError, match=r"`steps_per_loop`=0 must be a whole number >= 1"):
+        kd.TrainLoop(model, steps_per_loop=0)
+    inputs = keras.Input((2,))
+    uncompiled = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+    with pytest.raises(ValueError, match="is not compiled"):
+        kd.TrainLoop(uncompiled)
+    with pytest.raises(ValueError, match="must be a keras.Model"):
+        kd.TrainLoop("model")
