@@ -8,12 +8,15 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from keras_distrib import callbacks
+from keras_distrib import cluster
 from keras_distrib import losses
+from keras_distrib.checkpoint import CheckpointManager
 from keras_distrib.cluster import ClusterInfo
 from keras_distrib.cluster import cluster_info
 from keras_distrib.cluster import is_chief
 from keras_distrib.devices import virtual_devices
-from keras_distrib.launch import launch
+from keras_distrib.launcher import launch
 from keras_distrib.loop import TrainLoop
 from keras_distrib.models import DistributedModelMixin
 from keras_distrib.models import Model
@@ -23,11 +26,14 @@ from keras_distrib.strategies import make_strategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
     "ClusterInfo",
     "DistributedModelMixin",
     "Model",
     "Sequential",
     "TrainLoop",
+    "callbacks",
+    "cluster",
     "cluster_info",
     "is_chief",
     "launch",

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from keras_distrib import launch as launch_lib
+from keras_distrib import launcher as launch_lib
 
 
 def _launch(options):

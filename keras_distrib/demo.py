@@ -132,7 +132,7 @@ def main(quick=False, out="kd_demo_out"):
         ("plain_mirrored", "plain Keras, mirrored, 2 devices"),
         ("plain_workers", "plain Keras, 2 worker processes"),
     ]
-    from keras_distrib import launch as launch_lib
+    from keras_distrib import launcher as launch_lib
 
     for name, title in stages:
         started = time.monotonic()

@@ -159,6 +159,8 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
         one_batch = tf.function(one_batch, reduce_retracing=True)
 
     def function(iterator):
+        if getattr(model, "_kd_skip_steps", 0):
+            return fast_forward(model, iterator, steps)
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             try:
                 return multi_step(iterator)
@@ -172,6 +174,26 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
         return logs
 
     return function
+
+
+def fast_forward(model, iterator, steps):
+    """Consumes up to `steps` batches without training (resuming mid-epoch).
+
+    BackupAndRestore sets `model._kd_skip_steps` to the number of batches of
+    the resumed epoch that the backup already holds; the train function then
+    moves the input past them, one call (chunk) at a time, so Keras's step
+    counting and callbacks see the same chunks as in the original run.
+    """
+    count = min(steps, model._kd_skip_steps)
+    for _ in range(count):
+        try:
+            next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            model._kd_skip_steps = 0
+            raise StopIteration from None
+    model._kd_skip_steps -= count
+    with model.distribute_strategy.scope():
+        return metric_results(model)
 
 
 def make_predict_function(model, *, steps_per_execution=None):

@@ -172,9 +172,19 @@ class TrainLoop:
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-            validation_steps=None, validation_batch_size=None, validation_freq=1):
-        """Trains like `Model.fit` and returns its `keras.callbacks.History`."""
+            validation_steps=None, validation_batch_size=None, validation_freq=1,
+            backup_dir=None, backup_freq="epoch"):
+        """Trains like `Model.fit` and returns its `keras.callbacks.History`.
+
+        With `backup_dir`, a `kd.callbacks.BackupAndRestore(backup_dir,
+        save_freq=backup_freq)` is added: a restarted run resumes at the
+        saved epoch and step.
+        """
         model = self.model
+        if backup_dir is not None:
+            from keras_distrib.callbacks import BackupAndRestore
+
+            callbacks = list(callbacks or []) + [BackupAndRestore(backup_dir, save_freq=backup_freq)]
         epoch_iterator = self._epoch_iterator(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
             steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
@@ -187,7 +197,10 @@ class TrainLoop:
                 epochs=epochs, steps=epoch_iterator.num_batches, model=model,
             )
         model.stop_training = False
+        model._initial_epoch = None
         callbacks.on_train_begin()
+        # A BackupAndRestore callback may have moved the start (as in fit).
+        initial_epoch = model._initial_epoch or initial_epoch
         epoch_logs, logs = None, {}
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()

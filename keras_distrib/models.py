@@ -174,8 +174,8 @@ class DistributedModelMixin:
         return self.predict_function
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if self._distribute_strategy is None:
-            return
+        # Unlike Keras, build also without a strategy: BackupAndRestore must
+        # find every metric and optimizer variable before the first step.
         if iterator is not None:
             for _, _, it in iterator:
                 data_batch = _keras_compat.first_local_batch(
@@ -186,6 +186,7 @@ class DistributedModelMixin:
             self._symbolic_build(data_batch=data_batch)
 
 
+@keras.saving.register_keras_serializable(package="keras_distrib")
 class Model(DistributedModelMixin, keras.Model):
     """A `keras.Model` (functional or subclassed) with exact distributed steps.
 
@@ -205,9 +206,11 @@ class Model(DistributedModelMixin, keras.Model):
         return super().__new__(cls, *args, **kwargs)
 
 
+@keras.saving.register_keras_serializable(package="keras_distrib")
 class FunctionalModel(Model, keras_functional.Functional):
     """What `kd.Model(inputs, outputs)` returns: a functional `kd.Model`."""
 
 
+@keras.saving.register_keras_serializable(package="keras_distrib")
 class Sequential(DistributedModelMixin, keras.Sequential):
     """A `keras.Sequential` with exact distributed steps."""

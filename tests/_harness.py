@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-import keras_distrib.launch as kd_launch
+import keras_distrib.launcher as kd_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import keras_distrib.launch as kd_launch
+import keras_distrib.launcher as kd_launch
 from tests import _harness, launch_targets
 
 

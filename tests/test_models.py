@@ -24,7 +24,7 @@ CONFIGS = [
     (1, "one_device", {}, CORE, {}),
     (1, "mirrored", {}, CORE, {}),
     (2, "mirrored", {}, ALL, {}),
-    (4, "mirrored", {}, ALL, {}),
+    (4, "mirrored", {}, CORE, {}),
     (2, "mirrored", {}, CORE, {"cross_device_ops": "reduce_to_one_device"}),
     (2, "central_storage", {}, ALL, {}),
     (2, "mirrored", {"steps_per_execution": 3}, CORE, {}),

@@ -128,7 +128,7 @@ SCENARIOS = {
 }
 
 
-def train(cls, scenario, *, strategy=None, compile_kwargs=None, epochs=3, steps_per_loop=None):
+def train(cls, scenario, *, strategy=None, compile_kwargs=None, epochs=2, steps_per_loop=None):
     """Builds, compiles and fits; returns (model, history, eval logs, predictions).
 
     With `steps_per_loop`, trains and evaluates through `kd.TrainLoop` instead

@@ -1,0 +1,144 @@
+"""`kd.callbacks.BackupAndRestore`: resume an interrupted `fit` at the exact step.
+
+Saves the model, the optimizer (with its step counter), the metric state and
+the position in the epoch. On restart, `fit` begins at the saved epoch; the
+data of the saved epoch is fast-forwarded past the batches already trained,
+so the run continues with exactly the batch it would have trained next
+(exact for input pipelines whose order does not depend on the run's history:
+`shuffle=False`, or a dataset shuffled from a fixed seed per epoch).
+On SIGTERM (preemption, or the launcher stopping a cluster) the workers save
+together at the next batch and exit.
+"""
+
+import signal
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import checkpoint as checkpoint_lib
+from keras_distrib.callbacks import _schedule
+
+
+def metric_state(model):
+    """Global values of every metric variable (summed over replicas)."""
+    return [np.asarray(v.numpy()).tolist() for m in model.metrics for v in m.variables]
+
+
+def set_metric_state(model, values):
+    variables = [v for m in model.metrics for v in m.variables]
+    if len(values) != len(variables):
+        raise checkpoint_lib.CheckpointError(
+            f"The backup holds {len(values)} metric values but the model has "
+            f"{len(variables)} metric variables; it was written by another model."
+        )
+    with model.distribute_strategy.scope():
+        for variable, value in zip(variables, values):
+            variable.assign(np.asarray(value, dtype=variable.dtype))
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up training state so an interrupted `fit` resumes exactly.
+
+    Args:
+        backup_dir: Directory for the backup (the chief's is kept; other
+            workers write to scratch space that is removed).
+        save_freq: `"epoch"`, or a number of batches between backups.
+        delete_checkpoint: Remove the backup after training completes.
+        save_on_preemption: On SIGTERM, back up at the next batch (all
+            workers together) and stop training with exit code 143.
+
+    Raises:
+        CheckpointError: `backup_dir` is a file or not writable.
+        ValueError: invalid `save_freq`.
+    """
+
+    def __init__(self, backup_dir, *, save_freq="epoch", delete_checkpoint=True,
+                 save_on_preemption=True):
+        super().__init__()
+        self.backup_dir = checkpoint_lib.validate_directory(backup_dir, "backup_dir")
+        self.schedule = _schedule.SaveSchedule(save_freq)
+        self.delete_checkpoint = delete_checkpoint
+        self.save_on_preemption = save_on_preemption
+        self._manager = None
+        self._epoch = 0
+        self._resume = None
+        self._preempted = False
+        self._previous_handler = None
+
+    def _checkpoint(self):
+        model = self.model
+        items = {"model": model}
+        if model.optimizer is not None:
+            items["optimizer"] = model.optimizer
+        return tf.train.Checkpoint(**items)
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if model.optimizer is not None and not model.optimizer.built:
+            with model.distribute_strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+        self._manager = checkpoint_lib.CheckpointManager(self._checkpoint(), self.backup_dir)
+        progress = self._manager.restore_or_initialize()
+        if progress is not None:
+            model._initial_epoch = progress["epoch"]
+            if progress["step"] > 0:
+                self._resume = progress
+        if self.save_on_preemption:
+            try:
+                self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            except ValueError:  # Not the main thread: preemption is not watched.
+                self._previous_handler = None
+
+    def _on_sigterm(self, signum, frame):
+        self._preempted = True
+
+    def _preemption_agreed(self):
+        """Whether any worker was preempted (all workers must agree to save)."""
+        flag = tf.constant(1.0 if self._preempted else 0.0)
+        strategy = self.model.distribute_strategy
+        if strategy.extended._in_multi_worker_mode():
+            per_replica = strategy.experimental_distribute_values_from_function(lambda _: flag)
+            flag = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return bool(flag.numpy() > 0)
+
+    def _save(self, epoch, step):
+        self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self.schedule.new_epoch()
+        resume = self._resume
+        if resume is not None and resume["epoch"] == epoch:
+            set_metric_state(self.model, resume["metrics"])
+            self.model._kd_skip_steps = resume["step"]
+            self._skip_until = resume["step"]
+        else:
+            self._skip_until = 0
+        self._resume = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        due = self.schedule.batch_done(batch)
+        step = batch + 1
+        if step <= self._skip_until:
+            return  # Fast-forwarding over batches the backup already holds.
+        if self.save_on_preemption and self._preemption_agreed():
+            self._save(self._epoch, step)
+            self.model.stop_training = True
+            self._stop_for_preemption = True
+            return
+        if due:
+            self._save(self._epoch, step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.schedule.per_epoch and not self._preempted:
+            self._save(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+        if getattr(self, "_stop_for_preemption", False):
+            raise SystemExit(143)
+        if self.delete_checkpoint:
+            self._manager.delete_all()
