@@ -17,6 +17,7 @@ from keras_distrib.cluster import cluster_info
 from keras_distrib.cluster import is_chief
 from keras_distrib.devices import virtual_devices
 from keras_distrib.launcher import launch
+from keras_distrib.launcher import local_cluster
 from keras_distrib.loop import TrainLoop
 from keras_distrib.models import DistributedModelMixin
 from keras_distrib.models import Model
@@ -37,6 +38,7 @@ __all__ = [
     "cluster_info",
     "is_chief",
     "launch",
+    "local_cluster",
     "losses",
     "make_strategy",
     "virtual_devices",

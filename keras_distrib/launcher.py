@@ -5,10 +5,14 @@ with the task (`[worker 1] ...`), stops everything at the first failure or
 at the timeout, and can restart the whole cluster. No process outlives it.
 """
 
+import contextlib
+import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -59,6 +63,46 @@ def pick_ports(count):
     return ports
 
 
+def port_is_free(port):
+    """Whether `port` can be bound on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
+
+
+def visible_gpus(env=None):
+    """GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES, else nvidia-smi."""
+    env = os.environ if env is None else env
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        output = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(output.splitlines()) if line.startswith("GPU ")]
+
+
+def split_gpus(gpus, tasks):
+    """Gives each training task its own contiguous share of `gpus`.
+
+    Returns {task label: CUDA_VISIBLE_DEVICES value}; "" (CPU only) for every
+    task when there are no GPUs or fewer GPUs than tasks.
+    """
+    if not gpus or len(gpus) < len(tasks):
+        return {task: "" for task in tasks}
+    share = len(gpus) // len(tasks)
+    return {task: ",".join(gpus[i * share:(i + 1) * share]) for i, task in enumerate(tasks)}
+
+
 def cluster_spec(workers, ps=0, chief=False, ports=None):
     """A `{"worker": ["localhost:p", ...], ...}` cluster dict on localhost."""
     counts = {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
@@ -74,7 +118,7 @@ def tf_config(spec, task_type, task_index):
     return json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_index}})
 
 
-def validate(workers, ps, chief, max_restarts, timeout):
+def validate(workers, ps, chief, max_restarts, timeout, ports=None):
     problems = []
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         problems.append(f"`workers`={workers!r}: expected a whole number >= 1")
@@ -89,8 +133,30 @@ def validate(workers, ps, chief, max_restarts, timeout):
         problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number >= 0")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         problems.append(f"`timeout`={timeout!r}: expected seconds > 0, or None")
+    if ports is not None and not problems:
+        needed = workers + ps + (1 if (chief or ps) else 0)
+        if len(ports) != needed:
+            problems.append(
+                f"`ports` lists {len(ports)} port(s) but the cluster has {needed} "
+                "task(s); give one port per task, or leave `ports` out to pick free ones"
+            )
+        taken = [p for p in ports if not port_is_free(p)]
+        if taken:
+            problems.append(
+                f"`ports` {taken} already in use on localhost; stop what listens "
+                "there, or leave `ports` out to pick free ones"
+            )
     if problems:
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+
+
+def _die_with_parent():
+    """In the child: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class _Task:
@@ -107,6 +173,7 @@ class _Task:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
             text=True,
             bufsize=1,
         )
@@ -162,18 +229,22 @@ def _stop(tasks, grace=GRACE_SECONDS):
 
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
-             sink=print, log_dir=None, server_argv=None):
+             sink=print, log_dir=None, server_argv=None, ports=None):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
     `ps` tasks, worker and ps tasks run `server_argv` instead and only the
     chief (the coordinator) runs the script.
     """
-    spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps))
+    spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
     tasks = []
     base_env = dict(os.environ if env is None else env)
-    base_env.setdefault("CUDA_VISIBLE_DEVICES", "")
     base_env["PYTHONUNBUFFERED"] = "1"
+    trainers = [
+        f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
+        if not (ps and t == "chief")
+    ]
+    gpu_share = split_gpus(visible_gpus(base_env), trainers)
     started = time.monotonic()
     timed_out = False
     try:
@@ -182,6 +253,7 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
                 task_env = dict(base_env)
                 task_env["TF_CONFIG"] = tf_config(spec, task_type, index)
                 task_env["KD_TASK"] = f"{task_type} {index}"
+                task_env["CUDA_VISIBLE_DEVICES"] = gpu_share.get(f"{task_type} {index}", "")
                 if ps and task_type in ("worker", "ps"):
                     argv = server_argv
                 else:
@@ -227,12 +299,30 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     return ClusterResult(0, results)
 
 
+@contextlib.contextmanager
+def _signals_stop_the_cluster():
+    """SIGTERM/SIGINT to the launcher unwind it, so its `finally` stops every task."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _script_argv(script, args):
     return lambda task_type, index: [sys.executable, "-u", script, *args]
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
-           timeout=None, log_dir=None, env=None, sink=print):
+           timeout=None, log_dir=None, env=None, sink=print, ports=None):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -251,6 +341,8 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         log_dir: Also write each task's output to `DIR/<type>_<index>.log`.
         env: Environment for the tasks (this process's by default).
         sink: Where prefixed output lines go (`print` by default).
+        ports: Explicit localhost ports, one per task (chief, workers, ps);
+            free ones are picked when `None`. The first attempt only.
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -259,7 +351,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     Raises:
         LaunchError: invalid arguments (nothing is started).
     """
-    validate(workers, ps, chief, max_restarts, timeout)
+    validate(workers, ps, chief, max_restarts, timeout, ports)
     from keras_distrib import _task_entry
 
     values_dir = None
@@ -280,10 +372,12 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     try:
         attempt = 0
         while True:
-            result = run_once(
-                argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
-                env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
-            )
+            with _signals_stop_the_cluster():
+                result = run_once(
+                    argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
+                    env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
+                    ports=ports if attempt == 0 else None,
+                )
             result.restarts = attempt
             if result.returncode == 0 or attempt >= max_restarts:
                 break
@@ -297,3 +391,46 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             import shutil
 
             shutil.rmtree(values_dir, ignore_errors=True)
+
+
+_LOCAL_SERVERS = []
+
+
+def local_cluster(workers=2, ps=1, *, worker_threads=None):
+    """Starts an in-process cluster of `tf.distribute.Server`s.
+
+    For trying parameter-server training in one process, as TensorFlow's
+    guide does: this process becomes the coordinator of `workers` worker and
+    `ps` parameter servers on free localhost ports.
+
+    Args:
+        workers: Worker servers (>= 1).
+        ps: Parameter servers (>= 1).
+        worker_threads: Inter-op threads of each worker; the default leaves
+            room for the coordinator's calls (fewer hang on 2 cores).
+
+    Returns:
+        A `tf.distribute.cluster_resolver.SimpleClusterResolver` to pass to
+        `kd.make_strategy("parameter_server", cluster_resolver=...)`.
+
+    Raises:
+        LaunchError: invalid counts.
+    """
+    import tensorflow as tf
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise LaunchError(f"`workers`={workers!r}: expected a whole number >= 1")
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
+        raise LaunchError(f"`ps`={ps!r}: a parameter-server cluster needs at least 1 ps")
+    spec = tf.train.ClusterSpec(cluster_spec(workers, ps=ps))
+    worker_config = tf.compat.v1.ConfigProto()
+    worker_config.inter_op_parallelism_threads = worker_threads or max(4, workers + 2)
+    for task_type, count, config in (("worker", workers, worker_config), ("ps", ps, None)):
+        for index in range(count):
+            _LOCAL_SERVERS.append(
+                tf.distribute.Server(
+                    spec, job_name=task_type, task_index=index, config=config,
+                    protocol="grpc", start=True,
+                )
+            )
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")

@@ -5,11 +5,14 @@ multi-replica configuration runs in a fresh interpreter. Every process that
 is started has a timeout and is killed (with its process group) on exit.
 """
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import keras_distrib.launcher as kd_launch
 
@@ -17,8 +20,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 
+# One-device reference runs are cached here, shared by every parity process.
+REFERENCE_DIR = tempfile.mkdtemp(prefix="kd_reference_")
+atexit.register(shutil.rmtree, REFERENCE_DIR, ignore_errors=True)
+
+
 def _env():
     env = dict(os.environ)
+    env["KD_REFERENCE_DIR"] = REFERENCE_DIR
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -93,3 +93,80 @@ def test_cli_reports_bad_arguments():
     )
     assert process.returncode == 2
     assert "`workers`=0" in process.stderr
+
+
+def test_parameter_server_cluster_runs_the_script_as_coordinator():
+    result, output = _harness.run_cluster("ps_coordinator.py", "launched", workers=2, ps=1, timeout=180)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    (value,) = _harness.results_of("\n".join(lines))
+    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2}
+    assert "[worker 1] worker 1 server listening" in output
+    assert "[ps 0] ps 0 server listening" in output
+    # The servers never exit by themselves: the launcher stopped them.
+    assert {r.label for r in result.tasks} == {"chief 0", "worker 0", "worker 1", "ps 0"}
+
+
+def test_local_cluster_in_process():
+    code, output = _harness.run_script("local_ps.py")
+    assert code == 0, output[-4000:]
+    (value,) = _harness.results_of(output)
+    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2}
+
+
+def test_log_dir_tees_each_task(tmp_path):
+    result, output = _harness.run_cluster("exit_code.py", workers=2, timeout=60, log_dir=str(tmp_path))
+    assert result.returncode == 3
+    assert sorted(os.listdir(tmp_path)) == ["worker_0.log", "worker_1.log"]
+    assert "worker 1 giving up" in (tmp_path / "worker_1.log").read_text()
+    assert (tmp_path / "worker_0.log").read_text().startswith("PID ")
+
+
+def test_taken_port_is_refused_before_starting(tmp_path):
+    import socket
+
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with socket.socket() as busy:
+        busy.bind(("localhost", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        free = kd_launch.pick_ports(1)[0]
+        with pytest.raises(kd_launch.LaunchError, match=rf"`ports` \[{port}\] already in use"):
+            kd_launch.launch(str(script), workers=2, ports=[free, port])
+        with pytest.raises(kd_launch.LaunchError, match=r"`ports` lists 1 port\(s\) but the cluster has 2"):
+            kd_launch.launch(str(script), workers=2, ports=[free])
+    assert not marker.exists()
+
+
+def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_distrib", "launch", "--workers", "2",
+         os.path.join(_harness.SCRIPTS, "hang.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_harness._env(),
+    )
+    pids, lines = [], []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            lines.append(line)
+            if "] PID " in line:
+                pids.append(int(line.rsplit(" ", 1)[1]))
+        assert len(pids) == 2, lines
+        launcher.terminate()
+        launcher.wait(timeout=30)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + 15
+    time.sleep(0.5)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_gpus_are_split_between_training_tasks():
+    assert kd_launch.split_gpus(["0", "1", "2", "3"], ["worker 0", "worker 1"]) == {
+        "worker 0": "0,1", "worker 1": "2,3"}
+    assert kd_launch.split_gpus(["0"], ["worker 0", "worker 1"]) == {"worker 0": "", "worker 1": ""}
+    assert kd_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}) == ["4", "5"]
+    assert kd_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []

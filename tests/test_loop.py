@@ -13,9 +13,8 @@ from tests.test_models import CORE, TOLERANCE
 
 LOOP_CONFIGS = [
     (1, "default", 1),
-    (2, "mirrored", 1),
     (2, "mirrored", 10),
-    (4, "mirrored", 10),
+    (4, "mirrored", 1),
     (2, "central_storage", 10),
 ]
 

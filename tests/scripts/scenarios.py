@@ -5,6 +5,9 @@ scenario is trained with plain Keras on one device (the reference) and with
 kd under a strategy, and the scripts report the differences.
 """
 
+import os
+import pickle
+
 import keras
 import numpy as np
 
@@ -179,13 +182,40 @@ def max_diff(a, b):
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
+def reference_run(scenario):
+    """Plain Keras on one device; cached in $KD_REFERENCE_DIR across processes."""
+    folder = os.environ.get("KD_REFERENCE_DIR")
+    path = os.path.join(folder, f"{scenario}.pkl") if folder else None
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            weights, history, logs, predictions = pickle.load(f)
+        return _Weights(weights), history, logs, predictions
+    model, history, logs, predictions = train(keras.Model, scenario)
+    if path:
+        temp = f"{path}.{os.getpid()}.tmp"
+        with open(temp, "wb") as f:
+            pickle.dump((model.get_weights(), history, logs, predictions), f)
+        os.replace(temp, path)
+    return model, history, logs, predictions
+
+
+class _Weights:
+    """Stands in for a model whose weights were cached."""
+
+    def __init__(self, weights):
+        self._weights = weights
+
+    def get_weights(self):
+        return self._weights
+
+
 def compare(scenario, kd_cls, *, strategy, compile_kwargs=None, steps_per_loop=None):
     """Trains the reference and the kd model; returns the differences.
 
     With `steps_per_loop`, the kd model is trained with `kd.TrainLoop`, and a
     second kd model trained with `fit` gives the loop-vs-fit differences.
     """
-    reference = train(keras.Model, scenario)
+    reference = reference_run(scenario)
     candidate = train(
         kd_cls, scenario, strategy=strategy, compile_kwargs=compile_kwargs,
         steps_per_loop=steps_per_loop,
