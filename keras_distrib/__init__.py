@@ -10,11 +10,14 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from keras_distrib import callbacks
 from keras_distrib import cluster
+from keras_distrib import data
 from keras_distrib import losses
 from keras_distrib.checkpoint import CheckpointManager
 from keras_distrib.cluster import ClusterInfo
 from keras_distrib.cluster import cluster_info
 from keras_distrib.cluster import is_chief
+from keras_distrib.data import describe_input
+from keras_distrib.data import distribute_dataset
 from keras_distrib.devices import virtual_devices
 from keras_distrib.launcher import launch
 from keras_distrib.launcher import local_cluster
@@ -36,6 +39,9 @@ __all__ = [
     "callbacks",
     "cluster",
     "cluster_info",
+    "data",
+    "describe_input",
+    "distribute_dataset",
     "is_chief",
     "launch",
     "local_cluster",

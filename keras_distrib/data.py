@@ -39,6 +39,18 @@ def _policy(shard_policy):
     return _POLICIES[key]
 
 
+def _strategy_or_current(strategy):
+    if strategy is not None:
+        return strategy
+    if not tf.distribute.has_strategy() and cluster.cluster_info().num_workers > 1:
+        raise ValueError(
+            "`strategy` is None outside any strategy scope, in a multi-worker job: "
+            "the data would not be sharded and every worker would read everything. "
+            "Pass `strategy=`, or call this inside `with strategy.scope():`."
+        )
+    return tf.distribute.get_strategy()
+
+
 def _as_dataset(data):
     if isinstance(data, tf.data.Dataset):
         return data
@@ -173,7 +185,7 @@ def distribute_dataset(data, *, strategy=None, global_batch_size=None, shard_pol
             divisible by the replicas), an unknown policy, a `dataset_fn` that
             returns something else than a dataset.
     """
-    strategy = strategy or tf.distribute.get_strategy()
+    strategy = _strategy_or_current(strategy)
     policy = _policy(shard_policy)
     replicas = strategy.num_replicas_in_sync
     if callable(data) and not isinstance(data, tf.data.Dataset):
@@ -238,7 +250,7 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
         A dict with the same facts (`policy`, `examples`, `steps`,
         `last_batch`, `last_batch_per_replica`, `files`, `warnings`).
     """
-    strategy = strategy or tf.distribute.get_strategy()
+    strategy = _strategy_or_current(strategy)
     info = cluster.cluster_info()
     replicas = strategy.num_replicas_in_sync
     workers = max(info.num_workers, 1)

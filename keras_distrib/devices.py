@@ -74,4 +74,6 @@ def virtual_devices(n, device_type="CPU", *, memory_limit_mb=1024):
             "before creating any tensor, model or strategy, at the top of "
             "your script, or run this configuration in a fresh process."
         ) from error
-    return [d.name for d in tf.config.list_logical_devices(device_type)]
+    # Listing logical devices would initialize TensorFlow's context, which a
+    # MultiWorkerMirroredStrategy created next must still be able to configure.
+    return [f"/device:{device_type}:{i}" for i in range(n)]

@@ -1,0 +1,107 @@
+"""Exactly-once input: the ids every replica saw, across 2 workers x 2 devices."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_distrib as kd
+from tests import _harness
+
+
+def _write_files(folder, rows, count):
+    folder.mkdir()
+    for index, chunk in enumerate(np.array_split(np.arange(rows), count)):
+        with tf.io.TFRecordWriter(str(folder / f"part-{index:02d}.tfrecord")) as writer:
+            for value in chunk:
+                feature = {"id": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(value)]))}
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    return folder
+
+
+def _ids_across_workers(*args):
+    result, output = _harness.run_cluster("shard_ids.py", 2, *args, workers=2, timeout=180)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
+    assert {r["replicas"] for r in results} == {4}
+    ids = [i for r in results for replica in r["ids"] for i in replica]
+    return ids, results
+
+
+@pytest.mark.parametrize("rows", [64, 37])
+def test_data_sharding_sees_every_example_once(rows, tmp_path):
+    ids, _ = _ids_across_workers("data", rows, tmp_path)
+    assert sorted(ids) == list(range(rows))
+
+
+@pytest.mark.parametrize("files", [4, 1])
+def test_file_sharding_sees_every_example_once(files, tmp_path):
+    folder = _write_files(tmp_path / "files", 37, files)
+    ids, results = _ids_across_workers("file", 37, folder)
+    assert sorted(ids) == list(range(37))
+    if files == 1:  # fewer files than workers: DATA instead, said out loud
+        assert all(r["warnings"] for r in results)
+    else:
+        assert not any(r["warnings"] for r in results)
+        # Whole files per worker: each worker's ids come from its own files.
+        per_worker = [sorted(i for replica in r["ids"] for i in replica) for r in results]
+        chunks = [c.tolist() for c in np.array_split(np.arange(37), 4)]
+        assert sorted(per_worker) == sorted([chunks[0] + chunks[2], chunks[1] + chunks[3]])
+
+
+def test_dataset_fn_with_shard_files(tmp_path):
+    folder = _write_files(tmp_path / "files", 30, 4)
+    ids, _ = _ids_across_workers("fn", 30, folder)
+    assert sorted(ids) == list(range(30))
+
+
+def test_training_on_distributed_pipeline_matches_one_device(tmp_path):
+    result, output = _harness.run_cluster("shard_ids.py", 2, "train", 37, tmp_path, workers=2, timeout=180)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    for value in _harness.results_of("\n".join(lines)):
+        assert value["diff"] <= 1e-5, value
+        assert value["direct_diff"] <= 1e-5, value
+
+
+def test_bad_inputs_are_explained(tmp_path):
+    strategy = kd.make_strategy("one_device")
+    with pytest.raises(ValueError, match="`data` is empty"):
+        kd.distribute_dataset(np.zeros((0, 2)), strategy=strategy, global_batch_size=4)
+    with pytest.raises(ValueError, match=r"`global_batch_size`=0 must be"):
+        kd.distribute_dataset(np.zeros((8, 2)), strategy=strategy, global_batch_size=0)
+    with pytest.raises(ValueError, match=r"`shard_policy`='rows' is not a shard policy"):
+        kd.distribute_dataset(np.zeros((8, 2)), strategy=strategy, global_batch_size=4, shard_policy="rows")
+    with pytest.raises(TypeError, match="Expected a tf.data.Dataset, NumPy"):
+        kd.distribute_dataset("data.csv", strategy=strategy, global_batch_size=4)
+    with pytest.raises(ValueError, match="matches no file"):
+        kd.data.shard_files(str(tmp_path / "*.tfrecord"))
+    with pytest.raises(ValueError, match="does not read a list of files"):
+        kd.distribute_dataset(np.zeros((8, 2)), strategy=strategy, global_batch_size=4, shard_policy="file")
+    with pytest.raises(TypeError, match="`dataset_fn` returned a list"):
+        kd.distribute_dataset(lambda context: [1, 2, 3], strategy=strategy)
+
+
+def test_global_batch_not_divisible_is_explained():
+    code, output = _harness.run_script("data_errors.py")
+    assert code == 0, output[-3000:]
+    (result,) = _harness.results_of(output)
+    assert "`global_batch_size`=30 is not divisible by the 4 replicas in sync" in result["error"]
+    assert "Use a multiple of 4 (e.g. 28 or 32)" in result["error"]
+
+
+def test_describe_input_reports_and_warns():
+    lines = []
+    report = kd.data.describe_input(
+        np.arange(33), strategy=kd.make_strategy("default"), global_batch_size=16, print_fn=lines.append
+    )
+    assert report["examples"] == 33 and report["steps"] == 3 and report["last_batch"] == 1
+    assert report["policy"] == "DATA" and report["last_batch_per_replica"] == [1]
+    assert any("steps per epoch: 3, last batch: 1 row(s)" in line for line in lines)
+    unknown = tf.data.Dataset.range(10).filter(lambda v: v > 2)
+    report = kd.data.describe_input(unknown, strategy=kd.make_strategy("default"), global_batch_size=4,
+                                    print_fn=lines.append)
+    assert any("size is unknown" in w for w in report["warnings"])
