@@ -14,8 +14,11 @@ We correct those at the narrowest point we can reach:
   CentralStorageStrategy a metric variable is an `AggregatingVariable`
   that sums what every replica assigns, so each step stores
   R * old + sum(x) (plain Keras reports counts that double every step).
-  `patch_aggregating_assign` routes those two methods to the variable's own
-  `assign_add`/`assign_sub`, which sum the increments.
+  Under ParameterServerStrategy, workers update the same variable on a
+  parameter server concurrently; a read-modify-write loses increments
+  (plain Keras: `optimizer.iterations` 29 instead of 32).
+  `patch_aggregating_assign` routes both to the variable's own atomic
+  `assign_add`/`assign_sub`.
 
 These touch private Keras names, so they are checked against the versions we
 test (`TESTED_KERAS`). `tests/test_keras_compat.py` fails loudly if a new
@@ -27,6 +30,7 @@ import warnings
 import keras
 import tensorflow as tf
 from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute import sharded_variable
 from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.backend.common.stateless_scope import in_stateless_scope
@@ -226,12 +230,15 @@ def first_local_batch(strategy, batch):
     return batch
 
 
+_PS_VARIABLES = (ps_values.AggregatingVariable, ps_values.CachingVariable)
+
+
 def _delegating(name):
     original = getattr(keras_tf_core.Variable, name)
 
     def method(self, value):
         inner = getattr(self, "_value", None)
-        if isinstance(inner, ps_values.AggregatingVariable) and not in_stateless_scope():
+        if isinstance(inner, _PS_VARIABLES) and not in_stateless_scope():
             return getattr(inner, name)(tf.cast(value, inner.dtype))
         return original(self, value)
 
@@ -249,3 +256,31 @@ def patch_aggregating_assign():
 
 
 patch_aggregating_assign()
+
+
+def gradients(tape, loss, variables):
+    """`tape.gradient(loss, variables)`, also for variables a partitioner sharded.
+
+    Under ParameterServerStrategy with a `variable_partitioner`, a Keras
+    variable wraps a `ShardedVariable`, which the tape cannot differentiate
+    against; the gradient is taken per shard and concatenated back.
+    """
+    targets = []
+    for variable in variables:
+        inner = getattr(variable, "_value", None)
+        if isinstance(inner, sharded_variable.ShardedVariable):
+            targets.append(list(inner.variables))
+        else:
+            targets.append([variable])
+    flat = tape.gradient(loss, [t for group in targets for t in group])
+    result, position = [], 0
+    for group in targets:
+        parts = flat[position:position + len(group)]
+        position += len(group)
+        if len(group) == 1 and group[0] is variables[len(result)]:
+            result.append(parts[0])
+        elif any(p is None for p in parts):
+            result.append(None)
+        else:
+            result.append(tf.concat([tf.convert_to_tensor(p) for p in parts], axis=0))
+    return result

@@ -102,7 +102,7 @@ def _run_server():
         config=config,
         start=True,
     )
-    print(f"{info.label} server listening", flush=True)
+    print(f"{info.label} server listening (pid {os.getpid()})", flush=True)
     server.join()
 
 

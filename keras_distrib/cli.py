@@ -30,6 +30,12 @@ def _demo(options):
     return demo.main(quick=options.quick, out=options.out)
 
 
+def _bench(options):
+    from keras_distrib import bench
+
+    return bench.main(options.bench_args)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
@@ -53,6 +59,14 @@ def build_parser():
     demo.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
     demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop (ratios)",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="[--model mlp|cnn] [--replicas N] [--steps S] [--repeats R] [--json PATH]")
+    bench.set_defaults(run=_bench)
     return parser
 
 

@@ -267,11 +267,19 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
         # the coordinator's exit ends the run.
         watched = [t for t in tasks if not (ps and t.task_type in ("worker", "ps"))]
         failed = None
+        reported = set()
         while True:
             codes = [t.process.poll() for t in tasks]
             failures = [
-                t for t, code in zip(tasks, codes) if code not in (None, 0)
+                t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched
             ]
+            for task, code in zip(tasks, codes):
+                # A parameter-server cluster's coordinator retries the steps of
+                # a lost worker elsewhere: report it, keep the cluster running.
+                if code is not None and task not in watched and task.label not in reported:
+                    reported.add(task.label)
+                    sink(f"[launcher] {task.label} server exited with code {code}; "
+                         "the coordinator carries on without it")
             if failures:
                 failed = failures[0]
                 break

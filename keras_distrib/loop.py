@@ -16,6 +16,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.utils.python_utils import pythonify_logs
 
 from keras_distrib import execution
+from keras_distrib import parameter_server
 
 
 def _check_steps_per_loop(steps_per_loop):
@@ -181,6 +182,17 @@ class TrainLoop:
         saved epoch and step.
         """
         model = self.model
+        if parameter_server.is_parameter_server(self.strategy):
+            # Steps are scheduled on the workers by the coordinator.
+            return parameter_server.fit(
+                model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
+                class_weight=class_weight, sample_weight=sample_weight,
+                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+                validation_freq=validation_freq, steps_per_execution=self.steps_per_loop,
+                evaluate=lambda **kw: parameter_server.evaluate(model, return_dict=True, **kw),
+            )
         if backup_dir is not None:
             from keras_distrib.callbacks import BackupAndRestore
 
@@ -232,6 +244,11 @@ class TrainLoop:
                  sample_weight=None, steps=None, callbacks=None):
         """Evaluates like `Model.evaluate(return_dict=True)`."""
         model = self.model
+        if parameter_server.is_parameter_server(self.strategy):
+            return parameter_server.evaluate(
+                model, x, y, batch_size=batch_size, verbose=verbose,
+                sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
+            )
         epoch_iterator = self._epoch_iterator(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
             steps_per_epoch=steps, shuffle=False,

@@ -17,6 +17,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_distrib import _keras_compat
 from keras_distrib import execution
 from keras_distrib import losses as kd_losses
+from keras_distrib import parameter_server
 
 
 def batch_rows(x):
@@ -118,7 +119,7 @@ class DistributedModelMixin:
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
             if self.trainable_weights:
-                gradients = tape.gradient(loss, self.trainable_weights)
+                gradients = _keras_compat.gradients(tape, loss, self.trainable_weights)
                 self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
             else:
                 warnings.warn("The model does not have any trainable weights.")
@@ -151,6 +152,21 @@ class DistributedModelMixin:
                 "distributed, so training would silently ignore the strategy. "
                 "Create (and compile) the model inside `with strategy.scope():`."
             )
+
+    def fit(self, *args, **kwargs):
+        if parameter_server.is_parameter_server(self.distribute_strategy):
+            return parameter_server.fit(self, *args, **kwargs)
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        if parameter_server.is_parameter_server(self.distribute_strategy):
+            return parameter_server.evaluate(self, *args, **kwargs)
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        if parameter_server.is_parameter_server(self.distribute_strategy):
+            return parameter_server.predict(self, *args, **kwargs)
+        return super().predict(*args, **kwargs)
 
     def make_train_function(self, force=False):
         self._check_strategy()

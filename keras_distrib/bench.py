@@ -1,0 +1,248 @@
+"""`keras-distrib bench`: steps per second of each way to train, as ratios.
+
+Every variant trains the same model on the same data with the same global
+batch, in one process holding `--replicas` virtual devices; the variants run
+in turn, repeat after repeat, so a machine that speeds up or slows down
+affects all of them alike. Times are medians of `--repeats` epochs of
+`--steps` steps, after a warm-up epoch (tracing, compilation).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GLOBAL_BATCH = 64
+VARIANTS = (
+    "plain_fit_one_device",
+    "plain_fit_mirrored",
+    "kd_fit_mirrored",
+    "kd_fit_mirrored_spe50",
+    "tutorial_loop_per_step",
+    "kd_loop_1",
+    "kd_loop_50",
+)
+# Ratio name -> (numerator, denominator): the comparisons the targets use.
+RATIOS = {
+    "kd_fit / plain_fit (mirrored)": ("kd_fit_mirrored", "plain_fit_mirrored"),
+    "kd_fit_spe50 / plain_fit (mirrored)": ("kd_fit_mirrored_spe50", "plain_fit_mirrored"),
+    "kd_loop_50 / tutorial_loop": ("kd_loop_50", "tutorial_loop_per_step"),
+    "kd_loop_1 / tutorial_loop": ("kd_loop_1", "tutorial_loop_per_step"),
+    "plain_fit_mirrored / plain_fit_one_device": ("plain_fit_mirrored", "plain_fit_one_device"),
+}
+TARGETS = {
+    "kd_fit / plain_fit (mirrored)": 0.97,
+    "kd_loop_50 / tutorial_loop": 1.25,
+    "kd_fit_spe50 / plain_fit (mirrored)": 1.0,
+}
+
+
+def _model(kind, model_class):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    if kind == "cnn":
+        inputs = keras.Input((28, 28, 1))
+        x = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
+        x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Conv2D(32, 3, activation="relu")(x)
+        x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Flatten()(x)
+    else:
+        inputs = keras.Input((28, 28, 1))
+        x = keras.layers.Flatten()(inputs)
+        x = keras.layers.Dense(128, activation="relu")(x)
+    outputs = keras.layers.Dense(10)(x)
+    return model_class(inputs, outputs)
+
+
+def _compile(model, steps_per_execution=1):
+    import keras
+
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
+
+
+def _runners(kind, steps, strategy):
+    """name -> callable running one epoch of `steps` steps (after building)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_distrib as kd
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * steps, 28, 28, 1)).astype("float32")
+    y = rng.integers(0, 10, size=(GLOBAL_BATCH * steps,)).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).cache()
+
+    def fit_runner(model_class, scope, steps_per_execution=1):
+        with scope:
+            model = _model(kind, model_class)
+            _compile(model, steps_per_execution)
+        return lambda: model.fit(dataset, epochs=1, verbose=0)
+
+    def loop_runner(steps_per_loop):
+        with strategy.scope():
+            model = _model(kind, kd.Model)
+            _compile(model)
+        loop = kd.TrainLoop(model, steps_per_loop=steps_per_loop)
+        distributed = loop.distribute(dataset)
+        calls = -(-steps // steps_per_loop)
+
+        def run():
+            iterator = iter(distributed)
+            for _ in range(calls):
+                loop.train_step(iterator)
+
+        return run
+
+    def tutorial_runner():
+        # TensorFlow's custom-training tutorial: strategy.run per step,
+        # compute_average_loss with the fixed global batch.
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+        with strategy.scope():
+            model = _model(kind, keras.Model)
+            optimizer = keras.optimizers.Adam(1e-3)
+            optimizer.build(model.trainable_variables)
+
+        def step(inputs):
+            features, labels = inputs
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(labels, model(features, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        @tf.function
+        def distributed_step(inputs):
+            return strategy.reduce("SUM", strategy.run(step, args=(inputs,)), axis=None)
+
+        distributed = strategy.experimental_distribute_dataset(dataset)
+
+        def run():
+            for batch in distributed:
+                distributed_step(batch)
+
+        return run
+
+    default_scope = tf.distribute.get_strategy().scope()
+    return {
+        "plain_fit_one_device": fit_runner(keras.Model, default_scope),
+        "plain_fit_mirrored": fit_runner(keras.Model, strategy.scope()),
+        "kd_fit_mirrored": fit_runner(kd.Model, strategy.scope()),
+        "kd_fit_mirrored_spe50": fit_runner(kd.Model, strategy.scope(), steps_per_execution=50),
+        "tutorial_loop_per_step": tutorial_runner(),
+        "kd_loop_1": loop_runner(1),
+        "kd_loop_50": loop_runner(50),
+    }
+
+
+def _measure(options):
+    """Runs in the benchmark process (virtual devices already split)."""
+    import keras_distrib as kd
+
+    strategy = kd.make_strategy("mirrored")
+    runners = _runners(options.model, options.steps, strategy)
+    for name in VARIANTS:  # Warm-up: trace and compile everything first.
+        runners[name]()
+    timings = {name: [] for name in VARIANTS}
+    for _ in range(options.repeats):
+        for name in VARIANTS:
+            started = time.perf_counter()
+            runners[name]()
+            timings[name].append(options.steps / (time.perf_counter() - started))
+    return timings
+
+
+def _launch_to_first_step(repeats):
+    """Seconds from `kd.launch` to the first training step on 2 workers."""
+    from keras_distrib import launcher
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bench_first_step.py")
+    times = []
+    for _ in range(repeats):
+        lines = []
+        started = time.time()
+        result = launcher.launch(script, workers=2, timeout=120, sink=lines.append)
+        stamps = [float(l.rsplit(" ", 1)[1]) for l in lines if "FIRST_STEP " in l]
+        if result.returncode != 0 or len(stamps) != 2:
+            raise RuntimeError("launch benchmark failed:\n" + "\n".join(lines[-20:]))
+        times.append(max(stamps) - started)
+    return times
+
+
+def run(model="cnn", replicas=2, steps=100, repeats=3, json_path=None, print_fn=print):
+    """Runs the benchmark (in a subprocess) and prints the table; returns the report."""
+    command = [
+        sys.executable, "-m", "keras_distrib.bench", "--worker", "--model", model,
+        "--replicas", str(replicas), "--steps", str(steps), "--repeats", str(repeats),
+    ]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    lines = [l for l in completed.stdout.splitlines() if l.startswith("TIMINGS ")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError("benchmark process failed:\n" + completed.stderr[-3000:])
+    timings = json.loads(lines[0][8:])
+    launch = _launch_to_first_step(max(1, min(repeats, 3)))
+    report = {
+        "format": 1,
+        "config": {"model": model, "replicas": replicas, "steps": steps, "repeats": repeats,
+                   "global_batch": GLOBAL_BATCH, "cpus": os.cpu_count()},
+        "steps_per_second": {k: statistics.median(v) for k, v in timings.items()},
+        "runs": timings,
+        "launch_to_first_step_seconds": {"median": statistics.median(launch), "runs": launch},
+    }
+    medians = report["steps_per_second"]
+    report["ratios"] = {name: medians[a] / medians[b] for name, (a, b) in RATIOS.items()}
+    print_fn(f"model={model} replicas={replicas} global_batch={GLOBAL_BATCH} steps={steps} repeats={repeats}")
+    print_fn(f"{'variant':28s} {'steps/s (median)':>17s}")
+    for name in VARIANTS:
+        print_fn(f"{name:28s} {medians[name]:17.1f}")
+    print_fn(f"{'ratio':44s} {'value':>7s} {'target':>7s}")
+    for name, value in report["ratios"].items():
+        target = TARGETS.get(name)
+        mark = "" if target is None else (f"{'>=':>3s}{target:4.2f}" + (" ok" if value >= target else " MISSED"))
+        print_fn(f"{name:44s} {value:7.3f} {mark}")
+    print_fn(f"2-worker launch to first step: {report['launch_to_first_step_seconds']['median']:.1f} s (target <= 10)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1, sort_keys=True)
+    return report
+
+
+def _worker_main(options):
+    import keras_distrib as kd
+
+    kd.virtual_devices(options.replicas)
+    print("TIMINGS " + json.dumps(_measure(options)), flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="keras-distrib bench")
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="cnn")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    problems = [f"`--{k}`={getattr(options, k)} must be >= 1" for k in ("replicas", "steps", "repeats")
+                if getattr(options, k) < 1]
+    if problems:
+        parser.error("; ".join(problems))
+    if options.worker:
+        return _worker_main(options)
+    run(options.model, options.replicas, options.steps, options.repeats, options.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

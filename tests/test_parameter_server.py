@@ -1,0 +1,56 @@
+"""kd models under ParameterServerStrategy: in-process and launched clusters."""
+
+import os
+import re
+import signal
+
+import pytest
+
+from tests import _harness
+
+
+def _check(result):
+    assert result["iterations"] == result["steps"] == 100
+    assert result["history"]["val_loss"][-1] < 0.05, result["history"]
+    assert result["evaluate_diff"] <= 1e-6  # evaluation is exact: same as one device
+    assert result["predict_diff"] <= 1e-6 and result["predict_rows"] == 200
+    assert sorted(result["history"]) == ["loss", "mae", "val_loss", "val_mae"]
+
+
+@pytest.mark.parametrize("how", ["fit", "loop"])
+def test_in_process_cluster(how):
+    code, output = _harness.run_script("ps_fit.py", "local", how, timeout=300)
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    _check(result)
+
+
+def test_launched_cluster_survives_a_killed_worker():
+    pids, lines = {}, []
+
+    def sink(line):
+        lines.append(line)
+        found = re.search(r"\[(worker \d)\] .* server listening \(pid (\d+)\)", line)
+        if found:
+            pids[found.group(1)] = int(found.group(2))
+        if "[chief 0] KILL_NOW" in line:
+            os.kill(pids["worker 1"], signal.SIGKILL)
+
+    from keras_distrib import launcher
+
+    result = launcher.launch(
+        os.path.join(_harness.SCRIPTS, "ps_fit.py"), workers=2, ps=1, args=("launched", "fit", "kill"),
+        timeout=300, env=_harness._env(), sink=sink,
+    )
+    output = "\n".join(lines)
+    assert result.returncode == 0, output[-4000:]
+    assert "[launcher] worker 1 server exited with code -9" in output
+    (value,) = _harness.results_of("\n".join(l.split("] ", 1)[1] for l in lines if "] RESULT " in l))
+    _check(value)
+
+
+def test_missing_steps_per_epoch_is_explained():
+    code, output = _harness.run_script("ps_errors.py", timeout=300)
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    assert "`steps_per_epoch` is required under ParameterServerStrategy" in result["error"]

@@ -1,0 +1,81 @@
+"""Every tutorial runs top to bottom (offline, small parameters) and teaches true things."""
+
+import json
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+TUTORIALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials")
+
+
+def run_notebook(name, parameters, report, workdir):
+    """Executes tutorials/<name>.ipynb with `parameters` injected after its
+    parameters cell (as papermill does) and returns the `report` expression's value."""
+    notebook = nbformat.read(os.path.join(TUTORIALS, f"{name}.ipynb"), as_version=4)
+    index = next(i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", []))
+    injected = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
+    notebook.cells.insert(index + 1, nbformat.v4.new_code_cell(injected))
+    notebook.cells.append(nbformat.v4.new_code_cell(f"import json\nprint('REPORT ' + json.dumps({report}))"))
+    env_before = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    try:
+        NotebookClient(notebook, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(workdir)}}).execute()
+    finally:
+        if env_before is None:
+            os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    for output in notebook.cells[-1].outputs:
+        for line in output.get("text", "").splitlines():
+            if line.startswith("REPORT "):
+                return json.loads(line[7:])
+    raise AssertionError(f"{name} printed no report: {notebook.cells[-1].outputs}")
+
+
+def test_overview(tmp_path):
+    result = run_notebook(
+        "distributed_training_overview", {"DATA": "digits", "EPOCHS": 3, "LIMIT": 2000},
+        "{'accuracy': TEST_ACCURACY, 'diff': MAX_WEIGHT_DIFF, 'replicas': strategy.num_replicas_in_sync}",
+        tmp_path,
+    )
+    assert result["replicas"] == 2
+    assert result["diff"] <= 1e-5
+    assert result["accuracy"] > 0.7, result
+
+
+def test_custom_training_loop(tmp_path):
+    result = run_notebook(
+        "custom_training_loop", {"DATA": "digits", "EPOCHS": 2, "LIMIT": 2000},
+        "{'trained': TRAINED, 'restored': RESTORED, 'total': total}", tmp_path,
+    )
+    assert result["restored"]["accuracy"] == result["trained"]["accuracy"]
+    assert result["restored"]["loss"] == pytest.approx(result["trained"]["loss"], abs=1e-5)
+    assert result["trained"]["accuracy"] > 0.5, result
+    assert result["total"] == pytest.approx(3.0)
+
+
+def test_multi_worker_custom_loop(tmp_path):
+    result = run_notebook(
+        "multi_worker_custom_loop", {"DATA": "digits", "EPOCHS": 3, "LIMIT": 2000, "KILL_AT_EPOCH": 2},
+        "{'final': FINAL, 'restarts': result.restarts, 'files': sorted(os.listdir(checkpoint_dir))}",
+        tmp_path,
+    )
+    assert result["restarts"] == 1
+    assert result["final"]["start_epoch"] == 2 and result["final"]["chief"]
+    assert result["final"]["accuracy"] > 0.3, result
+    assert result["files"] == ["ckpt-3", "latest"]
+
+
+def test_migrate_multi_worker_training(tmp_path):
+    result = run_notebook(
+        "migrate_multi_worker_training", {"STEPS": 60},
+        "{'ps_loss': PS_FINAL_LOSS, 'sync': SYNC, 'shards': len(embedding.variables), "
+        "'devices': sorted({v.device.split('/device')[0] for v in embedding.variables})}",
+        tmp_path,
+    )
+    assert result["shards"] == 2
+    assert result["devices"] == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
+    assert result["ps_loss"] < 60.0
+    values = list(result["sync"].values())
+    assert len(values) == 2 and values[0] == values[1]
