@@ -148,11 +148,16 @@ class GlobalShareMean(keras.metrics.Mean):
       sum_b(loss_b) / batches, each replica adding its share and 1/R.
     """
 
-    def __init__(self, name, weighting="rows", **kwargs):
-        super().__init__(name=name, **kwargs)
+    def __init__(self, name="loss", dtype=None, weighting="rows"):
+        # Same leading arguments as keras.metrics.Mean, which Keras may use
+        # to re-create a metric from its class.
+        super().__init__(name=name, dtype=dtype)
         if weighting not in ("rows", "steps"):
             raise ValueError(f"`weighting`={weighting!r}: expected 'rows' or 'steps'.")
         self.weighting = weighting
+
+    def get_config(self):
+        return {**super().get_config(), "weighting": self.weighting}
 
     def update_state(self, values, sample_weight=None):
         batch = kd_losses.current_batch()
@@ -258,29 +263,37 @@ def patch_aggregating_assign():
 patch_aggregating_assign()
 
 
-def gradients(tape, loss, variables):
-    """`tape.gradient(loss, variables)`, also for variables a partitioner sharded.
+def optimizer_variables(model):
+    """The variables the optimizer updates: shards for partitioned weights.
 
     Under ParameterServerStrategy with a `variable_partitioner`, a Keras
-    variable wraps a `ShardedVariable`, which the tape cannot differentiate
-    against; the gradient is taken per shard and concatenated back.
+    weight wraps a `ShardedVariable` (its parts live on different parameter
+    servers). Neither the tape nor the Keras optimizer can update it whole,
+    so each shard gets its own Keras variable: gradients and optimizer slots
+    are per shard, on the shard's parameter server. The model still reads
+    the whole weight (the concatenation of the same shards).
     """
-    targets = []
-    for variable in variables:
+    wrappers = getattr(model, "_kd_shard_variables", None)
+    if wrappers is None:
+        wrappers = {}
+        object.__setattr__(model, "_kd_shard_variables", wrappers)
+    result = []
+    for variable in model.trainable_weights:
         inner = getattr(variable, "_value", None)
-        if isinstance(inner, sharded_variable.ShardedVariable):
-            targets.append(list(inner.variables))
-        else:
-            targets.append([variable])
-    flat = tape.gradient(loss, [t for group in targets for t in group])
-    result, position = [], 0
-    for group in targets:
-        parts = flat[position:position + len(group)]
-        position += len(group)
-        if len(group) == 1 and group[0] is variables[len(result)]:
-            result.append(parts[0])
-        elif any(p is None for p in parts):
-            result.append(None)
-        else:
-            result.append(tf.concat([tf.convert_to_tensor(p) for p in parts], axis=0))
+        if not isinstance(inner, sharded_variable.ShardedVariable):
+            result.append(variable)
+            continue
+        if id(variable) not in wrappers:
+            wrappers[id(variable)] = [
+                keras.Variable(shard, trainable=True, name=f"{variable.name}_shard_{i}")
+                for i, shard in enumerate(inner.variables)
+            ]
+        result.extend(wrappers[id(variable)])
     return result
+
+
+def is_partitioned(model):
+    return any(
+        isinstance(getattr(v, "_value", None), sharded_variable.ShardedVariable)
+        for v in model.trainable_weights
+    )

@@ -119,8 +119,9 @@ class DistributedModelMixin:
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
             if self.trainable_weights:
-                gradients = _keras_compat.gradients(tape, loss, self.trainable_weights)
-                self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+                variables = _keras_compat.optimizer_variables(self)
+                gradients = tape.gradient(loss, variables)
+                self.optimizer.apply_gradients(zip(gradients, variables))
             else:
                 warnings.warn("The model does not have any trainable weights.")
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

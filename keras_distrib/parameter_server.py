@@ -22,6 +22,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_distrib import _keras_compat
 from keras_distrib import execution
 
 
@@ -91,9 +92,10 @@ def _build(model, strategy, dataset_fn):
     """Creates model, metric and optimizer variables (on the ps) before scheduling."""
     sample = dataset_fn().element_spec
     with strategy.scope():
+        if model.built and model.optimizer is not None and not model.optimizer.built:
+            # Per shard when a partitioner split the weights (slots on each shard's ps).
+            model.optimizer.build(_keras_compat.optimizer_variables(model))
         model._symbolic_build(data_batch=sample)
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
 
 
 def make_train_function(model, strategy):

@@ -15,6 +15,8 @@ def _check(result):
     assert result["evaluate_diff"] <= 1e-6  # evaluation is exact: same as one device
     assert result["predict_diff"] <= 1e-6 and result["predict_rows"] == 200
     assert sorted(result["history"]) == ["loss", "mae", "val_loss", "val_mae"]
+    # The partitioner split the wide kernel over both parameter servers.
+    assert result["kernel_devices"] == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
 
 
 @pytest.mark.parametrize("how", ["fit", "loop"])
@@ -39,7 +41,7 @@ def test_launched_cluster_survives_a_killed_worker():
     from keras_distrib import launcher
 
     result = launcher.launch(
-        os.path.join(_harness.SCRIPTS, "ps_fit.py"), workers=2, ps=1, args=("launched", "fit", "kill"),
+        os.path.join(_harness.SCRIPTS, "ps_fit.py"), workers=2, ps=2, args=("launched", "fit", "kill"),
         timeout=300, env=_harness._env(), sink=sink,
     )
     output = "\n".join(lines)

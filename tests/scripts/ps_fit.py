@@ -14,7 +14,7 @@ where, how = sys.argv[1], sys.argv[2]
 kill = len(sys.argv) > 3
 import tensorflow as tf  # noqa: E402
 
-partitioner = None
+partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=1024, max_shards=2)
 if where == "local":
     strategy = kd.make_strategy("parameter_server", cluster_resolver=kd.local_cluster(workers=2, ps=2),
                                 variable_partitioner=partitioner)
