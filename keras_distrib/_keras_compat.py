@@ -28,6 +28,7 @@ Keras changes the behaviour they rely on.
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
@@ -252,12 +253,30 @@ def _delegating(name):
     return method
 
 
+def _sharded_readable(name):
+    original = getattr(keras_tf_core.Variable, name)
+
+    def method(self, *args, **kwargs):
+        inner = getattr(self, "_value", None)
+        if isinstance(inner, sharded_variable.ShardedVariable):
+            # A partitioned weight reads as the concatenation of its shards.
+            value = tf.convert_to_tensor(inner).numpy()
+            return np.asarray(value, *args) if name == "__array__" else value
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    method.__wrapped__ = original
+    return method
+
+
 def patch_aggregating_assign():
-    """Makes `assign_add`/`assign_sub` sum increments under central storage."""
-    for name in ("assign_add", "assign_sub"):
+    """Makes `assign_add`/`assign_sub` sum increments under central storage and
+    parameter servers, and partitioned weights readable as NumPy (saving)."""
+    for name, make in (("assign_add", _delegating), ("assign_sub", _delegating),
+                       ("numpy", _sharded_readable), ("__array__", _sharded_readable)):
         current = getattr(keras_tf_core.Variable, name)
         if not hasattr(current, "__wrapped__"):
-            setattr(keras_tf_core.Variable, name, _delegating(name))
+            setattr(keras_tf_core.Variable, name, make(name))
 
 
 patch_aggregating_assign()

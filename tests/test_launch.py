@@ -170,3 +170,20 @@ def test_gpus_are_split_between_training_tasks():
     assert kd_launch.split_gpus(["0"], ["worker 0", "worker 1"]) == {"worker 0": "", "worker 1": ""}
     assert kd_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}) == ["4", "5"]
     assert kd_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+@pytest.mark.parametrize("workers", [3])  # 2 workers: test_models, test_loop, test_checkpoint
+def test_workers_train_to_identical_weights(workers):
+    code, output = _harness.run_script("train_identical.py")
+    assert code == 0, output[-3000:]
+    (single,) = _harness.results_of(output)
+    result, output = _harness.run_cluster("train_identical.py", workers=workers, timeout=240)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert sorted(r["task"] for r in results) == [f"worker {i}" for i in range(workers)]
+    assert len({r["digest"] for r in results}) == 1  # bit-identical on every worker
+    import numpy as np
+
+    for got, want in zip(results[0]["weights"], single["weights"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)  # and the one-process run

@@ -13,8 +13,8 @@ from tests.test_models import CORE, TOLERANCE
 
 LOOP_CONFIGS = [
     (1, "default", 1),
+    (1, "one_device", 10),
     (2, "mirrored", 10),
-    (4, "mirrored", 1),
     (2, "central_storage", 10),
 ]
 

@@ -15,6 +15,8 @@ def _check(result):
     assert result["evaluate_diff"] <= 1e-6  # evaluation is exact: same as one device
     assert result["predict_diff"] <= 1e-6 and result["predict_rows"] == 200
     assert sorted(result["history"]) == ["loss", "mae", "val_loss", "val_mae"]
+    # The coordinator (the chief) saved a checkpoint after every epoch.
+    assert result["checkpoints"] == [f"ps-{e}.weights.h5" for e in range(1, 5)]
     # The partitioner split the wide kernel over both parameter servers.
     assert result["kernel_devices"] == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
 
