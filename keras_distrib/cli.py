@@ -30,12 +30,6 @@ def _demo(options):
     return demo.main(quick=options.quick, out=options.out)
 
 
-def _bench(options):
-    from keras_distrib import bench
-
-    return bench.main(options.bench_args)
-
-
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
@@ -60,17 +54,20 @@ def build_parser():
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
     demo.set_defaults(run=_demo)
 
-    bench = commands.add_parser(
-        "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop (ratios)",
-        add_help=False,
+    commands.add_parser(
+        "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "
+        "([--model mlp|cnn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
-                       help="[--model mlp|cnn] [--replicas N] [--steps S] [--repeats R] [--json PATH]")
-    bench.set_defaults(run=_bench)
     return parser
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own options (see `keras-distrib bench --help`).
+        from keras_distrib import bench
+
+        return bench.main(argv[1:])
     options = build_parser().parse_args(argv)
     return options.run(options)
 

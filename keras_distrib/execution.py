@@ -28,6 +28,18 @@ def metric_results(model):
     return results
 
 
+def metric_names(model):
+    """Log keys the model's metrics produce, without reading any variable."""
+    from keras.src.trainers.compile_utils import CompileMetrics
+
+    names = set()
+    for metric in model.metrics:
+        if isinstance(metric, CompileMetrics):
+            names.update(sub.name for sub in metric.metrics)
+        names.add(metric.name)
+    return names
+
+
 def _is_multi_worker(strategy):
     extended = strategy.extended
     return bool(getattr(extended, "_in_multi_worker_mode", lambda: False)())
@@ -129,9 +141,10 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
         return strategy.run(replica_step, args=(data,))
 
     def extras_of(outputs):
+        # Values a custom step returns that are not metrics (usually none).
         if not isinstance(outputs, dict):
             return {}
-        names = set(metric_results(model))
+        names = metric_names(model)
         return {k: reduce_mean(strategy, v) for k, v in outputs.items() if k not in names}
 
     def finish(outputs, extras):
@@ -143,11 +156,14 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
     def multi_step(iterator):
         outputs = run(next(iterator))
         extras = extras_of(outputs)
-        for _ in tf.range(steps - 1):
-            optional = iterator.get_next_as_optional()
-            if not optional.has_value():
-                break
-            extras = extras_of(run(optional.get_value()))
+        if steps > 1:
+            for _ in tf.range(steps - 1):
+                optional = iterator.get_next_as_optional()
+                if not optional.has_value():
+                    break
+                step_outputs = run(optional.get_value())
+                if extras:
+                    extras = extras_of(step_outputs)
         return finish(outputs, extras)
 
     def one_batch(data):
