@@ -85,8 +85,7 @@ class TrainLoop:
         self.model = model
         self.strategy = strategy
         self.steps_per_loop = steps_per_loop
-        self._train_function = None
-        self._test_function = None
+        self._functions = {}
 
     # Compiled steps for hand-written loops.
 
@@ -119,23 +118,25 @@ class TrainLoop:
             if not self.model.optimizer.built or not self.model.built:
                 self.build(iterator.element_spec)
 
+    def _compiled(self, kind):
+        """The compiled distributed function for `kind` ("train" or "test")."""
+        functions = self._functions
+        if kind not in functions:
+            step = self.model.train_step if kind == "train" else self.model.test_step
+            functions[kind] = execution.make_step_function(
+                self.model, step, steps_per_execution=self.steps_per_loop
+            )
+        return functions[kind]
+
     def train_step(self, iterator):
         """Runs up to `steps_per_loop` training steps; returns global logs."""
         self._check_iterator(iterator)
-        if self._train_function is None:
-            self._train_function = execution.make_step_function(
-                self.model, self.model.train_step, steps_per_execution=self.steps_per_loop
-            )
-        return self._train_function(iterator)
+        return self._compiled("train")(iterator)
 
     def test_step(self, iterator):
         """Runs up to `steps_per_loop` evaluation steps; returns global logs."""
         self._check_iterator(iterator)
-        if self._test_function is None:
-            self._test_function = execution.make_step_function(
-                self.model, self.model.test_step, steps_per_execution=self.steps_per_loop
-            )
-        return self._test_function(iterator)
+        return self._compiled("test")(iterator)
 
     def train_epoch(self, distributed_dataset):
         """Trains on a whole distributed dataset inside one `tf.function`."""

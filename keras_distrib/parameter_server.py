@@ -177,6 +177,15 @@ def _local_batches(x, y, sample_weight, batch_size, steps):
     )
 
 
+def _one_pass_callbacks(callbacks, verbose, epoch_iterator, model):
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        return callbacks
+    return callbacks_module.CallbackList(
+        callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+        steps=epoch_iterator.num_batches, model=model,
+    )
+
+
 def _inline_function(model, strategy, step):
     replica_step = execution.replica_function(model, step)
 
@@ -194,11 +203,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     strategy = model.distribute_strategy
     epoch_iterator = _local_batches(x, y, sample_weight, batch_size, steps)
     test_step = _inline_function(model, strategy, model.test_step)
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-            steps=epoch_iterator.num_batches, model=model,
-        )
+    callbacks = _one_pass_callbacks(callbacks, verbose, epoch_iterator, model)
     callbacks.on_test_begin()
     with strategy.scope():
         model.reset_metrics()
@@ -219,11 +224,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     strategy = model.distribute_strategy
     epoch_iterator = _local_batches(x, None, None, batch_size, steps)
     predict_step = _inline_function(model, strategy, model.predict_step)
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-            steps=epoch_iterator.num_batches, model=model,
-        )
+    callbacks = _one_pass_callbacks(callbacks, verbose, epoch_iterator, model)
     outputs = []
     callbacks.on_predict_begin()
     with strategy.scope():
