@@ -202,6 +202,17 @@ def is_chief(tf_config=None):
     return cluster_info(tf_config).is_chief
 
 
+def chief_verbose(verbose):
+    """Keras `verbose` for this process: progress bars on the chief only.
+
+    `"auto"` becomes 0 on non-chief workers (their bars would repeat the
+    chief's); an explicit value is kept.
+    """
+    if verbose == "auto" and not cluster_info().is_chief:
+        return 0
+    return verbose
+
+
 @contextlib.contextmanager
 def writer_directory(directory, info=None):
     """Yields the directory this process should write `directory`'s files to.

@@ -15,6 +15,7 @@ from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_distrib import cluster
 from keras_distrib import execution
 from keras_distrib import parameter_server
 
@@ -183,6 +184,7 @@ class TrainLoop:
         saved epoch and step.
         """
         model = self.model
+        verbose = cluster.chief_verbose(verbose)
         if parameter_server.is_parameter_server(self.strategy):
             # Steps are scheduled on the workers by the coordinator.
             return parameter_server.fit(
@@ -245,6 +247,7 @@ class TrainLoop:
                  sample_weight=None, steps=None, callbacks=None):
         """Evaluates like `Model.evaluate(return_dict=True)`."""
         model = self.model
+        verbose = cluster.chief_verbose(verbose)
         if parameter_server.is_parameter_server(self.strategy):
             return parameter_server.evaluate(
                 model, x, y, batch_size=batch_size, verbose=verbose,

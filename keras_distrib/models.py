@@ -15,6 +15,7 @@ from keras.src.models import model as keras_model
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_distrib import _keras_compat
+from keras_distrib import cluster
 from keras_distrib import execution
 from keras_distrib import losses as kd_losses
 from keras_distrib import parameter_server
@@ -29,6 +30,15 @@ def batch_rows(x):
         "The batch has no input tensor (`x` is empty or all None); "
         "kd models need at least one input to count rows."
     )
+
+
+def _chief_progress(args, kwargs, position):
+    """Progress bars on the chief only: `verbose` ("auto") becomes 0 elsewhere."""
+    if len(args) > position:
+        args = args[:position] + (cluster.chief_verbose(args[position]),) + args[position + 1:]
+    else:
+        kwargs["verbose"] = cluster.chief_verbose(kwargs.get("verbose", "auto"))
+    return args, kwargs
 
 
 class DistributedModelMixin:
@@ -155,16 +165,19 @@ class DistributedModelMixin:
             )
 
     def fit(self, *args, **kwargs):
+        args, kwargs = _chief_progress(args, kwargs, position=4)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.fit(self, *args, **kwargs)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
+        args, kwargs = _chief_progress(args, kwargs, position=3)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.evaluate(self, *args, **kwargs)
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
+        args, kwargs = _chief_progress(args, kwargs, position=2)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.predict(self, *args, **kwargs)
         return super().predict(*args, **kwargs)

@@ -88,3 +88,11 @@ def test_writer_directory_non_chief_gets_removed_scratch(tmp_path):
         open(os.path.join(path, "f"), "w").close()
     assert not os.path.exists(path)
     assert not target.exists()
+
+
+def test_progress_bars_on_the_chief_only(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _config("worker", 1))
+    assert cluster.chief_verbose("auto") == 0
+    assert cluster.chief_verbose(2) == 2  # an explicit choice is kept
+    monkeypatch.setenv("TF_CONFIG", _config("worker", 0))
+    assert cluster.chief_verbose("auto") == "auto"
