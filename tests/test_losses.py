@@ -24,12 +24,7 @@ def test_scale_regularization_single_device():
     assert float(kd.losses.scale_regularization([])) == 0.0
 
 
-def test_cross_replica_context_is_refused():
-    strategy = kd.make_strategy("one_device")
-    with strategy.scope():
-        # OneDevice still has a replica context outside run in TF; use the
-        # mirrored case (subprocess) for the real refusal.
-        pass
+def test_two_replicas_and_the_cross_replica_refusal():
     code, output = _harness.run_script("losses_replicas.py")
     assert code == 0, output[-4000:]
     (result,) = _harness.results_of(output)
