@@ -192,6 +192,49 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
     return function
 
 
+def make_epoch_function(model, step_fn):
+    """One `tf.function` that runs `step_fn` on every batch of a distributed
+    dataset (a whole epoch per call) and returns the global metric values."""
+    strategy = model.distribute_strategy
+    replica_step = replica_function(model, step_fn)
+
+    @tf.function
+    def epoch(dataset):
+        for data in dataset:
+            strategy.run(replica_step, args=(data,))
+        return metric_results(model)
+
+    return epoch
+
+
+def make_scheduled_function(model, step_fn):
+    """For a parameter-server coordinator to schedule: `count` steps on the
+    worker that runs it, each on the next batch of that worker's iterator."""
+    strategy = model.distribute_strategy
+    replica_step = replica_function(model, step_fn)
+
+    @tf.function
+    def steps(iterator, count):
+        for _ in tf.range(count):
+            strategy.run(replica_step, args=(next(iterator),))
+        return count
+
+    return steps
+
+
+def make_batch_function(model, step_fn):
+    """One step on a given (local, undistributed) batch; for a coordinator
+    that evaluates or predicts itself, reading the parameter servers."""
+    strategy = model.distribute_strategy
+    replica_step = replica_function(model, step_fn)
+
+    @tf.function
+    def batch_step(batch):
+        return strategy.run(replica_step, args=(batch,))
+
+    return batch_step
+
+
 def fast_forward(model, iterator, steps):
     """Consumes up to `steps` batches without training (resuming mid-epoch).
 

@@ -147,17 +147,9 @@ class TrainLoop:
                     "`distributed_dataset` is not distributed. Use loop.distribute(dataset)."
                 )
         self.build(distributed_dataset.element_spec)
-        function = getattr(self, "_epoch_function", None)
-        if function is None:
-            step = execution.replica_function(self.model, self.model.train_step)
-
-            @tf.function
-            def function(dataset):
-                for data in dataset:
-                    self.strategy.run(step, args=(data,))
-                return execution.metric_results(self.model)
-
-            self._epoch_function = function
+        if "epoch" not in self._functions:
+            self._functions["epoch"] = execution.make_epoch_function(self.model, self.model.train_step)
+        function = self._functions["epoch"]
         return function(distributed_dataset)
 
     # Model.fit-like entry points.

@@ -98,19 +98,6 @@ def _build(model, strategy, dataset_fn):
         model._symbolic_build(data_batch=sample)
 
 
-def make_train_function(model, strategy):
-    """A scheduled function running `count` train steps on one worker."""
-    replica_step = execution.replica_function(model, model.train_step)
-
-    @tf.function
-    def train_steps(iterator, count):
-        for _ in tf.range(count):
-            strategy.run(replica_step, args=(next(iterator),))
-        return count
-
-    return train_steps
-
-
 def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -128,7 +115,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle, class_weight)
     _build(model, strategy, dataset_fn)
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    train_steps = make_train_function(model, strategy)
+    train_steps = execution.make_scheduled_function(model, model.train_step)
     per_call = int(steps_per_execution or model.steps_per_execution or 1)
     if not isinstance(callbacks, callbacks_module.CallbackList):
         callbacks = callbacks_module.CallbackList(
@@ -186,23 +173,13 @@ def _one_pass_callbacks(callbacks, verbose, epoch_iterator, model):
     )
 
 
-def _inline_function(model, strategy, step):
-    replica_step = execution.replica_function(model, step)
-
-    @tf.function
-    def run(batch):
-        return strategy.run(replica_step, args=(batch,))
-
-    return run
-
-
 def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
              steps=None, callbacks=None, return_dict=False, **kwargs):
     """`Model.evaluate` under ParameterServerStrategy: exact, on the coordinator."""
     kwargs.pop("_use_cached_eval_dataset", None)
     strategy = model.distribute_strategy
     epoch_iterator = _local_batches(x, y, sample_weight, batch_size, steps)
-    test_step = _inline_function(model, strategy, model.test_step)
+    test_step = execution.make_batch_function(model, model.test_step)
     callbacks = _one_pass_callbacks(callbacks, verbose, epoch_iterator, model)
     callbacks.on_test_begin()
     with strategy.scope():
@@ -223,7 +200,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     """`Model.predict` under ParameterServerStrategy: every row once, in order."""
     strategy = model.distribute_strategy
     epoch_iterator = _local_batches(x, None, None, batch_size, steps)
-    predict_step = _inline_function(model, strategy, model.predict_step)
+    predict_step = execution.make_batch_function(model, model.predict_step)
     callbacks = _one_pass_callbacks(callbacks, verbose, epoch_iterator, model)
     outputs = []
     callbacks.on_predict_begin()
