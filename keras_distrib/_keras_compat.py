@@ -309,10 +309,3 @@ def optimizer_variables(model):
             ]
         result.extend(wrappers[id(variable)])
     return result
-
-
-def is_partitioned(model):
-    return any(
-        isinstance(getattr(v, "_value", None), sharded_variable.ShardedVariable)
-        for v in model.trainable_weights
-    )
