@@ -26,6 +26,7 @@ Keras changes the behaviour they rely on.
 """
 
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -34,6 +35,7 @@ from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
 from keras.src import backend as keras_backend
 from keras.src import tree
+from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as keras_tf_core
 from keras.src.losses import loss as keras_loss
@@ -309,3 +311,194 @@ def optimizer_variables(model):
             ]
         result.extend(wrappers[id(variable)])
     return result
+
+
+# ---------------------------------------------------------------------------
+# The optimizer's gradient pipeline (see keras_distrib/gradients.py).
+#
+# Keras's TF optimizer all-reduces inside `_backend_update_step`, after it
+# has unscaled, accumulated and clipped each replica's partial gradient.
+# kd all-reduces first (in `apply`), so these hooks make the optimizer skip
+# its own reduction, and run the conditionals of `_backend_apply_gradients`
+# (accumulation, EMA overwrite) in cross-replica context, where TensorFlow
+# allows a `merge_call` inside a branch. Both are set on the optimizer
+# instance only: other optimizers keep Keras's behaviour.
+
+_PIPELINE_OPTIMIZERS = weakref.WeakSet()
+_REPLICA_THREAD_STRATEGIES = (
+    tf.distribute.MirroredStrategy,
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.experimental.CentralStorageStrategy,
+)
+
+
+def base_optimizer(optimizer):
+    """The optimizer that applies updates (a LossScaleOptimizer's inner one)."""
+    return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
+def has_gradient_pipeline(optimizer):
+    return optimizer in _PIPELINE_OPTIMIZERS
+
+
+def install_gradient_pipeline(optimizer, aggregate):
+    """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
+
+    `aggregate` all-reduces the replicas' gradients; after it every replica
+    holds the global gradient, and the optimizer's own reduction is skipped.
+    """
+    if optimizer in _PIPELINE_OPTIMIZERS:
+        return
+    outer_apply = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        return outer_apply(aggregate(list(grads)), trainable_variables)
+
+    object.__setattr__(optimizer, "apply", apply)
+    base = base_optimizer(optimizer)
+    object.__setattr__(base, "_all_reduce_sum_gradients", lambda grads_and_vars: list(grads_and_vars))
+    backend_apply = base._backend_apply_gradients
+
+    def backend_apply_gradients(grads, trainable_variables):
+        if not _needs_cross_replica_conditionals(base):
+            return backend_apply(grads, trainable_variables)
+        context = tf.distribute.get_replica_context()
+        context.merge_call(
+            lambda distribution, grads: _apply_in_cross_replica(
+                base, distribution, grads, trainable_variables
+            ),
+            args=(grads,),
+        )
+
+    object.__setattr__(base, "_backend_apply_gradients", backend_apply_gradients)
+    _PIPELINE_OPTIMIZERS.add(optimizer)
+
+
+def _needs_cross_replica_conditionals(optimizer):
+    if tf.distribute.get_replica_context() is None or not tf.distribute.has_strategy():
+        return False
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return False
+    if not isinstance(tf.distribute.get_strategy(), _REPLICA_THREAD_STRATEGIES):
+        return False
+    return bool(optimizer.gradient_accumulation_steps) or bool(
+        optimizer.use_ema and optimizer.ema_overwrite_frequency
+    )
+
+
+def _apply_in_cross_replica(optimizer, distribution, grads, variables):
+    """Keras's `_backend_apply_gradients`, its `cond`s in cross-replica context.
+
+    Every replica holds the same (all-reduced) gradient, so each branch runs
+    the same replica function on every replica, as one device would run it.
+    """
+
+    def on_replicas(function):
+        return lambda: distribution.extended.call_for_each_replica(function, args=(grads,))
+
+    def update(step_grads):
+        step_grads = optimizer._clip_gradients(step_grads)
+        optimizer._apply_weight_decay(variables)
+        optimizer._backend_update_step(step_grads, variables, optimizer.learning_rate)
+
+    steps = optimizer.gradient_accumulation_steps
+    if steps:
+        accumulators = [
+            optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables
+        ]
+
+        def update_with_accumulated(step_grads):
+            update([(g + a) / steps for g, a in zip(step_grads, accumulators)])
+            optimizer._backend_reset_gradient_accumulators()
+
+        def accumulate(step_grads):
+            optimizer._backend_increment_gradient_accumulators(step_grads, accumulators)
+
+        is_update_step = tf.equal((optimizer._iterations + 1) % steps, 0)
+        tf.cond(is_update_step, on_replicas(update_with_accumulated), on_replicas(accumulate))
+    else:
+        on_replicas(update)()
+    if optimizer.use_ema:
+        trainable = optimizer._trainable_variables
+        on_replicas(lambda _: optimizer._update_model_variables_moving_average(trainable))()
+        if optimizer.ema_overwrite_frequency:
+            overwrite = tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+            tf.cond(
+                overwrite,
+                on_replicas(lambda _: optimizer._overwrite_model_variables_with_average_value(trainable)),
+                lambda: None,
+            )
+
+
+# ---------------------------------------------------------------------------
+# Per-replica forward-pass bookkeeping (see keras_distrib/models.py).
+
+_LOSS_RECORDING_LAYERS = weakref.WeakSet()
+_SYNC_BATCH_NORM_LAYERS = weakref.WeakSet()
+
+
+def flatten_layers(model):
+    """Every layer of `model`, nested ones included (the model first)."""
+    return model._flatten_layers(include_self=True, recursive=True)
+
+
+def record_add_loss(layer, record):
+    """Makes `layer.add_loss(loss)` also call `record(loss)` (idempotent).
+
+    Keras keeps add_loss terms on the layer object, shared by the replicas
+    of a MirroredStrategy; the replicas trace in turns, switching at every
+    collective, so a replica may read another's terms. `record` puts them
+    in the calling replica's own (thread-local) batch instead.
+    """
+    if layer in _LOSS_RECORDING_LAYERS:
+        return
+    add_loss = layer.add_loss
+
+    def recording_add_loss(loss):
+        record(loss)
+        return add_loss(loss)
+
+    object.__setattr__(layer, "add_loss", recording_add_loss)
+    _LOSS_RECORDING_LAYERS.add(layer)
+
+
+def is_sync_batch_norm(layer):
+    return isinstance(layer, keras.layers.BatchNormalization) and bool(
+        getattr(layer, "synchronized", False)
+    )
+
+
+def replace_batch_norm_moments(layer, moments):
+    """Makes a synchronized BatchNormalization use `moments(layer, x, mask, original)`.
+
+    `original` is Keras's `_moments`; `layer_axes(layer)` gives the axes.
+    """
+    if layer in _SYNC_BATCH_NORM_LAYERS:
+        return
+    original = layer._moments
+    object.__setattr__(
+        layer, "_moments", lambda inputs, mask: moments(layer, inputs, mask, original)
+    )
+    _SYNC_BATCH_NORM_LAYERS.add(layer)
+
+
+def batch_norm_axes(layer):
+    """The axes a BatchNormalization layer reduces over (all but its channels)."""
+    return list(layer._reduction_axes)
+
+
+def get_keras_mask(tensor):
+    return keras_masking.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask):
+    keras_masking.set_keras_mask(tensor, mask)
+
+
+def dataset_element_spec(epoch_iterator):
+    """The element spec of a Keras TFEpochIterator's dataset, without iterating.
+
+    Opening an iterator would consume (and for a reshuffling dataset,
+    reorder) the user's data; building the model needs only shapes.
+    """
+    return epoch_iterator._distributed_dataset.element_spec

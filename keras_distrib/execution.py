@@ -10,10 +10,15 @@ global values. Keras instead averages each replica's local metric results,
 which is wrong whenever replicas hold different numbers of rows.
 """
 
+import warnings
+
 import tensorflow as tf
 from keras.src import tree
+from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_distrib import _keras_compat
+from keras_distrib import gradients
+from keras_distrib import losses as kd_losses
 
 
 def metric_results(model):
@@ -95,22 +100,37 @@ def on_replica_device(function):
     return placed
 
 
-def replica_function(model, step_fn):
-    """The per-replica step, with Keras's Optional inputs turned into None.
+def step_plan(model, *, looped=False):
+    """The `StepPlan` for `model` under its strategy (see kd.losses.StepPlan)."""
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
+    jit = bool(model.jit_compile) and not model.run_eagerly
+    return kd_losses.StepPlan(
+        pad_empty=replicas > 1 and not isinstance(strategy, tf.distribute.TPUStrategy),
+        xla_forward=jit and not whole_step_xla(strategy),
+        looped=looped,
+    )
 
-    With `jit_compile=True`, the whole step is compiled by XLA where the
-    strategy allows it; otherwise (e.g. several CPU replicas) the model's
-    forward and backward passes are, and the all-reduces run outside XLA.
+
+def replica_function(model, step_fn, *, looped=False):
+    """The per-replica step: one replica's batch, inside its `ReplicaBatch`.
+
+    Keras's Optional inputs become None, and the replica's batch context
+    (row counts, the step plan) is open around `step_fn`, so an overridden
+    `train_step` gets kd's arithmetic too. With `jit_compile=True`, the
+    whole step is compiled by XLA where the strategy allows it; otherwise
+    (e.g. several CPU replicas) the model's forward and backward passes are
+    (`StepPlan.xla_forward`), and the all-reduces run outside XLA.
     """
+    plan = step_plan(model, looped=looped)
 
     def replica_step(data):
-        return step_fn(_keras_compat.autoconvert_optionals(data))
+        data = _keras_compat.autoconvert_optionals(data)
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with kd_losses.replica_batch(kd_losses.batch_rows(x), plan):
+            return step_fn(data)
 
-    model._kd_xla_forward = False
-    if not model.jit_compile or model.run_eagerly:
-        return replica_step
-    if not whole_step_xla(model.distribute_strategy):
-        model._kd_xla_forward = True
+    if not model.jit_compile or model.run_eagerly or plan.xla_forward:
         return replica_step
     compiled = tf.function(replica_step, jit_compile=True, reduce_retracing=True)
     return on_replica_device(compiled)
@@ -136,9 +156,10 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
     strategy = model.distribute_strategy
     steps = int(steps_per_execution or model.steps_per_execution or 1)
     replica_step = replica_function(model, step_fn)
+    looped_step = replica_function(model, step_fn, looped=True)
 
-    def run(data):
-        return strategy.run(replica_step, args=(data,))
+    def run(data, step=replica_step):
+        return strategy.run(step, args=(data,))
 
     def extras_of(outputs):
         # Values a custom step returns that are not metrics (usually none).
@@ -156,15 +177,18 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
     def multi_step(iterator):
         outputs = run(next(iterator))
         extras = extras_of(outputs)
-        if steps > 1:
-            for _ in tf.range(steps - 1):
-                optional = iterator.get_next_as_optional()
-                if not optional.has_value():
-                    break
-                step_outputs = run(optional.get_value())
-                if extras:
-                    extras = extras_of(step_outputs)
+        for _ in tf.range(steps - 1):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            step_outputs = run(optional.get_value(), looped_step)
+            if extras:
+                extras = extras_of(step_outputs)
         return finish(outputs, extras)
+
+    def one_step(iterator):
+        outputs = run(next(iterator))
+        return finish(outputs, extras_of(outputs))
 
     def one_batch(data):
         outputs = run(data)
@@ -172,16 +196,35 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
 
     if not model.run_eagerly:
         multi_step = tf.function(multi_step, reduce_retracing=True)
+        one_step = tf.function(one_step, reduce_retracing=True)
         one_batch = tf.function(one_batch, reduce_retracing=True)
+    looping = [steps > 1]
+
+    def stepwise(iterator):
+        logs = None
+        for _ in range(steps):
+            try:
+                logs = one_step(iterator)
+            except tf.errors.OutOfRangeError:
+                break
+        if logs is None:
+            raise StopIteration
+        return logs
 
     def function(iterator):
         if getattr(model, "_kd_skip_steps", 0):
             return fast_forward(model, iterator, steps)
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            if not looping[0]:
+                return stepwise(iterator)
             try:
                 return multi_step(iterator)
             except tf.errors.OutOfRangeError:
                 raise StopIteration from None
+            except gradients.SparseGradientInLoop:
+                looping[0] = False
+                _warn_stepwise(model, steps)
+                return stepwise(iterator)
         logs = None
         for _, data in zip(range(steps), iterator):
             logs = one_batch(data)
@@ -192,19 +235,47 @@ def make_step_function(model, step_fn, *, steps_per_execution=None):
     return function
 
 
+def _warn_stepwise(model, steps):
+    warnings.warn(
+        f"{model.name}: {steps} steps per call run as {steps} calls of one step: the "
+        "model has sparse gradients (e.g. from an Embedding), which cannot be all-gathered "
+        "inside a compiled loop. The results are exact either way.",
+        stacklevel=3,
+    )
+
+
 def make_epoch_function(model, step_fn):
     """One `tf.function` that runs `step_fn` on every batch of a distributed
-    dataset (a whole epoch per call) and returns the global metric values."""
+    dataset (a whole epoch per call) and returns the global metric values.
+    A model with sparse gradients runs one compiled step per batch instead."""
     strategy = model.distribute_strategy
-    replica_step = replica_function(model, step_fn)
+    looped_step = replica_function(model, step_fn, looped=True)
+    one_step = make_step_function(model, step_fn, steps_per_execution=1)
+    looping = [True]
 
     @tf.function
     def epoch(dataset):
         for data in dataset:
-            strategy.run(replica_step, args=(data,))
+            strategy.run(looped_step, args=(data,))
         return metric_results(model)
 
-    return epoch
+    def run_epoch(dataset):
+        if looping[0]:
+            try:
+                return epoch(dataset)
+            except gradients.SparseGradientInLoop:
+                looping[0] = False
+                _warn_stepwise(model, "all")
+        iterator = iter(dataset)
+        while True:
+            try:
+                one_step(iterator)
+            except StopIteration:
+                break
+        with strategy.scope():
+            return metric_results(model)
+
+    return run_epoch
 
 
 def make_scheduled_function(model, step_fn):

@@ -15,6 +15,7 @@ from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.utils.python_utils import pythonify_logs
 
+from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import execution
 from keras_distrib import parameter_server
@@ -160,9 +161,9 @@ class TrainLoop:
         )
 
     def _prepare(self, epoch_iterator):
-        for _, _, iterator in epoch_iterator:
-            self.build(iterator.element_spec)
-            break
+        # From the element spec: opening an iterator would consume the data
+        # (and reorder a reshuffling dataset).
+        self.build(_keras_compat.dataset_element_spec(epoch_iterator))
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, shuffle=True, class_weight=None,

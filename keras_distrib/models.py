@@ -17,19 +17,21 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import execution
+from keras_distrib import gradients
 from keras_distrib import losses as kd_losses
 from keras_distrib import parameter_server
 
 
-def batch_rows(x):
-    """Rows in this replica's batch: the leading dimension of the first input."""
-    for value in tree.flatten(x):
-        if value is not None:
-            return tf.shape(value)[0]
-    raise ValueError(
-        "The batch has no input tensor (`x` is empty or all None); "
-        "kd models need at least one input to count rows."
-    )
+def _record_loss(loss):
+    batch = kd_losses.current_batch()
+    if batch is not None:
+        batch.record_loss(loss)
+
+
+def _first_replica_spec(spec):
+    """A TensorSpec from a (possibly per-replica) element spec."""
+    values = getattr(spec, "_value_specs", None)
+    return values[0] if values else spec
 
 
 def _chief_progress(args, kwargs, position):
@@ -41,24 +43,165 @@ def _chief_progress(args, kwargs, position):
     return args, kwargs
 
 
+def _pad_empty_batch(x, batch):
+    """`x` with one row of zeros in place of an empty batch (see StepPlan)."""
+
+    def pad(value):
+        if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+            return value
+        filler = lambda: tf.zeros(tf.concat([[1], tf.shape(value)[1:]], 0), value.dtype)
+        return tf.cond(batch.has_rows, lambda: value, filler)
+
+    return tree.map_structure(pad, x)
+
+
+def _drop_padding(outputs, batch):
+    """Outputs without the padded row (and its Keras mask, if any)."""
+
+    def cut(value):
+        if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+            return value
+        mask = _keras_compat.get_keras_mask(value)
+        result = tf.cond(batch.has_rows, lambda: value, lambda: value[:0])
+        if mask is not None:
+            _keras_compat.set_keras_mask(
+                result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
+            )
+        return result
+
+    return tree.map_structure(cut, outputs)
+
+
+def global_moments(layer, inputs, mask, keras_moments):
+    """Mean and variance of a synchronized BatchNormalization over every replica.
+
+    One device computes `mean = sum(x) / n` and then
+    `variance = sum((x - mean)^2) / n`; so does this, with each sum
+    all-reduced (two all-reduces, Keras's version takes three and uses
+    E[x^2] - E[x]^2, which loses digits). A replica whose batch is empty (or
+    padded, see StepPlan) contributes zero rows. Masked inputs follow Keras's
+    masked formula, over the global weight sum.
+    """
+    context = tf.distribute.get_replica_context()
+    batch = kd_losses.current_batch()
+    if context is None or context.num_replicas_in_sync == 1 or batch is None:
+        return keras_moments(inputs, mask)
+    axes = _keras_compat.batch_norm_axes(layer)
+    dtype = inputs.dtype
+    live = tf.cast(batch.has_rows, dtype)
+    if mask is None:
+        weights = None
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), dtype)
+        count = tf.fill(tf.shape(tf.reduce_sum(inputs, axes, keepdims=True)), count)
+        epsilon = 0.0
+    else:
+        weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), dtype)
+        count = tf.reduce_sum(weights, axes, keepdims=True)
+        epsilon = keras.backend.epsilon()
+    values = inputs if weights is None else tf.where(weights > 0, inputs, tf.zeros_like(inputs))
+    total, count = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, [tf.reduce_sum(values, axes, keepdims=True) * live, count * live]
+    )
+    if weights is None:
+        mean = tf.math.divide_no_nan(total, count)
+    else:
+        mean = total / (count + epsilon)
+    centred = tf.math.squared_difference(inputs, tf.stop_gradient(mean))
+    if weights is not None:
+        centred = tf.where(weights > 0, centred, tf.zeros_like(centred))
+    spread = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.reduce_sum(centred, axes, keepdims=True) * live
+    )
+    if weights is None:
+        variance = tf.math.divide_no_nan(spread, count)
+    else:
+        variance = spread / (count + epsilon)
+    return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+
+def unsupported_settings(model, *, training):
+    """What in `model`'s setup kd cannot make exact under its strategy.
+
+    Returns a list of messages, each naming the setting and the way out.
+    """
+    strategy = model.distribute_strategy
+    problems = []
+    layers = _keras_compat.flatten_layers(model)
+    optimizer = model.optimizer
+    base = _keras_compat.base_optimizer(optimizer) if optimizer is not None else None
+    if training and isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+        fix = "Use kd.make_strategy('mirrored') on the same devices, which is exact with it."
+        why = ("CentralStorageStrategy keeps one copy of each variable, and Keras updates "
+               "this variable on every replica, which TensorFlow refuses to aggregate")
+        if base is not None and base.gradient_accumulation_steps:
+            problems.append(f"`gradient_accumulation_steps`={base.gradient_accumulation_steps}: {why}. {fix}")
+        if base is not None and base.use_ema:
+            problems.append(f"`use_ema`=True: {why}. {fix}")
+        if optimizer is not base:
+            problems.append(f"LossScaleOptimizer (mixed precision): {why}. {fix}")
+        for layer in layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                problems.append(f"layer {layer.name!r} (BatchNormalization, moving statistics): {why}. {fix}")
+    plan = execution.step_plan(model)
+    if training and plan.xla_forward:
+        why = ("`jit_compile=True` with several CPU replicas (or workers) compiles only the "
+               "forward pass with XLA, because TensorFlow cannot synchronize replicas inside XLA here")
+        fix = "Use jit_compile=False (or GPUs, where XLA compiles the whole step)."
+        for layer in layers:
+            if _keras_compat.is_sync_batch_norm(layer):
+                problems.append(f"layer {layer.name!r} (BatchNormalization(synchronized=True)) all-reduces "
+                                f"inside the forward pass: {why}. {fix}")
+            elif isinstance(layer, keras.layers.RNN):
+                problems.append(f"layer {layer.name!r} ({type(layer).__name__}) keeps TensorLists that "
+                                f"cannot leave an XLA forward pass: {why}. {fix}")
+    if training and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        if base is not None and base.gradient_accumulation_steps:
+            problems.append(
+                f"`gradient_accumulation_steps`={base.gradient_accumulation_steps}: parameter-server "
+                "workers update the variables asynchronously, so no worker's micro-steps form one "
+                "update. Use a larger batch per step, or a synchronous strategy (multi_worker)."
+            )
+    return problems
+
+
 class DistributedModelMixin:
     """Exact global-batch training for any `keras.Model` subclass.
 
     Put it first in the bases: `class MyModel(kd.DistributedModelMixin,
     keras.Model)`. Each step scales the loss by the exact global example
     count (all-reduced every step), counts regularization and `add_loss`
-    once across replicas, and reports global loss and metrics. A subclass
-    that overrides `train_step` can call `self.replica_batch(x)` and
-    `self.compute_loss(...)` to keep the same arithmetic (see the tutorials).
+    once across replicas, and reports global loss and metrics. The optimizer
+    all-reduces gradients before it unscales, accumulates and clips them, as
+    one device would (`keras_distrib.gradients`).
+
+    A subclass may override `train_step` as Keras's guides do: call
+    `self(x, training=True)`, `self.compute_loss(...)` and
+    `self.optimizer.apply_gradients(...)`. kd opens the replica's batch
+    around every step, so the forward pass records its `add_loss` terms per
+    replica, `compute_loss` returns this replica's share of the global loss
+    and the optimizer sees the global gradient.
     """
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
         _keras_compat.install_global_losses(self)
+        gradients.install(self.optimizer)
+        self._prepare_layers()
+
+    def _prepare_layers(self):
+        """Per-replica bookkeeping on every layer (idempotent)."""
+        for layer in _keras_compat.flatten_layers(self):
+            _keras_compat.record_add_loss(layer, _record_loss)
+            if _keras_compat.is_sync_batch_norm(layer):
+                _keras_compat.replace_batch_norm_moments(layer, global_moments)
 
     def replica_batch(self, x):
-        """Context for one replica's batch (row counts for loss scaling)."""
-        return kd_losses.replica_batch(batch_rows(x))
+        """Context for one replica's batch (row counts for loss scaling).
+
+        kd's step already opens it around `train_step`/`test_step`; inside,
+        this returns the open batch.
+        """
+        return kd_losses.replica_batch(kd_losses.batch_rows(x))
 
     def _aggregate_additional_loss(self, loss):
         # Keras divides add_loss / regularization terms by R; we weight them
@@ -70,48 +213,63 @@ class DistributedModelMixin:
             return tf.reduce_sum(loss) / _keras_compat.num_replicas()
         total = tf.reduce_sum(loss)
         fraction = tf.cast(batch.fraction, total.dtype)
-        return tf.where(batch.local_rows > 0, total * fraction, tf.zeros_like(total))
+        return tf.where(batch.has_rows, total * fraction, tf.zeros_like(total))
 
     @property
     def losses(self):
-        # Under MirroredStrategy the replicas trace in turns on shared layer
-        # objects, switching at every all-reduce; a layer's add_loss list is
-        # overwritten by the next replica's call before the loss reads it.
-        # The forward pass therefore snapshots the losses into the replica's
-        # own (thread-local) batch context, and the loss reads them there.
+        # Within a step, the add_loss terms this replica's forward pass
+        # recorded, and the weight penalties (the same on every replica).
         batch = kd_losses.current_batch()
-        if batch is not None and getattr(batch, "owner", None) is self:
-            return list(batch.model_losses)
-        return super().losses
+        if batch is None or batch.owner is not self or batch.losses is None:
+            return super().losses
+        penalties = [
+            v.regularizer(v) for v in self.trainable_weights
+            if getattr(v, "regularizer", None) is not None
+        ]
+        return list(batch.losses) + penalties
 
-    def _forward(self, x, training):
-        if self._call_has_training_arg:
-            outputs = self(x, training=training)
-        else:
-            outputs = self(x)
-        return outputs, super().losses
+    def __call__(self, *args, **kwargs):
+        batch = kd_losses.current_batch()
+        if batch is None or batch.in_forward:
+            return super().__call__(*args, **kwargs)
+        plan = batch.plan
+        if args and plan.pad_empty:
+            args = (_pad_empty_batch(args[0], batch),) + args[1:]
+        batch.losses, batch.owner, batch.in_forward = [], self, True
+        try:
+            if plan.xla_forward:
+                outputs, batch.losses = self._xla_forward(*args, **kwargs)
+            else:
+                outputs = super().__call__(*args, **kwargs)
+        finally:
+            batch.in_forward = False
+        if plan.pad_empty:
+            outputs = _drop_padding(outputs, batch)
+        return outputs
+
+    def _xla_forward(self, *args, **kwargs):
+        # The forward pass (and its gradient) compiled on the replica's
+        # device; the all-reduces stay outside (see StepPlan.xla_forward).
+        forward = self._kd_xla_function
+        if forward is None:
+            def forward_pass(*args, **kwargs):
+                batch = kd_losses.current_batch()
+                batch.losses = []
+                outputs = self(*args, **kwargs)  # in_forward: Keras's own call
+                return outputs, list(batch.losses)
+
+            forward = execution.on_replica_device(
+                tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
+            )
+            object.__setattr__(self, "_kd_xla_function", forward)
+        return forward(*args, **kwargs)
+
+    _kd_xla_function = None
 
     def _call_model(self, x, training):
-        if getattr(self, "_kd_xla_forward", False):
-            y_pred, model_losses = self._xla_forward(x, training)
-        else:
-            y_pred, model_losses = self._forward(x, training)
-        batch = kd_losses.current_batch()
-        if batch is not None:
-            batch.owner, batch.model_losses = self, list(model_losses)
-        return y_pred
-
-    def _xla_forward(self, x, training):
-        # Set by kd.execution when XLA cannot compile the whole step (several
-        # CPU replicas): the forward pass (and its gradient) is compiled on
-        # each replica's device, the all-reduces stay outside.
-        forward = getattr(self, "_kd_xla_forward_fn", None)
-        if forward is None:
-            forward = execution.on_replica_device(
-                tf.function(self._forward, jit_compile=True, reduce_retracing=True)
-            )
-            self._kd_xla_forward_fn = forward
-        return forward(x, training)
+        if self._call_has_training_arg:
+            return self(x, training=training)
+        return self(x)
 
     def _track_loss(self, share):
         if self._loss_tracker is not None:
@@ -182,8 +340,19 @@ class DistributedModelMixin:
             return parameter_server.predict(self, *args, **kwargs)
         return super().predict(*args, **kwargs)
 
+    def _check_exactness(self, training):
+        """Refuses settings kd cannot make exact here, naming each one."""
+        problems = unsupported_settings(self, training=training)
+        if problems:
+            strategy = type(self.distribute_strategy).__name__
+            raise ValueError(
+                f"kd cannot make this model exact under {strategy}:\n  - "
+                + "\n  - ".join(problems)
+            )
+
     def make_train_function(self, force=False):
         self._check_strategy()
+        self._check_exactness(training=True)
         if self.train_function is not None and not force:
             return self.train_function
         self.train_function = execution.make_step_function(self, self.train_step)
@@ -204,16 +373,17 @@ class DistributedModelMixin:
         return self.predict_function
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Unlike Keras, build also without a strategy: BackupAndRestore must
-        # find every metric and optimizer variable before the first step.
-        if iterator is not None:
-            for _, _, it in iterator:
-                data_batch = _keras_compat.first_local_batch(
-                    self.distribute_strategy, next(it)
-                )
-                break
+        # Unlike Keras, build also without a strategy (BackupAndRestore must
+        # find every metric and optimizer variable before the first step),
+        # and from the dataset's element spec: reading a batch would consume
+        # the user's data, or reorder a reshuffling dataset.
+        if iterator is not None and data_batch is None:
+            data_batch = tree.map_structure(
+                _first_replica_spec, _keras_compat.dataset_element_spec(iterator)
+            )
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
+        self._prepare_layers()
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")

@@ -1,0 +1,71 @@
+"""The exactness matrix: every feature, on one path, against one device.
+
+Usage: exactness.py PATH FEATURE[,FEATURE...]
+
+PATH names a strategy layout and a way to train (see PATHS). The process
+splits the CPU into the path's virtual devices, then trains each feature
+with kd and compares it with plain Keras on one device (cached across
+processes in $KD_REFERENCE_DIR). Prints one 'RESULT {json}' line per feature.
+A path named 'plain-...' trains plain Keras instead of kd (the contrast).
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras_distrib as kd
+
+# name -> (virtual devices, strategy kind, compile extras, steps_per_loop)
+PATHS = {
+    "one_device": (1, "default", {}, None),
+    "mirrored1": (1, "mirrored", {}, None),
+    "mirrored2": (2, "mirrored", {}, None),
+    "mirrored4": (4, "mirrored", {}, None),
+    "central_storage2": (2, "central_storage", {}, None),
+    "loop_mirrored2": (2, "mirrored", {}, 3),
+    "loop1_one_device": (1, "default", {}, 1),
+    "loop3_one_device": (1, "default", {}, 3),
+    "spe3_mirrored2": (2, "mirrored", {"steps_per_execution": 3}, None),
+    "jit_mirrored2": (2, "mirrored", {"jit_compile": True}, None),
+    "jit_one_device": (1, "default", {"jit_compile": True}, None),
+    "multi_worker": (2, "multi_worker", {}, None),
+    # evaluate and predict on the reference's weights, in-process cluster
+    "parameter_server": (1, "parameter_server", {}, None),
+    "plain-mirrored2": (2, "mirrored", {}, None),
+    "plain-central_storage2": (2, "central_storage", {}, None),
+}
+
+
+def main(path, names):
+    devices, kind, compile_extra, steps_per_loop = PATHS[path]
+    if devices > 1:
+        kd.virtual_devices(devices)
+    import keras
+
+    import features
+
+    evaluate_only = kind == "parameter_server"
+    if evaluate_only:
+        resolver = kd.local_cluster(workers=2, ps=1)
+        strategy = kd.make_strategy(kind, cluster_resolver=resolver)
+    else:
+        strategy = kd.make_strategy(kind)
+    model_class = keras.Model if path.startswith("plain-") else kd.Model
+    for name in names:
+        started = time.monotonic()
+        result = features.compare(
+            name, model_class, strategy=strategy, compile_extra=compile_extra,
+            steps_per_loop=steps_per_loop, evaluate_only=evaluate_only,
+        )
+        result.update(
+            path=path, replicas=strategy.num_replicas_in_sync, task=kd.cluster_info().label,
+            seconds=round(time.monotonic() - started, 2),
+        )
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(","))

@@ -1,0 +1,527 @@
+"""The exactness matrix's features: Keras training settings real recipes use.
+
+Each feature is a small training problem with an uneven last batch (33 rows,
+global batch 16: the last batch has 1 row, so every replica but one is
+empty). It gives data, a model builder taking the model class, compile
+arguments (the optimizer is built fresh each time) and the fit, evaluate
+and predict arguments. The same feature is trained with plain Keras on one
+device (the reference) and with kd under each path of the matrix.
+"""
+
+import os
+import pickle
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+GLOBAL_BATCH = 16
+ROWS = 2 * GLOBAL_BATCH + 1
+EPOCHS = 3
+FLOAT32_TOLERANCE = 2e-5
+FLOAT16_TOLERANCE = 5e-3
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _regression(rows=ROWS, features=5, seed=0):
+    rng = _rng(seed)
+    x = rng.normal(size=(rows, features)).astype("float32")
+    y = (x @ rng.normal(size=(features, 1)) + 0.1 * rng.normal(size=(rows, 1))).astype("float32")
+    return x, y
+
+
+def _mlp(cls, *, l2=0.0, activity=0.0, batch_norm=False, frozen=False, dtype=None):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(
+        8,
+        activation="tanh",
+        kernel_regularizer=keras.regularizers.L2(l2) if l2 else None,
+        activity_regularizer=keras.regularizers.L2(activity) if activity else None,
+        trainable=not frozen,
+    )(inputs)
+    if batch_norm:
+        x = keras.layers.BatchNormalization(synchronized=True, momentum=0.8)(x)
+    x = keras.layers.Dense(6, activation="tanh")(x)
+    outputs = keras.layers.Dense(1, dtype=dtype)(x)
+    return cls(inputs, outputs)
+
+
+def _regression_feature(optimizer, *, build=None, compile_extra=None, **extra):
+    x, y = _regression()
+    return dict(
+        build=build or (lambda cls: _mlp(cls)),
+        optimizer=optimizer,
+        compile=dict(loss="mse", metrics=["mae"], **(compile_extra or {})),
+        fit=dict(x=x, y=y),
+        evaluate=dict(x=x, y=y),
+        predict=dict(x=x),
+        **extra,
+    )
+
+
+def base():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01))
+
+
+def clipnorm():
+    return _regression_feature(lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5))
+
+
+def global_clipnorm():
+    return _regression_feature(
+        lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=0.5)
+    )
+
+
+def clipvalue():
+    return _regression_feature(lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipvalue=0.05))
+
+
+def accumulation():
+    # 3 batches per epoch, 2 micro-batches per update: updates straddle the
+    # epoch boundary and the last micro-batch has 1 row.
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2))
+
+
+def accumulation_clip():
+    return _regression_feature(
+        lambda: keras.optimizers.SGD(
+            0.05, momentum=0.9, global_clipnorm=0.3, gradient_accumulation_steps=2
+        )
+    )
+
+
+def loss_scale_factor():
+    return _regression_feature(lambda: keras.optimizers.SGD(0.05, loss_scale_factor=128.0))
+
+
+def mixed_float16():
+    # float16 compute, float32 variables, dynamic loss scaling. The initial
+    # scale is one at which no float16 gradient overflows: where the full
+    # batch overflows and a replica's part does not, the two runs skip
+    # different steps (see README, "Exactness").
+    return _regression_feature(
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=256.0),
+        build=lambda cls: _mlp(cls, dtype="float32"),
+        policy="mixed_float16",
+        tolerance=FLOAT16_TOLERANCE,
+    )
+
+
+def nonfinite_on_one_replica():
+    # Row 9 has a huge label: its gradient overflows float16 on the replica
+    # that holds it (replica 1 of 2, replica 2 of 4). One device skips that
+    # step and halves the loss scale; so must every replica and worker.
+    x, y = _regression()
+    y_bad = y.copy()
+    y_bad[9] = 3e4
+    return dict(
+        build=lambda cls: _mlp(cls, dtype="float32"),
+        optimizer=lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=256.0),
+        compile=dict(loss="mse", metrics=["mae"]),
+        fit=dict(x=x, y=y_bad),
+        evaluate=dict(x=x, y=y),
+        predict=dict(x=x),
+        policy="mixed_float16",
+        tolerance=FLOAT16_TOLERANCE,
+    )
+
+
+def ema():
+    return _regression_feature(
+        lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2)
+    )
+
+
+def adamw_schedule():
+    schedule = lambda: keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.7)
+    return _regression_feature(lambda: keras.optimizers.AdamW(schedule(), weight_decay=0.1))
+
+
+def regularizers():
+    # An L2 weight penalty and a batch-mean activity penalty (an add_loss term).
+    return _regression_feature(
+        lambda: keras.optimizers.Adam(0.01), build=lambda cls: _mlp(cls, l2=0.01, activity=0.05)
+    )
+
+
+def frozen_layer():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01), build=lambda cls: _mlp(cls, frozen=True))
+
+
+def sync_batch_norm():
+    return _regression_feature(
+        lambda: keras.optimizers.Adam(0.01), build=lambda cls: _mlp(cls, batch_norm=True)
+    )
+
+
+def weights():
+    # Sample weights, and weighted metrics.
+    x, y = _regression()
+    sample_weight = _rng(3).uniform(0.2, 2.0, size=(ROWS,)).astype("float32")
+    return dict(
+        build=lambda cls: _mlp(cls),
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(loss="mse", metrics=["mae"], weighted_metrics=["mse"]),
+        fit=dict(x=x, y=y, sample_weight=sample_weight),
+        evaluate=dict(x=x, y=y, sample_weight=sample_weight),
+        predict=dict(x=x),
+    )
+
+
+def _classifier(cls):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return cls(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+
+
+def class_weights():
+    rng = _rng()
+    x = rng.normal(size=(ROWS, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(ROWS,)).astype("int32")
+    return dict(
+        build=_classifier,
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(loss="sparse_categorical_crossentropy", metrics=["accuracy"]),
+        fit=dict(x=x, y=y, class_weight={0: 1.0, 1: 2.0, 2: 0.5}),
+        evaluate=dict(x=x, y=y),
+        predict=dict(x=x),
+    )
+
+
+def _two_heads(cls):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    value = keras.layers.Dense(1, name="value")(hidden)
+    grid = keras.layers.Reshape((3, 2), name="grid")(keras.layers.Dense(6)(hidden))
+    return cls(inputs, {"value": value, "grid": grid})
+
+
+def multi_output():
+    # Two outputs, one with labels of shape (n, 3, 2), weighted losses.
+    x, y = _regression()
+    grid = _rng(4).normal(size=(ROWS, 3, 2)).astype("float32")
+    labels = {"value": y, "grid": grid}
+    return dict(
+        build=_two_heads,
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(
+            loss={"value": "mse", "grid": "mae"},
+            loss_weights={"value": 1.0, "grid": 0.5},
+            metrics={"value": ["mae"]},
+        ),
+        fit=dict(x=x, y=labels),
+        evaluate=dict(x=x, y=labels),
+        predict=dict(x=x),
+    )
+
+
+def _two_inputs(cls):
+    keras.utils.set_random_seed(1)
+    left = keras.Input((3,), name="left")
+    right = keras.Input((2,), name="right")
+    hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([left, right]))
+    return cls({"left": left, "right": right}, keras.layers.Dense(1)(hidden))
+
+
+def dict_inputs():
+    x, y = _regression()
+    inputs = {"left": x[:, :3], "right": x[:, 3:]}
+    return dict(
+        build=_two_inputs,
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(loss="mse", metrics=["mae"]),
+        fit=dict(x=inputs, y=y),
+        evaluate=dict(x=inputs, y=y),
+        predict=dict(x=inputs),
+    )
+
+
+def _sequences(rows=ROWS, length=6, vocabulary=12, seed=5):
+    rng = _rng(seed)
+    tokens = rng.integers(1, vocabulary, size=(rows, length))
+    lengths = rng.integers(2, length + 1, size=(rows,))
+    tokens[np.arange(length)[None, :] >= lengths[:, None]] = 0  # padding, masked
+    return tokens.astype("int32")
+
+
+def _masked_tagger(cls):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(12, 4, mask_zero=True)(inputs)
+    x = keras.layers.LSTM(5, return_sequences=True)(x)
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def masks():
+    # A per-timestep loss over padded sequences: the mask decides the
+    # denominator, so each replica holds a different number of real steps.
+    tokens = _sequences()
+    targets = (tokens[..., None] % 3).astype("float32")
+    return dict(
+        build=_masked_tagger,
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(loss="mse", metrics=["mae"]),
+        fit=dict(x=tokens, y=targets),
+        evaluate=dict(x=tokens, y=targets),
+        predict=dict(x=tokens),
+    )
+
+
+def _sentiment(cls):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(12, 4)(inputs)
+    x = keras.layers.LSTM(5)(x)
+    return cls(inputs, keras.layers.Dense(1, activation="sigmoid")(x))
+
+
+def lstm_auc():
+    tokens = _sequences(seed=6)
+    labels = (tokens.sum(axis=1) % 2).astype("float32")[:, None]
+    return dict(
+        build=_sentiment,
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc"), "accuracy"]),
+        fit=dict(x=tokens, y=labels),
+        evaluate=dict(x=tokens, y=labels),
+        predict=dict(x=tokens),
+    )
+
+
+def _cnn(cls):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Flatten()(x)
+    return cls(inputs, keras.layers.Dense(3)(x))
+
+
+def cnn():
+    # Conv2D + ReLU: oneDNN's CPU kernels mishandle a replica with 0 rows.
+    rng = _rng(7)
+    images = rng.normal(size=(ROWS, 8, 8, 1)).astype("float32")
+    labels = rng.integers(0, 3, size=(ROWS,)).astype("int32")
+    return dict(
+        build=_cnn,
+        optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        compile=dict(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        ),
+        fit=dict(x=images, y=labels),
+        evaluate=dict(x=images, y=labels),
+        predict=dict(x=images),
+    )
+
+
+def reshuffled_dataset():
+    # A seeded tf.data shuffle that reshuffles every pass, as TF's guides
+    # write it: building the model must not consume or reorder the data.
+    x, y = _regression()
+
+    def dataset():
+        data = tf.data.Dataset.from_tensor_slices((x, y))
+        data = data.shuffle(ROWS, seed=11, reshuffle_each_iteration=True)
+        return data.batch(GLOBAL_BATCH)
+
+    return dict(
+        build=lambda cls: _mlp(cls),
+        optimizer=lambda: keras.optimizers.Adam(0.01),
+        compile=dict(loss="mse", metrics=["mae"]),
+        fit=dict(x=dataset),
+        evaluate=dict(x=x, y=y),
+        predict=dict(x=x),
+    )
+
+
+def _keras_guide_train_step(self, data):
+    """A `train_step` override written as Keras's guide writes it."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        loss = self.optimizer.scale_loss(loss)
+    gradients = tape.gradient(loss, self.trainable_variables)
+    self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _custom_step_model(cls):
+    # The reference is the same override on a plain keras.Model.
+    model_class = type("CustomStep", (cls,), {"train_step": _keras_guide_train_step})
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(
+        8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.05)
+    )(inputs)
+    return model_class(inputs, keras.layers.Dense(1)(hidden))
+
+
+def custom_train_step():
+    return _regression_feature(
+        lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5), build=_custom_step_model
+    )
+
+
+FEATURES = {
+    "base": base,
+    "clipnorm": clipnorm,
+    "global_clipnorm": global_clipnorm,
+    "clipvalue": clipvalue,
+    "accumulation": accumulation,
+    "accumulation_clip": accumulation_clip,
+    "loss_scale_factor": loss_scale_factor,
+    "mixed_float16": mixed_float16,
+    "nonfinite_on_one_replica": nonfinite_on_one_replica,
+    "ema": ema,
+    "adamw_schedule": adamw_schedule,
+    "regularizers": regularizers,
+    "frozen_layer": frozen_layer,
+    "sync_batch_norm": sync_batch_norm,
+    "weights": weights,
+    "class_weights": class_weights,
+    "multi_output": multi_output,
+    "dict_inputs": dict_inputs,
+    "masks": masks,
+    "lstm_auc": lstm_auc,
+    "cnn": cnn,
+    "reshuffled_dataset": reshuffled_dataset,
+    "custom_train_step": custom_train_step,
+}
+
+
+def train(model_class, name, *, strategy=None, compile_extra=None, steps_per_loop=None,
+          weights=None):
+    """Builds, compiles and trains feature `name`; returns the comparable results.
+
+    With `steps_per_loop`, trains and evaluates through `kd.TrainLoop`. With
+    `weights`, does not train: loads them, then evaluates and predicts.
+    """
+    spec = FEATURES[name]()
+    policy = spec.get("policy")
+    previous = keras.config.dtype_policy()
+    if policy:
+        keras.config.set_dtype_policy(policy)
+    try:
+        scope = strategy.scope() if strategy is not None else _no_scope()
+        with scope:
+            model = spec["build"](model_class)
+            model.compile(optimizer=spec["optimizer"](), **spec["compile"], **(compile_extra or {}))
+        fit_args = dict(spec["fit"])
+        if callable(fit_args.get("x")):
+            fit_args["x"] = fit_args["x"]()
+        else:
+            fit_args.update(batch_size=GLOBAL_BATCH, shuffle=False)
+        if weights is not None:
+            model.set_weights(weights)
+            history = None
+            logs = model.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+            predictions = model.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+        elif steps_per_loop:
+            import keras_distrib as kd
+
+            runner = kd.TrainLoop(model, steps_per_loop=steps_per_loop)
+            history = runner.fit(**fit_args, epochs=EPOCHS, verbose=0)
+            logs = runner.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0)
+            predictions = runner.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+        else:
+            history = model.fit(**fit_args, epochs=EPOCHS, verbose=0)
+            logs = model.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+            predictions = model.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    return dict(
+        weights=[np.asarray(w) for w in model.get_weights()],
+        history=history.history if history is not None else None,
+        evaluate=logs,
+        predict=predictions,
+        iterations=int(np.asarray(model.optimizer.iterations)),
+    )
+
+
+class _no_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def tolerance(name):
+    return FEATURES[name]().get("tolerance", FLOAT32_TOLERANCE)
+
+
+def relative_difference(reference, candidate):
+    """max |a - b| / (1 + |a|) over two nests; `reference` is a."""
+    if isinstance(reference, dict):
+        if sorted(reference) != sorted(candidate):
+            raise AssertionError(f"keys differ: {sorted(reference)} vs {sorted(candidate)}")
+        return max((relative_difference(reference[k], candidate[k]) for k in reference), default=0.0)
+    if isinstance(reference, (list, tuple)):
+        if len(reference) != len(candidate):
+            raise AssertionError(f"lengths differ: {len(reference)} vs {len(candidate)}")
+        return max((relative_difference(a, b) for a, b in zip(reference, candidate)), default=0.0)
+    a = np.asarray(reference, dtype="float64")
+    b = np.asarray(candidate, dtype="float64")
+    if a.shape != b.shape:
+        raise AssertionError(f"shapes differ: {a.shape} vs {b.shape}")
+    if not a.size:
+        return 0.0
+    same = (a == b) | (np.isnan(a) & np.isnan(b))  # equal infinities count as equal
+    if not np.all(same | (np.isfinite(a) & np.isfinite(b))):
+        return float("inf")
+    with np.errstate(invalid="ignore"):
+        gaps = np.where(same, 0.0, np.abs(a - b) / (1.0 + np.abs(a)))
+    return float(np.max(gaps))
+
+
+def reference(name):
+    """Plain Keras on one device; cached in $KD_REFERENCE_DIR across processes."""
+    folder = os.environ.get("KD_REFERENCE_DIR")
+    path = os.path.join(folder, f"feature-{name}.pkl") if folder else None
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    with tf.device("/CPU:0"):
+        result = train(keras.Model, name)
+    if path:
+        temp = f"{path}.{os.getpid()}.tmp"
+        with open(temp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(temp, path)
+    return result
+
+
+def error_summary(error):
+    """The informative line of an error (TensorFlow wraps it in a traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    informative = [line for line in lines if "Error:" in line or "error" in line.lower()]
+    return ((informative or lines or [""])[-1])[:600]
+
+
+def compare(name, model_class, *, evaluate_only=False, **kwargs):
+    """Trains feature `name` with `model_class` and compares with the reference.
+
+    With `evaluate_only`, loads the reference's trained weights instead of
+    training, and compares evaluate and predict.
+    """
+    expected = reference(name)
+    if evaluate_only:
+        kwargs["weights"] = expected["weights"]
+    try:
+        actual = train(model_class, name, **kwargs)
+    except Exception as error:  # reported, and the test decides
+        return dict(feature=name, error=f"{type(error).__name__}: {error_summary(error)}")
+    result = dict(feature=name, tolerance=tolerance(name))
+    keys = ("evaluate", "predict") if evaluate_only else ("weights", "history", "evaluate", "predict")
+    for key in keys:
+        result[key] = relative_difference(expected[key], actual[key])
+    result["iterations"] = [expected["iterations"], actual["iterations"]]
+    return result

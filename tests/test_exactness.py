@@ -1,0 +1,122 @@
+"""The exactness matrix: Keras training features x kd paths, against one device.
+
+Every feature (tests/scripts/features.py) trains with plain Keras on one
+device (the reference) and with kd on each path below, with the same initial
+weights and global batches, an uneven last batch and empty replicas. Each
+path runs in its own process (one device layout per process); a path's
+features share the process, and the references are cached across processes.
+Settings kd cannot make exact on a path must be refused with an error that
+names them. A plain-Keras contrast shows the comparison can fail.
+"""
+
+import pytest
+
+from tests import _harness
+
+CORE = [
+    "base", "global_clipnorm", "accumulation", "nonfinite_on_one_replica",
+    "sync_batch_norm", "weights", "multi_output", "masks", "cnn", "custom_train_step",
+]
+ALL = [
+    "base", "clipnorm", "global_clipnorm", "clipvalue", "accumulation", "accumulation_clip",
+    "loss_scale_factor", "mixed_float16", "nonfinite_on_one_replica", "ema", "adamw_schedule",
+    "regularizers", "frozen_layer", "sync_batch_norm", "weights", "class_weights",
+    "multi_output", "dict_inputs", "masks", "lstm_auc", "cnn", "reshuffled_dataset",
+    "custom_train_step",
+]
+
+MATRIX = {
+    "one_device": ALL,
+    "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step"],
+    "mirrored2": ALL,
+    "mirrored4": CORE + ["clipnorm", "clipvalue", "mixed_float16", "regularizers"],
+    "central_storage2": ALL,
+    "loop_mirrored2": CORE + ["ema", "reshuffled_dataset", "lstm_auc"],
+    "spe3_mirrored2": CORE + ["ema", "reshuffled_dataset", "lstm_auc"],
+    "jit_mirrored2": CORE + ["clipnorm", "mixed_float16", "regularizers", "lstm_auc"],
+    "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc"],
+    "parameter_server": ALL,
+}
+MULTI_WORKER = CORE + ["clipnorm", "mixed_float16", "ema", "reshuffled_dataset"]
+
+# (path, feature) -> text the refusal must contain.
+_CENTRAL = "CentralStorageStrategy keeps one copy of each variable"
+_JIT = "compiles only the forward pass with XLA"
+REFUSED = {
+    ("central_storage2", "accumulation"): ("`gradient_accumulation_steps`=2", _CENTRAL),
+    ("central_storage2", "accumulation_clip"): ("`gradient_accumulation_steps`=2", _CENTRAL),
+    ("central_storage2", "ema"): ("`use_ema`=True", _CENTRAL),
+    ("central_storage2", "mixed_float16"): ("LossScaleOptimizer", _CENTRAL),
+    ("central_storage2", "nonfinite_on_one_replica"): ("LossScaleOptimizer", _CENTRAL),
+    ("central_storage2", "sync_batch_norm"): ("BatchNormalization", _CENTRAL),
+    ("jit_mirrored2", "sync_batch_norm"): ("BatchNormalization(synchronized=True)", _JIT),
+    ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
+    ("jit_mirrored2", "lstm_auc"): ("(LSTM)", _JIT),
+}
+
+
+def _check(path, results, features):
+    assert [r["feature"] for r in results] == features, results
+    failures = []
+    for result in results:
+        feature = result["feature"]
+        refusal = REFUSED.get((path, feature))
+        if refusal is not None:
+            error = result.get("error", "")
+            if not all(text in error for text in refusal) or "ValueError" not in error:
+                failures.append((feature, "expected a refusal naming", refusal, result))
+            continue
+        if "error" in result:
+            failures.append((feature, result["error"]))
+            continue
+        keys = [k for k in ("weights", "history", "evaluate", "predict") if k in result]
+        worst = {k: result[k] for k in keys if not result[k] <= result["tolerance"]}
+        if worst:
+            failures.append((feature, "tolerance", result["tolerance"], worst))
+        if path != "parameter_server" and result["iterations"][0] != result["iterations"][1]:
+            failures.append((feature, "optimizer iterations", result["iterations"]))
+    assert not failures, "\n".join(map(str, failures))
+
+
+@pytest.mark.parametrize("path", sorted(MATRIX))
+def test_feature_matches_one_device(path):
+    features = MATRIX[path]
+    code, output = _harness.run_script("exactness.py", path, ",".join(features), timeout=600)
+    assert code == 0, output[-4000:]
+    _check(path, _harness.results_of(output), features)
+
+
+def test_features_on_two_worker_processes():
+    # 2 processes x 2 virtual devices: 4 replicas, exact on both workers.
+    result, output = _harness.run_cluster(
+        "exactness.py", "multi_worker", ",".join(MULTI_WORKER), workers=2, timeout=600
+    )
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    by_task = {}
+    for item in results:
+        by_task.setdefault(item["task"], []).append(item)
+    assert sorted(by_task) == ["worker 0", "worker 1"]
+    for task_results in by_task.values():
+        assert {r["replicas"] for r in task_results} == {4}
+        _check("multi_worker", task_results, MULTI_WORKER)
+
+
+def test_plain_keras_contrast_fails_the_same_comparison():
+    """The comparison can fail: plain Keras 3 under mirrored is far off."""
+    features = ["base", "clipnorm", "global_clipnorm", "nonfinite_on_one_replica"]
+    code, output = _harness.run_script("exactness.py", "plain-mirrored2", ",".join(features))
+    assert code == 0, output[-4000:]
+    results = {r["feature"]: r for r in _harness.results_of(output)}
+    assert sorted(results) == sorted(features)
+    # An uneven last batch: each replica divides by its own rows.
+    assert results["base"]["weights"] > 1e-3, results["base"]
+    # Keras 3 clips each replica's partial gradient before the all-reduce.
+    assert results["clipnorm"]["weights"] > 1e-1, results["clipnorm"]
+    assert results["global_clipnorm"]["weights"] > 1e-2, results["global_clipnorm"]
+    # Only the first replica's finite check decides: the overflow on the
+    # second replica is applied, and the weights become non-finite.
+    overflow = results["nonfinite_on_one_replica"]
+    assert overflow["iterations"][0] != overflow["iterations"][1], overflow
+    assert overflow["weights"] == float("inf"), overflow
