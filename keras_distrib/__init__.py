@@ -11,6 +11,7 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 from keras_distrib import callbacks
 from keras_distrib import cluster
 from keras_distrib import data
+from keras_distrib import gradients
 from keras_distrib import losses
 from keras_distrib.checkpoint import CheckpointManager
 from keras_distrib.cluster import ClusterInfo
@@ -19,6 +20,7 @@ from keras_distrib.cluster import is_chief
 from keras_distrib.data import describe_input
 from keras_distrib.data import distribute_dataset
 from keras_distrib.devices import virtual_devices
+from keras_distrib.gradients import exact_optimizer
 from keras_distrib.launcher import launch
 from keras_distrib.launcher import local_cluster
 from keras_distrib.loop import TrainLoop
@@ -42,6 +44,8 @@ __all__ = [
     "data",
     "describe_input",
     "distribute_dataset",
+    "exact_optimizer",
+    "gradients",
     "is_chief",
     "launch",
     "local_cluster",

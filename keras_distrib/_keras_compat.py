@@ -1,50 +1,64 @@
-"""Every place where keras_distrib depends on Keras internals, in one module.
+"""Every place where keras_distrib touches Keras or TensorFlow internals.
 
-Keras 3 divides each replica's loss by its own row count and by the replica
-count, reduces step logs with a per-replica mean, and builds models from a
-`strategy.reduce` of the first batch (which crashes under multi-worker).
-We correct those at the narrowest point we can reach:
+Nothing else in keras_distrib imports `keras.src` or `tensorflow.python`, or
+reads a private (`_name`) attribute of a Keras or TensorFlow object;
+`tests/test_keras_compat.py` checks that, and checks every name in
+`PRIVATE_NAMES` against the installed Keras, so a Keras that changes one
+fails loudly there, not silently in training.
 
-- `GlobalCompileLoss` replaces the model's `CompileLoss` and wraps each
-  resolved loss so that it returns the replica's share of the exact global
-  mean (`GlobalReductionLoss`), and its per-output trackers so they report
-  the true global value (`GlobalShareMean`).
-- `first_local_batch` replaces the symbolic-build reduction.
-- Keras variables implement `assign_add(x)` as `assign(self + x)`. Under
-  CentralStorageStrategy a metric variable is an `AggregatingVariable`
-  that sums what every replica assigns, so each step stores
-  R * old + sum(x) (plain Keras reports counts that double every step).
-  Under ParameterServerStrategy, workers update the same variable on a
-  parameter server concurrently; a read-modify-write loses increments
-  (plain Keras: `optimizer.iterations` 29 instead of 32).
-  `patch_aggregating_assign` routes both to the variable's own atomic
-  `assign_add`/`assign_sub`.
+What kd corrects here, at the narrowest point it can reach:
 
-These touch private Keras names, so they are checked against the versions we
-test (`TESTED_KERAS`). `tests/test_keras_compat.py` fails loudly if a new
-Keras changes the behaviour they rely on.
+- Losses: `GlobalCompileLoss` replaces a kd model's `CompileLoss` and wraps
+  each resolved loss so it returns the replica's share of the exact global
+  mean (`GlobalReductionLoss`), and its trackers so they report the true
+  global value (`GlobalShareMean`).
+- The optimizer (instance by instance, kd models' optimizers only): kd
+  all-reduces gradients before Keras unscales, accumulates and clips them;
+  Keras's own all-reduce is skipped and its conditionals (accumulation, EMA
+  overwrite) run in cross-replica context.
+- Variables (kd models' variables only): Keras implements `assign_add(x)` as
+  `assign(self + x)`. Under CentralStorageStrategy a metric variable is an
+  `AggregatingVariable` that sums what every replica assigns (R * old +
+  sum(x): counts that double every step); under ParameterServerStrategy
+  workers read-modify-write the same variable concurrently and lose
+  increments. `fix_variables` routes both to the variable's own atomic
+  update, and makes partitioned weights readable as NumPy (saving).
+- The forward pass: `add_loss` terms recorded per replica, synchronized
+  batch normalization with exact global moments.
+
+Importing keras_distrib patches no Keras or TensorFlow class.
 """
 
+import contextlib
+import inspect
 import warnings
 import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
+from keras import tree
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
-from keras.src import backend as keras_backend
-from keras.src import tree
 from keras.src.backend.common import masking as keras_masking
-from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.tensorflow import core as keras_tf_core
+from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
+from keras.src.models import functional as keras_functional
+from keras.src.models import model as keras_model
 from keras.src.trainers import compile_utils
+from keras.src.trainers.data_adapters import array_slicing
+from keras.src.utils import python_utils
 from keras.src.utils import tracking
 
 from keras_distrib import losses as kd_losses
+from keras_distrib import replica
 
 TESTED_KERAS = ((3, 12), (3, 15))
+TESTED_TENSORFLOW = ((2, 20), (2, 21))
 
 
 def _version_tuple(version):
@@ -56,13 +70,80 @@ def _version_tuple(version):
 
 
 KERAS_VERSION = _version_tuple(keras.__version__)
+TENSORFLOW_VERSION = _version_tuple(tf.__version__)
 if not TESTED_KERAS[0] <= KERAS_VERSION <= TESTED_KERAS[1]:
     warnings.warn(
         f"keras_distrib is tested with Keras {TESTED_KERAS[0]}..{TESTED_KERAS[1]}"
-        f" and found Keras {keras.__version__}; run its test suite "
+        f" and found Keras {keras.__version__}; run its compatibility tests "
         "(tests/test_keras_compat.py) before trusting exactness.",
         stacklevel=2,
     )
+
+# Every private name kd relies on: (owner, name, what kd needs from it).
+# tests/test_keras_compat.py resolves each one on the installed versions.
+PRIVATE_NAMES = (
+    ("keras.src.trainers.compile_utils.CompileLoss", "_user_loss", "attribute set in __init__"),
+    ("keras.src.trainers.compile_utils.CompileLoss", "_user_loss_weights", "attribute set in __init__"),
+    ("keras.src.trainers.compile_utils.CompileLoss", "_flat_losses", "list of Loss(path, loss, loss_weights, name)"),
+    ("keras.src.trainers.compile_utils.CompileLoss", "_metrics", "list of per-output loss trackers"),
+    ("keras.src.trainers.compile_utils.CompileMetrics", "metrics", "the flat list of compiled metrics"),
+    ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank", "function(x1, x2)"),
+    ("keras.src.losses.loss", "unscale_loss_for_distribution", "function(value): value * R"),
+    ("keras.src.backend.common.masking", "get_keras_mask", "function(x)"),
+    ("keras.src.backend.common.masking", "set_keras_mask", "function(x, mask)"),
+    ("keras.src.backend.common.symbolic_scope", "in_symbolic_scope", "function()"),
+    ("keras.src.backend.tensorflow.trainer", "TFEpochIterator", "class: (begin, end, iterator) chunks"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset", "attribute set in __init__"),
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
+    ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "function(arrays, validation_split)"),
+    ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
+    ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
+    ("keras.src.models.functional", "Functional", "class"),
+    ("keras.src.models.model", "functional_init_arguments", "function(args, kwargs)"),
+    ("keras.Model", "_compile_loss", "attribute set by compile"),
+    ("keras.Model", "_loss_tracker", "attribute set by compile"),
+    ("keras.Model", "_compute_loss", "method(x, y, y_pred, sample_weight, training)"),
+    ("keras.Model", "_aggregate_additional_loss", "method(loss), overridden by kd"),
+    ("keras.Model", "_symbolic_build", "method(iterator=None, data_batch=None)"),
+    ("keras.Model", "_maybe_symbolic_build", "method(iterator=None, data_batch=None), overridden by kd"),
+    ("keras.Model", "_assert_compile_called", "method(method_name)"),
+    ("keras.Model", "_call_has_training_arg", "attribute"),
+    ("keras.Model", "_distribute_strategy", "attribute: the strategy at creation, or None"),
+    ("keras.Model", "_initial_epoch", "attribute Keras's BackupAndRestore sets"),
+    ("keras.Model", "_get_metrics_result_or_logs", "method(logs)"),
+    ("keras.Model", "_flatten_metrics_in_order", "method(logs)"),
+    ("keras.Model", "_flatten_layers", "method(include_self, recursive)"),
+    ("keras.layers.BatchNormalization", "_moments", "method(inputs, mask), replaced per layer"),
+    ("keras.layers.BatchNormalization", "_reduction_axes", "attribute set in build"),
+    ("keras.optimizers.Optimizer", "_distribution_strategy", "attribute (TF backend)"),
+    ("keras.optimizers.Optimizer", "_all_reduce_sum_gradients", "method(grads_and_vars), replaced per optimizer"),
+    ("keras.optimizers.Optimizer", "_backend_apply_gradients", "method(grads, trainable_variables), replaced per optimizer"),
+    ("keras.optimizers.Optimizer", "_backend_update_step", "method(grads, trainable_variables, learning_rate)"),
+    ("keras.optimizers.Optimizer", "_backend_increment_gradient_accumulators", "method(grads, acc_grads)"),
+    ("keras.optimizers.Optimizer", "_backend_reset_gradient_accumulators", "method()"),
+    ("keras.optimizers.Optimizer", "_clip_gradients", "method(grads)"),
+    ("keras.optimizers.Optimizer", "_apply_weight_decay", "method(variables)"),
+    ("keras.optimizers.Optimizer", "_update_model_variables_moving_average", "method(trainable_variables)"),
+    ("keras.optimizers.Optimizer", "_overwrite_model_variables_with_average_value", "method(trainable_variables)"),
+    ("keras.optimizers.Optimizer", "_get_variable_index", "method(variable)"),
+    ("keras.optimizers.Optimizer", "_iterations", "attribute: the raw step counter"),
+    ("keras.optimizers.Optimizer", "_accumulated_gradients", "attribute set by build"),
+    ("keras.optimizers.Optimizer", "_trainable_variables", "attribute set by build"),
+    ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
+    ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
+    ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
+    ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
+    ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
+    ("tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended",
+     "_initialize_local_devices", "method(cluster_resolver, worker_device)"),
+    ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
+    ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
+    ("tf.data.Dataset", "_as_serialized_graph", "method()"),
+)
+
+
+# ---------------------------------------------------------------------------
+# Losses and loss trackers.
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
@@ -94,12 +175,12 @@ class GlobalReductionLoss(keras.losses.Loss):
         if reduction in (None, "none"):
             return self.inner(y_true, y_pred, sample_weight)
         dtype = self.inner.dtype
-        in_mask = keras_backend.get_keras_mask(y_pred)
+        in_mask = keras_masking.get_keras_mask(y_pred)
         with tf.name_scope(self.name):
             y_pred = tree.map_structure(lambda x: tf.cast(x, dtype), y_pred)
             y_true = tree.map_structure(lambda x: tf.cast(x, dtype), y_true)
             values = tf.convert_to_tensor(self.inner.call(y_true, y_pred), dtype)
-            mask = _combine_masks(in_mask, keras_backend.get_keras_mask(values))
+            mask = _combine_masks(in_mask, keras_masking.get_keras_mask(values))
             weights = None
             if sample_weight is not None:
                 weights = tf.cast(tf.convert_to_tensor(sample_weight), dtype)
@@ -163,7 +244,7 @@ class GlobalShareMean(keras.metrics.Mean):
         return {**super().get_config(), "weighting": self.weighting}
 
     def update_state(self, values, sample_weight=None):
-        batch = kd_losses.current_batch()
+        batch = replica.current_batch()
         if batch is None:
             return super().update_state(values, sample_weight=sample_weight)
         replicas = num_replicas()
@@ -216,6 +297,108 @@ def unscale_for_tracker(share):
     return keras_loss.unscale_loss_for_distribution(share)
 
 
+
+
+def compute_loss(model, **kwargs):
+    """Keras's `_compute_loss` (compute_loss with its backward-compatible arguments)."""
+    return model._compute_loss(**kwargs)
+
+
+def track_loss(model, share):
+    """Updates the model's loss tracker with a replica's loss share."""
+    if getattr(model, "_loss_tracker", None) is not None:
+        model._loss_tracker.update_state(unscale_for_tracker(share))
+
+
+# ---------------------------------------------------------------------------
+# Model internals.
+
+Functional = keras_functional.Functional
+
+
+def functional_init_arguments(args, kwargs):
+    return keras_model.functional_init_arguments(args, kwargs)
+
+
+class ModelHooks:
+    """The private Keras methods kd models override, forwarding to kd's own.
+
+    `keras_distrib.models.DistributedModelMixin` inherits this, so the
+    overrides of private names live here.
+    """
+
+    def _aggregate_additional_loss(self, loss):
+        return self.additional_loss_share(loss)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        return self.build_from_data(iterator=iterator, data_batch=data_batch)
+
+
+def symbolic_build(model, data_batch):
+    """Builds the model, its compiled losses and metrics from a batch or spec."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def assert_compiled(model, method):
+    model._assert_compile_called(method)
+
+
+def created_strategy(model):
+    """The strategy `model` was created under, or None (the default one)."""
+    return model._distribute_strategy
+
+
+def call_has_training_arg(model):
+    return model._call_has_training_arg
+
+
+def initial_epoch(model):
+    """The epoch Keras's own BackupAndRestore restored (`model._initial_epoch`)."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def set_initial_epoch(model, epoch):
+    model._initial_epoch = epoch
+
+
+def metrics_result_or_logs(model, logs):
+    return model._get_metrics_result_or_logs(logs)
+
+
+def flatten_metrics_in_order(model, logs):
+    return model._flatten_metrics_in_order(logs)
+
+
+def compile_metric_names(metric):
+    """Log keys a compiled-metrics container produces (its metrics' names)."""
+    if isinstance(metric, compile_utils.CompileMetrics):
+        return {sub.name for sub in metric.metrics}
+    return set()
+
+
+# ---------------------------------------------------------------------------
+# Data and loops.
+
+
+def epoch_iterator(**kwargs):
+    """Keras's epoch iterator for TensorFlow (its data adapters, chunking)."""
+    return keras_tf_trainer.TFEpochIterator(**kwargs)
+
+
+def dataset_element_spec(epoch_iterator):
+    """The element spec of a Keras TFEpochIterator's dataset, without iterating.
+
+    Opening an iterator would consume (and for a reshuffling dataset,
+    reorder) the user's data; building the model needs only shapes.
+    """
+    return epoch_iterator._distributed_dataset.element_spec
+
+
+def per_replica_specs(spec):
+    """The per-replica element specs of a distributed element spec, or None."""
+    return getattr(spec, "_value_specs", None)
+
+
 def autoconvert_optionals(data):
     """Keras feeds `tf.experimental.Optional` for absent parts; map to None."""
     return tree.map_structure(
@@ -223,65 +406,136 @@ def autoconvert_optionals(data):
     )
 
 
-def first_local_batch(strategy, batch):
-    """A batch usable for symbolic building, from a distributed batch.
+def concat_replicas(outputs, strategy):
+    """Per-replica outputs concatenated in replica (input) order, over workers too."""
+    return keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="concat")
 
-    Keras reduces a `PerReplica` batch with `strategy.reduce("MEAN")`, which
-    fails under multi-worker strategies; shapes are all the build needs, so
-    the first local replica's part is enough.
+
+def pythonify_logs(logs):
+    return python_utils.pythonify_logs(logs)
+
+
+def train_validation_split(arrays, validation_split):
+    return array_slicing.train_validation_split(arrays, validation_split=validation_split)
+
+
+def max_epochs():
+    return keras.config.max_epochs()
+
+
+def in_symbolic_scope():
+    return _in_symbolic_scope()
+
+
+def serialized_graph(dataset):
+    """A dataset's serialized GraphDef (to count the files it reads)."""
+    return dataset._as_serialized_graph()
+
+
+# ---------------------------------------------------------------------------
+# Strategies.
+
+
+def is_multi_worker(strategy):
+    extended = strategy.extended
+    return bool(getattr(extended, "_in_multi_worker_mode", lambda: False)())
+
+
+def default_strategy():
+    """TensorFlow's default (no-op) strategy, even inside another's scope."""
+    return distribute_lib._get_default_strategy()
+
+
+def optimizer_strategy(optimizer, default):
+    """The strategy an optimizer was created under (TF backend), or `default`."""
+    return getattr(optimizer, "_distribution_strategy", default)
+
+
+@contextlib.contextmanager
+def cpu_replicas_per_worker(count):
+    """Lets MultiWorkerMirroredStrategy use `count` logical CPUs per worker.
+
+    TensorFlow gives a multi-worker strategy one replica per worker on CPU
+    (it only counts GPUs and TPUs); with virtual CPU devices we want one per
+    device, as on a multi-GPU worker. The local-device lookup is swapped
+    only while the strategy is constructed.
     """
-    flat = tree.flatten(batch)
-    if flat and all(isinstance(x, tf.distribute.DistributedValues) for x in flat):
-        return tree.map_structure(
-            lambda x: strategy.experimental_local_results(x)[0], batch
-        )
-    return batch
+    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices
 
+    def local_devices(self, cluster_resolver, worker_device):
+        devices, device_type = original(self, cluster_resolver, worker_device)
+        if device_type != "CPU" or count <= 1:
+            return devices, device_type
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
+
+    extended._initialize_local_devices = local_devices
+    try:
+        yield
+    finally:
+        extended._initialize_local_devices = original
+
+
+# ---------------------------------------------------------------------------
+# Variables under central storage and parameter servers (kd models' only).
 
 _PS_VARIABLES = (ps_values.AggregatingVariable, ps_values.CachingVariable)
 
 
-def _delegating(name):
-    original = getattr(keras_tf_core.Variable, name)
+def _delegating(variable, inner, name):
+    keras_method = getattr(type(variable), name).__get__(variable)
 
-    def method(self, value):
-        inner = getattr(self, "_value", None)
-        if isinstance(inner, _PS_VARIABLES) and not in_stateless_scope():
-            return getattr(inner, name)(tf.cast(value, inner.dtype))
-        return original(self, value)
+    def method(value):
+        if _in_stateless_scope():
+            return keras_method(value)
+        return getattr(inner, name)(tf.cast(value, inner.dtype))
 
     method.__name__ = name
-    method.__wrapped__ = original
     return method
 
 
-def _sharded_readable(name):
-    original = getattr(keras_tf_core.Variable, name)
-
-    def method(self, *args, **kwargs):
-        inner = getattr(self, "_value", None)
-        if isinstance(inner, sharded_variable.ShardedVariable):
-            # A partitioned weight reads as the concatenation of its shards.
-            value = tf.convert_to_tensor(inner).numpy()
-            return np.asarray(value, *args) if name == "__array__" else value
-        return original(self, *args, **kwargs)
+def _sharded_readable(inner, name):
+    def method(*args, **kwargs):
+        # A partitioned weight reads as the concatenation of its shards.
+        value = tf.convert_to_tensor(inner).numpy()
+        return np.asarray(value, *args[:1]) if name == "__array__" else value
 
     method.__name__ = name
-    method.__wrapped__ = original
     return method
 
 
-def patch_aggregating_assign():
-    """Makes `assign_add`/`assign_sub` sum increments under central storage and
-    parameter servers, and partitioned weights readable as NumPy (saving)."""
-    for name, make in (("assign_add", _delegating), ("assign_sub", _delegating),
-                       ("numpy", _sharded_readable), ("__array__", _sharded_readable)):
-        current = getattr(keras_tf_core.Variable, name)
-        if not hasattr(current, "__wrapped__"):
-            setattr(keras_tf_core.Variable, name, make(name))
 
 
-patch_aggregating_assign()
+def fix_variables(variables):
+    """Atomic `assign_add`/`assign_sub` and NumPy reads for `variables`.
+
+    Applied to a kd model's variables (weights, metrics, optimizer) only;
+    see the module docstring. Idempotent.
+    """
+    for variable in variables:
+        inner = getattr(variable, "_value", None)
+        fixed = vars(variable)  # the instance's own overrides, if any
+        if isinstance(inner, _PS_VARIABLES) and "assign_add" not in fixed:
+            for name in ("assign_add", "assign_sub"):
+                object.__setattr__(variable, name, _delegating(variable, inner, name))
+        elif isinstance(inner, sharded_variable.ShardedVariable) and "numpy" not in fixed:
+            for name in ("numpy", "__array__"):
+                object.__setattr__(variable, name, _sharded_readable(inner, name))
+
+
+def model_variables(model):
+    """Every variable of a kd model: weights, metrics, optimizer (and shards)."""
+    found = list(model.variables) + list(model.metrics_variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        found += list(optimizer.variables)
+        base = base_optimizer(optimizer)
+        if base is not optimizer:
+            found += list(base.variables)
+    return found
+
+
+_SHARD_VARIABLES = weakref.WeakKeyDictionary()
 
 
 def optimizer_variables(model):
@@ -294,10 +548,7 @@ def optimizer_variables(model):
     are per shard, on the shard's parameter server. The model still reads
     the whole weight (the concatenation of the same shards).
     """
-    wrappers = getattr(model, "_kd_shard_variables", None)
-    if wrappers is None:
-        wrappers = {}
-        object.__setattr__(model, "_kd_shard_variables", wrappers)
+    wrappers = _SHARD_VARIABLES.setdefault(model, {})
     result = []
     for variable in model.trainable_weights:
         inner = getattr(variable, "_value", None)
@@ -495,10 +746,3 @@ def set_keras_mask(tensor, mask):
     keras_masking.set_keras_mask(tensor, mask)
 
 
-def dataset_element_spec(epoch_iterator):
-    """The element spec of a Keras TFEpochIterator's dataset, without iterating.
-
-    Opening an iterator would consume (and for a reshuffling dataset,
-    reorder) the user's data; building the model needs only shapes.
-    """
-    return epoch_iterator._distributed_dataset.element_spec

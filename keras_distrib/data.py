@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import _keras_compat
 from keras_distrib import cluster
 
 _POLICIES = {
@@ -144,7 +145,7 @@ def _checked_dataset_fn(dataset_fn, global_batch_size, drop_remainder):
 
 def file_count(dataset):
     """Number of files a dataset reads, or None when it reads no file list."""
-    graph = dataset._as_serialized_graph()  # pylint: disable=protected-access
+    graph = _keras_compat.serialized_graph(dataset)
     graph_def = tf.compat.v1.GraphDef()
     graph_def.ParseFromString(graph.numpy())
     for node in graph_def.node:

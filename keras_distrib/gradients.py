@@ -18,14 +18,12 @@ replica makes the summed gradient non-finite everywhere, so a
 `LossScaleOptimizer` skips the step on every replica and worker together.
 """
 
+import keras
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
-from keras_distrib import losses as kd_losses
-
-
-class SparseGradientInLoop(Exception):
-    """A sparse gradient met inside a compiled multi-step loop (see all_reduce)."""
+from keras_distrib import replica
+from keras_distrib import step
 
 
 def all_reduce(gradients):
@@ -39,7 +37,7 @@ def all_reduce(gradients):
     `gradients`.
 
     Raises:
-        SparseGradientInLoop: a sparse gradient in a step looped inside one
+        step.SparseGradientInLoop: a sparse gradient in a step looped inside one
             compiled function. TensorFlow fixes the shape of a collective at
             its first loop iteration, and a gather's shape changes with the
             batch; kd's step then runs one step per call instead.
@@ -51,17 +49,50 @@ def all_reduce(gradients):
     present = [g for g in gradients if g is not None]
     if not present:
         return gradients
-    batch = kd_losses.current_batch()
+    batch = replica.current_batch()
     if batch is not None and batch.plan.looped and any(
         isinstance(g, tf.IndexedSlices) for g in present
     ):
-        raise SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
     summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
     return [None if g is None else next(summed) for g in gradients]
 
 
+def exact_optimizer(optimizer):
+    """Gives a Keras optimizer kd's gradient pipeline; returns the optimizer.
+
+    kd models do this when they compile. Call it yourself for the optimizer
+    of a hand-written loop: its `apply_gradients` then sums the replicas'
+    gradients first and clips, accumulates and unscales the global gradient,
+    as one device does. Idempotent; other optimizers are not affected.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer` (a `LossScaleOptimizer`
+            included), created in the strategy's scope.
+
+    Returns:
+        `optimizer` itself.
+
+    Raises:
+        TypeError: `optimizer` is not a Keras optimizer.
+
+    Example:
+        >>> import keras, keras_distrib as kd
+        >>> optimizer = kd.exact_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+        >>> optimizer is kd.exact_optimizer(optimizer)
+        True
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"`optimizer` must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}. "
+            "Create it with keras.optimizers (e.g. keras.optimizers.Adam(1e-3))."
+        )
+    _keras_compat.install_gradient_pipeline(optimizer, all_reduce)
+    return optimizer
+
+
 def install(optimizer):
-    """Gives `optimizer` kd's pipeline (idempotent); returns it."""
+    """`exact_optimizer` for a model's optimizer, which may be None."""
     if optimizer is not None:
-        _keras_compat.install_gradient_pipeline(optimizer, all_reduce)
+        exact_optimizer(optimizer)
     return optimizer

@@ -1,24 +1,307 @@
-"""`kd.TrainLoop`: a custom training loop that matches `Model.fit` exactly.
+"""The training loop: epochs, callbacks, progress, validation, backup and resume.
 
-The loop runs the model's own `train_step`/`test_step` through the compiled
-functions of `keras_distrib.execution`, the very ones `kd.Model.fit` uses, so
-the two paths cannot drift. What it adds over `fit` is access: a compiled
-`train_step(iterator)` for hand-written loops, `steps_per_loop` steps per
-call, and an explicit, readable epoch loop.
+`kd.Model.fit`/`evaluate`/`predict`, `kd.TrainLoop` and parameter-server
+training all run the loops below. What differs is where batches come from
+(a *source*: Keras's epoch iterator over local or distributed data, or
+per-worker datasets under a parameter server) and how chunks of steps run
+(a *runner*: a compiled `Step` in this process, or the same step scheduled
+on the workers).
+
+A source iterates `(begin, end, iterator)` chunks of an epoch, has
+`num_batches` and `catch_stop_iteration()` (Keras's `EpochIterator`
+protocol). A runner has `run(iterator, count) -> logs`,
+`skip(iterator, count)` and `epoch_logs(logs) -> dict`.
+
+Resuming mid-epoch is explicit: a callback that restores a backup exposes
+`restored_position`, a `DataPosition`; the loop starts at that epoch and
+moves the data past the batches the backup already holds, without training
+them.
 """
+
+import dataclasses
 
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import callbacks as callbacks_module
-from keras.src import tree
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.utils.python_utils import pythonify_logs
+from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
-from keras_distrib import execution
-from keras_distrib import parameter_server
+from keras_distrib import step as step_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """Where training resumes: an epoch, and how many of its batches are done."""
+
+    epoch: int
+    batch: int = 0
+
+
+class LocalRunner:
+    """Runs chunks of steps in this process with a compiled `Step`."""
+
+    def __init__(self, model, step):
+        self.model = model
+        self.step = step
+
+    def run(self, iterator, count):
+        return self.step(iterator, count)
+
+    def skip(self, iterator, count):
+        return self.step.skip(iterator, count)
+
+    def epoch_logs(self, logs):
+        return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
+
+
+def resume_position(callbacks):
+    """The `DataPosition` a callback restored (e.g. BackupAndRestore), or None."""
+    for callback in callbacks.callbacks:
+        position = getattr(callback, "restored_position", None)
+        if position is not None:
+            return position
+    return None
+
+
+def callback_list(callbacks, model, *, verbose, epochs, steps, history=False):
+    """A Keras `CallbackList`, with a progress bar on the chief only."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    verbose = cluster.chief_verbose(verbose)
+    return keras.callbacks.CallbackList(
+        callbacks, add_history=history, add_progbar=verbose != 0, verbose=verbose,
+        epochs=epochs, steps=steps, model=model,
+    )
+
+
+def _should_validate(epoch, validation_freq):
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
+
+
+def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, validate=None):
+    """Trains `model` epoch by epoch; returns its `History`.
+
+    Args:
+        model: The model (its `stop_training` is honoured).
+        source: The epochs' batches (see the module docstring).
+        runner: Runs chunks of training steps.
+        epochs: Index of the epoch to stop before.
+        initial_epoch: Epoch to start at, unless a callback restores another
+            (or Keras's `model._initial_epoch` is set, as its BackupAndRestore does).
+        callbacks: A Keras `CallbackList` (with a History).
+        validate: Optional `validate(epoch) -> dict or None` (validation logs).
+    """
+    model.stop_training = False
+    _keras_compat.set_initial_epoch(model, None)
+    callbacks.on_train_begin()
+    position = resume_position(callbacks) or DataPosition(
+        _keras_compat.initial_epoch(model) or initial_epoch
+    )
+    logs, epoch_logs = {}, None
+    for epoch in range(position.epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        done = position.batch if epoch == position.epoch else 0
+        with source.catch_stop_iteration():
+            for begin, end, iterator in source:
+                if end < done:  # the backup holds this whole chunk
+                    runner.skip(iterator, end - begin + 1)
+                    continue
+                if begin < done:
+                    runner.skip(iterator, done - begin)
+                    begin = done
+                callbacks.on_train_batch_begin(begin)
+                logs = runner.run(iterator, end - begin + 1)
+                callbacks.on_train_batch_end(end, logs)
+                if model.stop_training:
+                    break
+        epoch_logs = runner.epoch_logs(logs)
+        if validate is not None:
+            validation_logs = validate(epoch)
+            if validation_logs:
+                epoch_logs.update({f"val_{k}": v for k, v in validation_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        if model.stop_training:
+            break
+    if epochs > 0 and model.optimizer is not None:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callbacks.on_train_end(logs=epoch_logs)
+    return model.history
+
+
+def evaluate_pass(model, source, runner, *, callbacks, return_dict):
+    """One pass of evaluation; returns the logs (a dict, or a list as Keras)."""
+    model.stop_evaluating = False
+    callbacks.on_test_begin()
+    model.reset_metrics()
+    logs = {}
+    with source.catch_stop_iteration():
+        for begin, end, iterator in source:
+            callbacks.on_test_batch_begin(begin)
+            logs = runner.run(iterator, end - begin + 1)
+            callbacks.on_test_batch_end(end, logs)
+            if model.stop_evaluating:
+                break
+    logs = _keras_compat.pythonify_logs(runner.epoch_logs(logs))
+    callbacks.on_test_end(logs)
+    if return_dict:
+        return logs
+    return _keras_compat.flatten_metrics_in_order(model, logs)
+
+
+def predict_pass(model, source, runner, *, callbacks):
+    """One pass of prediction; returns every row's outputs, in order, as NumPy."""
+    model.stop_predicting = False
+    callbacks.on_predict_begin()
+    outputs = []
+    with source.catch_stop_iteration():
+        for begin, end, iterator in source:
+            callbacks.on_predict_batch_begin(begin)
+            batch_outputs = runner.run(iterator, end - begin + 1)
+            outputs.append(tree.map_structure(np.asarray, batch_outputs))
+            callbacks.on_predict_batch_end(end, {"outputs": batch_outputs})
+            if model.stop_predicting:
+                break
+    callbacks.on_predict_end()
+    if not outputs:
+        raise ValueError(
+            "`predict` got no batch from `x`: it is empty, or `steps`=0. Pass data "
+            "with at least one row."
+        )
+    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+
+
+# Front ends over local or distributed data (everything but parameter servers).
+
+
+def epoch_source(model, *, x, y=None, sample_weight=None, batch_size=None, steps=None,
+                 shuffle=False, class_weight=None, steps_per_call=1, strategy=None):
+    """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`)."""
+    return _keras_compat.epoch_iterator(
+        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
+        shuffle=shuffle, class_weight=class_weight,
+        distribute_strategy=strategy or model.distribute_strategy,
+        steps_per_execution=steps_per_call,
+    )
+
+
+def build(model, source):
+    """Creates the model's, metrics' and optimizer's variables in the scope.
+
+    From the source's element spec: opening an iterator would consume the
+    user's data (and reorder a reshuffling dataset). Variables created
+    inside a compiled step fail under several replicas (e.g. Adam's slots).
+    """
+    build_model(model, _keras_compat.dataset_element_spec(source))
+
+
+def build_model(model, data_batch):
+    """Builds `model` from a batch or element spec, then its optimizer.
+
+    The optimizer is built on the variables it updates: under a parameter
+    server with a partitioner, one per shard (Keras would build it on the
+    whole weights, which it then cannot update).
+    """
+    data_batch = tree.map_structure(_first_replica_spec, data_batch)
+    optimizer = model.optimizer
+    hold = optimizer is not None and not optimizer.built
+    with model.distribute_strategy.scope():
+        if hold:
+            optimizer.built = True  # Keras's build would use the whole weights
+        try:
+            _keras_compat.symbolic_build(model, data_batch)
+        finally:
+            if hold:
+                optimizer.built = False
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(_keras_compat.optimizer_variables(model))
+    # Per-replica bookkeeping on the layers and variables just created.
+    model._prepare_layers()
+
+
+def _first_replica_spec(spec):
+    """A TensorSpec from a (possibly per-replica) element spec."""
+    values = _keras_compat.per_replica_specs(spec)
+    return values[0] if values else spec
+
+
+def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
+        callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+        class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+        validation_steps=None, validation_batch_size=None, validation_freq=1,
+        evaluate_steps=None):
+    """`Model.fit` over the loop, with `steps` (a train `Step`) running the chunks."""
+    max_epochs = _keras_compat.max_epochs()
+    if max_epochs and max_epochs < epochs:
+        epochs = max_epochs
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = _keras_compat.train_validation_split(
+            (x, y, sample_weight), validation_split
+        )
+    source = epoch_source(
+        model, x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
+        steps_per_call=steps.steps,
+    )
+    build(model, source)
+    source.reset()
+    callbacks = callback_list(
+        callbacks, model, verbose=verbose, epochs=epochs, steps=source.num_batches, history=True
+    )
+    validate = None
+    if validation_data is not None:
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
+        cached = []
+
+        def validate(epoch):
+            if not _should_validate(epoch, validation_freq):
+                return None
+            if not cached:
+                cached.append(epoch_source(
+                    model, x=val_x, y=val_y, sample_weight=val_weight,
+                    batch_size=validation_batch_size or batch_size, steps=validation_steps,
+                    steps_per_call=evaluate_steps.steps,
+                ))
+            cached[0].reset()
+            return evaluate_pass(
+                model, cached[0], LocalRunner(model, evaluate_steps),
+                callbacks=callbacks, return_dict=True,
+            )
+
+    return fit_epochs(
+        model, source, LocalRunner(model, steps), epochs=epochs, initial_epoch=initial_epoch,
+        callbacks=callbacks, validate=validate,
+    )
+
+
+def evaluate(model, steps, x=None, y=None, *, batch_size=None, verbose="auto",
+             sample_weight=None, steps_count=None, callbacks=None, return_dict=False,
+             strategy=None):
+    """`Model.evaluate` over the loop (`steps`: a test `Step`)."""
+    source = epoch_source(
+        model, x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps=steps_count, steps_per_call=steps.steps, strategy=strategy,
+    )
+    build(model, source)
+    source.reset()
+    callbacks = callback_list(callbacks, model, verbose=verbose, epochs=1, steps=source.num_batches)
+    return evaluate_pass(
+        model, source, LocalRunner(model, steps), callbacks=callbacks, return_dict=return_dict
+    )
+
+
+def predict(model, steps, x, *, batch_size=None, verbose="auto", steps_count=None,
+            callbacks=None, strategy=None):
+    """`Model.predict` over the loop (`steps`: a predict `Step`)."""
+    source = epoch_source(
+        model, x=x, batch_size=batch_size, steps=steps_count, steps_per_call=steps.steps,
+        strategy=strategy,
+    )
+    callbacks = callback_list(callbacks, model, verbose=verbose, epochs=1, steps=source.num_batches)
+    return predict_pass(model, source, LocalRunner(model, steps), callbacks=callbacks)
 
 
 def _check_steps_per_loop(steps_per_loop):
@@ -29,25 +312,25 @@ def _check_steps_per_loop(steps_per_loop):
         )
 
 
-def _first_replica_spec(spec):
-    """A TensorSpec per input from a (possibly per-replica) element spec."""
-    values = getattr(spec, "_value_specs", None)
-    return values[0] if values else spec
-
-
 class TrainLoop:
-    """Runs a compiled model's steps under a strategy, as `fit` does.
+    """Runs a compiled kd model's steps under a strategy, as `fit` does.
+
+    `fit`, `evaluate` and `predict` run the same loop and compiled steps as
+    the model's own; what the loop adds is access: `train_step(iterator)`
+    for hand-written loops, `steps_per_loop` steps per compiled call, and
+    `train_epoch` (a whole epoch in one compiled call).
 
     Args:
-        model: A compiled `keras.Model` (a `kd.Model` for exact global-batch
-            arithmetic), created in `strategy.scope()`.
+        model: A compiled `kd.Model` (or a model with `kd.DistributedModelMixin`),
+            created in `strategy.scope()`.
         strategy: The strategy; the model's when `None`.
         steps_per_loop: Steps run inside one compiled function. Larger values
             remove per-step Python dispatch, the main cost on small models.
 
     Raises:
-        ValueError: the model is not compiled, was created (or its optimizer
-            was) outside `strategy.scope()`, or `steps_per_loop` < 1.
+        ValueError: the model is not a kd model, not compiled, was created
+            (or its optimizer was) outside `strategy.scope()`, or
+            `steps_per_loop` < 1.
 
     Example:
         >>> import keras, numpy as np, keras_distrib as kd
@@ -61,8 +344,17 @@ class TrainLoop:
     """
 
     def __init__(self, model, *, strategy=None, steps_per_loop=1):
+        from keras_distrib import models
+
         if not isinstance(model, keras.Model):
             raise ValueError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+        if not isinstance(model, models.DistributedModelMixin):
+            raise ValueError(
+                f"`model` is a plain {type(model).__name__}, not a kd model: its steps divide "
+                "each replica's loss by the replica's own rows, so an uneven last batch gives "
+                "wrong gradients. Build it as kd.Model(inputs, outputs) or kd.Sequential, or "
+                "subclass kd.Model / put kd.DistributedModelMixin first in your model's bases."
+            )
         if not getattr(model, "compiled", False):
             raise ValueError(
                 "`model` is not compiled. Call `model.compile(optimizer=..., loss=...)` "
@@ -77,7 +369,7 @@ class TrainLoop:
                 f"given {type(strategy).__name__}. Create and compile the model inside "
                 "`with strategy.scope():`."
             )
-        optimizer_strategy = getattr(model.optimizer, "_distribution_strategy", strategy)
+        optimizer_strategy = _keras_compat.optimizer_strategy(model.optimizer, strategy)
         if optimizer_strategy is not strategy:
             raise ValueError(
                 f"The optimizer was created under {type(optimizer_strategy).__name__}, "
@@ -87,7 +379,14 @@ class TrainLoop:
         self.model = model
         self.strategy = strategy
         self.steps_per_loop = steps_per_loop
-        self._functions = {}
+        self._steps = {}
+
+    def _step(self, kind):
+        """The compiled `Step` of `kind`, `steps_per_loop` steps per call."""
+        if kind not in self._steps:
+            self.model._check_exactness(training=kind == "train")
+            self._steps[kind] = step_lib.Step(self.model, kind, steps=self.steps_per_loop)
+        return self._steps[kind]
 
     # Compiled steps for hand-written loops.
 
@@ -102,11 +401,7 @@ class TrainLoop:
         (e.g. Adam's slots), so this runs before the first step. `data_batch`
         may be a batch, or an element spec.
         """
-        data_batch = tree.map_structure(_first_replica_spec, data_batch)
-        with self.strategy.scope():
-            self.model._symbolic_build(data_batch=data_batch)
-            if self.model.optimizer is not None and not self.model.optimizer.built:
-                self.model.optimizer.build(self.model.trainable_variables)
+        build_model(self.model, data_batch)
 
     def _check_iterator(self, iterator):
         distributed = isinstance(iterator, tf.distribute.DistributedIterator)
@@ -116,54 +411,39 @@ class TrainLoop:
                 f"iterator, but the strategy has {self.strategy.num_replicas_in_sync} "
                 "replicas. Use `iter(loop.distribute(dataset))`."
             )
-        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            if not self.model.optimizer.built or not self.model.built:
-                self.build(iterator.element_spec)
-
-    def _compiled(self, kind):
-        """The compiled distributed function for `kind` ("train" or "test")."""
-        functions = self._functions
-        if kind not in functions:
-            step = self.model.train_step if kind == "train" else self.model.test_step
-            functions[kind] = execution.make_step_function(
-                self.model, step, steps_per_execution=self.steps_per_loop
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            raise ValueError(
+                f"`iterator` is a {type(iterator).__name__}; expected an iterator over a "
+                "(distributed) tf.data dataset: `iter(loop.distribute(dataset))`."
             )
-        return functions[kind]
+        if not self.model.optimizer.built or not self.model.built:
+            self.build(iterator.element_spec)
 
     def train_step(self, iterator):
         """Runs up to `steps_per_loop` training steps; returns global logs."""
         self._check_iterator(iterator)
-        return self._compiled("train")(iterator)
+        return self._step("train")(iterator)
 
     def test_step(self, iterator):
         """Runs up to `steps_per_loop` evaluation steps; returns global logs."""
         self._check_iterator(iterator)
-        return self._compiled("test")(iterator)
+        return self._step("test")(iterator)
 
     def train_epoch(self, distributed_dataset):
-        """Trains on a whole distributed dataset inside one `tf.function`."""
+        """Trains on a whole distributed dataset in one compiled call; returns global logs."""
         if not isinstance(distributed_dataset, tf.distribute.DistributedDataset):
             if self.strategy.num_replicas_in_sync > 1:
                 raise ValueError(
                     "`distributed_dataset` is not distributed. Use loop.distribute(dataset)."
                 )
         self.build(distributed_dataset.element_spec)
-        if "epoch" not in self._functions:
-            self._functions["epoch"] = execution.make_epoch_function(self.model, self.model.train_step)
-        function = self._functions["epoch"]
-        return function(distributed_dataset)
+        try:
+            return self._step("train")(iter(distributed_dataset), count=2**31 - 1)
+        except StopIteration:
+            with self.strategy.scope():
+                return step_lib.metric_results(self.model)
 
     # Model.fit-like entry points.
-
-    def _epoch_iterator(self, **kwargs):
-        return tf_trainer.TFEpochIterator(
-            distribute_strategy=self.strategy, steps_per_execution=self.steps_per_loop, **kwargs
-        )
-
-    def _prepare(self, epoch_iterator):
-        # From the element spec: opening an iterator would consume the data
-        # (and reorder a reshuffling dataset).
-        self.build(_keras_compat.dataset_element_spec(epoch_iterator))
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, shuffle=True, class_weight=None,
@@ -176,105 +456,48 @@ class TrainLoop:
         save_freq=backup_freq)` is added: a restarted run resumes at the
         saved epoch and step.
         """
-        model = self.model
-        verbose = cluster.chief_verbose(verbose)
-        if parameter_server.is_parameter_server(self.strategy):
-            # Steps are scheduled on the workers by the coordinator.
-            return parameter_server.fit(
-                model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
-                class_weight=class_weight, sample_weight=sample_weight,
-                initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-                validation_freq=validation_freq, steps_per_execution=self.steps_per_loop,
-                evaluate=lambda **kw: parameter_server.evaluate(model, return_dict=True, **kw),
-            )
+        from keras_distrib import parameter_server
+
         if backup_dir is not None:
             from keras_distrib.callbacks import BackupAndRestore
 
             callbacks = list(callbacks or []) + [BackupAndRestore(backup_dir, save_freq=backup_freq)]
-        epoch_iterator = self._epoch_iterator(
-            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-            steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
+        arguments = dict(
+            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+            sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )
-        self._prepare(epoch_iterator)
-        epoch_iterator.reset()
-        if not isinstance(callbacks, callbacks_module.CallbackList):
-            callbacks = callbacks_module.CallbackList(
-                callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
-                epochs=epochs, steps=epoch_iterator.num_batches, model=model,
-            )
-        model.stop_training = False
-        model._initial_epoch = None
-        callbacks.on_train_begin()
-        # A BackupAndRestore callback may have moved the start (as in fit).
-        initial_epoch = model._initial_epoch or initial_epoch
-        epoch_logs, logs = None, {}
-        for epoch in range(initial_epoch, epochs):
-            model.reset_metrics()
-            callbacks.on_epoch_begin(epoch)
-            with epoch_iterator.catch_stop_iteration():
-                for begin_step, end_step, iterator in epoch_iterator:
-                    callbacks.on_train_batch_begin(begin_step)
-                    logs = self.train_step(iterator)
-                    callbacks.on_train_batch_end(end_step, logs)
-                    if model.stop_training:
-                        break
-            epoch_logs = dict(model._get_metrics_result_or_logs(logs))
-            if validation_data is not None and (epoch + 1) % validation_freq == 0:
-                val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
-                val_logs = self.evaluate(
-                    val_x, val_y, sample_weight=val_weight, steps=validation_steps,
-                    batch_size=validation_batch_size or batch_size, callbacks=callbacks,
-                )
-                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            callbacks.on_epoch_end(epoch, epoch_logs)
-            if model.stop_training:
-                break
-        if epochs > 0 and model.optimizer is not None:
-            model.optimizer.finalize_variable_values(model.trainable_weights)
-        callbacks.on_train_end(logs=epoch_logs)
-        return model.history
+        if parameter_server.is_parameter_server(self.strategy):
+            return parameter_server.fit(self.model, x, y, steps_per_call=self.steps_per_loop, **arguments)
+        return fit(self.model, self._step("train"), x, y, evaluate_steps=self._step("test"), **arguments)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None):
         """Evaluates like `Model.evaluate(return_dict=True)`."""
-        model = self.model
-        verbose = cluster.chief_verbose(verbose)
+        from keras_distrib import parameter_server
+
         if parameter_server.is_parameter_server(self.strategy):
             return parameter_server.evaluate(
-                model, x, y, batch_size=batch_size, verbose=verbose,
+                self.model, x, y, batch_size=batch_size, verbose=verbose,
                 sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
             )
-        epoch_iterator = self._epoch_iterator(
-            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-            steps_per_epoch=steps, shuffle=False,
+        return evaluate(
+            self.model, self._step("test"), x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks, return_dict=True,
         )
-        self._prepare(epoch_iterator)
-        epoch_iterator.reset()
-        if not isinstance(callbacks, callbacks_module.CallbackList):
-            callbacks = callbacks_module.CallbackList(
-                callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                steps=epoch_iterator.num_batches, model=model,
-            )
-        model.stop_evaluating = False
-        callbacks.on_test_begin()
-        model.reset_metrics()
-        logs = {}
-        with epoch_iterator.catch_stop_iteration():
-            for begin_step, end_step, iterator in epoch_iterator:
-                callbacks.on_test_batch_begin(begin_step)
-                logs = self.test_step(iterator)
-                callbacks.on_test_batch_end(end_step, logs)
-                if model.stop_evaluating:
-                    break
-        logs = pythonify_logs(model._get_metrics_result_or_logs(logs))
-        callbacks.on_test_end(logs)
-        return logs
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Predicts like `Model.predict`: every row once, in input order."""
-        outputs = self.model.predict(
-            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        from keras_distrib import parameter_server
+
+        if parameter_server.is_parameter_server(self.strategy):
+            return parameter_server.predict(
+                self.model, x, batch_size=batch_size, verbose=verbose, steps=steps,
+                callbacks=callbacks,
+            )
+        return predict(
+            self.model, self._step("predict"), x, batch_size=batch_size, verbose=verbose,
+            steps_count=steps, callbacks=callbacks,
         )
-        return tree.map_structure(np.asarray, outputs)

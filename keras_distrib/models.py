@@ -1,46 +1,30 @@
 """`kd.Model`, `kd.Sequential` and `DistributedModelMixin`.
 
 The steps below handle one replica's batch and nothing else; the distributed
-wrapping (strategy.run, reductions, several steps per call) comes from
-`keras_distrib.execution`, shared with `kd.TrainLoop`.
+wrapping (`strategy.run`, reductions, several steps per call) is
+`keras_distrib.step`, and the epochs, callbacks and resume are
+`keras_distrib.loop`, both shared with `kd.TrainLoop` and parameter-server
+training.
 """
 
 import warnings
 
 import keras
 import tensorflow as tf
-from keras.src import tree
-from keras.src.models import functional as keras_functional
-from keras.src.models import model as keras_model
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import tree
 
 from keras_distrib import _keras_compat
-from keras_distrib import cluster
-from keras_distrib import execution
 from keras_distrib import gradients
-from keras_distrib import losses as kd_losses
+from keras_distrib import loop
 from keras_distrib import parameter_server
+from keras_distrib import replica
+from keras_distrib import step as step_lib
 
 
 def _record_loss(loss):
-    batch = kd_losses.current_batch()
+    batch = replica.current_batch()
     if batch is not None:
         batch.record_loss(loss)
-
-
-def _first_replica_spec(spec):
-    """A TensorSpec from a (possibly per-replica) element spec."""
-    values = getattr(spec, "_value_specs", None)
-    return values[0] if values else spec
-
-
-def _chief_progress(args, kwargs, position):
-    """Progress bars on the chief only: `verbose` ("auto") becomes 0 elsewhere."""
-    if len(args) > position:
-        args = args[:position] + (cluster.chief_verbose(args[position]),) + args[position + 1:]
-    else:
-        kwargs["verbose"] = cluster.chief_verbose(kwargs.get("verbose", "auto"))
-    return args, kwargs
 
 
 def _pad_empty_batch(x, batch):
@@ -83,7 +67,7 @@ def global_moments(layer, inputs, mask, keras_moments):
     masked formula, over the global weight sum.
     """
     context = tf.distribute.get_replica_context()
-    batch = kd_losses.current_batch()
+    batch = replica.current_batch()
     if context is None or context.num_replicas_in_sync == 1 or batch is None:
         return keras_moments(inputs, mask)
     axes = _keras_compat.batch_norm_axes(layer)
@@ -142,7 +126,7 @@ def unsupported_settings(model, *, training):
         for layer in layers:
             if isinstance(layer, keras.layers.BatchNormalization):
                 problems.append(f"layer {layer.name!r} (BatchNormalization, moving statistics): {why}. {fix}")
-    plan = execution.step_plan(model)
+    plan = step_lib.plan_for(model)
     if training and plan.xla_forward:
         why = ("`jit_compile=True` with several CPU replicas (or workers) compiles only the "
                "forward pass with XLA, because TensorFlow cannot synchronize replicas inside XLA here")
@@ -164,7 +148,7 @@ def unsupported_settings(model, *, training):
     return problems
 
 
-class DistributedModelMixin:
+class DistributedModelMixin(_keras_compat.ModelHooks):
     """Exact global-batch training for any `keras.Model` subclass.
 
     Put it first in the bases: `class MyModel(kd.DistributedModelMixin,
@@ -189,11 +173,12 @@ class DistributedModelMixin:
         self._prepare_layers()
 
     def _prepare_layers(self):
-        """Per-replica bookkeeping on every layer (idempotent)."""
+        """Per-replica bookkeeping on every layer and variable (idempotent)."""
         for layer in _keras_compat.flatten_layers(self):
             _keras_compat.record_add_loss(layer, _record_loss)
             if _keras_compat.is_sync_batch_norm(layer):
                 _keras_compat.replace_batch_norm_moments(layer, global_moments)
+        _keras_compat.fix_variables(_keras_compat.model_variables(self))
 
     def replica_batch(self, x):
         """Context for one replica's batch (row counts for loss scaling).
@@ -201,16 +186,20 @@ class DistributedModelMixin:
         kd's step already opens it around `train_step`/`test_step`; inside,
         this returns the open batch.
         """
-        return kd_losses.replica_batch(kd_losses.batch_rows(x))
+        return replica.replica_batch(replica.batch_rows(x))
 
-    def _aggregate_additional_loss(self, loss):
-        # Keras divides add_loss / regularization terms by R; we weight them
-        # by n_r / N instead, which also keeps batch-mean penalties exact.
+    def additional_loss_share(self, loss):
+        """This replica's share of an `add_loss` or regularization term.
+
+        Keras divides these terms by R; kd weighs them by n_r / N instead,
+        which also keeps batch-mean penalties (activity regularizers) exact
+        on uneven batches. Replicas without rows contribute nothing.
+        """
         if not loss.dtype.is_floating:
             loss = tf.cast(loss, keras.backend.floatx())
-        batch = kd_losses.current_batch()
+        batch = replica.current_batch()
         if batch is None:
-            return tf.reduce_sum(loss) / _keras_compat.num_replicas()
+            return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
         fraction = tf.cast(batch.fraction, total.dtype)
         return tf.where(batch.has_rows, total * fraction, tf.zeros_like(total))
@@ -219,7 +208,7 @@ class DistributedModelMixin:
     def losses(self):
         # Within a step, the add_loss terms this replica's forward pass
         # recorded, and the weight penalties (the same on every replica).
-        batch = kd_losses.current_batch()
+        batch = replica.current_batch()
         if batch is None or batch.owner is not self or batch.losses is None:
             return super().losses
         penalties = [
@@ -229,7 +218,7 @@ class DistributedModelMixin:
         return list(batch.losses) + penalties
 
     def __call__(self, *args, **kwargs):
-        batch = kd_losses.current_batch()
+        batch = replica.current_batch()
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)
         plan = batch.plan
@@ -253,12 +242,12 @@ class DistributedModelMixin:
         forward = self._kd_xla_function
         if forward is None:
             def forward_pass(*args, **kwargs):
-                batch = kd_losses.current_batch()
+                batch = replica.current_batch()
                 batch.losses = []
                 outputs = self(*args, **kwargs)  # in_forward: Keras's own call
                 return outputs, list(batch.losses)
 
-            forward = execution.on_replica_device(
+            forward = step_lib.on_replica_device(
                 tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
             )
             object.__setattr__(self, "_kd_xla_function", forward)
@@ -267,23 +256,19 @@ class DistributedModelMixin:
     _kd_xla_function = None
 
     def _call_model(self, x, training):
-        if self._call_has_training_arg:
+        if _keras_compat.call_has_training_arg(self):
             return self(x, training=training)
         return self(x)
 
-    def _track_loss(self, share):
-        if self._loss_tracker is not None:
-            self._loss_tracker.update_state(_keras_compat.unscale_for_tracker(share))
-
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x):
             with tf.GradientTape() as tape:
                 y_pred = self._call_model(x, training=True)
-                loss = self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                loss = _keras_compat.compute_loss(
+                    self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
                 )
-                self._track_loss(loss)
+                _keras_compat.track_loss(self, loss)
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
             if self.trainable_weights:
@@ -295,17 +280,17 @@ class DistributedModelMixin:
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x):
             y_pred = self._call_model(x, training=False)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+            loss = _keras_compat.compute_loss(
+                self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
             )
-            self._track_loss(loss)
+            _keras_compat.track_loss(self, loss)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._call_model(x, training=False)
 
     def _check_strategy(self):
@@ -313,32 +298,15 @@ class DistributedModelMixin:
         if not tf.distribute.has_strategy():
             return
         active = tf.distribute.get_strategy()
-        if self._distribute_strategy is not active:
-            built_in = type(self._distribute_strategy).__name__ if self._distribute_strategy else "no strategy"
+        created = _keras_compat.created_strategy(self)
+        if created is not active:
+            built_in = type(created).__name__ if created is not None else "no strategy"
             raise ValueError(
                 f"This model was created under {built_in}, but is used inside "
                 f"`{type(active).__name__}.scope()`. Its variables are not "
                 "distributed, so training would silently ignore the strategy. "
                 "Create (and compile) the model inside `with strategy.scope():`."
             )
-
-    def fit(self, *args, **kwargs):
-        args, kwargs = _chief_progress(args, kwargs, position=4)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.fit(self, *args, **kwargs)
-        return super().fit(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        args, kwargs = _chief_progress(args, kwargs, position=3)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.evaluate(self, *args, **kwargs)
-        return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        args, kwargs = _chief_progress(args, kwargs, position=2)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.predict(self, *args, **kwargs)
-        return super().predict(*args, **kwargs)
 
     def _check_exactness(self, training):
         """Refuses settings kd cannot make exact here, naming each one."""
@@ -350,40 +318,93 @@ class DistributedModelMixin:
                 + "\n  - ".join(problems)
             )
 
-    def make_train_function(self, force=False):
+    # The compiled steps (Keras's names; each is a `keras_distrib.step.Step`).
+
+    def _make_step(self, kind):
         self._check_strategy()
-        self._check_exactness(training=True)
-        if self.train_function is not None and not force:
-            return self.train_function
-        self.train_function = execution.make_step_function(self, self.train_step)
+        self._check_exactness(training=kind == "train")
+        self._prepare_layers()
+        return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
+
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = self._make_step("train")
         return self.train_function
 
     def make_test_function(self, force=False):
-        self._check_strategy()
-        if self.test_function is not None and not force:
-            return self.test_function
-        self.test_function = execution.make_step_function(self, self.test_step)
+        if self.test_function is None or force:
+            self.test_function = self._make_step("test")
         return self.test_function
 
     def make_predict_function(self, force=False):
-        self._check_strategy()
-        if self.predict_function is not None and not force:
-            return self.predict_function
-        self.predict_function = execution.make_predict_function(self)
+        if self.predict_function is None or force:
+            self.predict_function = self._make_step("predict")
         return self.predict_function
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Unlike Keras, build also without a strategy (BackupAndRestore must
-        # find every metric and optimizer variable before the first step),
-        # and from the dataset's element spec: reading a batch would consume
-        # the user's data, or reorder a reshuffling dataset.
-        if iterator is not None and data_batch is None:
-            data_batch = tree.map_structure(
-                _first_replica_spec, _keras_compat.dataset_element_spec(iterator)
+    # fit, evaluate and predict run kd's loop (keras_distrib.loop).
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1):
+        _keras_compat.assert_compiled(self, "fit")
+        self._check_strategy()
+        arguments = dict(
+            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data,
+            shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+        )
+        if parameter_server.is_parameter_server(self.distribute_strategy):
+            return parameter_server.fit(
+                self, x, y, steps_per_call=int(self.steps_per_execution or 1), **arguments
             )
-        with self.distribute_strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-        self._prepare_layers()
+        return loop.fit(
+            self, self.make_train_function(), x, y, evaluate_steps=self.make_test_function(),
+            **arguments,
+        )
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, **kwargs):
+        _keras_compat.assert_compiled(self, "evaluate")
+        self._check_strategy()
+        kwargs.pop("_use_cached_eval_dataset", None)
+        if kwargs:
+            raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
+        if parameter_server.is_parameter_server(self.distribute_strategy):
+            return parameter_server.evaluate(
+                self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
+                steps=steps, callbacks=callbacks, return_dict=return_dict,
+            )
+        return loop.evaluate(
+            self, self.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+            return_dict=return_dict,
+        )
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        self._check_strategy()
+        if parameter_server.is_parameter_server(self.distribute_strategy):
+            return parameter_server.predict(
+                self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+            )
+        return loop.predict(
+            self, self.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
+            steps_count=steps, callbacks=callbacks,
+        )
+
+    def build_from_data(self, iterator=None, data_batch=None):
+        """Builds every variable from an epoch iterator's spec, or a batch.
+
+        Never reads a batch from `iterator`: that would consume the user's
+        data (or reorder a reshuffling dataset).
+        """
+        if iterator is not None and data_batch is None:
+            loop.build(self, iterator)
+        else:
+            loop.build_model(self, data_batch)
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
@@ -401,13 +422,13 @@ class Model(DistributedModelMixin, keras.Model):
         # keras.Model turns itself into a Functional by rewriting the class
         # bases; we hand out a fixed functional subclass instead, so kd.Model
         # stays usable for subclassing after a functional model was built.
-        if cls is Model and keras_model.functional_init_arguments(args, kwargs):
+        if cls is Model and _keras_compat.functional_init_arguments(args, kwargs):
             return keras.Model.__new__(FunctionalModel)
         return super().__new__(cls, *args, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
-class FunctionalModel(Model, keras_functional.Functional):
+class FunctionalModel(Model, _keras_compat.Functional):
     """What `kd.Model(inputs, outputs)` returns: a functional `kd.Model`."""
 
 

@@ -1,29 +1,33 @@
-"""ParameterServerStrategy for Keras 3: `fit`, `evaluate`, `predict`, `TrainLoop`.
+"""ParameterServerStrategy for Keras 3: a data source and a runner for kd's loop.
 
 Keras 3 dropped parameter-server training. Here the process that calls
 `fit` is the coordinator: it owns a `ClusterCoordinator`, gives every worker
-its own dataset (repeated, so epochs are counted in steps), schedules
-`steps_per_execution` training steps per remote call, and runs the callbacks
-locally. Workers update the variables on the parameter servers
-asynchronously; keras_distrib makes those updates atomic, so the optimizer's
-step counter and the metrics count every step.
+its own dataset (repeated, so epochs are counted in steps), and kd's loop
+(`keras_distrib.loop`: epochs, callbacks, progress, backup) schedules chunks
+of training steps (`keras_distrib.step.Step.scheduled`) on the workers.
+Workers update the variables on the parameter servers asynchronously;
+keras_distrib makes those updates atomic, so the optimizer's step counter
+and the metrics count every step.
 
-Evaluation and prediction run on the coordinator itself, reading the
-variables from the parameter servers: every example is counted exactly once
-(even when workers fail) and predictions come back in input order.
+Evaluation and prediction run on the coordinator itself, with the same loop
+and steps as on one device, reading the variables from the parameter
+servers: every example is counted exactly once (even when workers fail) and
+predictions come back in input order.
 """
 
-import numpy as np
+import collections
+import contextlib
+import weakref
+
+import keras
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib
-from keras.src import callbacks as callbacks_module
-from keras.src import tree
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.utils.python_utils import pythonify_logs
+from keras import tree
 
 from keras_distrib import _keras_compat
-from keras_distrib import execution
+from keras_distrib import loop
+from keras_distrib import step as step_lib
+
+_COORDINATORS = weakref.WeakKeyDictionary()
 
 
 def is_parameter_server(strategy):
@@ -32,11 +36,9 @@ def is_parameter_server(strategy):
 
 def coordinator_for(strategy):
     """The `ClusterCoordinator` keras_distrib owns for `strategy` (one per strategy)."""
-    coordinator = getattr(strategy, "_kd_coordinator", None)
-    if coordinator is None:
-        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-        strategy._kd_coordinator = coordinator
-    return coordinator
+    if strategy not in _COORDINATORS:
+        _COORDINATORS[strategy] = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    return _COORDINATORS[strategy]
 
 
 def _dataset_fn(x, y, sample_weight, batch_size, shuffle, class_weight):
@@ -62,9 +64,7 @@ def _dataset_fn(x, y, sample_weight, batch_size, shuffle, class_weight):
     if class_weight is not None:
         if sample_weight is not None:
             raise ValueError("Pass `class_weight` or `sample_weight`, not both.")
-        sample_weight = data_adapter_utils.class_weight_to_sample_weights(
-            tf.convert_to_tensor(y), class_weight
-        ).numpy()
+        sample_weight = _class_weight_to_sample_weights(y, class_weight)
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     rows = len(tree.flatten(x)[0])
 
@@ -88,128 +88,137 @@ def _check_steps(steps_per_epoch):
         raise ValueError(f"`steps_per_epoch`={steps_per_epoch!r} must be a whole number >= 1.")
 
 
+def _class_weight_to_sample_weights(y, class_weight):
+    labels = tf.convert_to_tensor(y)
+    if labels.shape.rank is not None and labels.shape.rank > 1 and labels.shape[-1] > 1:
+        labels = tf.argmax(labels, axis=-1)
+    labels = tf.cast(tf.reshape(labels, [-1]), tf.int64)
+    table = tf.constant([class_weight.get(i, 1.0) for i in range(int(tf.reduce_max(labels)) + 1)])
+    return tf.gather(table, labels).numpy()
+
+
 def _build(model, strategy, dataset_fn):
     """Creates model, metric and optimizer variables (on the ps) before scheduling."""
-    sample = dataset_fn().element_spec
-    with strategy.scope():
-        if model.built and model.optimizer is not None and not model.optimizer.built:
-            # Per shard when a partitioner split the weights (slots on each shard's ps).
-            model.optimizer.build(_keras_compat.optimizer_variables(model))
-        model._symbolic_build(data_batch=sample)
+    loop.build_model(model, dataset_fn().element_spec)
 
 
-def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-        validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-        sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-        validation_batch_size=None, validation_freq=1, *, steps_per_execution=None,
-        evaluate=None):
+class WorkerEpochs:
+    """Epochs of `steps_per_epoch` steps over per-worker datasets (a loop source)."""
+
+    def __init__(self, coordinator, dataset_fn, steps_per_epoch, steps_per_call):
+        self.iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        self.num_batches = steps_per_epoch
+        self.steps_per_call = steps_per_call
+
+    def __iter__(self):
+        for begin in range(0, self.num_batches, self.steps_per_call):
+            yield begin, min(begin + self.steps_per_call, self.num_batches) - 1, self.iterator
+
+    def catch_stop_iteration(self):
+        return contextlib.nullcontext()  # per-worker datasets repeat forever
+
+
+class WorkerRunner:
+    """Schedules chunks of steps on the workers (a loop runner).
+
+    Each chunk returns the global logs read at its end. To keep every worker
+    busy, the loop is handed the logs of a chunk scheduled `depth` chunks
+    earlier (one per worker): real values, a few chunks behind.
+    """
+
+    def __init__(self, model, coordinator, step, depth):
+        self.model = model
+        self.coordinator = coordinator
+        self.function = step.scheduled()
+        self.depth = max(1, depth)
+        self.in_flight = collections.deque()
+        self.latest = {}
+
+    def run(self, iterator, count):
+        self.in_flight.append(
+            self.coordinator.schedule(self.function, args=(iterator, tf.constant(count)))
+        )
+        while len(self.in_flight) > self.depth:
+            self.latest = _keras_compat.pythonify_logs(self.in_flight.popleft().fetch())
+        return dict(self.latest)
+
+    def skip(self, iterator, count):
+        # Per-worker datasets repeat; resuming continues with the remaining steps.
+        return 0
+
+    def epoch_logs(self, logs):
+        self.coordinator.join()
+        self.in_flight.clear()
+        with self.model.distribute_strategy.scope():
+            return _keras_compat.pythonify_logs(step_lib.metric_results(self.model))
+
+
+def _worker_count(strategy):
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    return max(1, resolver.cluster_spec().num_tasks("worker"))
+
+
+def fit(model, x=None, y=None, *, steps_per_call=1, batch_size=None, epochs=1, verbose="auto",
+        callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+        class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+        validation_steps=None, validation_batch_size=None, validation_freq=1):
     """`Model.fit` under ParameterServerStrategy (see the module docstring)."""
     strategy = model.distribute_strategy
     _check_steps(steps_per_epoch)
     if validation_split:
         raise ValueError(
-            "`validation_split` is not supported under ParameterServerStrategy; "
-            "pass `validation_data`."
+            f"`validation_split`={validation_split!r} is not supported under "
+            "ParameterServerStrategy (workers read repeated per-worker datasets); pass "
+            "`validation_data`."
         )
+    model._check_exactness(training=True)
     coordinator = coordinator_for(strategy)
     dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle, class_weight)
     _build(model, strategy, dataset_fn)
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    train_steps = execution.make_scheduled_function(model, model.train_step)
-    per_call = int(steps_per_execution or model.steps_per_execution or 1)
-    if not isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks_module.CallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
-            epochs=epochs, steps=steps_per_epoch, model=model,
-        )
-    evaluate = evaluate or (lambda **kwargs: model.evaluate(return_dict=True, **kwargs))
-    model.stop_training = False
-    model._initial_epoch = None
-    callbacks.on_train_begin()
-    initial_epoch = model._initial_epoch or initial_epoch
-    epoch_logs = None
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        callbacks.on_epoch_begin(epoch)
-        for begin in range(0, steps_per_epoch, per_call):
-            count = min(per_call, steps_per_epoch - begin)
-            callbacks.on_train_batch_begin(begin)
-            coordinator.schedule(train_steps, args=(iterator, tf.constant(count)))
-            callbacks.on_train_batch_end(begin + count - 1, {})
-            if model.stop_training:
-                break
-        coordinator.join()
-        with strategy.scope():
-            epoch_logs = pythonify_logs(execution.metric_results(model))
-        if validation_data is not None and (epoch + 1) % validation_freq == 0:
-            val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
-            val_logs = evaluate(
-                x=val_x, y=val_y, sample_weight=val_weight, steps=validation_steps,
-                batch_size=validation_batch_size or batch_size, verbose=0,
+    source = WorkerEpochs(coordinator, dataset_fn, steps_per_epoch, steps_per_call)
+    runner = WorkerRunner(
+        model, coordinator, step_lib.Step(model, "train", steps=steps_per_call),
+        depth=_worker_count(strategy),
+    )
+    callbacks = loop.callback_list(
+        callbacks, model, verbose=verbose, epochs=epochs, steps=steps_per_epoch, history=True
+    )
+    validate = None
+    if validation_data is not None:
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
+
+        def validate(epoch):
+            if not loop._should_validate(epoch, validation_freq):
+                return None
+            return evaluate(
+                model, val_x, val_y, sample_weight=val_weight, steps=validation_steps,
+                batch_size=validation_batch_size or batch_size, callbacks=callbacks,
+                return_dict=True,
             )
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        if model.stop_training:
-            break
-    callbacks.on_train_end(logs=epoch_logs)
-    return model.history
 
-
-def _local_batches(x, y, sample_weight, batch_size, steps):
-    """Batches read on the coordinator itself, not distributed to workers."""
-    return tf_trainer.TFEpochIterator(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-        steps_per_epoch=steps, shuffle=False,
-        distribute_strategy=distribute_lib._get_default_strategy(),
+    return loop.fit_epochs(
+        model, source, runner, epochs=epochs, initial_epoch=initial_epoch,
+        callbacks=callbacks, validate=validate,
     )
 
 
-def _one_pass_callbacks(callbacks, verbose, epoch_iterator, model):
-    if isinstance(callbacks, callbacks_module.CallbackList):
-        return callbacks
-    return callbacks_module.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-        steps=epoch_iterator.num_batches, model=model,
-    )
-
-
-def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
-             steps=None, callbacks=None, return_dict=False, **kwargs):
+def evaluate(model, x=None, y=None, *, batch_size=None, verbose="auto", sample_weight=None,
+             steps=None, callbacks=None, return_dict=False):
     """`Model.evaluate` under ParameterServerStrategy: exact, on the coordinator."""
-    kwargs.pop("_use_cached_eval_dataset", None)
-    strategy = model.distribute_strategy
-    epoch_iterator = _local_batches(x, y, sample_weight, batch_size, steps)
-    test_step = execution.make_batch_function(model, model.test_step)
-    callbacks = _one_pass_callbacks(callbacks, verbose, epoch_iterator, model)
-    callbacks.on_test_begin()
-    with strategy.scope():
-        model.reset_metrics()
-        with epoch_iterator.catch_stop_iteration():
-            for begin, end, iterator in epoch_iterator:
-                callbacks.on_test_batch_begin(begin)
-                test_step(next(iterator))
-                callbacks.on_test_batch_end(end, {})
-        logs = pythonify_logs(execution.metric_results(model))
-    callbacks.on_test_end(logs)
-    if return_dict:
-        return logs
-    return model._flatten_metrics_in_order(logs)
+    return loop.evaluate(
+        model, model.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
+        sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+        return_dict=return_dict, strategy=_keras_compat.default_strategy(),
+    )
 
 
-def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+def predict(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """`Model.predict` under ParameterServerStrategy: every row once, in order."""
-    strategy = model.distribute_strategy
-    epoch_iterator = _local_batches(x, None, None, batch_size, steps)
-    predict_step = execution.make_batch_function(model, model.predict_step)
-    callbacks = _one_pass_callbacks(callbacks, verbose, epoch_iterator, model)
-    outputs = []
-    callbacks.on_predict_begin()
-    with strategy.scope():
-        with epoch_iterator.catch_stop_iteration():
-            for begin, end, iterator in epoch_iterator:
-                callbacks.on_predict_batch_begin(begin)
-                batch_outputs = predict_step(next(iterator))
-                outputs.append(tree.map_structure(np.asarray, batch_outputs))
-                callbacks.on_predict_batch_end(end, {"outputs": batch_outputs})
-    callbacks.on_predict_end()
-    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+    return loop.predict(
+        model, model.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
+        steps_count=steps, callbacks=callbacks, strategy=_keras_compat.default_strategy(),
+    )
+
+

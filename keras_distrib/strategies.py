@@ -6,12 +6,11 @@ stack traces (NCCL without GPUs, a TPU that is not there, a multi-worker
 strategy without TF_CONFIG).
 """
 
-import contextlib
 import os
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy
 
+from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
 
 KINDS = (
@@ -107,31 +106,6 @@ def _configured_cpu_count():
     physical = tf.config.list_physical_devices("CPU")
     config = tf.config.get_logical_device_configuration(physical[0]) if physical else None
     return len(config) if config else 1
-
-
-@contextlib.contextmanager
-def _cpu_replicas_per_worker(count):
-    """Lets MultiWorkerMirroredStrategy use `count` logical CPUs per worker.
-
-    TensorFlow gives a multi-worker strategy one replica per worker on CPU
-    (it only counts GPUs and TPUs); with virtual CPU devices we want one per
-    device, as on a multi-GPU worker. TensorFlow internals: the local-device
-    lookup is swapped only while the strategy is constructed.
-    """
-    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
-    original = extended._initialize_local_devices
-
-    def local_devices(self, cluster_resolver, worker_device):
-        devices, device_type = original(self, cluster_resolver, worker_device)
-        if device_type != "CPU" or count <= 1:
-            return devices, device_type
-        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
-
-    extended._initialize_local_devices = local_devices
-    try:
-        yield
-    finally:
-        extended._initialize_local_devices = original
 
 
 def resolve_auto_kind(cluster_resolver=None):
@@ -288,7 +262,7 @@ def make_strategy(
                 f"`devices`={devices!r}: kind='multi_worker' uses every local GPU, "
                 "or every virtual CPU device (kd.virtual_devices); it takes no list."
             )
-        with _cpu_replicas_per_worker(_configured_cpu_count()):
+        with _keras_compat.cpu_replicas_per_worker(_configured_cpu_count()):
             return tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=cluster_resolver,
                 communication_options=_communication_options(communication),

@@ -13,10 +13,6 @@ import pytest
 
 from tests import _harness
 
-CORE = [
-    "base", "global_clipnorm", "accumulation", "nonfinite_on_one_replica",
-    "sync_batch_norm", "weights", "multi_output", "masks", "cnn", "custom_train_step",
-]
 ALL = [
     "base", "clipnorm", "global_clipnorm", "clipvalue", "accumulation", "accumulation_clip",
     "loss_scale_factor", "mixed_float16", "nonfinite_on_one_replica", "ema", "adamw_schedule",
@@ -24,20 +20,29 @@ ALL = [
     "multi_output", "dict_inputs", "masks", "lstm_auc", "cnn", "reshuffled_dataset",
     "custom_train_step",
 ]
-
+# What each path must show; every path also runs under mirrored2 with ALL.
+CORE = ["base", "clipnorm", "accumulation", "nonfinite_on_one_replica", "sync_batch_norm",
+        "masks", "cnn", "custom_train_step"]
 MATRIX = {
     "one_device": ALL,
     "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step"],
     "mirrored2": ALL,
-    "mirrored4": CORE + ["clipnorm", "clipvalue", "mixed_float16", "regularizers"],
-    "central_storage2": ALL,
-    "loop_mirrored2": CORE + ["ema", "reshuffled_dataset", "lstm_auc"],
-    "spe3_mirrored2": CORE + ["ema", "reshuffled_dataset", "lstm_auc"],
-    "jit_mirrored2": CORE + ["clipnorm", "mixed_float16", "regularizers", "lstm_auc"],
+    "mirrored4": CORE,
+    "mirrored2_reduce_to_one_device": ["base", "global_clipnorm", "weights", "multi_output"],
+    "central_storage2": [
+        "base", "clipnorm", "accumulation", "mixed_float16", "ema", "sync_batch_norm",
+        "class_weights", "multi_output", "cnn", "custom_train_step",
+    ],
+    "loop_mirrored2": CORE + ["reshuffled_dataset"],
+    "loop_one_device": ["base", "accumulation", "masks"],
+    "spe3_mirrored2": CORE + ["ema"],
+    "jit_mirrored2": ["base", "clipnorm", "accumulation", "mixed_float16", "regularizers",
+                      "sync_batch_norm", "masks", "cnn", "custom_train_step"],
     "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc"],
+    "multi_worker1": ["base", "clipnorm", "weights"],
     "parameter_server": ALL,
 }
-MULTI_WORKER = CORE + ["clipnorm", "mixed_float16", "ema", "reshuffled_dataset"]
+MULTI_WORKER = CORE + ["mixed_float16", "reshuffled_dataset"]
 
 # (path, feature) -> text the refusal must contain.
 _CENTRAL = "CentralStorageStrategy keeps one copy of each variable"
@@ -51,7 +56,6 @@ REFUSED = {
     ("central_storage2", "sync_batch_norm"): ("BatchNormalization", _CENTRAL),
     ("jit_mirrored2", "sync_batch_norm"): ("BatchNormalization(synchronized=True)", _JIT),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
-    ("jit_mirrored2", "lstm_auc"): ("(LSTM)", _JIT),
 }
 
 

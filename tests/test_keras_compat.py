@@ -1,40 +1,211 @@
-"""Fails loudly when a new Keras changes what _keras_compat relies on."""
+"""Fails loudly when Keras or TensorFlow change what kd relies on.
 
+Every private Keras/TensorFlow name keras_distrib touches is listed in
+`_keras_compat.PRIVATE_NAMES` and used only inside `_keras_compat.py`. These
+tests resolve each listed name on the installed versions, scan the package
+for private access elsewhere, check that importing kd patches no class,
+and pin the Keras behaviours kd corrects.
+"""
+
+import ast
+import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
-from keras.src.backend.common import variables as keras_variables
-from keras.src.losses import loss as keras_loss
-from keras.src.trainers import compile_utils
 
 from keras_distrib import _keras_compat
 
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
 
-def test_keras_version_is_in_tested_range():
+
+def test_versions_are_in_the_tested_range():
     assert _keras_compat.TESTED_KERAS[0] <= _keras_compat.KERAS_VERSION <= _keras_compat.TESTED_KERAS[1]
+    assert (_keras_compat.TESTED_TENSORFLOW[0] <= _keras_compat.TENSORFLOW_VERSION
+            <= _keras_compat.TESTED_TENSORFLOW[1])
+
+
+def _resolve(path):
+    if path.startswith("tf."):
+        obj = tf
+        parts = path.split(".")[1:]
+    else:
+        parts = path.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            parts = parts[cut:]
+            break
+    for part in parts:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _instances():
+    """Built instances whose instance attributes the table names."""
+    inputs = keras.Input((3,))
+    normalized = keras.layers.BatchNormalization()(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(normalized))
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    epoch_iterator = _keras_compat.epoch_iterator(
+        x=np.ones((4, 3), "float32"), batch_size=2,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+    return {
+        "keras.Model": model,
+        "keras.layers.BatchNormalization": model.layers[1],
+        "keras.optimizers.Optimizer": optimizer,
+        "keras.src.trainers.compile_utils.CompileLoss": model._compile_loss,
+        "keras.src.trainers.compile_utils.CompileMetrics": model._compile_metrics,
+        "keras.Variable": model.layers[2].kernel,
+        "keras.src.backend.tensorflow.trainer.TFEpochIterator": epoch_iterator,
+        "tensorflow.python.distribute.values.PerReplicaSpec": _resolve(
+            "tensorflow.python.distribute.values.PerReplicaSpec"
+        )(tf.TensorSpec([None]), tf.TensorSpec([None])),
+    }
+
+
+@pytest.mark.parametrize("owner,name,needed", _keras_compat.PRIVATE_NAMES,
+                         ids=[f"{o.rsplit('.', 1)[-1]}.{n}" for o, n, _ in _keras_compat.PRIVATE_NAMES])
+def test_private_name_still_exists(owner, name, needed, built=_instances.__dict__.setdefault("cache", {})):
+    target = _resolve(owner)
+    if hasattr(target, name):
+        value = getattr(target, name)
+    else:
+        if not built:
+            built.update(_instances())
+        instance = built.get(owner)
+        assert instance is not None, f"{owner}.{name} not found (kd needs: {needed})"
+        assert hasattr(instance, name), f"{owner}.{name} not found on an instance (kd needs: {needed})"
+        value = getattr(instance, name)
+    if needed.startswith(("method(", "function(")):
+        assert callable(value), (owner, name)
+        wanted = needed.split("(", 1)[1].split(")", 1)[0]
+        parameters = inspect.signature(value).parameters
+        for argument in [a.split("=")[0].strip() for a in wanted.split(",") if a.strip()]:
+            if argument in ("value", "values", "x", "x1", "x2", "logs", "loss", "grads", "arrays"):
+                continue  # positional names Keras may rename
+            assert argument in parameters, f"{owner}.{name} lost `{argument}` (kd needs: {needed})"
+
+
+def _private_uses(tree):
+    """`obj._name` reads and imports of private modules in a module's AST."""
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and (
+            node.module.startswith(("keras.src", "tensorflow.python"))
+        ):
+            uses.append(node.module)
+        elif isinstance(node, ast.Import):
+            uses += [a.name for a in node.names if a.name.startswith(("keras.src", "tensorflow.python"))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            uses.append(node.attr)
+    return uses
+
+
+def _own_names(trees):
+    """Private names kd defines itself (functions, methods, attributes, modules)."""
+    names = {os.path.splitext(f)[0] for f in os.listdir(PACKAGE)}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) > 1:
+                if isinstance(node.args[1], ast.Constant):
+                    names.add(node.args[1].value)
+    return names
+
+
+def test_no_private_keras_or_tensorflow_names_outside_compat():
+    sources = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                with open(path) as f:
+                    sources[os.path.relpath(path, PACKAGE)] = ast.parse(f.read())
+    own = _own_names(tree for path, tree in sources.items() if path != "_keras_compat.py")
+    outside = {}
+    for path, tree in sources.items():
+        if path == "_keras_compat.py":
+            continue
+        foreign = [u for u in _private_uses(tree) if "." in u or u not in own]
+        if foreign:
+            outside[path] = sorted(set(foreign))
+    assert not outside, f"private Keras/TF names outside _keras_compat.py: {outside}"
+
+
+_SNAPSHOT = r"""
+import json, sys
+import keras, tensorflow as tf
+def classes():
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("keras", "tensorflow")) or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, type) and value.__module__ == name:
+                found[f"{name}.{attr}"] = sorted(f"{k}:{id(v)}" for k, v in vars(value).items())
+    return found
+before = classes()
+import keras_distrib
+after = classes()
+changed = sorted(k for k in before if k in after and before[k] != after[k])
+print("CHANGED " + json.dumps(changed))
+"""
+
+
+def test_importing_kd_patches_no_keras_or_tensorflow_class():
+    process = subprocess.run(
+        [sys.executable, "-c", _SNAPSHOT], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    lines = [l for l in process.stdout.splitlines() if l.startswith("CHANGED ")]
+    assert lines, process.stderr[-3000:]
+    assert json.loads(lines[0][8:]) == []
 
 
 def test_keras_still_scales_losses_by_replica_count():
     # GlobalShareMean undoes exactly this multiplication by R.
-    source = inspect.getsource(keras_loss.unscale_loss_for_distribution)
+    source = inspect.getsource(_resolve("keras.src.losses.loss.unscale_loss_for_distribution"))
     assert "num_replicas_in_sync" in source and "multiply" in source
 
 
 def test_keras_assign_add_is_still_assign_of_sum():
-    # The central-storage fix exists because of this implementation.
-    source = inspect.getsource(keras_variables.Variable.assign_add)
+    # fix_variables exists because of this implementation.
+    source = inspect.getsource(_resolve("keras.src.backend.common.variables.Variable.assign_add"))
     assert "self.assign(self + value)" in source
-    assert hasattr(keras.src.backend.tensorflow.core.Variable.assign_add, "__wrapped__")
+
+
+def test_keras_optimizer_still_reduces_inside_its_update_step():
+    # kd all-reduces first and makes this reduction an identity.
+    source = inspect.getsource(_resolve("keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_update_step"))
+    assert "_all_reduce_sum_gradients" in source
+    source = inspect.getsource(_resolve("keras.src.optimizers.base_optimizer.BaseOptimizer._backend_apply_gradients"))
+    for piece in ("gradient_accumulation_steps", "_clip_gradients", "_apply_weight_decay",
+                  "_backend_update_step", "_backend_increment_gradient_accumulators",
+                  "_update_model_variables_moving_average", "ema_overwrite_frequency"):
+        assert piece in source, piece
 
 
 def test_compile_loss_layout_is_as_expected():
-    fields = compile_utils.CompileLoss.Loss._fields
-    assert fields == ("path", "loss", "loss_weights", "name")
-    for name in ("_user_loss", "_user_loss_weights", "output_names"):
-        assert name in inspect.getsource(compile_utils.CompileLoss.__init__)
-    assert "metric.update_state" in inspect.getsource(compile_utils.CompileLoss.call)
+    compile_loss = _resolve("keras.src.trainers.compile_utils.CompileLoss")
+    assert compile_loss.Loss._fields == ("path", "loss", "loss_weights", "name")
+    assert "metric.update_state" in inspect.getsource(compile_loss.call)
 
 
 def test_global_reduction_loss_matches_keras_on_one_device():
@@ -65,10 +236,3 @@ def test_global_reduction_loss_matches_keras_with_mask():
     expected = float(inner(y_true[..., None], y_pred[..., None]))
     wrapped = _keras_compat.GlobalReductionLoss(inner)
     assert float(wrapped(y_true[..., None], y_pred[..., None])) == np.float32(expected)
-
-
-def test_symbolic_build_reduction_is_still_in_keras():
-    from keras.src.backend.tensorflow import trainer
-
-    source = inspect.getsource(trainer.TensorFlowTrainer._maybe_symbolic_build)
-    assert 'reduce(\n                        "MEAN"' in source or '"MEAN"' in source

@@ -1,8 +1,9 @@
 """`kd.callbacks.BackupAndRestore`: resume an interrupted `fit` at the exact step.
 
 Saves the model, the optimizer (with its step counter), the metric state and
-the position in the epoch. On restart, `fit` begins at the saved epoch; the
-data of the saved epoch is fast-forwarded past the batches already trained,
+the position in the epoch. On restart, the callback exposes that position
+(`restored_position`, a `DataPosition`); kd's loop begins at the saved epoch
+and moves the data past the batches already trained, without training them,
 so the run continues with exactly the batch it would have trained next
 (exact for input pipelines whose order does not depend on the run's history:
 `shuffle=False`, or a dataset shuffled from a fixed seed per epoch).
@@ -16,7 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import _keras_compat
 from keras_distrib import checkpoint as checkpoint_lib
+from keras_distrib.loop import DataPosition
 from keras_distrib.callbacks import _schedule
 
 
@@ -63,6 +66,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._manager = None
         self._epoch = 0
         self._resume = None
+        self.restored_position = None
         self._preempted = False
         self._previous_handler = None
 
@@ -80,8 +84,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 model.optimizer.build(model.trainable_variables)
         self._manager = checkpoint_lib.CheckpointManager(self._checkpoint(), self.backup_dir)
         progress = self._manager.restore_or_initialize()
+        self.restored_position = None
         if progress is not None:
-            model._initial_epoch = progress["epoch"]
+            self.restored_position = DataPosition(progress["epoch"], progress["step"])
             if progress["step"] > 0:
                 self._resume = progress
         if self.save_on_preemption:
@@ -97,7 +102,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Whether any worker was preempted (all workers must agree to save)."""
         flag = tf.constant(1.0 if self._preempted else 0.0)
         strategy = self.model.distribute_strategy
-        if strategy.extended._in_multi_worker_mode():
+        if _keras_compat.is_multi_worker(strategy):
             per_replica = strategy.experimental_distribute_values_from_function(lambda _: flag)
             flag = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
         return bool(flag.numpy() > 0)
@@ -110,18 +115,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.schedule.new_epoch()
         resume = self._resume
         if resume is not None and resume["epoch"] == epoch:
+            # The loop skips the batches the backup holds; their metric
+            # state comes from the backup.
             set_metric_state(self.model, resume["metrics"])
-            self.model._kd_skip_steps = resume["step"]
-            self._skip_until = resume["step"]
-        else:
-            self._skip_until = 0
+            self.schedule.batch_done(resume["step"] - 1)
         self._resume = None
 
     def on_train_batch_end(self, batch, logs=None):
         due = self.schedule.batch_done(batch)
         step = batch + 1
-        if step <= self._skip_until:
-            return  # Fast-forwarding over batches the backup already holds.
         if self.save_on_preemption and self._preemption_agreed():
             self._save(self._epoch, step)
             self.model.stop_training = True

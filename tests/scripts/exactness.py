@@ -18,29 +18,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_distrib as kd
 
-# name -> (virtual devices, strategy kind, compile extras, steps_per_loop)
+# name -> (virtual devices, strategy kind, compile extras, steps_per_loop, strategy options)
 PATHS = {
-    "one_device": (1, "default", {}, None),
-    "mirrored1": (1, "mirrored", {}, None),
-    "mirrored2": (2, "mirrored", {}, None),
-    "mirrored4": (4, "mirrored", {}, None),
-    "central_storage2": (2, "central_storage", {}, None),
-    "loop_mirrored2": (2, "mirrored", {}, 3),
-    "loop1_one_device": (1, "default", {}, 1),
-    "loop3_one_device": (1, "default", {}, 3),
-    "spe3_mirrored2": (2, "mirrored", {"steps_per_execution": 3}, None),
-    "jit_mirrored2": (2, "mirrored", {"jit_compile": True}, None),
-    "jit_one_device": (1, "default", {"jit_compile": True}, None),
-    "multi_worker": (2, "multi_worker", {}, None),
+    "one_device": (1, "default", {}, None, {}),
+    "mirrored1": (1, "mirrored", {}, None, {}),
+    "mirrored2": (2, "mirrored", {}, None, {}),
+    "mirrored4": (4, "mirrored", {}, None, {}),
+    "mirrored2_reduce_to_one_device": (2, "mirrored", {}, None, {"cross_device_ops": "reduce_to_one_device"}),
+    "central_storage2": (2, "central_storage", {}, None, {}),
+    "loop_mirrored2": (2, "mirrored", {}, 3, {}),
+    "loop_one_device": (1, "default", {}, 3, {}),
+    "spe3_mirrored2": (2, "mirrored", {"steps_per_execution": 3}, None, {}),
+    "jit_mirrored2": (2, "mirrored", {"jit_compile": True}, None, {}),
+    "jit_one_device": (1, "default", {"jit_compile": True}, None, {}),
+    "multi_worker1": (1, "multi_worker", {}, None, {}),
+    "multi_worker": (2, "multi_worker", {}, None, {}),
     # evaluate and predict on the reference's weights, in-process cluster
-    "parameter_server": (1, "parameter_server", {}, None),
-    "plain-mirrored2": (2, "mirrored", {}, None),
-    "plain-central_storage2": (2, "central_storage", {}, None),
+    "parameter_server": (1, "parameter_server", {}, None, {}),
+    "plain-mirrored2": (2, "mirrored", {}, None, {}),
+    "plain-central_storage2": (2, "central_storage", {}, None, {}),
 }
 
 
 def main(path, names):
-    devices, kind, compile_extra, steps_per_loop = PATHS[path]
+    devices, kind, compile_extra, steps_per_loop, options = PATHS[path]
     if devices > 1:
         kd.virtual_devices(devices)
     import keras
@@ -52,7 +53,7 @@ def main(path, names):
         resolver = kd.local_cluster(workers=2, ps=1)
         strategy = kd.make_strategy(kind, cluster_resolver=resolver)
     else:
-        strategy = kd.make_strategy(kind)
+        strategy = kd.make_strategy(kind, **options)
     model_class = keras.Model if path.startswith("plain-") else kd.Model
     for name in names:
         started = time.monotonic()

@@ -1,0 +1,143 @@
+"""What one replica knows about the batch it processes in a step.
+
+kd's step opens a `ReplicaBatch` around every replica step (`replica_batch`).
+It holds the replica's row count n_r and the global count N (all-reduced
+once per step) and the step's `StepPlan`. Losses, metric trackers,
+regularization, the forward pass and synchronized batch normalization read
+it instead of all-reducing again. It is thread-local: under
+MirroredStrategy each replica traces on its own thread.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from keras import tree
+
+_STATE = threading.local()
+
+
+class StepPlan:
+    """How a replica runs its step; decided once per compiled step function.
+
+    Attributes:
+        pad_empty: Feed an empty replica batch to the model as one row of
+            zeros and drop that row's outputs. TensorFlow's CPU (oneDNN)
+            convolution and pooling kernels mishandle 0-row batches (wrong
+            shapes, or a crash); the padded row contributes nothing.
+        xla_forward: Compile the forward pass (and its gradient) with XLA on
+            the replica's device, the all-reduces staying outside: what
+            `jit_compile=True` means where XLA cannot compile a whole step
+            that synchronizes replicas (several CPU replicas, multi-worker).
+        looped: The step runs inside a loop compiled into one function
+            (`steps_per_execution` > 1, `steps_per_loop` > 1, a whole epoch).
+    """
+
+    def __init__(self, *, pad_empty=False, xla_forward=False, looped=False):
+        self.pad_empty = bool(pad_empty)
+        self.xla_forward = bool(xla_forward)
+        self.looped = bool(looped)
+
+    def __repr__(self):
+        return (f"StepPlan(pad_empty={self.pad_empty}, xla_forward={self.xla_forward}, "
+                f"looped={self.looped})")
+
+
+class ReplicaBatch:
+    """What kd knows about the batch one replica processes in a step.
+
+    Attributes:
+        local_rows: Rows on this replica, n_r (a float32 scalar tensor).
+        global_rows: Rows over all replicas, N = sum(n_r) (all-reduced).
+        plan: The `StepPlan` of the step.
+        losses: The `add_loss` terms of this replica's latest forward pass
+            (recorded per replica; `None` before the first one).
+        owner: The model whose forward pass recorded `losses`.
+        in_forward: Whether a kd model's forward pass is running.
+    """
+
+    def __init__(self, local_rows, global_rows, plan=None):
+        self.local_rows = local_rows
+        self.global_rows = global_rows
+        self.plan = plan or StepPlan()
+        self.losses = None
+        self.owner = None
+        self.in_forward = False
+
+    @property
+    def fraction(self):
+        """n_r / N: this replica's part of the global batch (0 if empty)."""
+        return tf.math.divide_no_nan(self.local_rows, self.global_rows)
+
+    @property
+    def has_rows(self):
+        """A boolean tensor: whether this replica holds any row."""
+        return self.local_rows > 0
+
+    def record_loss(self, loss):
+        """Keeps an `add_loss` term of the current forward pass."""
+        if self.in_forward and self.losses is not None:
+            self.losses.extend(tree.flatten(loss))
+
+
+def batch_rows(x):
+    """Rows in a replica's batch: the leading dimension of the first input."""
+    for value in tree.flatten(x):
+        if value is not None:
+            return tf.shape(value)[0]
+    raise ValueError(
+        "The batch has no input tensor (`x` is empty or all None); "
+        "kd models need at least one input to count rows."
+    )
+
+
+def replica_sum(value):
+    """All-reduces `value` (SUM) across the replicas of the current strategy.
+
+    Identity without a strategy, or with one replica. Needs a replica
+    context (inside `strategy.run`, `train_step` or `test_step`), except
+    while Keras builds shapes symbolically.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        if _in_symbolic_build():
+            return value
+        raise RuntimeError(
+            "kd.losses needs a replica context: call it inside "
+            "`strategy.run(...)` or a model's train_step/test_step, not "
+            "directly under `strategy.scope()`."
+        )
+    if context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def _in_symbolic_build():
+    from keras_distrib import _keras_compat
+
+    return _keras_compat.in_symbolic_scope()
+
+
+@contextlib.contextmanager
+def replica_batch(local_rows, plan=None):
+    """Opens this replica's `ReplicaBatch` (all-reducing the row count once).
+
+    Inside an open batch (e.g. a `train_step` override calling
+    `self.replica_batch(x)`), the open batch is reused.
+    """
+    current = getattr(_STATE, "batch", None)
+    if current is not None:
+        yield current
+        return
+    local_rows = tf.cast(local_rows, tf.float32)
+    batch = ReplicaBatch(local_rows, replica_sum(local_rows), plan)
+    _STATE.batch = batch
+    try:
+        yield batch
+    finally:
+        _STATE.batch = None
+
+
+def current_batch():
+    """The `ReplicaBatch` of the step being traced on this thread, or None."""
+    return getattr(_STATE, "batch", None)

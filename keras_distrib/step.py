@@ -1,0 +1,315 @@
+"""The step: replica steps under `strategy.run`, several per compiled call.
+
+`Step` is the one place in keras_distrib that calls `strategy.run`. `fit`,
+`evaluate` and `predict` of kd models, `kd.TrainLoop`, the functions a
+parameter-server coordinator schedules on its workers and the coordinator's
+own exact evaluation all call a `Step`, so they cannot drift apart.
+
+A step function runs up to k replica steps in one `tf.function` (a
+`tf.range` loop: the graph does not grow with k) and returns global
+results. Train and test logs are read from the metric variables in
+cross-replica context, where SyncOnRead variables are summed over every
+replica and worker: the true global values (Keras averages each replica's
+local results, wrong whenever replicas hold different numbers of rows).
+Predictions come back concatenated in input order.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from keras_distrib import _keras_compat
+from keras_distrib import replica
+
+KINDS = ("train", "test", "predict")
+
+
+class SparseGradientInLoop(Exception):
+    """A sparse gradient met inside a compiled multi-step loop.
+
+    TensorFlow fixes the shape of a collective at its first loop iteration,
+    and gathering sparse (`tf.IndexedSlices`) gradients changes shape with
+    the batch. The step then runs one step per compiled call instead.
+    """
+
+
+def metric_results(model):
+    """Every model metric's value; global when read in cross-replica context."""
+    results = {}
+    for metric in model.metrics:
+        value = metric.result()
+        if isinstance(value, dict):
+            results.update(value)
+        else:
+            results[metric.name] = value
+    return results
+
+
+def metric_names(model):
+    """Log keys the model's metrics produce, without reading any variable."""
+    names = set()
+    for metric in model.metrics:
+        names.update(_keras_compat.compile_metric_names(metric))
+        names.add(metric.name)
+    return names
+
+
+def reduce_mean(strategy, value):
+    """Mean over replicas of a per-replica value (what Keras calls "auto")."""
+    if isinstance(value, tf.distribute.DistributedValues) or _keras_compat.is_multi_worker(strategy):
+        return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+    return value
+
+
+def step_logs(model, strategy, outputs):
+    """Global logs for the outputs of a replica step.
+
+    Keys that name a model metric take the metric's global value; anything
+    else a custom `train_step` returns is averaged over replicas.
+    """
+    if not isinstance(outputs, dict):
+        return tree.map_structure(lambda v: reduce_mean(strategy, v), outputs)
+    metric_values = metric_results(model)
+    return {
+        key: metric_values[key] if key in metric_values else reduce_mean(strategy, value)
+        for key, value in outputs.items()
+    }
+
+
+def whole_step_xla(strategy):
+    """Whether XLA may compile a whole replica step under `strategy`.
+
+    A step all-reduces (row counts, gradients). TensorFlow only lowers that
+    into XLA for one replica, TPUs, or mirrored replicas that are all GPUs;
+    elsewhere a synchronization inside a compiled function fails.
+    """
+    if strategy.num_replicas_in_sync == 1 or isinstance(strategy, tf.distribute.TPUStrategy):
+        return True
+    devices = tuple(getattr(strategy.extended, "worker_devices", ()))
+    return (bool(devices) and all("GPU" in d.upper() for d in devices)
+            and not _keras_compat.is_multi_worker(strategy))
+
+
+def on_replica_device(function):
+    """Calls `function` placed on the current replica's device."""
+
+    def placed(*args, **kwargs):
+        # XLA compiles for the device the call is placed on; without this,
+        # every replica's cluster lands on the first device and cannot reach
+        # the other replicas' variables.
+        context = tf.distribute.get_replica_context()
+        devices = tf.nest.flatten(getattr(context, "devices", None) or [None])
+        with tf.device(devices[0]):
+            return function(*args, **kwargs)
+
+    return placed
+
+
+def plan_for(model, *, looped=False):
+    """The `StepPlan` for `model` under its strategy (see replica.StepPlan)."""
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
+    jit = bool(model.jit_compile) and not model.run_eagerly
+    return replica.StepPlan(
+        pad_empty=replicas > 1 and not isinstance(strategy, tf.distribute.TPUStrategy),
+        xla_forward=jit and not whole_step_xla(strategy),
+        looped=looped,
+    )
+
+
+def replica_function(model, kind, *, looped=False):
+    """One replica's step of `kind`, inside its `ReplicaBatch`.
+
+    Keras's Optional inputs become None, and the replica's batch (row
+    counts, the plan) is open around the model's step, so an overridden
+    `train_step` gets kd's arithmetic too. With `jit_compile=True`, the
+    whole step is compiled by XLA where the strategy allows it; otherwise
+    (several CPU replicas) the forward and backward passes are
+    (`StepPlan.xla_forward`), and the all-reduces run outside XLA.
+    """
+    step_fn = {"train": model.train_step, "test": model.test_step,
+               "predict": model.predict_step}[kind]
+    plan = plan_for(model, looped=looped)
+
+    def replica_step(data):
+        data = _keras_compat.autoconvert_optionals(data)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with replica.replica_batch(replica.batch_rows(x), plan):
+            return step_fn(data)
+
+    if not model.jit_compile or model.run_eagerly or plan.xla_forward:
+        return replica_step
+    return on_replica_device(tf.function(replica_step, jit_compile=True, reduce_retracing=True))
+
+
+class Step:
+    """Runs `model`'s `kind` steps under its strategy, up to `steps` per call.
+
+    Args:
+        model: A compiled Keras model created in its strategy's scope.
+        kind: `"train"`, `"test"` or `"predict"`.
+        steps: Steps per compiled call (`steps_per_execution`,
+            `steps_per_loop`).
+
+    Calling `step(iterator)` runs up to `steps` steps (`count` if given),
+    fewer when the iterator runs out, and returns the global logs (train,
+    test) or the predictions of every row in order (predict). It raises
+    `StopIteration` when the iterator holds no batch at all.
+    """
+
+    def __init__(self, model, kind, *, steps=1):
+        if kind not in KINDS:
+            raise ValueError(f"`kind`={kind!r}: expected one of {list(KINDS)}.")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"`steps`={steps!r}: expected a whole number >= 1.")
+        self.model = model
+        self.kind = kind
+        self.steps = steps
+        self.strategy = model.distribute_strategy
+        self._single = replica_function(model, kind)
+        self._looped = replica_function(model, kind, looped=True)
+        # Collectives inside a compiled loop keep their first iteration's
+        # shape; gathering predictions across workers (or sparse gradients,
+        # see SparseGradientInLoop) changes shape with the batch.
+        self._looping = not (kind == "predict" and _keras_compat.is_multi_worker(self.strategy))
+        self._compile()
+
+    # Compiled functions.
+
+    def _run(self, data, looped=False):
+        return self.strategy.run(self._looped if looped else self._single, args=(data,))
+
+    def _finish(self, outputs, extras):
+        if self.kind == "predict":
+            return _keras_compat.concat_replicas(outputs, self.strategy)
+        logs = step_logs(self.model, self.strategy, outputs)
+        if isinstance(logs, dict):
+            logs.update(extras)
+        return logs
+
+    def _extras(self, outputs):
+        # Values a custom step returns that are not metrics (usually none).
+        if self.kind == "predict" or not isinstance(outputs, dict):
+            return {}
+        names = metric_names(self.model)
+        return {k: reduce_mean(self.strategy, v) for k, v in outputs.items() if k not in names}
+
+    def _one(self, iterator):
+        outputs = self._run(next(iterator))
+        return self._finish(outputs, self._extras(outputs))
+
+    def _many(self, iterator, count):
+        outputs = self._run(next(iterator))
+        if self.kind == "predict":
+            return self._many_predictions(iterator, count, self._finish(outputs, {}))
+        extras = self._extras(outputs)
+        for _ in tf.range(count - 1):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            step_outputs = self._run(optional.get_value(), looped=True)
+            if extras:
+                extras = self._extras(step_outputs)
+        return self._finish(outputs, extras)
+
+    def _many_predictions(self, iterator, count, first):
+        flat = tree.flatten(first)
+        arrays = [
+            tf.TensorArray(t.dtype, size=0, dynamic_size=True, infer_shape=False).write(0, t)
+            for t in flat
+        ]
+        index = tf.constant(1)
+        for _ in tf.range(count - 1):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            outputs = tree.flatten(self._finish(self._run(optional.get_value(), looped=True), {}))
+            arrays = [a.write(index, t) for a, t in zip(arrays, outputs)]
+            index += 1
+        return tree.pack_sequence_as(first, [a.concat() for a in arrays])
+
+    def _skip(self, iterator, count):
+        skipped = tf.constant(0)
+        for _ in tf.range(count):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            skipped += 1
+        return skipped
+
+    def _compile(self):
+        functions = {"one": self._one, "many": self._many, "skip": self._skip}
+        if not self.model.run_eagerly:
+            functions = {k: tf.function(f, reduce_retracing=True) for k, f in functions.items()}
+        self._functions = functions
+
+    # Calling.
+
+    def __call__(self, iterator, count=None):
+        count = self.steps if count is None else int(count)
+        functions = self._functions
+        try:
+            if count == 1:
+                return functions["one"](iterator)
+            if self._looping:
+                try:
+                    return functions["many"](iterator, tf.constant(count))
+                except SparseGradientInLoop:
+                    self._looping = False
+                    _warn_stepwise(self.model, count)
+            return self._stepwise(iterator, count)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+
+    def _stepwise(self, iterator, count):
+        results = []
+        for _ in range(count):
+            try:
+                results.append(self._functions["one"](iterator))
+            except tf.errors.OutOfRangeError:
+                break
+        if not results:
+            raise StopIteration
+        if self.kind != "predict":
+            return results[-1]
+        return tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *results)
+
+    def skip(self, iterator, count):
+        """Moves `iterator` past up to `count` batches without running them.
+
+        Resuming mid-epoch: the batches the backup already holds. Returns
+        the number of batches skipped.
+        """
+        if count <= 0:
+            return 0
+        return int(self._functions["skip"](iterator, tf.constant(int(count))))
+
+    def scheduled(self):
+        """A function for a parameter-server coordinator to schedule.
+
+        `function(iterator, count)` runs `count` steps on the worker that
+        runs it, each on the next batch of that worker's iterator, and
+        returns the global logs (read from the parameter servers).
+        """
+        strategy = self.strategy
+        model = self.model
+        single = self._single
+
+        @tf.function
+        def run_on_worker(iterator, count):
+            for _ in tf.range(count):
+                strategy.run(single, args=(next(iterator),))
+            return metric_results(model)
+
+        return run_on_worker
+
+
+def _warn_stepwise(model, count):
+    warnings.warn(
+        f"{model.name}: {count} steps per call run as {count} calls of one step: the "
+        "model has sparse gradients (e.g. from an Embedding), which cannot be all-gathered "
+        "inside a compiled loop. The results are exact either way.",
+        stacklevel=3,
+    )
