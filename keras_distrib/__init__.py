@@ -22,7 +22,7 @@ from keras_distrib.data import distribute_dataset
 from keras_distrib.devices import virtual_devices
 from keras_distrib.gradients import exact_optimizer
 from keras_distrib.launcher import launch
-from keras_distrib.launcher import local_cluster
+from keras_distrib.inprocess_cluster import local_cluster
 from keras_distrib.loop import TrainLoop
 from keras_distrib.models import DistributedModelMixin
 from keras_distrib.models import Model

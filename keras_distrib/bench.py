@@ -162,16 +162,39 @@ def _measure(options):
     return timings
 
 
+def first_step_task():
+    """What each launched task runs: prints the time of its first training step."""
+    import keras_distrib as kd
+
+    strategy = kd.make_strategy("multi_worker")
+    import keras
+    import numpy as np
+
+    class FirstStep(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                print(f"FIRST_STEP {time.time()}", flush=True)
+
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((64, 8), "float32")
+    model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0, callbacks=[FirstStep()])
+
+
 def _launch_to_first_step(repeats):
     """Seconds from `kd.launch` to the first training step on 2 workers."""
     from keras_distrib import launcher
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bench_first_step.py")
     times = []
     for _ in range(repeats):
         lines = []
         started = time.time()
-        result = launcher.launch(script, workers=2, timeout=120, sink=lines.append)
+        result = launcher.launch(
+            "keras_distrib.bench:first_step_task", workers=2, timeout=120, sink=lines.append,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
+        )
         stamps = [float(l.rsplit(" ", 1)[1]) for l in lines if "FIRST_STEP " in l]
         if result.returncode != 0 or len(stamps) != 2:
             raise RuntimeError("launch benchmark failed:\n" + "\n".join(lines[-20:]))

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import keras_distrib.launcher as kd_launch
+from keras_distrib import supervisor
 from tests import _harness, launch_targets
 
 
@@ -165,11 +166,11 @@ def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
 
 
 def test_gpus_are_split_between_training_tasks():
-    assert kd_launch.split_gpus(["0", "1", "2", "3"], ["worker 0", "worker 1"]) == {
+    assert supervisor.split_gpus(["0", "1", "2", "3"], ["worker 0", "worker 1"]) == {
         "worker 0": "0,1", "worker 1": "2,3"}
-    assert kd_launch.split_gpus(["0"], ["worker 0", "worker 1"]) == {"worker 0": "", "worker 1": ""}
-    assert kd_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}) == ["4", "5"]
-    assert kd_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert supervisor.split_gpus(["0"], ["worker 0", "worker 1"]) == {"worker 0": "", "worker 1": ""}
+    assert supervisor.visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}) == ["4", "5"]
+    assert supervisor.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
 @pytest.mark.parametrize("workers", [3])  # 2 workers: test_models, test_loop, test_checkpoint
