@@ -15,6 +15,12 @@ import subprocess
 import sys
 import time
 
+__all__ = [
+    "first_step_task",
+    "main",
+    "run",
+]
+
 GLOBAL_BATCH = 64
 VARIANTS = (
     "plain_fit_one_device",
@@ -305,6 +311,7 @@ def _worker_main(options):
 
 
 def main(argv=None):
+    """Runs `keras-distrib bench ARGS`; returns the exit code."""
     parser = argparse.ArgumentParser(prog="keras-distrib bench")
     parser.add_argument("--model", choices=("mlp", "cnn"), default="cnn")
     parser.add_argument("--replicas", type=int, default=2)

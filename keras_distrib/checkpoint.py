@@ -21,6 +21,12 @@ import tensorflow as tf
 
 from keras_distrib import cluster
 
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "validate_directory",
+]
+
 _LATEST = "latest"
 _PROGRESS = "progress.json"
 _PREFIX = "ckpt"
@@ -115,6 +121,7 @@ class CheckpointManager:
         return path if os.path.isdir(path) else None
 
     def read_progress(self, path=None):
+        """The progress dict (epoch, step, extras) of `path` (the latest by default)."""
         path = path or self.latest
         if path is None:
             return None

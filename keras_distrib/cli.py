@@ -5,6 +5,11 @@ import sys
 
 from keras_distrib import launcher as launch_lib
 
+__all__ = [
+    "build_parser",
+    "main",
+]
+
 
 def _launch(options):
     try:
@@ -31,6 +36,7 @@ def _demo(options):
 
 
 def build_parser():
+    """The `keras-distrib` argument parser (launch, demo, bench)."""
     parser = argparse.ArgumentParser(
         prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
     )
@@ -62,6 +68,7 @@ def build_parser():
 
 
 def main(argv=None):
+    """Runs the `keras-distrib` command line; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         # The benchmark has its own options (see `keras-distrib bench --help`).

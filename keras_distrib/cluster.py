@@ -12,6 +12,16 @@ import shutil
 import tempfile
 import types
 
+__all__ = [
+    "ClusterConfigError",
+    "ClusterInfo",
+    "chief_verbose",
+    "cluster_info",
+    "is_chief",
+    "parse_tf_config",
+    "writer_directory",
+]
+
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TASK_TYPES = ("chief", "worker")
 
@@ -32,6 +42,13 @@ class ClusterInfo:
             a single process.
         is_chief: Whether this process writes checkpoints and summaries.
         cluster: Task type -> tuple of `"host:port"` addresses (read-only).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> info = kd.cluster_info({"cluster": {"chief": ["h:1"], "worker": ["h:2"]},
+        ...                         "task": {"type": "worker", "index": 0}})
+        >>> (info.task_type, info.num_workers, info.is_chief, info.label)
+        ('worker', 2, False, 'worker 0')
     """
 
     task_type: object = None
@@ -198,7 +215,14 @@ def cluster_info(tf_config=None):
 
 
 def is_chief(tf_config=None):
-    """Whether this process is the chief (the one whose files persist)."""
+
+    """Whether this process is the chief (the one whose files persist).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> kd.is_chief({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 0}})
+        True
+    """
     return cluster_info(tf_config).is_chief
 
 

@@ -20,6 +20,13 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 
+__all__ = [
+    "describe_input",
+    "distribute_dataset",
+    "file_count",
+    "shard_files",
+]
+
 _POLICIES = {
     "auto": tf.data.experimental.AutoShardPolicy.AUTO,
     "file": tf.data.experimental.AutoShardPolicy.FILE,
@@ -250,6 +257,12 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
     Returns:
         A dict with the same facts (`policy`, `examples`, `steps`,
         `last_batch`, `last_batch_per_replica`, `files`, `warnings`).
+
+    Example:
+        >>> import numpy as np, keras_distrib as kd
+        >>> report = kd.describe_input(np.arange(10), global_batch_size=4, print_fn=lambda line: None)
+        >>> report["steps"], report["last_batch"]
+        (3, 2)
     """
     strategy = _strategy_or_current(strategy)
     info = cluster.cluster_info()

@@ -8,6 +8,10 @@ error that says what to do.
 
 import tensorflow as tf
 
+__all__ = [
+    "virtual_devices",
+]
+
 _DEVICE_TYPES = ("CPU", "GPU")
 
 

@@ -33,6 +33,11 @@ def local_cluster(workers=2, ps=1, *, worker_threads=None):
 
     Raises:
         LaunchError: invalid counts.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> resolver = kd.local_cluster(workers=2, ps=1)  # doctest: +SKIP
+        >>> strategy = kd.make_strategy("parameter_server", cluster_resolver=resolver)  # doctest: +SKIP
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise launcher.LaunchError(f"`workers`={workers!r}: expected a whole number >= 1")

@@ -164,6 +164,12 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
 
     Raises:
         LaunchError: invalid arguments (nothing is started).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> result = kd.launch("train.py", workers=2, args=["--epochs", "3"])  # doctest: +SKIP
+        >>> result.returncode  # doctest: +SKIP
+        0
     """
     validate(workers, ps, chief, max_restarts, timeout, ports)
     from keras_distrib import _task_entry

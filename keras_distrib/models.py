@@ -20,6 +20,15 @@ from keras_distrib import parameter_server
 from keras_distrib import replica
 from keras_distrib import step as step_lib
 
+__all__ = [
+    "DistributedModelMixin",
+    "FunctionalModel",
+    "Model",
+    "Sequential",
+    "global_moments",
+    "unsupported_settings",
+]
+
 
 def _record_loss(loss):
     batch = replica.current_batch()
@@ -164,9 +173,24 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     around every step, so the forward pass records its `add_loss` terms per
     replica, `compute_loss` returns this replica's share of the global loss
     and the optimizer sees the global gradient.
+
+    Example:
+        >>> import keras, tensorflow as tf, keras_distrib as kd
+        >>> class Regressor(kd.DistributedModelMixin, keras.Model):
+        ...     def train_step(self, data):
+        ...         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        ...         with tf.GradientTape() as tape:
+        ...             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        ...         grads = tape.gradient(loss, self.trainable_variables)
+        ...         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        ...         return self.compute_metrics(x, y, self(x), sample_weight=None)
+        >>> inputs = keras.Input((3,))
+        >>> model = Regressor(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
     """
 
     def compile(self, *args, **kwargs):
+        """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline."""
         super().compile(*args, **kwargs)
         _keras_compat.install_global_losses(self)
         gradients.install(self.optimizer)
@@ -261,6 +285,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return self(x)
 
     def train_step(self, data):
+        """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x):
             with tf.GradientTape() as tape:
@@ -280,6 +305,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
+        """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x):
             y_pred = self._call_model(x, training=False)
@@ -290,6 +316,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):
+        """One replica's prediction step: the forward pass."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._call_model(x, training=False)
 
@@ -327,16 +354,19 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
 
     def make_train_function(self, force=False):
+        """The compiled training `Step` (`steps_per_execution` steps per call)."""
         if self.train_function is None or force:
             self.train_function = self._make_step("train")
         return self.train_function
 
     def make_test_function(self, force=False):
+        """The compiled evaluation `Step`."""
         if self.test_function is None or force:
             self.test_function = self._make_step("test")
         return self.test_function
 
     def make_predict_function(self, force=False):
+        """The compiled prediction `Step`."""
         if self.predict_function is None or force:
             self.predict_function = self._make_step("predict")
         return self.predict_function
@@ -347,6 +377,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
+        """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy()
         arguments = dict(
@@ -368,6 +399,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, **kwargs):
+        """`keras.Model.evaluate`, exact under any strategy."""
         _keras_compat.assert_compiled(self, "evaluate")
         self._check_strategy()
         kwargs.pop("_use_cached_eval_dataset", None)
@@ -385,6 +417,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """`keras.Model.predict`: every row once, in input order, under any strategy."""
         self._check_strategy()
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.predict(
@@ -434,4 +467,10 @@ class FunctionalModel(Model, _keras_compat.Functional):
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
 class Sequential(DistributedModelMixin, keras.Sequential):
-    """A `keras.Sequential` with exact distributed steps."""
+    """A `keras.Sequential` with exact distributed steps.
+
+    Example:
+        >>> import keras, keras_distrib as kd
+        >>> model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+    """

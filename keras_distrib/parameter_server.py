@@ -27,10 +27,21 @@ from keras_distrib import _keras_compat
 from keras_distrib import loop
 from keras_distrib import step as step_lib
 
+__all__ = [
+    "WorkerEpochs",
+    "WorkerRunner",
+    "coordinator_for",
+    "evaluate",
+    "fit",
+    "is_parameter_server",
+    "predict",
+]
+
 _COORDINATORS = weakref.WeakKeyDictionary()
 
 
 def is_parameter_server(strategy):
+    """Whether `strategy` is a (TF2) ParameterServerStrategy."""
     return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
 
@@ -115,6 +126,7 @@ class WorkerEpochs:
             yield begin, min(begin + self.steps_per_call, self.num_batches) - 1, self.iterator
 
     def catch_stop_iteration(self):
+        """A no-op context: per-worker datasets never run out."""
         return contextlib.nullcontext()  # per-worker datasets repeat forever
 
 
@@ -135,6 +147,7 @@ class WorkerRunner:
         self.latest = {}
 
     def run(self, iterator, count):
+        """Schedules `count` steps on a worker; returns logs a few chunks behind."""
         self.in_flight.append(
             self.coordinator.schedule(self.function, args=(iterator, tf.constant(count)))
         )
@@ -143,10 +156,12 @@ class WorkerRunner:
         return dict(self.latest)
 
     def skip(self, iterator, count):
+        """Nothing to skip: repeated per-worker datasets have no epoch position."""
         # Per-worker datasets repeat; resuming continues with the remaining steps.
         return 0
 
     def epoch_logs(self, logs):
+        """Waits for every scheduled step; returns the metrics' global values."""
         self.coordinator.join()
         self.in_flight.clear()
         with self.model.distribute_strategy.scope():

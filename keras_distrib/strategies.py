@@ -13,6 +13,11 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
 
+__all__ = [
+    "make_strategy",
+    "resolve_auto_kind",
+]
+
 KINDS = (
     "auto",
     "default",

@@ -17,6 +17,16 @@ import subprocess
 import threading
 import time
 
+__all__ = [
+    "ClusterResult",
+    "TaskResult",
+    "TaskSpec",
+    "run_tasks",
+    "signals_stop_the_cluster",
+    "split_gpus",
+    "visible_gpus",
+]
+
 GRACE_SECONDS = 5.0
 _TAIL_LINES = 20
 

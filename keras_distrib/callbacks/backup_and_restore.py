@@ -22,6 +22,12 @@ from keras_distrib import checkpoint as checkpoint_lib
 from keras_distrib.loop import DataPosition
 from keras_distrib.callbacks import _schedule
 
+__all__ = [
+    "BackupAndRestore",
+    "metric_state",
+    "set_metric_state",
+]
+
 
 def metric_state(model):
     """Global values of every metric variable (summed over replicas)."""
@@ -29,6 +35,7 @@ def metric_state(model):
 
 
 def set_metric_state(model, values):
+    """Restores metric variables saved by `metric_state` (the same model's)."""
     variables = [v for m in model.metrics for v in m.variables]
     if len(values) != len(variables):
         raise checkpoint_lib.CheckpointError(

@@ -17,6 +17,10 @@ import numpy as np
 from keras_distrib import cluster
 from keras_distrib.callbacks import _schedule
 
+__all__ = [
+    "ModelCheckpoint",
+]
+
 _MODES = ("auto", "min", "max")
 
 

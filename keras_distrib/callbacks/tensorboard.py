@@ -11,6 +11,10 @@ import keras
 
 from keras_distrib import cluster
 
+__all__ = [
+    "TensorBoard",
+]
+
 
 class TensorBoard(keras.callbacks.TensorBoard):
     """`keras.callbacks.TensorBoard` whose files come from the chief alone.
