@@ -376,6 +376,17 @@ def compile_metric_names(metric):
     return set()
 
 
+def compile_metric_log_keys(metric):
+    """The log keys a built compiled-metrics container reports (e.g. `out_mae`), or None.
+
+    Keras names them when it reports them (output prefixes, de-duplication),
+    so they are read from a result of the container's current state.
+    """
+    if isinstance(metric, compile_utils.CompileMetrics) and metric.built:
+        return set(metric.result())
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Data and loops.
 

@@ -8,9 +8,9 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import types
+
+from keras_distrib import files
 
 __all__ = [
     "ClusterConfigError",
@@ -88,7 +88,27 @@ def _address_problems(task_type, addresses):
             problems.append(
                 f"cluster[{task_type!r}][{i}]={address!r} is not 'host:port'"
             )
+        elif not 1 <= int(port) <= 65535:
+            problems.append(
+                f"cluster[{task_type!r}][{i}]={address!r}: port {int(port)} is out of "
+                "range (expected 1..65535)"
+            )
     return problems
+
+
+def _duplicate_problems(cluster):
+    """Every `host:port` that more than one task claims (each task needs its own)."""
+    seen = {}
+    for task_type, addresses in cluster.items():
+        if isinstance(addresses, (list, tuple)):
+            for i, address in enumerate(addresses):
+                if isinstance(address, str):
+                    seen.setdefault(address.strip().lower(), []).append(f"{task_type}[{i}]")
+    return [
+        f"{address!r} is given to {len(owners)} tasks ({', '.join(owners)}); every task "
+        "needs its own host:port"
+        for address, owners in seen.items() if len(owners) > 1
+    ]
 
 
 def parse_tf_config(tf_config):
@@ -134,6 +154,7 @@ def parse_tf_config(tf_config):
                 f"one of {list(TASK_TYPES)})"
             )
         problems.extend(_address_problems(task_type, addresses))
+    problems.extend(_duplicate_problems(cluster))
     if len(cluster.get("chief", ())) > 1:
         problems.append(
             f"'cluster' names {len(cluster['chief'])} chiefs; at most one is allowed"
@@ -254,10 +275,8 @@ def writer_directory(directory, info=None):
         os.makedirs(directory, exist_ok=True)
         yield directory
         return
-    scratch = tempfile.mkdtemp(
-        prefix=f"kd_{info.task_type}{info.task_index}_"
-    )
+    scratch = files.make_scratch(f"{info.task_type}{info.task_index}")
     try:
         yield scratch
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        files.remove_scratch(scratch)

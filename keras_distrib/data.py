@@ -78,6 +78,23 @@ def _as_dataset(data):
     )
 
 
+def _check_flags(*, strategy=None, drop_remainder=False, shuffle=False, seed=0):
+    """Raises ValueError listing every bad flag of `distribute_dataset`."""
+    problems = []
+    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+        problems.append(
+            f"`strategy`={strategy!r}: expected a tf.distribute.Strategy (e.g. "
+            "kd.make_strategy()), or None for the current one"
+        )
+    for name, value in (("drop_remainder", drop_remainder), ("shuffle", shuffle)):
+        if not isinstance(value, (bool, np.bool_)):
+            problems.append(f"`{name}`={value!r}: expected True or False")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        problems.append(f"`seed`={seed!r}: expected a whole number >= 0")
+    if problems:
+        raise ValueError("Invalid distribute_dataset arguments:\n  - " + "\n  - ".join(problems))
+
+
 def _check_batch(global_batch_size, replicas, drop_remainder):
     if global_batch_size is None:
         raise ValueError(
@@ -193,6 +210,7 @@ def distribute_dataset(data, *, strategy=None, global_batch_size=None, shard_pol
             divisible by the replicas), an unknown policy, a `dataset_fn` that
             returns something else than a dataset.
     """
+    _check_flags(strategy=strategy, drop_remainder=drop_remainder, shuffle=shuffle, seed=seed)
     strategy = _strategy_or_current(strategy)
     policy = _policy(shard_policy)
     replicas = strategy.num_replicas_in_sync

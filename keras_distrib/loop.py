@@ -477,7 +477,15 @@ class TrainLoop:
         saved epoch and step.
         """
         from keras_distrib import parameter_server
+        from keras_distrib import validation
 
+        validation.validate_inputs(
+            self.model, x, y, sample_weight, method="fit", validation_data=validation_data,
+            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            verbose=verbose, shuffle=shuffle, class_weight=class_weight, callbacks=callbacks,
+        )
         if backup_dir is not None:
             from keras_distrib.callbacks import BackupAndRestore
 

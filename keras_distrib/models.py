@@ -19,6 +19,7 @@ from keras_distrib import loop
 from keras_distrib import parameter_server
 from keras_distrib import replica
 from keras_distrib import step as step_lib
+from keras_distrib import validation
 
 __all__ = [
     "DistributedModelMixin",
@@ -195,6 +196,27 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         _keras_compat.install_global_losses(self)
         gradients.install(self.optimizer)
         self._prepare_layers()
+
+    def get_compile_config(self):
+        """The arguments `compile` was called with, serialized (saved in `.keras` files)."""
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        """Compiles from `get_compile_config()`'s output, as `keras.saving.load_model` does.
+
+        Keras skips this for models that override `compile` (kd does), so a
+        `.keras` file would reload uncompiled, without its optimizer state.
+        Here it compiles through kd's `compile` and builds the optimizer on
+        the variables it updates, so the saved optimizer variables load into
+        it.
+        """
+        if not config:
+            return
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and self.optimizer is not None:
+            with self.distribute_strategy.scope():
+                self.optimizer.build(_keras_compat.optimizer_variables(self))
 
     def _prepare_layers(self):
         """Per-replica bookkeeping on every layer and variable (idempotent)."""
@@ -380,6 +402,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy()
+        validation.validate_inputs(
+            self, x, y, sample_weight, method="fit", validation_data=validation_data,
+            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_split=validation_split,
+            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
+            class_weight=class_weight, callbacks=callbacks,
+        )
         arguments = dict(
             batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data,
@@ -405,6 +435,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         kwargs.pop("_use_cached_eval_dataset", None)
         if kwargs:
             raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
+        validation.validate_inputs(self, x, y, sample_weight, method="evaluate",
+                                   batch_size=batch_size, steps=steps)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.evaluate(
                 self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
