@@ -451,6 +451,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """`keras.Model.predict`: every row once, in input order, under any strategy."""
         self._check_strategy()
+        validation.validate_inputs(self, x, method="predict", batch_size=batch_size, steps=steps)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.predict(
                 self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks

@@ -65,7 +65,7 @@ def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per
             f"`validation_freq`={validation_freq!r}: expected a whole number of epochs >= 1, "
             "or a list of epoch numbers"
         )
-    if isinstance(verbose, (bool, np.bool_)) or verbose not in _VERBOSE:
+    if not isinstance(verbose, (bool, np.bool_)) and verbose not in _VERBOSE:
         problems.append(f"`verbose`={verbose!r}: expected one of {list(_VERBOSE)}")
     if not isinstance(shuffle, (bool, np.bool_)) and shuffle != "batch":
         problems.append(f"`shuffle`={shuffle!r}: expected True, False or 'batch'")
@@ -185,6 +185,12 @@ def _shape_problem(label, shape, expected, *, batched):
     """A message if `shape` (of one array or batch) does not fit `expected` (with batch dim)."""
     expected = tuple(expected)
     shape = tuple(shape)
+    # Keras's functional models adjust a rank off by one through a trailing
+    # dimension of 1 (squeezed or added); so do we.
+    if len(shape) == len(expected) + 1 and shape[-1] == 1:
+        shape = shape[:-1]
+    elif len(shape) == len(expected) - 1 and expected[-1] == 1:
+        expected = expected[:-1]
     if len(shape) == len(expected) + 1 and batched:
         return (
             f"`{label}` yields batches of shape {_shape_text(shape)} but the model takes "

@@ -365,7 +365,7 @@ def test_backup_and_restore_refuses_a_plain_keras_model_before_writing(tmp_path)
     inputs = keras.Input((2,))
     plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     plain.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"was given a plain Functional.*kd\.Model\(inputs, outputs\).*"
+    with pytest.raises(ValueError, match=r"`model` is a plain Functional.*kd\.Model\(inputs, outputs\).*"
                                          r"kd\.DistributedModelMixin"):
         plain.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0,
                   callbacks=[kd.callbacks.BackupAndRestore(str(tmp_path / "backup"))])

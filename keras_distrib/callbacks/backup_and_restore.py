@@ -98,12 +98,12 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         if not isinstance(model, models.DistributedModelMixin):
             raise ValueError(
-                f"`kd.callbacks.BackupAndRestore` was given a plain {type(model).__name__} "
-                "(through `fit` or `set_model`): its resume position and steps are not kd's, "
-                "so a resumed run would retrain batches and drift from one device. Build the "
-                "model as kd.Model(inputs, outputs) or kd.Sequential, or put "
-                "kd.DistributedModelMixin first in your model class's bases; or use "
-                "keras.callbacks.BackupAndRestore with a plain Keras model."
+                f"`model` is a plain {type(model).__name__}, and kd.callbacks.BackupAndRestore "
+                "needs a kd model: a plain model's steps and resume position are not kd's, so a "
+                "resumed run would retrain batches and drift from one device. Build the model as "
+                "kd.Model(inputs, outputs) or kd.Sequential, or put kd.DistributedModelMixin "
+                "first in your model class's bases; or use keras.callbacks.BackupAndRestore "
+                "with a plain Keras model."
             )
         super().set_model(model)
 
