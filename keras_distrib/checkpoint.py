@@ -437,12 +437,26 @@ class CheckpointManager:
                     "the older checkpoints were kept. Check the disk (space, quota)."
                 )
             files.atomic_write_text(os.path.join(directory, _LATEST), name)
-            # Only now that `final` is complete may older checkpoints go.
-            for old in self._names(directory)[: -self.max_to_keep]:
-                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+            self._prune(directory)
             files.remove_dead_staging(directory)
         self.progress = progress
         return os.path.join(self.directory, name)
+
+    def _prune(self, directory):
+        """Keeps the newest `max_to_keep` complete checkpoints (the new one among them).
+
+        Runs only after the new checkpoint is complete. Incomplete ones older
+        than it are removed too: they could never be restored.
+        """
+        names = self._names(directory)
+        complete = [n for n in names if not file_problems(os.path.join(directory, n))]
+        keep = set(complete[-self.max_to_keep:])
+        for name in names:
+            if name not in keep:
+                if name not in complete:
+                    logger.warning("Removed the incomplete checkpoint %s (a newer complete one exists).",
+                                   os.path.join(directory, name))
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
     def delete_all(self):
         """Removes the directory's checkpoints and lock (chief only), e.g. after success."""

@@ -1,6 +1,7 @@
 """Chief-only, atomic checkpoints; exact resume after SIGKILL and SIGTERM."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -270,9 +271,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_intact_one(tmp_pat
     assert [os.path.basename(p) for p, _ in manager.skipped] == ["ckpt-3", "ckpt-2"]
     assert "Skipped checkpoint" in caplog.text and "Restored checkpoint" in caplog.text
     assert "ckpt-1" in caplog.text and "skipped as damaged" in caplog.text
-    # The next save goes after the damaged ones; nothing intact was lost.
+    # The next save goes after the damaged ones; nothing intact was lost, and
+    # the incomplete ckpt-2 (it can never be restored) goes once ckpt-4 is in place.
     value.assign(4.0)
     assert manager.save(epoch=4).endswith("ckpt-4")
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == ["ckpt-1", "ckpt-3", "ckpt-4"]
     manager.close()
 
 
@@ -339,6 +342,15 @@ def test_a_second_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_pat
     manager.save(epoch=1)
     manager.delete_all()
     assert not backup.exists()
+
+
+def test_only_the_chief_writes_and_locks_the_real_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}}))
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), tmp_path / "backup")
+    assert manager.restore_or_initialize() is None
+    manager.save(epoch=1)  # into scratch space, removed at once
+    assert not (tmp_path / "backup").exists()
 
 
 def test_checkpoint_files_get_the_permissions_keras_would_give(tmp_path):
