@@ -30,6 +30,9 @@ __all__ = [
 _LATEST = "latest"
 _PROGRESS = "progress.json"
 _PREFIX = "ckpt"
+PROGRESS_FILE = _PROGRESS
+# Written when training ends, for a SidecarEvaluator watching the directory.
+FINISHED_FILE = "finished"
 
 
 class CheckpointError(ValueError):
@@ -191,6 +194,12 @@ class CheckpointManager:
         for name in os.listdir(directory):
             if name.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+    def mark_finished(self):
+        """Records that training ended (chief only): a SidecarEvaluator stops."""
+        if cluster.is_chief():
+            os.makedirs(self.directory, exist_ok=True)
+            _atomic_write_text(os.path.join(self.directory, FINISHED_FILE), "finished\n")
 
     def delete_all(self):
         """Removes the directory's checkpoints (chief only), e.g. after success."""
