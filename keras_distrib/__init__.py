@@ -22,6 +22,7 @@ from keras_distrib.cluster import is_chief
 from keras_distrib.data import describe_input
 from keras_distrib.data import distribute_dataset
 from keras_distrib.devices import virtual_devices
+from keras_distrib.evaluator import SidecarEvaluator
 from keras_distrib.gradients import exact_optimizer
 from keras_distrib.launcher import LaunchError
 from keras_distrib.launcher import launch
@@ -43,6 +44,7 @@ __all__ = [
     "LaunchError",
     "Model",
     "Sequential",
+    "SidecarEvaluator",
     "TrainLoop",
     "callbacks",
     "cluster",

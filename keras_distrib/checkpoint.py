@@ -48,6 +48,9 @@ _STATE = "state"
 _PREFIX = "ckpt"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)$")
 _DATA_SHARD = re.compile(rf"^{_STATE}\.data-(\d+)-of-(\d+)$")
+PROGRESS_FILE = _PROGRESS
+# Written when training ends, for a SidecarEvaluator watching the directory.
+FINISHED_FILE = "finished"
 
 
 class CheckpointError(ValueError):
@@ -437,6 +440,10 @@ class CheckpointManager:
                     "the older checkpoints were kept. Check the disk (space, quota)."
                 )
             files.atomic_write_text(os.path.join(directory, _LATEST), name)
+            # A resumed or resubmitted run is not finished (a SidecarEvaluator
+            # watching the directory would otherwise stop).
+            if os.path.exists(os.path.join(directory, FINISHED_FILE)):
+                os.remove(os.path.join(directory, FINISHED_FILE))
             self._prune(directory)
             files.remove_dead_staging(directory)
         self.progress = progress
@@ -458,11 +465,18 @@ class CheckpointManager:
                                    os.path.join(directory, name))
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
+    def mark_finished(self):
+        """Records that training ended (chief only): a SidecarEvaluator stops."""
+        if cluster.is_chief():
+            self._own()
+            os.makedirs(self.directory, exist_ok=True)
+            files.atomic_write_text(os.path.join(self.directory, FINISHED_FILE), "finished\n")
+
     def delete_all(self):
         """Removes the directory's checkpoints and lock (chief only), e.g. after success."""
         if cluster.is_chief() and os.path.isdir(self.directory):
             self._own()
-            for name in self._names() + [_LATEST]:
+            for name in self._names() + [_LATEST, FINISHED_FILE]:
                 path = os.path.join(self.directory, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)

@@ -22,6 +22,7 @@ def _launch(options):
             max_restarts=options.max_restarts,
             timeout=options.timeout,
             log_dir=options.log_dir,
+            evaluator=options.evaluator,
         )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
@@ -51,6 +52,8 @@ def build_parser():
     launch.add_argument("--max-restarts", type=int, default=0, help="restart the cluster up to K times")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
+    launch.add_argument("--evaluator", action="store_true",
+                        help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
     launch.add_argument("script", help="the Python script every task runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     launch.set_defaults(run=_launch)

@@ -118,7 +118,7 @@ def _args_problems(args, script):
 
 
 def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), script=True,
-             env=None, log_dir=None, sink=print):
+             env=None, log_dir=None, sink=print, evaluator=False):
     """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
     problems = []
     if not _whole(workers, 1):
@@ -157,6 +157,8 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
             problems.append(f"`log_dir`={log_dir!r}: expected a directory path, or None")
         elif os.path.exists(log_dir) and not os.path.isdir(log_dir):
             problems.append(f"`log_dir`={os.fspath(log_dir)!r} is a file; give a directory")
+    if not isinstance(evaluator, bool):
+        problems.append(f"`evaluator`={evaluator!r}: expected True or False")
     if not callable(sink):
         problems.append(f"`sink`={sink!r}: expected a callable taking one line (like print)")
     if ports is not None:
@@ -180,7 +182,7 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
-def _task_specs(spec, argv_for, *, ps, env, server_argv):
+def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False):
     """One `TaskSpec` per task of `spec`, with its TF_CONFIG and GPU share."""
     base_env = dict(os.environ if env is None else env)
     base_env["PYTHONUNBUFFERED"] = "1"
@@ -201,11 +203,19 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv):
             server = bool(ps) and task_type in ("worker", "ps")
             argv = server_argv if server else argv_for(task_type, index)
             specs.append(supervisor.TaskSpec(task_type, index, argv, task_env, watched=not server))
+    if evaluator:
+        # Outside the cluster spec, as TensorFlow's evaluator task: it reads
+        # the chief's checkpoints and is stopped when training ends.
+        task_env = dict(base_env)
+        task_env["TF_CONFIG"] = tf_config(spec, "evaluator", 0)
+        task_env["KD_TASK"] = "evaluator 0"
+        task_env["CUDA_VISIBLE_DEVICES"] = ""
+        specs.append(supervisor.TaskSpec("evaluator", 0, argv_for("evaluator", 0), task_env, follower=True))
     return specs
 
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
-             sink=print, log_dir=None, server_argv=None, ports=None):
+             sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -213,7 +223,7 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     chief (the coordinator) runs the script.
     """
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
-    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv)
+    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir)
 
 
@@ -222,7 +232,7 @@ def _script_argv(script, args):
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
-           timeout=None, log_dir=None, env=None, sink=print, ports=None):
+           timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -243,6 +253,10 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         sink: Where prefixed output lines go (`print` by default).
         ports: Explicit localhost ports, one per task (chief, workers, ps);
             free ones are picked when `None`. The first attempt only.
+        evaluator: Also run `target` as an `evaluator` task (TF_CONFIG task
+            type "evaluator", outside the cluster spec), e.g. a
+            `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
+            the run waits for it.
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -263,7 +277,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         target = os.fspath(target)
     script = isinstance(target, str) and ":" not in target
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
-             env=env, log_dir=log_dir, sink=sink)
+             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator)
     values_dir = None
     if script:
         if not os.path.isfile(target):
@@ -297,7 +311,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                 result = run_once(
                     argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
                     env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
-                    ports=ports if attempt == 0 else None,
+                    ports=ports if attempt == 0 else None, evaluator=evaluator,
                 )
             result.restarts = attempt
             if result.returncode == 0 or attempt >= max_restarts:

@@ -190,8 +190,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         >>> model.compile(optimizer="sgd", loss="mse")
     """
 
-    def compile(self, *args, **kwargs):
-        """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline."""
+    def compile(self, *args, pss_evaluation_shards=0, **kwargs):
+        """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
+
+        `pss_evaluation_shards` (parameter-server training only): split
+        evaluation over the workers in that many shards ("auto": 4 per
+        worker), instead of evaluating on the coordinator; both are exact.
+        """
+        self.pss_evaluation_shards = pss_evaluation_shards
         super().compile(*args, **kwargs)
         _keras_compat.install_global_losses(self)
         gradients.install(self.optimizer)
@@ -433,6 +439,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         _keras_compat.assert_compiled(self, "evaluate")
         self._check_strategy()
         kwargs.pop("_use_cached_eval_dataset", None)
+        shards = kwargs.pop("shards", None)
         if kwargs:
             raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
         validation.validate_inputs(self, x, y, sample_weight, method="evaluate",
@@ -440,7 +447,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.evaluate(
                 self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
-                steps=steps, callbacks=callbacks, return_dict=return_dict,
+                steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
+            )
+        if shards:
+            raise ValueError(
+                f"`shards`={shards!r}: sharded evaluation is for ParameterServerStrategy; "
+                f"under {type(self.distribute_strategy).__name__} evaluation is already "
+                "distributed over the replicas."
             )
         return loop.evaluate(
             self, self.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,

@@ -176,7 +176,9 @@ def _communication_options(communication):
 
 
 def _tpu_present():
-    if tf.config.list_logical_devices("TPU"):
+    # Physical devices: listing logical ones would initialize TensorFlow's
+    # context, after which a multi-worker strategy can no longer be created.
+    if tf.config.list_physical_devices("TPU"):
         return True
     return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"))
 
@@ -193,6 +195,11 @@ def resolve_auto_kind(cluster_resolver=None):
     if _tpu_present():
         return "tpu"
     info = cluster_lib.cluster_info()
+    if info.task_type == "evaluator":
+        # An evaluator is outside the training cluster: it uses its own devices.
+        if len(tf.config.list_physical_devices("GPU")) > 1 or _configured_cpu_count() > 1:
+            return "mirrored"
+        return "one_device"
     if cluster_resolver is not None:
         spec = cluster_resolver.cluster_spec().as_dict()
         if spec.get("ps"):

@@ -187,4 +187,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise SystemExit(143)
         if self.delete_checkpoint:
             self._manager.delete_all()
+        else:
+            self._manager.mark_finished()
         self._manager.close()
