@@ -169,7 +169,8 @@ class ModelCheckpoint(keras.callbacks.Callback):
         return value < self.best if self.mode == "min" else value > self.best
 
     def _file_name(self, epoch, batch, logs):
-        values = {**logs, "epoch": epoch + 1, "batch": batch}
+        # As Keras: `{epoch}` and `{batch}` count from 1.
+        values = {**logs, "epoch": epoch + 1, "batch": None if batch is None else batch + 1}
         try:
             return self.filepath.format(**values)
         except KeyError as error:
