@@ -271,7 +271,7 @@ class DirectoryInUseError(RuntimeError):
 
 
 _held_lock = threading.Lock()
-_held = {}  # real path -> [file descriptor, users]
+_held = {}  # real path of a lock file -> its open, flock-ed file descriptor
 
 
 def _read_owner(path):
@@ -303,8 +303,9 @@ class DirectoryLock:
     The lock file `.kd-lock.json` names its owner (pid, host, start time)
     and is held with `flock`, which the kernel releases when the owner
     dies, however it dies. A lock file whose owner is gone is taken over,
-    and that is logged. Several locks on one directory in one process share
-    the hold (a process is one run).
+    and that is logged. A process is one run: every `DirectoryLock` of one
+    directory in a process shares the process's hold, and `release` (e.g.
+    at the end of training) ends it for all of them.
 
     Args:
         directory: The directory to own (created if missing).
@@ -315,26 +316,27 @@ class DirectoryLock:
         self.directory = os.fspath(directory)
         self.path = os.path.join(self.directory, LOCK_NAME)
         self.what = what
-        self.held = False
+
+    @property
+    def _key(self):
+        return os.path.realpath(self.path)
+
+    @property
+    def held(self):
+        """Whether this process holds the directory's lock."""
+        with _held_lock:
+            return self._key in _held
 
     def acquire(self):
-        """Takes the lock (or shares this process's hold of it).
+        """Takes the lock (a no-op if this process holds it already).
 
         Raises:
             DirectoryInUseError: another live process holds it.
         """
-        if self.held:
-            return self
         os.makedirs(self.directory, exist_ok=True)
-        key = os.path.realpath(self.path)
         with _held_lock:
-            if key in _held:
-                _held[key][1] += 1
-                self.held = True
-                return self
-            fd = self._take()
-            _held[key] = [fd, 1]
-        self.held = True
+            if self._key not in _held:
+                _held[self._key] = self._take()
         return self
 
     def _take(self):
@@ -406,29 +408,20 @@ class DirectoryLock:
             pass  # Another user's file taken over: its mode is theirs to set.
 
     def release(self):
-        """Gives the lock back (the last holder in this process removes the file)."""
-        if not self.held:
-            return
-        self.held = False
-        key = os.path.realpath(self.path)
+        """Gives the lock back and removes the lock file (if this process holds it)."""
         with _held_lock:
-            entry = _held.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] > 0:
-                return
-            del _held[key]
-            fd = entry[0]
-            try:
-                os.remove(self.path)
-            except OSError:
-                pass
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            except OSError:
-                pass
-            os.close(fd)
+            fd = _held.pop(self._key, None)
+        if fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        os.close(fd)
 
     def __enter__(self):
         return self.acquire()
@@ -441,7 +434,7 @@ def _release_all():
     with _held_lock:
         entries = list(_held.items())
         _held.clear()
-    for path, (fd, _) in entries:
+    for path, fd in entries:
         try:
             os.remove(path)
         except OSError:

@@ -67,14 +67,18 @@ def test_scratch_is_removed_at_exit(temp_root):
     assert process.returncode == 3 and os.listdir(temp_root) == []
 
 
-def test_lock_is_shared_in_a_process_and_removed_by_the_last_holder(tmp_path):
+def test_lock_is_shared_in_a_process_and_released_for_all(tmp_path):
+    # A process is one run: a second manager of the same directory (a fit
+    # interrupted in a notebook, then run again) shares the hold, and the end
+    # of training releases it, removing the lock file.
     first = files.DirectoryLock(tmp_path / "d").acquire()
     second = files.DirectoryLock(str(tmp_path / "d")).acquire()
-    assert os.listdir(tmp_path / "d") == [files.LOCK_NAME]
-    first.release()
-    assert os.path.exists(second.path)
+    assert os.listdir(tmp_path / "d") == [files.LOCK_NAME] and first.held and second.held
     second.release()
-    assert os.listdir(tmp_path / "d") == []
+    assert os.listdir(tmp_path / "d") == [] and not first.held
+    first.acquire()
+    assert first.held and os.listdir(tmp_path / "d") == [files.LOCK_NAME]
+    first.release()
 
 
 def test_process_alive_tells_dead_reused_and_live_pids():
