@@ -90,7 +90,8 @@ def _run_server():
     from keras_distrib import cluster
 
     info = cluster.cluster_info()
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    resolver = (cluster.cluster_resolver(info)
+                or tf.distribute.cluster_resolver.TFConfigClusterResolver())
     # Two inter-op threads are not enough on a 2-core machine: the server
     # deadlocks while a worker waits on a ps (see FINDINGS).
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=4)
