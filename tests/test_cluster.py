@@ -1,12 +1,15 @@
 import json
 import os
 
+import numpy as np
 import pytest
+import sys
 
 import keras_distrib as kd
 from keras_distrib import cluster
 from keras_distrib import cluster_sources
 from keras_distrib import files
+from tests import _harness
 
 
 def _config(task_type="worker", index=0, **cluster_spec):
@@ -263,3 +266,69 @@ def test_cluster_resolver_carries_the_detected_cluster(environ):
     assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 3, "grpc")
     environ(TF_CONFIG=_config("worker", 1))
     assert cluster.cluster_resolver() is None  # TensorFlow reads TF_CONFIG itself
+
+
+# Simulated cluster managers, real processes on localhost.
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    """The script with no cluster: make_strategy("auto") picks one device."""
+    code, output = _harness.run_script("cluster_manager.py")
+    assert code == 0, output[-3000:]
+    (result,) = _harness.results_of(output)
+    assert (result["source"], result["strategy"]) == (None, "OneDeviceStrategy")
+    return result
+
+
+def _check_exact(results, one_device_run, source):
+    assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
+    assert {(r["source"], r["strategy"], r["replicas"]) for r in results} == {
+        (source, "CollectiveAllReduceStrategy", 2)}  # MultiWorkerMirroredStrategy
+    assert len({r["digest"] for r in results}) == 1  # bit-identical on both workers
+    for got, want in zip(results[0]["weights"], one_device_run["weights"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)  # and one device's
+
+
+def _task_results(output):
+    return _harness.results_of("\n".join(
+        line.split("] ", 1)[1] if line.startswith("[") else line
+        for line in output.splitlines() if "RESULT " in line
+    ))
+
+
+def test_slurm_step_runs_the_per_node_agent_and_trains_exactly(tmp_path, one_device_run):
+    # `srun -N1 -n1 keras-distrib launch --per-node 2 script.py`: one agent
+    # on one node starts two workers. scontrol is faked on PATH.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n[ \"$1 $2 $3\" = 'show hostnames kdnode[1]' ] && echo localhost && exit 0\nexit 1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    port = _harness.free_port_block(2)
+    env = dict(SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=1, SLURM_STEP_ID=0, SLURM_JOB_ID=7,
+               SLURM_STEP_NODELIST="kdnode[1]", SLURM_STEP_TASKS_PER_NODE=1, SLURM_LOCALID=0,
+               KD_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    agent = [sys.executable, "-m", "keras_distrib", "launch", "--per-node", "2", "--timeout", "200",
+             os.path.join(_harness.SCRIPTS, "cluster_manager.py")]
+    ((code, output),) = _harness.run_together([(agent, env)])
+    assert code == 0, output[-4000:]
+    assert "[launcher] slurm node: starting worker 0, worker 1 of 2 task(s)" in output
+    results = _task_results(output)
+    # The agent wrote each task's TF_CONFIG from Slurm's variables.
+    _check_exact(results, one_device_run, "tf_config")
+
+
+def test_kubernetes_indexed_job_pods_train_exactly(one_device_run):
+    # Two pods of an Indexed Job run the script directly; on localhost the
+    # pods' names are given in KD_HOSTS (in a cluster: <job>-<i>.<KD_SERVICE>).
+    port = _harness.free_port_block(2)
+    script = [sys.executable, "-u", os.path.join(_harness.SCRIPTS, "cluster_manager.py")]
+    pods = [(script, dict(JOB_COMPLETION_INDEX=i, KD_NUM_PODS=2, HOSTNAME=f"train-{i}",
+                          KD_HOSTS=f"localhost:{port},localhost:{port + 1}"))
+            for i in range(2)]
+    outputs = _harness.run_together(pods)
+    for code, output in outputs:
+        assert code == 0, output[-4000:]
+    results = [r for _, output in outputs for r in _task_results(output)]
+    _check_exact(results, one_device_run, "kubernetes")
