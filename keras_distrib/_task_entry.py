@@ -11,7 +11,9 @@ import base64
 import importlib
 import os
 import pickle
+import signal
 import sys
+import time
 
 
 def function_spec(target):
@@ -104,7 +106,17 @@ def _run_server():
         start=True,
     )
     print(f"{info.label} server listening (pid {os.getpid()})", flush=True)
-    server.join()
+
+    def keep_serving(signum, frame):
+        # A preemption reaches every task at once (srun, Kubernetes, the
+        # launcher), but the coordinator's final backup reads the variables
+        # from this server: serve on until the grace period's SIGKILL.
+        print(f"{info.label} server got {signal.Signals(signum).name}; serving on so that the "
+              "coordinator can save its backup (SIGKILL stops it)", flush=True)
+
+    signal.signal(signal.SIGTERM, keep_serving)
+    while True:  # not server.join(): it blocks signal handlers
+        time.sleep(3600)
 
 
 def main(argv=None):

@@ -155,13 +155,20 @@ class _Task:
         return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail))
 
 
-def _stop(tasks, grace=GRACE_SECONDS):
-    """SIGTERM every live task's process group, then SIGKILL after `grace`."""
+def _stop(tasks, grace=GRACE_SECONDS, servers=()):
+    """SIGTERM every live task's process group, then SIGKILL after `grace`.
+
+    `servers` (a parameter-server cluster's ps and worker servers) serve on
+    after SIGTERM, for the coordinator's final backup: the grace waits for
+    the other tasks only, then SIGKILL ends the servers too.
+    """
     live = [t for t in tasks if t.process.poll() is None]
     for task in live:
         task.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace
     for task in live:
+        if task in servers:
+            continue
         try:
             task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -251,6 +258,9 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
                          "the coordinator carries on without it")
             if failures:
                 failed = failures[0]
+                if failed.process.returncode == RESTART_EXIT_CODE:
+                    # It saved for a preemption; the others are saving the same step.
+                    stop_grace = grace
                 break
             if lost_ps and time.monotonic() - lost_ps[1] > PS_LOSS_WAIT:
                 failed = lost_ps[0]
@@ -274,7 +284,7 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
         sink(f"[launcher] got signal {signalled - 128}; passing it on, the tasks have "
              f"{grace:g}s to save and exit")
     finally:
-        _stop(tasks, stop_grace)
+        _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
     results = [t.finish() for t in tasks]
     if signalled is not None:
         codes = [r.returncode for r in results]
