@@ -28,6 +28,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import step as step_lib
+from keras_distrib import watchdog
 
 __all__ = [
     "DataPosition",
@@ -129,6 +130,7 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
         callbacks: A Keras `CallbackList` (with a History).
         validate: Optional `validate(epoch) -> dict or None` (validation logs).
     """
+    watch = watchdog.from_environment(model.distribute_strategy)  # KD_WATCHDOG, checked first
     model.stop_training = False
     _keras_compat.set_initial_epoch(model, None)
     callbacks.on_train_begin()
@@ -139,6 +141,13 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
         # per-worker datasets): move past the epochs the backup holds too.
         runner.skip(source.iterator, (restored.epoch - initial_epoch) * source.num_batches)
     chunk_hooks = chunk_end_hooks(callbacks)
+    if watch is None:
+        return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, None)
+    with watch:
+        return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch)
+
+
+def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch):
     logs, epoch_logs = {}, None
     for epoch in range(position.epoch, epochs):
         model.reset_metrics()
@@ -153,10 +162,20 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
                     runner.skip(iterator, done - begin)
                     begin = done
                 callbacks.on_train_batch_begin(begin)
-                logs = runner.run(iterator, end - begin + 1)
+                if watch is not None:
+                    watch.entering()
+                try:
+                    logs = runner.run(iterator, end - begin + 1)
+                except tf.errors.OpError as error:
+                    explained = watchdog.explain_lost_task(error, cluster.cluster_info().label)
+                    if explained is None:
+                        raise
+                    raise explained from error
                 callbacks.on_train_batch_end(end, logs)
                 for hook in chunk_hooks:
                     hook(end, logs)
+                if watch is not None:
+                    watch.step(epoch, end)
                 if model.stop_training:
                     break
         epoch_logs = runner.epoch_logs(logs)

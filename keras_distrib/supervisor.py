@@ -199,6 +199,14 @@ class TaskSpec:
         return f"{self.task_type} {self.task_index}"
 
 
+def _lost_peer_message(result, own_label, service_task):
+    """kd's explanation when a task ended because the cluster lost another task, else None."""
+    from keras_distrib import watchdog
+
+    lost = watchdog.lost_tasks("\n".join(result.tail), own_label, service_task)
+    return f"[launcher] {watchdog.lost_task_message(lost, own_label)}" if lost else None
+
+
 def _ps_lost_message(task, code):
     return (f"[launcher] {task.label} server exited with code {code}: the parameter servers "
             "hold the model's variables, so training cannot go on without it. Restart the "
@@ -303,6 +311,15 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
         sink(f"[launcher] {result.label} exited with code {result.returncode}; stopped the others. Last lines:")
         for line in result.tail:
             sink(f"[launcher]   {line}")
+        if result.returncode is not None and result.returncode < 0:
+            from keras_distrib import watchdog
+
+            sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
+                 f"a preemption without grace, or by hand). {watchdog.ADVICE}")
+        service_task = "chief 0" if any(r.task_type == "chief" for r in results) else "worker 0"
+        explanation = _lost_peer_message(result, result.label, service_task)
+        if explanation:
+            sink(explanation)
         return ClusterResult(code, results, failed=result)
     return ClusterResult(0, results)
 
