@@ -8,6 +8,13 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from keras_distrib import tf_logs as _tf_logs  # noqa: E402  (imports no TensorFlow)
+
+# TensorFlow's start-up notices are hidden unless TF_CPP_MIN_LOG_LEVEL asks
+# for them; kd's command line also sets the level its subprocesses inherit.
+_tf_logs.configure_command_line()
+_tf_logs.import_tensorflow()
+
 from keras_distrib import callbacks
 from keras_distrib import cluster
 from keras_distrib import data

@@ -17,6 +17,7 @@ def _launch(options):
             max_restarts=options.max_restarts,
             timeout=options.timeout,
             log_dir=options.log_dir,
+            verbose=options.verbose,
         )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
@@ -27,7 +28,7 @@ def _launch(options):
 def _demo(options):
     from keras_distrib import demo
 
-    return demo.main(quick=options.quick, out=options.out)
+    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
 
 
 def build_parser():
@@ -45,6 +46,8 @@ def build_parser():
     launch.add_argument("--max-restarts", type=int, default=0, help="restart the cluster up to K times")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
+    launch.add_argument("--verbose", action="store_true",
+                        help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
     launch.add_argument("script", help="the Python script every task runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     launch.set_defaults(run=_launch)
@@ -52,6 +55,8 @@ def build_parser():
     demo = commands.add_parser("demo", help="show exact distributed training on this machine")
     demo.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
+    demo.add_argument("--verbose", action="store_true",
+                      help="show every stage's output: epochs, TensorFlow's logs, tracebacks")
     demo.set_defaults(run=_demo)
 
     commands.add_parser(

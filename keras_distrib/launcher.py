@@ -16,6 +16,7 @@ import tempfile
 import portpicker
 
 from keras_distrib import supervisor
+from keras_distrib import tf_logs
 from keras_distrib.supervisor import ClusterResult  # noqa: F401 (public result type)
 from keras_distrib.supervisor import TaskResult  # noqa: F401
 
@@ -94,9 +95,9 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None):
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
-def _task_specs(spec, argv_for, *, ps, env, server_argv):
+def _task_specs(spec, argv_for, *, ps, env, server_argv, verbose=False):
     """One `TaskSpec` per task of `spec`, with its TF_CONFIG and GPU share."""
-    base_env = dict(os.environ if env is None else env)
+    base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
     trainers = [
         f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
@@ -119,7 +120,7 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv):
 
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
-             sink=print, log_dir=None, server_argv=None, ports=None):
+             sink=print, log_dir=None, server_argv=None, ports=None, verbose=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -127,7 +128,7 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     chief (the coordinator) runs the script.
     """
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
-    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv)
+    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, verbose=verbose)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir)
 
 
@@ -136,7 +137,7 @@ def _script_argv(script, args):
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
-           timeout=None, log_dir=None, env=None, sink=print, ports=None):
+           timeout=None, log_dir=None, env=None, sink=print, ports=None, verbose=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -157,6 +158,11 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         sink: Where prefixed output lines go (`print` by default).
         ports: Explicit localhost ports, one per task (chief, workers, ps);
             free ones are picked when `None`. The first attempt only.
+        verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
+            output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`
+            and TensorFlow's start-up notices are dropped from their output
+            (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
+            `env` is kept either way. `log_dir` files keep every line.
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -188,7 +194,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                 result = run_once(
                     argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
                     env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
-                    ports=ports if attempt == 0 else None,
+                    ports=ports if attempt == 0 else None, verbose=verbose,
                 )
             result.restarts = attempt
             if result.returncode == 0 or attempt >= max_restarts:
