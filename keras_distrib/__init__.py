@@ -20,6 +20,7 @@ from keras_distrib import cluster
 from keras_distrib import data
 from keras_distrib import gradients
 from keras_distrib import losses
+from keras_distrib import testing
 from keras_distrib.checkpoint import CheckpointManager
 from keras_distrib.cluster import ClusterInfo
 from keras_distrib.cluster import cluster_info
@@ -58,5 +59,6 @@ __all__ = [
     "local_cluster",
     "losses",
     "make_strategy",
+    "testing",
     "virtual_devices",
 ]
