@@ -1,4 +1,5 @@
-"""The `keras-distrib` command: `launch` a local cluster, or run the `demo`."""
+"""The `keras-distrib` command: `launch` a local cluster, run the `demo`, `test` this
+machine, print the `env`ironment, or `bench`mark."""
 
 import argparse
 import sys
@@ -31,6 +32,18 @@ def _demo(options):
     return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
 
 
+def _test(options):
+    from keras_distrib import selftest
+
+    return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout)
+
+
+def _env(options):
+    from keras_distrib import environment
+
+    return environment.main()
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
@@ -58,6 +71,21 @@ def build_parser():
     demo.add_argument("--verbose", action="store_true",
                       help="show every stage's output: epochs, TensorFlow's logs, tracebacks")
     demo.set_defaults(run=_demo)
+
+    test = commands.add_parser(
+        "test", help="check this machine (or cluster) in a minute: devices, collectives, "
+        "training against one device, sharding, chief-only checkpoints",
+    )
+    test.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    test.add_argument("--timeout", type=float, default=120, help="seconds for the worker processes")
+    test.add_argument("--verbose", action="store_true",
+                      help="show the worker processes' output and TensorFlow's logs")
+    test.set_defaults(run=_test)
+
+    env = commands.add_parser(
+        "env", help="versions, devices, cluster source and the strategy 'auto' picks (for bug reports)"
+    )
+    env.set_defaults(run=_env)
 
     commands.add_parser(
         "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "

@@ -10,6 +10,7 @@ import re
 
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
+_RAISED = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: |$)")
 
 
 def _unbalanced(text):
@@ -41,6 +42,12 @@ def error_line(error, width=120):
     else:
         kind, _, message = str(error).partition(": ")
     lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if lines and lines[0] == "in user code:":
+        # tf.function's wrapper: the traceback, then the original `Type: message`.
+        raised = [i for i, line in enumerate(lines) if _RAISED.match(line)]
+        if raised:
+            kind, _, first = lines[raised[-1]].partition(": ")
+            lines = [first] + lines[raised[-1] + 1:]
     text = lines[0] if lines else ""
     if len(lines) > 1 and _unbalanced(text):
         text = f"{text}…{lines[-1]}"

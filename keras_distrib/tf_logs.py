@@ -26,8 +26,12 @@ import os
 import re
 import sys
 import tempfile
+import time
+
+STARTED = time.monotonic()  # keras_distrib imports this module first: its start-up begins here
 
 LEVEL_VARIABLE = "TF_CPP_MIN_LOG_LEVEL"
+set_by_command_line = False  # whether configure_command_line set the level
 QUIET_LEVEL = "2"
 VERBOSE_LEVEL = "0"
 
@@ -110,11 +114,13 @@ def configure_command_line(env=None, argv=None, orig_argv=None):
     TensorFlow reads the variable once, when it starts, and the command's
     subprocesses inherit it; a value the user set is kept.
     """
+    global set_by_command_line
     env = os.environ if env is None else env
     if not is_command_line(argv, orig_argv) or LEVEL_VARIABLE in env:
         return
     verbose = "--verbose" in (sys.argv if argv is None else argv)
     env[LEVEL_VARIABLE] = VERBOSE_LEVEL if verbose else QUIET_LEVEL
+    set_by_command_line = True
 
 
 def import_tensorflow():
