@@ -35,7 +35,8 @@ def _demo(options):
 def _test(options):
     from keras_distrib import selftest
 
-    return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout)
+    return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
+                         directory=options.dir)
 
 
 def _env(options):
@@ -80,6 +81,9 @@ def build_parser():
     test.add_argument("--timeout", type=float, default=120, help="seconds for the worker processes")
     test.add_argument("--verbose", action="store_true",
                       help="show the worker processes' output and TensorFlow's logs")
+    test.add_argument("--dir", default=None,
+                      help="where the checkpoint check writes inside a TF_CONFIG cluster "
+                      "(shared storage); a temporary directory by default")
     test.set_defaults(run=_test)
 
     env = commands.add_parser(

@@ -270,11 +270,14 @@ def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT):
     env.pop("TF_CONFIG", None)
     lines = []
     started = time.monotonic()
+    name = f"start {workers} worker processes"
     try:
         result = launcher.launch(
             _cluster_task, workers=workers, args=(directory,), timeout=timeout, env=env,
             sink=print if verbose else lines.append, verbose=verbose,
         )
+    except launcher.LaunchError as error:
+        return [Check(name, False, report.error_line(error, width=90), time.monotonic() - started)]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     elapsed = time.monotonic() - started
@@ -282,11 +285,11 @@ def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT):
         cause = "timed out" if result.timed_out else f"exit code {result.returncode}"
         errors = [line for line in lines if "Error" in line and "Traceback" not in line]
         detail = report.error_line(errors[-1].split("] ", 1)[-1], width=70) if errors else cause
-        return [Check(f"{workers} worker processes on localhost", False, f"{cause}: {detail}", elapsed)]
+        return [Check(name, False, f"{cause}: {detail}", elapsed)]
     per_task = [[Check(**row) for row in rows] for _, rows in sorted(result.values.items())]
     labels = sorted(result.values)
     checked = max(sum(row.seconds for row in rows) for rows in per_task)
-    merged = [Check(f"start {workers} worker processes", True,
+    merged = [Check(name, True,
                     "kd.launch: a TF_CONFIG each; MultiWorkerMirroredStrategy over gRPC",
                     elapsed - checked)]
     for rows in zip(*per_task):
