@@ -25,6 +25,8 @@ from keras_distrib import tf_logs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 USER_TESTS = '''
+import re
+
 import keras
 import numpy as np
 import pytest
