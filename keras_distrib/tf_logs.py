@@ -120,7 +120,7 @@ def configure_command_line(env=None, argv=None, orig_argv=None):
         return
     verbose = "--verbose" in (sys.argv if argv is None else argv)
     env[LEVEL_VARIABLE] = VERBOSE_LEVEL if verbose else QUIET_LEVEL
-    set_by_command_line = True
+    set_by_command_line = set_by_command_line or env is os.environ
 
 
 def import_tensorflow():

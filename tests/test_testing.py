@@ -20,7 +20,6 @@ import pytest
 import keras_distrib as kd
 from keras_distrib import report
 from keras_distrib import testing
-from keras_distrib import tf_logs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,40 +221,3 @@ def test_error_line_is_one_line():
     wrapped = ValueError("in user code:\n\n    File \"x.py\", line 3, in f  *\n        y()\n\n"
                          "    ValueError: destinations can not be empty\n")
     assert report.error_line(wrapped) == "ValueError: destinations can not be empty"
-
-
-def test_startup_notices_are_recognized_and_nothing_else():
-    notices = [
-        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
-        "I0000 00:00:1795439466.604094   18429 port.cc:153] oneDNN custom operations are on. You may see",
-        "I0000 00:00:1795439466.606127   18429 cudart_stub.cc:31] Could not find cuda drivers on your machine",
-        "E0000 00:00:1795439485.205829   18767 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error",
-        "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow",
-    ]
-    kept = [
-        "E0000 00:00:1795439485.205829   18767 collective_ops.cc:52] Collective failed",
-        "I0000 00:00:1795439485.218725   18767 grpc_server_lib.cc:467] Started server with target: grpc://x",
-        "Traceback (most recent call last):",
-        "Epoch 1/3",
-    ]
-    assert all(tf_logs.is_startup_notice(line) for line in notices)
-    assert not any(tf_logs.is_startup_notice(line) for line in kept)
-    assert tf_logs.hides_notices({}) and tf_logs.hides_notices({"TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert not tf_logs.hides_notices({"TF_CPP_MIN_LOG_LEVEL": "0"})
-    assert tf_logs.task_environment({}, verbose=True)["TF_CPP_MIN_LOG_LEVEL"] == "0"
-    assert tf_logs.task_environment({"TF_CPP_MIN_LOG_LEVEL": "1"})["TF_CPP_MIN_LOG_LEVEL"] == "1"
-    assert tf_logs.is_command_line(["/usr/bin/keras-distrib", "demo"], [])
-    assert tf_logs.is_command_line(["-m"], ["python", "-u", "-m", "keras_distrib", "test"])
-    assert not tf_logs.is_command_line(["-m"], ["python", "-m", "pytest"])
-
-
-def test_hidden_notices_drops_only_the_notices(capfd, monkeypatch):
-    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
-    with tf_logs.hidden_notices():
-        os.write(2, b"I0000 00:00:1.5 42 cudart_stub.cc:31] Could not find cuda drivers on your machine\n")
-        os.write(2, b"a real problem\n")
-    assert capfd.readouterr().err == "a real problem\n"
-    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
-    with tf_logs.hidden_notices():
-        os.write(2, b"I0000 00:00:1.5 42 cudart_stub.cc:31] Could not find cuda drivers on your machine\n")
-    assert "cudart_stub" in capfd.readouterr().err
