@@ -21,14 +21,18 @@ from keras_distrib import data
 from keras_distrib import gradients
 from keras_distrib import losses
 from keras_distrib import testing
+from keras_distrib.checkpoint import CheckpointError
 from keras_distrib.checkpoint import CheckpointManager
+from keras_distrib.cluster import ClusterConfigError
 from keras_distrib.cluster import ClusterInfo
 from keras_distrib.cluster import cluster_info
 from keras_distrib.cluster import is_chief
 from keras_distrib.data import describe_input
 from keras_distrib.data import distribute_dataset
 from keras_distrib.devices import virtual_devices
+from keras_distrib.evaluator import SidecarEvaluator
 from keras_distrib.gradients import exact_optimizer
+from keras_distrib.launcher import LaunchError
 from keras_distrib.launcher import launch
 from keras_distrib.inprocess_cluster import local_cluster
 from keras_distrib.loop import TrainLoop
@@ -40,11 +44,15 @@ from keras_distrib.strategies import make_strategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CheckpointManager",
+    "ClusterConfigError",
     "ClusterInfo",
     "DistributedModelMixin",
+    "LaunchError",
     "Model",
     "Sequential",
+    "SidecarEvaluator",
     "TrainLoop",
     "callbacks",
     "cluster",

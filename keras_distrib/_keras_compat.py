@@ -40,6 +40,8 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
 from keras.src.backend.common import masking as keras_masking
@@ -135,6 +137,13 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
+    ("tf.distribute.experimental.coordinator.ClusterCoordinator", "_cluster", "attribute: its workers"),
+    ("tensorflow.python.distribute.coordinator.cluster_coordinator.Worker", "create_resource", "method(function, args=None, kwargs=None)"),
+    ("tensorflow.python.distribute.coordinator.values.RemoteValueImpl", "_type_spec", "attribute set for resources"),
+    ("tensorflow.python.distribute.input_lib", "get_iterator_spec_from_dataset", "function(strategy, dataset)"),
+    ("tensorflow.python.distribute.parameter_server_strategy_v2.ParameterServerStrategyV2Extended",
+     "_num_workers", "attribute set in __init__"),
+    ("tensorflow.python.distribute.coordinator.values", "PerWorkerDistributedIterator", "class(values)"),
     ("tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended",
      "_initialize_local_devices", "method(cluster_resolver, worker_device)"),
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
@@ -377,6 +386,17 @@ def compile_metric_names(metric):
     return set()
 
 
+def compile_metric_log_keys(metric):
+    """The log keys a built compiled-metrics container reports (e.g. `out_mae`), or None.
+
+    Keras names them when it reports them (output prefixes, de-duplication),
+    so they are read from a result of the container's current state.
+    """
+    if isinstance(metric, compile_utils.CompileMetrics) and metric.built:
+        return set(metric.result())
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Data and loops.
 
@@ -440,6 +460,40 @@ def serialized_graph(dataset):
 def is_multi_worker(strategy):
     extended = strategy.extended
     return bool(getattr(extended, "_in_multi_worker_mode", lambda: False)())
+
+
+def per_worker_iterator(coordinator, dataset_for_worker):
+    """A parameter-server iterator whose worker i reads `dataset_for_worker(i)`.
+
+    `ClusterCoordinator.create_per_worker_dataset` runs one function on every
+    worker, so each worker's `dataset_fn(input_context)` would see the same
+    default context; here each worker gets its own function (and so its own
+    input pipeline id). Workers that restart rebuild their iterator.
+    """
+    iterators = []
+    for index, worker in enumerate(coordinator._cluster.workers):
+        dataset_fn = tf.function(lambda index=index: dataset_for_worker(index)).get_concrete_function()
+        remote = worker.create_resource(lambda dataset_fn=dataset_fn: iter(dataset_fn()))
+        remote._type_spec = input_lib.get_iterator_spec_from_dataset(
+            coordinator.strategy, dataset_fn.structured_outputs
+        )
+        iterators.append(remote)
+    return coordinator_values.PerWorkerDistributedIterator(tuple(iterators))
+
+
+def parameter_server_workers(strategy):
+    """The number of workers of a ParameterServerStrategy's cluster."""
+    return strategy.extended._num_workers
+
+
+def dataset_ops_used(dataset):
+    """The op types in a dataset's graph (its functions included)."""
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized_graph(dataset).numpy())
+    ops = {node.op for node in graph.node}
+    for function in graph.library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
 
 
 def default_strategy():

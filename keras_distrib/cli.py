@@ -6,6 +6,11 @@ import sys
 
 from keras_distrib import launcher as launch_lib
 
+__all__ = [
+    "build_parser",
+    "main",
+]
+
 
 def _launch(options):
     try:
@@ -19,6 +24,7 @@ def _launch(options):
             timeout=options.timeout,
             log_dir=options.log_dir,
             verbose=options.verbose,
+            evaluator=options.evaluator,
         )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
@@ -46,6 +52,7 @@ def _env(options):
 
 
 def build_parser():
+    """The `keras-distrib` argument parser (launch, demo, bench)."""
     parser = argparse.ArgumentParser(
         prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
     )
@@ -60,6 +67,8 @@ def build_parser():
     launch.add_argument("--max-restarts", type=int, default=0, help="restart the cluster up to K times")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
+    launch.add_argument("--evaluator", action="store_true",
+                        help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
     launch.add_argument("--verbose", action="store_true",
                         help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
     launch.add_argument("script", help="the Python script every task runs")
@@ -99,6 +108,7 @@ def build_parser():
 
 
 def main(argv=None):
+    """Runs the `keras-distrib` command line; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         # The benchmark has its own options (see `keras-distrib bench --help`).

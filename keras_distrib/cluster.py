@@ -8,9 +8,19 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import types
+
+from keras_distrib import files
+
+__all__ = [
+    "ClusterConfigError",
+    "ClusterInfo",
+    "chief_verbose",
+    "cluster_info",
+    "is_chief",
+    "parse_tf_config",
+    "writer_directory",
+]
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TASK_TYPES = ("chief", "worker")
@@ -32,6 +42,13 @@ class ClusterInfo:
             a single process.
         is_chief: Whether this process writes checkpoints and summaries.
         cluster: Task type -> tuple of `"host:port"` addresses (read-only).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> info = kd.cluster_info({"cluster": {"chief": ["h:1"], "worker": ["h:2"]},
+        ...                         "task": {"type": "worker", "index": 0}})
+        >>> (info.task_type, info.num_workers, info.is_chief, info.label)
+        ('worker', 2, False, 'worker 0')
     """
 
     task_type: object = None
@@ -71,7 +88,27 @@ def _address_problems(task_type, addresses):
             problems.append(
                 f"cluster[{task_type!r}][{i}]={address!r} is not 'host:port'"
             )
+        elif not 1 <= int(port) <= 65535:
+            problems.append(
+                f"cluster[{task_type!r}][{i}]={address!r}: port {int(port)} is out of "
+                "range (expected 1..65535)"
+            )
     return problems
+
+
+def _duplicate_problems(cluster):
+    """Every `host:port` that more than one task claims (each task needs its own)."""
+    seen = {}
+    for task_type, addresses in cluster.items():
+        if isinstance(addresses, (list, tuple)):
+            for i, address in enumerate(addresses):
+                if isinstance(address, str):
+                    seen.setdefault(address.strip().lower(), []).append(f"{task_type}[{i}]")
+    return [
+        f"{address!r} is given to {len(owners)} tasks ({', '.join(owners)}); every task "
+        "needs its own host:port"
+        for address, owners in seen.items() if len(owners) > 1
+    ]
 
 
 def parse_tf_config(tf_config):
@@ -117,6 +154,7 @@ def parse_tf_config(tf_config):
                 f"one of {list(TASK_TYPES)})"
             )
         problems.extend(_address_problems(task_type, addresses))
+    problems.extend(_duplicate_problems(cluster))
     if len(cluster.get("chief", ())) > 1:
         problems.append(
             f"'cluster' names {len(cluster['chief'])} chiefs; at most one is allowed"
@@ -198,7 +236,14 @@ def cluster_info(tf_config=None):
 
 
 def is_chief(tf_config=None):
-    """Whether this process is the chief (the one whose files persist)."""
+
+    """Whether this process is the chief (the one whose files persist).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> kd.is_chief({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 0}})
+        True
+    """
     return cluster_info(tf_config).is_chief
 
 
@@ -230,10 +275,8 @@ def writer_directory(directory, info=None):
         os.makedirs(directory, exist_ok=True)
         yield directory
         return
-    scratch = tempfile.mkdtemp(
-        prefix=f"kd_{info.task_type}{info.task_index}_"
-    )
+    scratch = files.make_scratch(f"{info.task_type}{info.task_index}")
     try:
         yield scratch
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        files.remove_scratch(scratch)

@@ -20,6 +20,14 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 
+__all__ = [
+    "describe_input",
+    "distribute_dataset",
+    "file_count",
+    "replica_split",
+    "shard_files",
+]
+
 _POLICIES = {
     "auto": tf.data.experimental.AutoShardPolicy.AUTO,
     "file": tf.data.experimental.AutoShardPolicy.FILE,
@@ -69,6 +77,23 @@ def _as_dataset(data):
         f"`data` is a {type(data).__name__}. Expected a tf.data.Dataset, NumPy "
         "arrays (or a dict/tuple of them), or a dataset_fn(input_context)."
     )
+
+
+def _check_flags(*, strategy=None, drop_remainder=False, shuffle=False, seed=0):
+    """Raises ValueError listing every bad flag of `distribute_dataset`."""
+    problems = []
+    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+        problems.append(
+            f"`strategy`={strategy!r}: expected a tf.distribute.Strategy (e.g. "
+            "kd.make_strategy()), or None for the current one"
+        )
+    for name, value in (("drop_remainder", drop_remainder), ("shuffle", shuffle)):
+        if not isinstance(value, (bool, np.bool_)):
+            problems.append(f"`{name}`={value!r}: expected True or False")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        problems.append(f"`seed`={seed!r}: expected a whole number >= 0")
+    if problems:
+        raise ValueError("Invalid distribute_dataset arguments:\n  - " + "\n  - ".join(problems))
 
 
 def _check_batch(global_batch_size, replicas, drop_remainder):
@@ -186,6 +211,7 @@ def distribute_dataset(data, *, strategy=None, global_batch_size=None, shard_pol
             divisible by the replicas), an unknown policy, a `dataset_fn` that
             returns something else than a dataset.
     """
+    _check_flags(strategy=strategy, drop_remainder=drop_remainder, shuffle=shuffle, seed=seed)
     strategy = _strategy_or_current(strategy)
     policy = _policy(shard_policy)
     replicas = strategy.num_replicas_in_sync
@@ -284,6 +310,12 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
         A dict with the same facts (`policy`, `examples`, `steps`,
         `last_batch`, `last_batch_per_replica` (rows of the last batch, by
         global replica id), `files`, `warnings`).
+
+    Example:
+        >>> import numpy as np, keras_distrib as kd
+        >>> report = kd.describe_input(np.arange(10), global_batch_size=4, print_fn=lambda line: None)
+        >>> report["steps"], report["last_batch"]
+        (3, 2)
     """
     strategy = _strategy_or_current(strategy)
     info = cluster.cluster_info()

@@ -10,6 +10,10 @@ import tensorflow as tf
 
 from keras_distrib import tf_logs
 
+__all__ = [
+    "virtual_devices",
+]
+
 _DEVICE_TYPES = ("CPU", "GPU")
 
 

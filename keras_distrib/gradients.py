@@ -25,6 +25,12 @@ from keras_distrib import _keras_compat
 from keras_distrib import replica
 from keras_distrib import step
 
+__all__ = [
+    "all_reduce",
+    "exact_optimizer",
+    "install",
+]
+
 
 def all_reduce(gradients):
     """Sums per-replica gradients over every replica (one all-reduce).

@@ -34,11 +34,23 @@ def local_cluster(workers=2, ps=1, *, worker_threads=None):
 
     Raises:
         LaunchError: invalid counts.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> resolver = kd.local_cluster(workers=2, ps=1)  # doctest: +SKIP
+        >>> strategy = kd.make_strategy("parameter_server", cluster_resolver=resolver)  # doctest: +SKIP
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise launcher.LaunchError(f"`workers`={workers!r}: expected a whole number >= 1")
     if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
         raise launcher.LaunchError(f"`ps`={ps!r}: a parameter-server cluster needs at least 1 ps")
+    if worker_threads is not None and (
+        isinstance(worker_threads, bool) or not isinstance(worker_threads, int) or worker_threads < 1
+    ):
+        raise launcher.LaunchError(
+            f"`worker_threads`={worker_threads!r}: expected a whole number >= 1, or None for "
+            "the default"
+        )
     spec = tf.train.ClusterSpec(launcher.cluster_spec(workers, ps=ps))
     worker_config = tf.compat.v1.ConfigProto()
     worker_config.inter_op_parallelism_threads = worker_threads or max(4, workers + 2)

@@ -6,15 +6,20 @@ TF_CONFIG, splits the GPUs, and runs the tasks under
 restarting the whole cluster on fresh ports up to `max_restarts` times.
 """
 
+import collections.abc
+import importlib.util
 import json
+import math
+import numbers
 import os
-import shutil
+import pickle
+import shlex
 import socket
 import sys
-import tempfile
 
 import portpicker
 
+from keras_distrib import files
 from keras_distrib import supervisor
 from keras_distrib import tf_logs
 from keras_distrib.supervisor import ClusterResult  # noqa: F401 (public result type)
@@ -63,39 +68,124 @@ def tf_config(spec, task_type, task_index):
     return json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_index}})
 
 
-def validate(workers, ps, chief, max_restarts, timeout, ports=None):
+def _whole(value, minimum):
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+def _port_problems(ports):
+    if isinstance(ports, (str, bytes)) or not isinstance(ports, (list, tuple)):
+        return [f"`ports`={ports!r}: expected a list of port numbers, one per task"]
     problems = []
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    bad = [p for p in ports if not _whole(p, 1) or p > 65535]
+    if bad:
+        problems.append(f"`ports` {bad}: expected whole numbers in 1..65535")
+    repeated = sorted({p for p in ports if ports.count(p) > 1 and p not in bad})
+    if repeated:
+        problems.append(
+            f"`ports` lists {repeated} more than once; every task needs its own port "
+            "(the second server would fail with 'Could not start gRPC server')"
+        )
+    return problems
+
+
+def _args_problems(args, script):
+    if isinstance(args, (str, bytes)):
+        try:
+            example = shlex.split(os.fsdecode(args))
+        except ValueError:  # unbalanced quotes
+            example = [os.fsdecode(args)]
+        return [
+            f"`args`={args!r} is a string, which would be split into characters; pass a "
+            f"list of arguments, e.g. `args`={example!r}"
+        ]
+    if not isinstance(args, (list, tuple)):
+        return [f"`args`={args!r}: expected a list or tuple of arguments"]
+    if script:
+        bad = [a for a in args if isinstance(a, bool) or not isinstance(a, (str, int, float, os.PathLike))]
+        if bad:
+            return [
+                f"`args` items {bad!r} are not command-line values; a script takes "
+                "strings (or numbers and paths, converted with str())"
+            ]
+        return []
+    try:
+        pickle.dumps(tuple(args))
+    except Exception as error:  # noqa: BLE001 - pickling raises many types
+        return [
+            f"`args` cannot be sent to the tasks ({type(error).__name__}: {error}); "
+            "a function target takes picklable arguments"
+        ]
+    return []
+
+
+def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), script=True,
+             env=None, log_dir=None, sink=print, evaluator=False, verbose=False):
+    """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
+    problems = []
+    if not _whole(workers, 1):
         problems.append(f"`workers`={workers!r}: expected a whole number >= 1")
-    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+    if not _whole(ps, 0):
         problems.append(f"`ps`={ps!r}: expected a whole number >= 0")
-    if ps and chief:
+    if not isinstance(chief, bool):
+        problems.append(f"`chief`={chief!r}: expected True or False")
+    elif ps and chief:
         problems.append(
             "`chief` with `ps`: in a parameter-server cluster the script itself "
             "is the coordinator (chief); drop `chief`"
         )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+    if not _whole(max_restarts, 0):
         problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number >= 0")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        problems.append(f"`timeout`={timeout!r}: expected seconds > 0, or None")
-    if ports is not None and not problems:
-        needed = workers + ps + (1 if (chief or ps) else 0)
-        if len(ports) != needed:
-            problems.append(
-                f"`ports` lists {len(ports)} port(s) but the cluster has {needed} "
-                "task(s); give one port per task, or leave `ports` out to pick free ones"
-            )
-        taken = [p for p in ports if not port_is_free(p)]
-        if taken:
-            problems.append(
-                f"`ports` {taken} already in use on localhost; stop what listens "
-                "there, or leave `ports` out to pick free ones"
-            )
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+        or not math.isfinite(timeout) or timeout <= 0
+    ):
+        problems.append(
+            f"`timeout`={timeout!r}: expected a finite number of seconds > 0, or None for "
+            "no limit"
+        )
+    problems.extend(_args_problems(args, script))
+    if env is not None and (
+        not isinstance(env, collections.abc.Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        problems.append(
+            f"`env` must map names to strings (like os.environ), got {type(env).__name__}"
+            + (f" with non-string entries {[k for k, v in env.items() if not isinstance(v, str)]}"
+               if isinstance(env, collections.abc.Mapping) else "")
+        )
+    if log_dir is not None:
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            problems.append(f"`log_dir`={log_dir!r}: expected a directory path, or None")
+        elif os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            problems.append(f"`log_dir`={os.fspath(log_dir)!r} is a file; give a directory")
+    if not isinstance(evaluator, bool):
+        problems.append(f"`evaluator`={evaluator!r}: expected True or False")
+    if not isinstance(verbose, bool):
+        problems.append(f"`verbose`={verbose!r}: expected True or False")
+    if not callable(sink):
+        problems.append(f"`sink`={sink!r}: expected a callable taking one line (like print)")
+    if ports is not None:
+        port_problems = _port_problems(ports)
+        problems.extend(port_problems)
+        counts_valid = _whole(workers, 1) and _whole(ps, 0) and isinstance(chief, bool)
+        if not port_problems and counts_valid:
+            needed = workers + ps + (1 if (chief or ps) else 0)
+            if len(ports) != needed:
+                problems.append(
+                    f"`ports` lists {len(ports)} port(s) but the cluster has {needed} "
+                    "task(s); give one port per task, or leave `ports` out to pick free ones"
+                )
+            taken = [p for p in ports if not port_is_free(p)]
+            if taken:
+                problems.append(
+                    f"`ports` {taken} already in use on localhost; stop what listens "
+                    "there, or leave `ports` out to pick free ones"
+                )
     if problems:
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
-def _task_specs(spec, argv_for, *, ps, env, server_argv, verbose=False):
+def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, verbose=False):
     """One `TaskSpec` per task of `spec`, with its TF_CONFIG and GPU share."""
     base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
@@ -116,11 +206,20 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, verbose=False):
             server = bool(ps) and task_type in ("worker", "ps")
             argv = server_argv if server else argv_for(task_type, index)
             specs.append(supervisor.TaskSpec(task_type, index, argv, task_env, watched=not server))
+    if evaluator:
+        # Outside the cluster spec, as TensorFlow's evaluator task: it reads
+        # the chief's checkpoints and is stopped when training ends.
+        task_env = dict(base_env)
+        task_env["TF_CONFIG"] = tf_config(spec, "evaluator", 0)
+        task_env["KD_TASK"] = "evaluator 0"
+        task_env["CUDA_VISIBLE_DEVICES"] = ""
+        specs.append(supervisor.TaskSpec("evaluator", 0, argv_for("evaluator", 0), task_env, follower=True))
     return specs
 
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
-             sink=print, log_dir=None, server_argv=None, ports=None, verbose=False):
+             sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
+             verbose=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -128,7 +227,8 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     chief (the coordinator) runs the script.
     """
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
-    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, verbose=verbose)
+    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
+                        verbose=verbose)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir)
 
 
@@ -137,7 +237,8 @@ def _script_argv(script, args):
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
-           timeout=None, log_dir=None, env=None, sink=print, ports=None, verbose=False):
+           timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
+           verbose=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -158,6 +259,10 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         sink: Where prefixed output lines go (`print` by default).
         ports: Explicit localhost ports, one per task (chief, workers, ps);
             free ones are picked when `None`. The first attempt only.
+        evaluator: Also run `target` as an `evaluator` task (TF_CONFIG task
+            type "evaluator", outside the cluster spec), e.g. a
+            `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
+            the run waits for it.
         verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
             output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`
             and TensorFlow's start-up notices are dropped from their output
@@ -170,12 +275,22 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
 
     Raises:
         LaunchError: invalid arguments (nothing is started).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> result = kd.launch("train.py", workers=2, args=["--epochs", "3"])  # doctest: +SKIP
+        >>> result.returncode  # doctest: +SKIP
+        0
     """
-    validate(workers, ps, chief, max_restarts, timeout, ports)
     from keras_distrib import _task_entry
 
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    script = isinstance(target, str) and ":" not in target
+    validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
+             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     values_dir = None
-    if isinstance(target, str) and ":" not in target:
+    if script:
         if not os.path.isfile(target):
             raise LaunchError(
                 f"`target`={target!r} is not a file. Pass the path of a Python "
@@ -183,8 +298,21 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             )
         argv_for = _script_argv(target, [str(a) for a in args])
     else:
-        spec = _task_entry.function_spec(target)
-        values_dir = tempfile.mkdtemp(prefix="kd_launch_")
+        try:
+            spec = _task_entry.function_spec(target)
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
+        module = spec.split(":", 1)[0]
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise LaunchError(
+                f"`target`={target!r}: module {module!r} cannot be found on sys.path, so no "
+                "task could import it. Check the spelling, or pass a script path."
+            )
+        values_dir = files.make_scratch("launch")
         argv_for = _task_entry.argv_factory(spec, args, values_dir)
     server_argv = [sys.executable, "-u", "-m", "keras_distrib._task_entry", "--server"]
     try:
@@ -194,7 +322,8 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                 result = run_once(
                     argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
                     env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
-                    ports=ports if attempt == 0 else None, verbose=verbose,
+                    ports=ports if attempt == 0 else None, evaluator=evaluator,
+                    verbose=verbose,
                 )
             result.restarts = attempt
             if result.returncode == 0 or attempt >= max_restarts:
@@ -206,6 +335,6 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         return result
     finally:
         if values_dir is not None:
-            shutil.rmtree(values_dir, ignore_errors=True)
+            files.remove_scratch(values_dir)
 
 

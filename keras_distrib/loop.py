@@ -29,6 +29,23 @@ from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import step as step_lib
 
+__all__ = [
+    "DataPosition",
+    "LocalRunner",
+    "TrainLoop",
+    "build",
+    "build_model",
+    "callback_list",
+    "epoch_source",
+    "evaluate",
+    "evaluate_pass",
+    "fit",
+    "fit_epochs",
+    "predict",
+    "predict_pass",
+    "resume_position",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class DataPosition:
@@ -46,12 +63,15 @@ class LocalRunner:
         self.step = step
 
     def run(self, iterator, count):
+        """Runs up to `count` steps; returns the global logs (or outputs)."""
         return self.step(iterator, count)
 
     def skip(self, iterator, count):
+        """Moves `iterator` past up to `count` batches without running them."""
         return self.step.skip(iterator, count)
 
     def epoch_logs(self, logs):
+        """The epoch's logs: the metrics' global values (or the last step's logs)."""
         return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
 
 
@@ -457,7 +477,15 @@ class TrainLoop:
         saved epoch and step.
         """
         from keras_distrib import parameter_server
+        from keras_distrib import validation
 
+        validation.validate_inputs(
+            self.model, x, y, sample_weight, method="fit", validation_data=validation_data,
+            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            verbose=verbose, shuffle=shuffle, class_weight=class_weight, callbacks=callbacks,
+        )
         if backup_dir is not None:
             from keras_distrib.callbacks import BackupAndRestore
 

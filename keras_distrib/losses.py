@@ -26,6 +26,12 @@ import tensorflow as tf
 
 from keras_distrib.replica import replica_sum
 
+__all__ = [
+    "global_mean",
+    "global_share",
+    "scale_regularization",
+]
+
 
 def global_share(numerator, local_denominator):
     """numerator / (local_denominator summed over replicas), 0 if that is 0."""

@@ -19,6 +19,16 @@ from keras_distrib import loop
 from keras_distrib import parameter_server
 from keras_distrib import replica
 from keras_distrib import step as step_lib
+from keras_distrib import validation
+
+__all__ = [
+    "DistributedModelMixin",
+    "FunctionalModel",
+    "Model",
+    "Sequential",
+    "global_moments",
+    "unsupported_settings",
+]
 
 
 def _record_loss(loss):
@@ -164,13 +174,55 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     around every step, so the forward pass records its `add_loss` terms per
     replica, `compute_loss` returns this replica's share of the global loss
     and the optimizer sees the global gradient.
+
+    Example:
+        >>> import keras, tensorflow as tf, keras_distrib as kd
+        >>> class Regressor(kd.DistributedModelMixin, keras.Model):
+        ...     def train_step(self, data):
+        ...         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        ...         with tf.GradientTape() as tape:
+        ...             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        ...         grads = tape.gradient(loss, self.trainable_variables)
+        ...         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        ...         return self.compute_metrics(x, y, self(x), sample_weight=None)
+        >>> inputs = keras.Input((3,))
+        >>> model = Regressor(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
     """
 
-    def compile(self, *args, **kwargs):
+    def compile(self, *args, pss_evaluation_shards=0, **kwargs):
+        """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
+
+        `pss_evaluation_shards` (parameter-server training only): split
+        evaluation over the workers in that many shards ("auto": 4 per
+        worker), instead of evaluating on the coordinator; both are exact.
+        """
+        self.pss_evaluation_shards = pss_evaluation_shards
         super().compile(*args, **kwargs)
         _keras_compat.install_global_losses(self)
         gradients.install(self.optimizer)
         self._prepare_layers()
+
+    def get_compile_config(self):
+        """The arguments `compile` was called with, serialized (saved in `.keras` files)."""
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        """Compiles from `get_compile_config()`'s output, as `keras.saving.load_model` does.
+
+        Keras skips this for models that override `compile` (kd does), so a
+        `.keras` file would reload uncompiled, without its optimizer state.
+        Here it compiles through kd's `compile` and builds the optimizer on
+        the variables it updates, so the saved optimizer variables load into
+        it.
+        """
+        if not config:
+            return
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built and self.optimizer is not None:
+            with self.distribute_strategy.scope():
+                self.optimizer.build(_keras_compat.optimizer_variables(self))
 
     def _prepare_layers(self):
         """Per-replica bookkeeping on every layer and variable (idempotent)."""
@@ -261,6 +313,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return self(x)
 
     def train_step(self, data):
+        """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x):
             with tf.GradientTape() as tape:
@@ -280,6 +333,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
+        """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x):
             y_pred = self._call_model(x, training=False)
@@ -290,6 +344,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):
+        """One replica's prediction step: the forward pass."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._call_model(x, training=False)
 
@@ -327,16 +382,19 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
 
     def make_train_function(self, force=False):
+        """The compiled training `Step` (`steps_per_execution` steps per call)."""
         if self.train_function is None or force:
             self.train_function = self._make_step("train")
         return self.train_function
 
     def make_test_function(self, force=False):
+        """The compiled evaluation `Step`."""
         if self.test_function is None or force:
             self.test_function = self._make_step("test")
         return self.test_function
 
     def make_predict_function(self, force=False):
+        """The compiled prediction `Step`."""
         if self.predict_function is None or force:
             self.predict_function = self._make_step("predict")
         return self.predict_function
@@ -347,8 +405,17 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
+        """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy()
+        validation.validate_inputs(
+            self, x, y, sample_weight, method="fit", validation_data=validation_data,
+            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_split=validation_split,
+            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
+            class_weight=class_weight, callbacks=callbacks,
+        )
         arguments = dict(
             batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data,
@@ -368,15 +435,25 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, **kwargs):
+        """`keras.Model.evaluate`, exact under any strategy."""
         _keras_compat.assert_compiled(self, "evaluate")
         self._check_strategy()
         kwargs.pop("_use_cached_eval_dataset", None)
+        shards = kwargs.pop("shards", None)
         if kwargs:
             raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
+        validation.validate_inputs(self, x, y, sample_weight, method="evaluate",
+                                   batch_size=batch_size, steps=steps)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.evaluate(
                 self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
-                steps=steps, callbacks=callbacks, return_dict=return_dict,
+                steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
+            )
+        if shards:
+            raise ValueError(
+                f"`shards`={shards!r}: sharded evaluation is for ParameterServerStrategy; "
+                f"under {type(self.distribute_strategy).__name__} evaluation is already "
+                "distributed over the replicas."
             )
         return loop.evaluate(
             self, self.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
@@ -385,7 +462,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """`keras.Model.predict`: every row once, in input order, under any strategy."""
         self._check_strategy()
+        validation.validate_inputs(self, x, method="predict", batch_size=batch_size, steps=steps)
         if parameter_server.is_parameter_server(self.distribute_strategy):
             return parameter_server.predict(
                 self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
@@ -434,4 +513,10 @@ class FunctionalModel(Model, _keras_compat.Functional):
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
 class Sequential(DistributedModelMixin, keras.Sequential):
-    """A `keras.Sequential` with exact distributed steps."""
+    """A `keras.Sequential` with exact distributed steps.
+
+    Example:
+        >>> import keras, keras_distrib as kd
+        >>> model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+    """

@@ -16,6 +16,7 @@ predictions come back in input order.
 """
 
 import collections
+import collections.abc
 import contextlib
 import weakref
 
@@ -27,10 +28,21 @@ from keras_distrib import _keras_compat
 from keras_distrib import loop
 from keras_distrib import step as step_lib
 
+__all__ = [
+    "WorkerEpochs",
+    "WorkerRunner",
+    "coordinator_for",
+    "evaluate",
+    "fit",
+    "is_parameter_server",
+    "predict",
+]
+
 _COORDINATORS = weakref.WeakKeyDictionary()
 
 
 def is_parameter_server(strategy):
+    """Whether `strategy` is a (TF2) ParameterServerStrategy."""
     return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
 
@@ -41,40 +53,108 @@ def coordinator_for(strategy):
     return _COORDINATORS[strategy]
 
 
-def _dataset_fn(x, y, sample_weight, batch_size, shuffle, class_weight):
-    """A per-worker dataset function (no arguments) that repeats forever.
+_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
 
-    A user `dataset_fn(input_context)` gets a default context: each worker
-    reads (and shuffles) the whole data, as in TensorFlow's guide.
+
+def _check_shippable(dataset, argument="x"):
+    """Refuses a dataset whose graph calls back into this Python process."""
+    found = sorted(_PYTHON_OPS & _keras_compat.dataset_ops_used(dataset))
+    if found:
+        raise ValueError(
+            f"`{argument}` is a tf.data.Dataset built with Python code ({', '.join(found)}: "
+            "Dataset.from_generator, tf.py_function or tf.numpy_function). Parameter-server "
+            "workers run their input pipelines themselves, in other processes, where that "
+            "Python code does not exist. Build the dataset from tensors or files "
+            "(Dataset.from_tensor_slices, TFRecordDataset), or pass NumPy arrays or a "
+            "dataset_fn(input_context) that does."
+        )
+
+
+def _repeated(dataset):
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        return dataset
+    return dataset.repeat()
+
+
+def _input_context(strategy, index):
+    return tf.distribute.InputContext(
+        num_input_pipelines=_worker_count(strategy), input_pipeline_id=index,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    )
+
+
+class WorkerData:
+    """What each worker reads, and how to give every worker its iterator.
+
+    Accepts what TensorFlow's guides and tf-keras accept:
+
+    - a `tf.data.Dataset` instance (shuffle, repeat, map, batch...): shipped
+      to every worker as is (its graph is serialized), repeated;
+    - a `dataset_fn(input_context)`: called on each worker with that
+      worker's own `InputContext` (pipeline id = worker index, pipeline
+      count = workers), so it can shard with `dataset.shard(...)`;
+    - NumPy arrays or dicts of them: each worker reads all rows, shuffled
+      each pass when `shuffle`, batched by `batch_size`.
     """
-    if callable(x) and not isinstance(x, tf.data.Dataset):
-        def from_fn():
-            dataset = x(tf.distribute.InputContext())
-            if not isinstance(dataset, tf.data.Dataset):
-                raise TypeError(
-                    f"`dataset_fn` returned a {type(dataset).__name__}, not a tf.data.Dataset."
-                )
-            return dataset.repeat()
 
-        return from_fn
-    if isinstance(x, tf.data.Dataset):
-        return lambda: x.repeat()
-    if batch_size is None:
-        batch_size = 32
-    if class_weight is not None:
-        if sample_weight is not None:
-            raise ValueError("Pass `class_weight` or `sample_weight`, not both.")
-        sample_weight = _class_weight_to_sample_weights(y, class_weight)
-    arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-    rows = len(tree.flatten(x)[0])
+    def __init__(self, strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=True,
+                 class_weight=None, argument="x"):
+        self.strategy = strategy
+        if isinstance(x, tf.data.Dataset):
+            _check_shippable(x, argument)
+            self._dataset = _repeated(x)
+            self._for_worker = None
+            self.element_spec = x.element_spec
+            return
+        if callable(x):
+            def for_worker(index):
+                dataset = x(_input_context(strategy, index))
+                if not isinstance(dataset, tf.data.Dataset):
+                    raise TypeError(
+                        f"`{argument}` (a dataset_fn) returned a {type(dataset).__name__}; it "
+                        "must return a tf.data.Dataset."
+                    )
+                return _repeated(dataset)
 
-    def from_arrays():
-        dataset = tf.data.Dataset.from_tensor_slices(arrays)
-        if shuffle:
-            dataset = dataset.shuffle(rows, reshuffle_each_iteration=True)
-        return dataset.repeat().batch(batch_size)
+            self._dataset = None
+            self._for_worker = for_worker
+            self.element_spec = for_worker(0).element_spec
+            return
+        _check_arrays(x, argument)
+        if batch_size is None:
+            batch_size = 32
+        if class_weight is not None:
+            if sample_weight is not None:
+                raise ValueError("Pass `class_weight` or `sample_weight`, not both.")
+            sample_weight = _class_weight_to_sample_weights(y, class_weight)
+        arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+        rows = len(tree.flatten(x)[0])
 
-    return from_arrays
+        def from_arrays(index):
+            dataset = tf.data.Dataset.from_tensor_slices(arrays)
+            if shuffle:
+                dataset = dataset.shuffle(rows, reshuffle_each_iteration=True)
+            return dataset.repeat().batch(batch_size)
+
+        self._dataset = None
+        self._for_worker = from_arrays
+        self.element_spec = from_arrays(0).element_spec
+
+    def iterator(self, coordinator):
+        """A per-worker iterator for `coordinator.schedule`."""
+        if self._dataset is not None:
+            return iter(coordinator.create_per_worker_dataset(self._dataset))
+        return _keras_compat.per_worker_iterator(coordinator, self._for_worker)
+
+
+def _check_arrays(x, argument):
+    if isinstance(x, (keras.utils.PyDataset, collections.abc.Iterator)):
+        raise ValueError(
+            f"`{argument}` is a {type(x).__name__} (Python code producing batches). "
+            "Parameter-server workers build their input pipelines themselves, in other "
+            "processes; pass NumPy arrays, a tf.data.Dataset built from tensors or files, "
+            "or a dataset_fn(input_context)."
+        )
 
 
 def _check_steps(steps_per_epoch):
@@ -97,16 +177,14 @@ def _class_weight_to_sample_weights(y, class_weight):
     return tf.gather(table, labels).numpy()
 
 
-def _build(model, strategy, dataset_fn):
-    """Creates model, metric and optimizer variables (on the ps) before scheduling."""
-    loop.build_model(model, dataset_fn().element_spec)
+
 
 
 class WorkerEpochs:
     """Epochs of `steps_per_epoch` steps over per-worker datasets (a loop source)."""
 
-    def __init__(self, coordinator, dataset_fn, steps_per_epoch, steps_per_call):
-        self.iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    def __init__(self, coordinator, data, steps_per_epoch, steps_per_call):
+        self.iterator = data.iterator(coordinator)
         self.num_batches = steps_per_epoch
         self.steps_per_call = steps_per_call
 
@@ -115,6 +193,7 @@ class WorkerEpochs:
             yield begin, min(begin + self.steps_per_call, self.num_batches) - 1, self.iterator
 
     def catch_stop_iteration(self):
+        """A no-op context: per-worker datasets never run out."""
         return contextlib.nullcontext()  # per-worker datasets repeat forever
 
 
@@ -135,6 +214,7 @@ class WorkerRunner:
         self.latest = {}
 
     def run(self, iterator, count):
+        """Schedules `count` steps on a worker; returns logs a few chunks behind."""
         self.in_flight.append(
             self.coordinator.schedule(self.function, args=(iterator, tf.constant(count)))
         )
@@ -143,10 +223,12 @@ class WorkerRunner:
         return dict(self.latest)
 
     def skip(self, iterator, count):
+        """Nothing to skip: repeated per-worker datasets have no epoch position."""
         # Per-worker datasets repeat; resuming continues with the remaining steps.
         return 0
 
     def epoch_logs(self, logs):
+        """Waits for every scheduled step; returns the metrics' global values."""
         self.coordinator.join()
         self.in_flight.clear()
         with self.model.distribute_strategy.scope():
@@ -154,10 +236,7 @@ class WorkerRunner:
 
 
 def _worker_count(strategy):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    return max(1, resolver.cluster_spec().num_tasks("worker"))
+    return max(1, _keras_compat.parameter_server_workers(strategy))
 
 
 def fit(model, x=None, y=None, *, steps_per_call=1, batch_size=None, epochs=1, verbose="auto",
@@ -175,9 +254,9 @@ def fit(model, x=None, y=None, *, steps_per_call=1, batch_size=None, epochs=1, v
         )
     model._check_exactness(training=True)
     coordinator = coordinator_for(strategy)
-    dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle, class_weight)
-    _build(model, strategy, dataset_fn)
-    source = WorkerEpochs(coordinator, dataset_fn, steps_per_epoch, steps_per_call)
+    data = WorkerData(strategy, x, y, sample_weight, batch_size, shuffle, class_weight)
+    loop.build_model(model, data.element_spec)
+    source = WorkerEpochs(coordinator, data, steps_per_epoch, steps_per_call)
     runner = WorkerRunner(
         model, coordinator, step_lib.Step(model, "train", steps=steps_per_call),
         depth=_worker_count(strategy),
@@ -204,14 +283,134 @@ def fit(model, x=None, y=None, *, steps_per_call=1, batch_size=None, epochs=1, v
     )
 
 
+def evaluation_shards(model, shards=None):
+    """How many shards `evaluate` splits its data into over the workers.
+
+    `shards` (an argument of evaluate), else the model's
+    `pss_evaluation_shards` (a compile option). 0: the coordinator evaluates
+    alone. "auto": 4 per worker.
+    """
+    if shards is None:
+        shards = getattr(model, "pss_evaluation_shards", 0) or 0
+    if shards == "auto":
+        return 4 * _worker_count(model.distribute_strategy)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 0:
+        raise ValueError(
+            f"`pss_evaluation_shards`={shards!r}: expected a whole number >= 0 (0: the "
+            "coordinator evaluates alone) or 'auto' (4 shards per worker)."
+        )
+    return shards
+
+
 def evaluate(model, x=None, y=None, *, batch_size=None, verbose="auto", sample_weight=None,
-             steps=None, callbacks=None, return_dict=False):
-    """`Model.evaluate` under ParameterServerStrategy: exact, on the coordinator."""
+             steps=None, callbacks=None, return_dict=False, shards=None):
+    """`Model.evaluate` under ParameterServerStrategy: exact either way.
+
+    By default the coordinator evaluates, reading the variables from the
+    parameter servers. With `shards` > 0 (or the model compiled with
+    `pss_evaluation_shards`), the data is split into that many shards,
+    each evaluated by one scheduled closure on a worker from fresh metric
+    state; the coordinator adds up the shards' metric states. Every example
+    counts exactly once even when a worker fails (a failed shard is redone
+    elsewhere, from scratch). Exact for metrics whose state adds up over
+    examples: every built-in Keras metric (means, sums, confusion counts,
+    AUC).
+    """
+    shards = evaluation_shards(model, shards)
+    if shards:
+        return _evaluate_sharded(
+            model, x, y, sample_weight=sample_weight, batch_size=batch_size, steps=steps,
+            shards=shards, callbacks=callbacks, verbose=verbose, return_dict=return_dict,
+        )
     return loop.evaluate(
         model, model.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
         sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
         return_dict=return_dict, strategy=_keras_compat.default_strategy(),
     )
+
+
+def _shard_datasets(strategy, x, y, sample_weight, batch_size, steps, shards):
+    """`shards` datasets that together hold every evaluation batch once."""
+    if isinstance(x, tf.data.Dataset):
+        _check_shippable(x)
+        dataset = x.take(steps) if steps else x
+        return [dataset.shard(shards, i) for i in range(shards)]
+    if callable(x):
+        contexts = [tf.distribute.InputContext(shards, i, strategy.num_replicas_in_sync) for i in range(shards)]
+        datasets = [x(context) for context in contexts]
+        for dataset in datasets:
+            _check_shippable(dataset)
+        return [d.take(steps) if steps else d for d in datasets]
+    _check_arrays(x, "x")
+    arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+    dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size or 32)
+    if steps:
+        dataset = dataset.take(steps)
+    return [dataset.shard(shards, i) for i in range(shards)]
+
+
+def _evaluate_sharded(model, x, y, *, sample_weight, batch_size, steps, shards, callbacks,
+                      verbose, return_dict):
+    strategy = model.distribute_strategy
+    coordinator = coordinator_for(strategy)
+    datasets = _shard_datasets(strategy, x, y, sample_weight, batch_size, steps, shards)
+    loop.build_model(model, datasets[0].element_spec)
+    iterators = [iter(coordinator.create_per_worker_dataset(d)) for d in datasets]
+    evaluate_shard = _shard_evaluator(model)
+    callbacks = loop.callback_list(callbacks, model, verbose=verbose, epochs=1, steps=shards)
+    model.stop_evaluating = False
+    callbacks.on_test_begin()
+    states = []
+    for index, iterator in enumerate(iterators):
+        callbacks.on_test_batch_begin(index)
+        states.append(coordinator.schedule(evaluate_shard, args=(iterator,)))
+    coordinator.join()
+    totals = [sum(values) for values in zip(*(state.fetch() for state in states))]
+    for index in range(shards):
+        callbacks.on_test_batch_end(index, {})
+    with strategy.scope():
+        for variable, total in zip(model.metrics_variables, totals):
+            variable.assign(total)
+        logs = _keras_compat.pythonify_logs(step_lib.metric_results(model))
+    callbacks.on_test_end(logs)
+    if return_dict:
+        return logs
+    return _keras_compat.flatten_metrics_in_order(model, logs)
+
+
+def _shard_evaluator(model):
+    """A function a worker runs over one shard: the metric state it adds up to.
+
+    The metrics update inside a `keras.StatelessScope` that starts from their
+    reset values, so each shard's result is its own, whatever else ran.
+    """
+    strategy = model.distribute_strategy
+    replica_step = step_lib.replica_function(model, "test")
+    variables = list(model.metrics_variables)
+
+    def current(scope):
+        return [tf.convert_to_tensor(scope.get_current_value(v), v.dtype) for v in variables]
+
+    def replica_update(data, state):
+        # The scope is entered on the replica's own thread (the strategy
+        # runs replica functions on threads of their own).
+        with keras.StatelessScope(state_mapping=list(zip(variables, state))) as scope:
+            replica_step(data)
+        return current(scope)
+
+    @tf.function
+    def evaluate_shard(iterator):
+        with keras.StatelessScope() as scope:
+            for metric in model.metrics:
+                metric.reset_state()
+        state = current(scope)
+        optional = iterator.get_next_as_optional()
+        while optional.has_value():
+            state = strategy.run(replica_update, args=(optional.get_value(), state))
+            optional = iterator.get_next_as_optional()
+        return state
+
+    return evaluate_shard
 
 
 def predict(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):

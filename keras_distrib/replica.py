@@ -14,6 +14,15 @@ import threading
 import tensorflow as tf
 from keras import tree
 
+__all__ = [
+    "ReplicaBatch",
+    "StepPlan",
+    "batch_rows",
+    "current_batch",
+    "replica_batch",
+    "replica_sum",
+]
+
 _STATE = threading.local()
 
 

@@ -23,6 +23,19 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib import replica
 
+__all__ = [
+    "SparseGradientInLoop",
+    "Step",
+    "metric_names",
+    "metric_results",
+    "on_replica_device",
+    "plan_for",
+    "reduce_mean",
+    "replica_function",
+    "step_logs",
+    "whole_step_xla",
+]
+
 KINDS = ("train", "test", "predict")
 
 

@@ -14,6 +14,12 @@ from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import tf_logs
 
+__all__ = [
+    "check_devices",
+    "make_strategy",
+    "resolve_auto_kind",
+]
+
 KINDS = (
     "auto",
     "default",
@@ -51,6 +57,80 @@ def _check_choice(name, value, choices):
 def _local_devices(device_type):
     with tf_logs.hidden_notices():  # the first device query starts CUDA (see tf_logs)
         return [d.name for d in tf.config.list_logical_devices(device_type)]
+
+
+def _canonical(device):
+    """`(job, device_type, index)` of a device string or LogicalDevice; raises ValueError."""
+    name = device.name if isinstance(device, tf.config.LogicalDevice) else device
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("not a device name")
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.device_type is None:
+        raise ValueError("names no device type (e.g. '/gpu:0' or '/cpu:0')")
+    return spec.job, spec.device_type.upper(), spec.device_index
+
+
+def check_devices(devices, argument="devices"):
+    """Returns `devices` as a list of names, or raises naming every bad one.
+
+    A device that does not exist would otherwise be accepted by TensorFlow,
+    and the first training step would hang waiting for it. Devices of other
+    jobs (`/job:worker/...`) cannot be checked here and are passed through.
+
+    Raises:
+        ValueError: `devices` is not a list, or lists devices that are
+            malformed, repeated or absent (with the available ones).
+    """
+    if devices is None:
+        return None
+    if isinstance(devices, (str, tf.config.LogicalDevice)):
+        shown = devices.name if isinstance(devices, tf.config.LogicalDevice) else devices
+        raise ValueError(
+            f"`{argument}`={devices!r} is a single device; pass a list, e.g. "
+            f"`{argument}`=[{shown!r}]."
+        )
+    if not isinstance(devices, (list, tuple)) or not devices:
+        raise ValueError(
+            f"`{argument}`={devices!r}: expected a non-empty list of device names such as "
+            "['/gpu:0', '/gpu:1'], or None for every local device."
+        )
+    names = [d.name if isinstance(d, tf.config.LogicalDevice) else d for d in devices]
+    malformed, missing, seen, repeated = [], [], {}, []
+    available = {}
+    for name, device in zip(names, devices):
+        try:
+            job, device_type, index = _canonical(device)
+        except (ValueError, TypeError) as error:
+            malformed.append(f"{name!r} ({error})")
+            continue
+        key = (job or "localhost", device_type, index or 0)
+        if key in seen:
+            repeated.append(name)
+        seen[key] = name
+        if job not in (None, "localhost"):
+            continue
+        if device_type not in available:
+            available[device_type] = {
+                tf.DeviceSpec.from_string(d.name).device_index
+                for d in tf.config.list_logical_devices(device_type)
+            }
+        if (index or 0) not in available[device_type]:
+            missing.append(name)
+    problems = []
+    if malformed:
+        problems.append(f"malformed device name(s) {', '.join(malformed)}")
+    if repeated:
+        problems.append(f"device(s) {repeated} listed more than once (each replica needs its own)")
+    if missing:
+        local = [d.name for d in tf.config.list_logical_devices()]
+        problems.append(
+            f"no such device(s) {missing} on this machine; available: {local}. Use "
+            "kd.virtual_devices(n) (first thing in the process) for several CPU replicas, "
+            f"or leave `{argument}` None to use every local device"
+        )
+    if problems:
+        raise ValueError(f"`{argument}`={names!r}: " + "; ".join(problems) + ".")
+    return names
 
 
 def _gpu_required(what):
@@ -98,7 +178,9 @@ def _communication_options(communication):
 
 
 def _tpu_present():
-    if tf.config.list_logical_devices("TPU"):
+    # Physical devices: listing logical ones would initialize TensorFlow's
+    # context, after which a multi-worker strategy can no longer be created.
+    if tf.config.list_physical_devices("TPU"):
         return True
     return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"))
 
@@ -116,6 +198,11 @@ def resolve_auto_kind(cluster_resolver=None):
     if _tpu_present():
         return "tpu"
     info = cluster_lib.cluster_info()
+    if info.task_type == "evaluator":
+        # An evaluator is outside the training cluster: it uses its own devices.
+        if len(tf.config.list_physical_devices("GPU")) > 1 or _configured_cpu_count() > 1:
+            return "mirrored"
+        return "one_device"
     if cluster_resolver is not None:
         spec = cluster_resolver.cluster_spec().as_dict()
         if spec.get("ps"):
@@ -223,6 +310,13 @@ def make_strategy(
             f"Option(s) {unknown} are not accepted by `kind`={kind!r}. "
             f"Accepted: {sorted(_KIND_OPTIONS[kind]) or 'none'}."
         )
+    num_packs = options.get("num_packs", 1)
+    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
+        raise ValueError(f"`num_packs`={num_packs!r} must be a whole number >= 1.")
+    if kind not in ("multi_worker", "parameter_server", "tpu"):
+        devices = check_devices(devices)
+        if options.get("parameter_device") is not None:
+            check_devices([options["parameter_device"]], "parameter_device")
     if kind == "auto":
         kind = resolve_auto_kind(cluster_resolver)
         options = {k: v for k, v in options.items() if k in _KIND_OPTIONS[kind]}

@@ -19,6 +19,16 @@ import time
 
 from keras_distrib import tf_logs
 
+__all__ = [
+    "ClusterResult",
+    "TaskResult",
+    "TaskSpec",
+    "run_tasks",
+    "signals_stop_the_cluster",
+    "split_gpus",
+    "visible_gpus",
+]
+
 GRACE_SECONDS = 5.0
 _TAIL_LINES = 20
 
@@ -168,6 +178,7 @@ class TaskSpec:
     argv: list
     env: dict
     watched: bool = True  # False: its exit does not end the run (ps-cluster servers)
+    follower: bool = False  # stopped (SIGTERM) when the other watched tasks end, e.g. an evaluator
 
     @property
     def label(self):
@@ -179,7 +190,9 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
 
     The run ends when every watched task exited 0, when a watched task
     fails (the others are stopped: SIGTERM, then SIGKILL after
-    `GRACE_SECONDS`), or at `timeout` seconds (exit code 124).
+    `GRACE_SECONDS`), or at `timeout` seconds (exit code 124). Followers
+    (an evaluator) get SIGTERM once every other watched task exited 0, and
+    the run waits for them to finish.
     """
     tasks = []
     started = time.monotonic()
@@ -193,6 +206,9 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
                 log_path = os.path.join(log_dir, f"{spec.task_type}_{spec.task_index}.log")
             tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path))
         watched = [t for t, spec in zip(tasks, specs) if spec.watched]
+        followers = [t for t, spec in zip(tasks, specs) if spec.follower]
+        leaders = [t for t in watched if t not in followers]
+        told_followers = False
         reported = set()
         while True:
             codes = [t.process.poll() for t in tasks]
@@ -209,6 +225,11 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
                 break
             if all(t.process.poll() == 0 for t in watched):
                 break
+            if followers and not told_followers and all(t.process.poll() == 0 for t in leaders):
+                told_followers = True
+                sink("[launcher] training ended; stopping " + ", ".join(t.label for t in followers))
+                for task in followers:
+                    task.signal_group(signal.SIGTERM)
             if timeout is not None and time.monotonic() - started > timeout:
                 timed_out = True
                 break

@@ -16,3 +16,5 @@ def test_every_ratio_and_target_names_measured_variants():
     for numerator, denominator in bench.RATIOS.values():
         assert numerator in bench.VARIANTS and denominator in bench.VARIANTS
     assert set(bench.TARGETS) <= set(bench.RATIOS)
+    for comparison, bound in bench.TARGETS.values():
+        assert comparison in (">=", "<=") and bound > 0

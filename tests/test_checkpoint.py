@@ -1,7 +1,11 @@
 """Chief-only, atomic checkpoints; exact resume after SIGKILL and SIGTERM."""
 
 import hashlib
+import json
 import os
+import subprocess
+import sys
+from unittest import mock
 
 import keras
 import numpy as np
@@ -9,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
+from keras_distrib import files
 from keras_distrib.checkpoint import CheckpointError
 from tests import _harness
 
@@ -147,7 +152,7 @@ def test_bad_directories_are_refused_before_writing(tmp_path):
     a_file.write_text("keep me")
     with pytest.raises(CheckpointError, match=r"`backup_dir`=.* is a file"):
         kd.callbacks.BackupAndRestore(str(a_file))
-    with pytest.raises(CheckpointError, match="is not writable"):
+    with pytest.raises(CheckpointError, match=r"`directory`=.*/file/sub' is under .*, which is a file"):
         kd.CheckpointManager(tf.train.Checkpoint(), str(a_file / "sub"))
     with pytest.raises(CheckpointError, match=r"`max_to_keep`=0"):
         kd.CheckpointManager(tf.train.Checkpoint(), str(tmp_path / "ok"), max_to_keep=0)
@@ -167,9 +172,233 @@ def test_manager_keeps_max_and_never_exposes_partial_saves(tmp_path):
         step.assign(value)
         manager.save(epoch=value)
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["ckpt-3", "ckpt-4", "latest"]
-    # A crash mid-save leaves a staging directory, never a new 'latest'.
-    os.makedirs(tmp_path / ".tmp-ckpt-5-crashed")
+    # A crash mid-save leaves a staging directory, never a new checkpoint.
+    dead, live = _dead_pid(), os.getppid()
+    crashed = tmp_path / f".tmp-kd-{files.host_tag()}-{dead}-1-ckpt-5-crashed"
+    other_run = tmp_path / f".tmp-kd-{files.host_tag()}-{live}-{files.process_start_ticks(live)}-ckpt-5-x"
+    foreign = tmp_path / ".tmp-not-ours"
+    for entry in (crashed, other_run, foreign):
+        entry.mkdir()
     step.assign(0)
     assert manager.restore_or_initialize()["epoch"] == 4 and int(step.numpy()) == 4
     manager.save(epoch=5)
-    assert not (tmp_path / ".tmp-ckpt-5-crashed").exists()
+    # The dead run's staging goes; a live run's, and what kd did not name, stay.
+    assert not crashed.exists() and other_run.exists() and foreign.exists()
+    manager.close()
+
+
+# Faults: markers, damaged files, crashes mid-save, concurrent runs.
+
+
+def _dead_pid():
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait(timeout=60)
+    return process.pid
+
+
+def _saved(tmp_path, count, max_to_keep=3):
+    """A manager over a variable saved `count` times (values 1..count)."""
+    value = tf.Variable(0.0)
+    manager = kd.CheckpointManager(tf.train.Checkpoint(value=value), tmp_path, max_to_keep=max_to_keep)
+    for i in range(1, count + 1):
+        value.assign(float(i))
+        manager.save(epoch=i)
+    value.assign(0.0)
+    return manager, value
+
+
+def _damage(path, how):
+    data = next(path.glob("state.data-*"))
+    if how == "truncated data file":
+        with open(data, "r+b") as f:
+            f.truncate(10)
+    elif how == "flipped byte":
+        content = bytearray(data.read_bytes())
+        content[len(content) // 2] ^= 0xFF
+        data.write_bytes(bytes(content))
+    elif how == "broken progress.json":
+        (path / "progress.json").write_text('{"epoch": 3, "st')
+    elif how == "missing index":
+        (path / "state.index").unlink()
+    elif how == "missing data file":
+        data.unlink()
+    else:
+        raise AssertionError(how)
+
+
+_WHAT_IS_WRONG = {
+    "truncated data file": r"state.* are damaged: tensor .* does not read back \(IndexError",
+    "flipped byte": r"are damaged: tensor .* does not read back .*[Cc]hecksum",
+    "broken progress.json": r"progress\.json' is corrupt: not valid JSON",
+    "missing index": r"state\.index' is missing",
+    "missing data file": r"state\.data-\*': no data file",
+}
+
+
+def test_restore_ignores_the_latest_marker_and_keeps_the_intact_checkpoint(tmp_path, caplog):
+    manager, value = _saved(tmp_path, 2, max_to_keep=1)
+    assert sorted(os.listdir(tmp_path)) == [".kd-lock.json", "ckpt-2", "latest"]
+    (tmp_path / "latest").unlink()
+    with caplog.at_level("INFO", logger="keras_distrib"):
+        assert manager.restore_or_initialize()["epoch"] == 2 and float(value.numpy()) == 2.0
+    assert "the `latest` marker is missing" in caplog.text
+    (tmp_path / "latest").write_text("ckpt-9")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="keras_distrib"):
+        assert manager.restore_or_initialize()["epoch"] == 2
+    assert "names 'ckpt-9', which is not a complete checkpoint" in caplog.text
+    # A save that fails midway (max_to_keep=1) leaves the intact checkpoint
+    # and no staging directory behind.
+    with mock.patch.object(tf.train.Checkpoint, "write", side_effect=OSError("disk full")):
+        with pytest.raises(OSError, match="disk full"):
+            manager.save(epoch=3)
+    assert sorted(n for n in os.listdir(tmp_path) if n != ".kd-lock.json") == ["ckpt-2", "latest"]
+    assert manager.restore_or_initialize()["epoch"] == 2
+    # The next complete save replaces it; only then is ckpt-2 removed.
+    value.assign(3.0)
+    manager.save(epoch=3)
+    assert sorted(n for n in os.listdir(tmp_path) if n != ".kd-lock.json") == ["ckpt-3", "latest"]
+    manager.close()
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_intact_one(tmp_path, caplog):
+    manager, value = _saved(tmp_path, 3)
+    _damage(tmp_path / "ckpt-3", "truncated data file")
+    _damage(tmp_path / "ckpt-2", "broken progress.json")
+    with caplog.at_level("INFO", logger="keras_distrib"):
+        progress = manager.restore_or_initialize()
+    assert progress["epoch"] == 1 and float(value.numpy()) == 1.0
+    assert [os.path.basename(p) for p, _ in manager.skipped] == ["ckpt-3", "ckpt-2"]
+    assert "Skipped checkpoint" in caplog.text and "Restored checkpoint" in caplog.text
+    assert "ckpt-1" in caplog.text and "skipped as damaged" in caplog.text
+    # The next save goes after the damaged ones; nothing intact was lost, and
+    # the incomplete ckpt-2 (it can never be restored) goes once ckpt-4 is in place.
+    value.assign(4.0)
+    assert manager.save(epoch=4).endswith("ckpt-4")
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == ["ckpt-1", "ckpt-3", "ckpt-4"]
+    manager.close()
+
+
+@pytest.mark.parametrize("how", sorted(_WHAT_IS_WRONG))
+def test_corruption_raises_checkpoint_error_naming_the_file(how, tmp_path):
+    manager, _ = _saved(tmp_path, 1)
+    _damage(tmp_path / "ckpt-1", how)
+    before = _tree_digest(tmp_path)
+    with pytest.raises(CheckpointError, match=r"is damaged: .*" + _WHAT_IS_WRONG[how]) as error:
+        manager.restore(str(tmp_path / "ckpt-1"))
+    assert "does not fit" not in str(error.value)  # never blames the model
+    with pytest.raises(CheckpointError, match=r"Every checkpoint in .* is damaged, so none was restored "
+                                              r"and none was deleted:\n  - .*ckpt-1: .*" + _WHAT_IS_WRONG[how]):
+        manager.restore_or_initialize()
+    assert _tree_digest(tmp_path) == before
+    if how == "broken progress.json":
+        with pytest.raises(CheckpointError, match=r"progress\.json' is corrupt"):
+            manager.read_progress(str(tmp_path / "ckpt-1"))
+    manager.close()
+
+
+_HOLD_LOCK = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("kd_files", sys.argv[1])
+files = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(files)
+files.DirectoryLock(sys.argv[2], "backup").acquire()
+print("LOCKED", flush=True)
+time.sleep(120)
+"""
+
+
+def _hold_lock(directory):
+    """A live process (not TensorFlow: it starts in milliseconds) holding `directory`'s lock."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, files.__file__, str(directory)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert process.stdout.readline().strip() == "LOCKED"
+    return process
+
+
+def test_a_second_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
+    backup = tmp_path / "backup"
+    holder = _hold_lock(backup)
+    try:
+        inputs = keras.Input((2,))
+        model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        weights = [w.copy() for w in model.get_weights()]
+        with pytest.raises(CheckpointError, match=rf"in use by another run: pid {holder.pid} on host"):
+            model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0,
+                      callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+        assert os.listdir(backup) == [".kd-lock.json"]  # nothing restored, nothing written
+        assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # The holder died without releasing: its lock is taken over, and logged.
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), backup)
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        assert manager.restore_or_initialize() is None
+    assert f"Took over the lock of checkpoint {str(backup)!r} left by pid {holder.pid}" in caplog.text
+    manager.save(epoch=1)
+    manager.delete_all()
+    assert not backup.exists()
+
+
+def test_only_the_chief_writes_and_locks_the_real_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}}))
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), tmp_path / "backup")
+    assert manager.restore_or_initialize() is None
+    manager.save(epoch=1)  # into scratch space, removed at once
+    assert not (tmp_path / "backup").exists()
+
+
+def test_checkpoint_files_get_the_permissions_keras_would_give(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        manager, _ = _saved(tmp_path / "ckpt", 1)
+        inputs = keras.Input((2,))
+        model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0, callbacks=[
+            kd.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+            kd.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True),
+        ])
+    finally:
+        os.umask(previous)
+    modes = {os.path.relpath(os.path.join(root, name), tmp_path): os.stat(os.path.join(root, name)).st_mode & 0o777
+             for root, folders, names in os.walk(tmp_path) for name in folders + names}
+    expected = {path: 0o750 if os.path.isdir(tmp_path / path) else 0o640 for path in modes}
+    assert modes == expected and len(modes) >= 7, modes
+    manager.close()
+
+
+def test_backup_and_restore_refuses_a_plain_keras_model_before_writing(tmp_path):
+    inputs = keras.Input((2,))
+    plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    plain.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"`model` is a plain Functional.*kd\.Model\(inputs, outputs\).*"
+                                         r"kd\.DistributedModelMixin"):
+        plain.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0,
+                  callbacks=[kd.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    assert not (tmp_path / "backup").exists()
+
+
+def test_keras_file_of_a_kd_model_reloads_compiled_with_optimizer_state(tmp_path):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    x, y = np.random.rand(8, 3).astype("float32"), np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+              callbacks=[kd.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))])
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded, kd.Model) and loaded.compiled
+    assert int(loaded.optimizer.iterations.numpy()) == 4
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    # And it trains on as the original does (kd's steps, same optimizer state).
+    model.fit(x, y, batch_size=4, verbose=0)
+    loaded.fit(x, y, batch_size=4, verbose=0)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)

@@ -5,6 +5,7 @@ import pytest
 
 import keras_distrib as kd
 from keras_distrib import cluster
+from keras_distrib import files
 
 
 def _config(task_type="worker", index=0, **cluster_spec):
@@ -58,6 +59,10 @@ def test_env_variable_is_read(monkeypatch):
         (_config("worker", 0, worker=["nohost"]), r"is not 'host:port'"),
         (_config("worker", -1), r"task index -1 is not a whole number"),
         (_config("ps", 0), r"task type 'ps' is not in 'cluster'"),
+        (_config("worker", 0, worker=["h:99999", "h:2"]), r"'h:99999': port 99999 is out of range \(expected 1\.\.65535\)"),
+        (_config("worker", 0, worker=["h:0", "h:2"]), r"'h:0': port 0 is out of range"),
+        (_config("worker", 0, worker=["h:1"], chief=["h:1"]),
+         r"'h:1' is given to 2 tasks \(worker\[0\], chief\[0\]\); every task needs its own host:port"),
     ],
 )
 def test_malformed_tf_config_is_explained(tf_config, match):
@@ -85,6 +90,8 @@ def test_writer_directory_non_chief_gets_removed_scratch(tmp_path):
     target = tmp_path / "ckpt"
     with cluster.writer_directory(str(target), kd.cluster_info(_config("worker", 1))) as path:
         assert path != str(target)
+        # Named for its owner, so a later process removes it if this one is killed.
+        assert os.path.basename(path).startswith(f"kd-scratch-{files.host_tag()}-{os.getpid()}-")
         open(os.path.join(path, "f"), "w").close()
     assert not os.path.exists(path)
     assert not target.exists()

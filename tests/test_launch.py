@@ -71,6 +71,14 @@ def test_restarts_the_cluster_after_a_failure():
         (dict(workers=2, ps=-1), r"`ps`=-1"),
         (dict(workers=2, ps=1, chief=True), r"`chief` with `ps`"),
         (dict(workers=2, timeout=0), r"`timeout`=0"),
+        (dict(workers=2, timeout=float("nan")), r"`timeout`=nan: expected a finite number of seconds > 0, or None"),
+        (dict(workers=2, timeout=float("inf")), r"`timeout`=inf: expected a finite number"),
+        (dict(workers=2, timeout=-5), r"`timeout`=-5"),
+        (dict(workers=2, args="--epochs 3"),
+         r"`args`='--epochs 3' is a string, which would be split into characters; pass a list "
+         r"of arguments, e.g. `args`=\['--epochs', '3'\]"),
+        (dict(workers=2, ports=[40001, 40001]), r"`ports` lists \[40001\] more than once"),
+        (dict(workers=2, ports=[0, 99999]), r"`ports` \[0, 99999\]: expected whole numbers in 1\.\.65535"),
     ],
 )
 def test_bad_requests_start_nothing(kwargs, match, tmp_path):
@@ -89,11 +97,12 @@ def test_missing_script_is_explained():
 
 def test_cli_reports_bad_arguments():
     process = subprocess.run(
-        [sys.executable, "-m", "keras_distrib", "launch", "--workers", "0", "x.py"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "keras_distrib", "launch", "--workers", "0", "--timeout", "nan", "x.py"],
+        capture_output=True, text=True, timeout=120, env=_harness._env(),
     )
     assert process.returncode == 2
     assert "`workers`=0" in process.stderr
+    assert "`timeout`=nan: expected a finite number of seconds > 0" in process.stderr
 
 
 def test_parameter_server_cluster_runs_the_script_as_coordinator():

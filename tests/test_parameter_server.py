@@ -58,3 +58,37 @@ def test_missing_steps_per_epoch_is_explained():
     assert code == 0, output[-4000:]
     (result,) = _harness.results_of(output)
     assert "`steps_per_epoch` is required under ParameterServerStrategy" in result["error"]
+
+
+def test_inputs_evaluation_and_resume_as_tensorflow_guides_write_them():
+    code, output = _harness.run_script("ps_inputs.py", timeout=400)
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    # A Dataset instance (shuffle, repeat, batch) trains a model without an
+    # Input layer, with validation_data.
+    history = result["instance_history"]
+    assert sorted(history) == ["loss", "mae", "val_loss", "val_mae"]
+    assert history["loss"][-1] < history["loss"][0]
+    # Batch callbacks get real logs (a chunk per worker behind, so the
+    # first two of the 2-worker run are empty).
+    assert result["batch_logs"][:2] == [[], []]
+    assert all(keys == ["loss", "mae"] for keys in result["batch_logs"][2:])
+    # dataset_fn(input_context) sees each worker's own pipeline id.
+    assert result["contexts"] == [[0, 2], [1, 2]]
+    assert result["dataset_fn_history"]["loss"][0] > 0
+    # Evaluation is exact on the coordinator and sharded over the workers.
+    expected = result["evaluate_reference"]
+    for key in ("evaluate_coordinator", "evaluate_sharded", "evaluate_sharded_dataset"):
+        assert sorted(result[key]) == sorted(expected)
+        for name, value in expected.items():
+            assert abs(result[key][name] - value) <= 2e-6 * (1 + abs(value)), (key, result[key])
+    assert result["predict_diff"] <= 1e-6
+    # What cannot be shipped to the workers is refused, with the reason.
+    assert "built with Python code" in result["errors"]["generator_dataset"]
+    assert "from_generator" in result["errors"]["generator_dataset"]
+    assert "Python code producing batches" in result["errors"]["python_generator"]
+    # BackupAndRestore (and TrainLoop.fit(backup_dir=)) resume at the saved
+    # epoch with the optimizer's step counter, then remove the backup.
+    assert result["resumed_epochs"] == 2
+    assert result["iterations_after_resume"] == result["iterations_at_stop"] + 2 * 3
+    assert result["backup_removed"]

@@ -27,6 +27,18 @@ def test_bad_cross_device_ops_value():
         kd.make_strategy("mirrored", cross_device_ops="ring")
 
 
+@pytest.mark.parametrize("kind", ["mirrored", "one_device", "central_storage"])
+def test_missing_devices_are_refused_at_creation(kind):
+    # TensorFlow accepts them, and the first step hangs waiting for them.
+    devices = ["/gpu:0", "/gpu:1"] if kind != "one_device" else ["/cpu:5"]
+    with pytest.raises(ValueError, match=r"`devices`=.*: no such device\(s\) .* on this machine; "
+                                         r"available: \['/device:CPU:0'.*kd\.virtual_devices"):
+        kd.make_strategy(kind, devices=devices)
+    with pytest.raises(ValueError, match=r"`devices`=\['/cpu:0', '/cpu:0'\]: device\(s\) \['/cpu:0'\] "
+                                         r"listed more than once"):
+        kd.make_strategy("mirrored", devices=["/cpu:0", "/cpu:0"])
+
+
 def test_tpu_absent_is_explained(monkeypatch):
     monkeypatch.delenv("TPU_NAME", raising=False)
     monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)

@@ -76,11 +76,17 @@ def test_migrate_multi_worker_training(tmp_path):
     result = run_notebook(
         "migrate_multi_worker_training", {"STEPS": 60},
         "{'ps_loss': PS_FINAL_LOSS, 'sync': SYNC, 'shards': len(embedding.variables), "
-        "'devices': sorted({v.device.split('/device')[0] for v in embedding.variables})}",
+        "'devices': sorted({v.device.split('/device')[0] for v in embedding.variables}), "
+        "'history': sorted(history.history), 'evaluations': EVALUATIONS, 'final': FINAL}",
         tmp_path,
     )
     assert result["shards"] == 2
     assert result["devices"] == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
     assert result["ps_loss"] < 60.0
+    assert result["history"] == ["loss", "val_loss"]
     values = list(result["sync"].values())
     assert len(values) == 2 and values[0] == values[1]
+    # The sidecar evaluator's last evaluation is of the final weights.
+    assert result["evaluations"], result
+    for key, value in result["final"].items():
+        assert abs(result["evaluations"][-1][key] - value) <= 1e-5 * (1 + abs(value)), result

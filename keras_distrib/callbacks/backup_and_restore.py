@@ -22,14 +22,26 @@ from keras_distrib import checkpoint as checkpoint_lib
 from keras_distrib.loop import DataPosition
 from keras_distrib.callbacks import _schedule
 
+__all__ = [
+    "BackupAndRestore",
+    "metric_state",
+    "set_metric_state",
+]
+
 
 def metric_state(model):
     """Global values of every metric variable (summed over replicas)."""
     return [np.asarray(v.numpy()).tolist() for m in model.metrics for v in m.variables]
 
 
-def set_metric_state(model, values):
+def set_metric_state(model, values, source="The backup"):
+    """Restores metric variables saved by `metric_state` (the same model's)."""
     variables = [v for m in model.metrics for v in m.variables]
+    if not isinstance(values, list):
+        raise checkpoint_lib.CheckpointError(
+            f"{source} holds no metric state (`metrics`={values!r}); it was not written by "
+            "kd.callbacks.BackupAndRestore. Point `backup_dir` to a directory of its own."
+        )
     if len(values) != len(variables):
         raise checkpoint_lib.CheckpointError(
             f"The backup holds {len(values)} metric values but the model has "
@@ -51,9 +63,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_on_preemption: On SIGTERM, back up at the next batch (all
             workers together) and stop training with exit code 143.
 
+    Only the chief writes (and locks) `backup_dir`: a second live run on
+    the same directory is refused at the start of training, before it
+    restores or writes anything; the lock of a run that died is taken over.
+
     Raises:
-        CheckpointError: `backup_dir` is a file or not writable.
-        ValueError: invalid `save_freq`.
+        CheckpointError: `backup_dir` is a file or not writable; at the
+            start of training, the directory is in use by another live run,
+            or holds only damaged backups.
+        ValueError: invalid `save_freq`, or the model is not a kd model
+            (when the callback is given to `fit`).
     """
 
     def __init__(self, backup_dir, *, save_freq="epoch", delete_checkpoint=True,
@@ -69,6 +88,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.restored_position = None
         self._preempted = False
         self._previous_handler = None
+
+    def set_model(self, model):
+        """Sets the model; refuses a plain `keras.Model` (see below) before anything is written."""
+        # A plain keras.Model divides each replica's loss by its own rows and
+        # does not follow kd's resume position (it would train batches twice):
+        # refuse it when the model becomes known, before anything is written.
+        from keras_distrib import models
+
+        if not isinstance(model, models.DistributedModelMixin):
+            raise ValueError(
+                f"`model` is a plain {type(model).__name__}, and kd.callbacks.BackupAndRestore "
+                "needs a kd model: a plain model's steps and resume position are not kd's, so a "
+                "resumed run would retrain batches and drift from one device. Build the model as "
+                "kd.Model(inputs, outputs) or kd.Sequential, or put kd.DistributedModelMixin "
+                "first in your model class's bases; or use keras.callbacks.BackupAndRestore "
+                "with a plain Keras model."
+            )
+        super().set_model(model)
 
     def _checkpoint(self):
         model = self.model
@@ -86,6 +123,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         progress = self._manager.restore_or_initialize()
         self.restored_position = None
         if progress is not None:
+            if "metrics" not in progress:
+                raise checkpoint_lib.CheckpointError(
+                    f"The checkpoint {self._manager.restored_path!r} in `backup_dir` has no "
+                    "metric state: it was not written by kd.callbacks.BackupAndRestore (a "
+                    "kd.CheckpointManager's, perhaps). Give the callback a directory of its own."
+                )
             self.restored_position = DataPosition(progress["epoch"], progress["step"])
             if progress["step"] > 0:
                 self._resume = progress
@@ -117,7 +160,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if resume is not None and resume["epoch"] == epoch:
             # The loop skips the batches the backup holds; their metric
             # state comes from the backup.
-            set_metric_state(self.model, resume["metrics"])
+            set_metric_state(self.model, resume["metrics"], f"The backup in {self.backup_dir!r}")
             self.schedule.batch_done(resume["step"] - 1)
         self._resume = None
 
@@ -144,3 +187,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise SystemExit(143)
         if self.delete_checkpoint:
             self._manager.delete_all()
+        else:
+            self._manager.mark_finished()
+        self._manager.close()
