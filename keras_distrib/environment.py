@@ -9,6 +9,10 @@ is started: no device is split and no strategy is created.
 import os
 import platform
 
+__all__ = [
+    "facts",
+    "main",
+]
 
 def facts():
     """The environment as a list of (name, value) pairs."""

@@ -8,6 +8,11 @@ run to dozens of lines and print whole tensors).
 
 import re
 
+__all__ = [
+    "error_line",
+    "table",
+]
+
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
 _RAISED = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: |$)")

@@ -29,6 +29,15 @@ import time
 
 import numpy as np
 
+__all__ = [
+    "Check",
+    "cluster_checks",
+    "launched_checks",
+    "local_checks",
+    "main",
+    "print_table",
+]
+
 ROWS = 33  # global batch 16: the last batch has 1 row, so one replica of 2 is empty
 GLOBAL_BATCH = 16
 EPOCHS = 2
@@ -320,6 +329,7 @@ def _versions():
 
 
 def print_table(checks, seconds, print_fn=print):
+    """Prints `checks` as a pass/fail table, then the verdict and the time taken."""
     from keras_distrib import report
 
     rows = [(c.name, "PASS" if c.ok else "FAIL", f"{c.seconds:.1f} s", c.detail) for c in checks]

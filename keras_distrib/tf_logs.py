@@ -28,6 +28,16 @@ import sys
 import tempfile
 import time
 
+__all__ = [
+    "configure_command_line",
+    "hidden_notices",
+    "hides_notices",
+    "import_tensorflow",
+    "is_command_line",
+    "is_startup_notice",
+    "task_environment",
+]
+
 STARTED = time.monotonic()  # keras_distrib imports this module first: its start-up begins here
 
 LEVEL_VARIABLE = "TF_CPP_MIN_LOG_LEVEL"
