@@ -610,7 +610,12 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
         >>> kd.testing.assert_parity(model_fn, (x, x[:, :1]), batch_size=16)  # doctest: +SKIP
         {'mirrored (2 replicas, fit)': 5.9e-08}
     """
-    strategies_ = ["mirrored"] if strategies is None else list(strategies)
+    if strategies is None:
+        strategies_ = ["mirrored"]
+    elif isinstance(strategies, (str, tf.distribute.Strategy)):
+        strategies_ = [strategies]
+    else:
+        strategies_ = list(strategies)
     _check_arguments(model_fn, data, strategies_, steps, path, batch_size, replicas)
     x, y, sample_weight = (tuple(data) + (None,))[:3]
     rows = len(_first_input(x))
