@@ -607,8 +607,12 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
         ...     model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=0.5), loss="mse")
         ...     return model
         >>> x = np.random.default_rng(0).normal(size=(33, 4)).astype("float32")
-        >>> kd.testing.assert_parity(model_fn, (x, x[:, :1]), batch_size=16)  # doctest: +SKIP
-        {'mirrored (2 replicas, fit)': 5.9e-08}
+        >>> kd.testing.assert_parity(model_fn, (x, x[:, :1]), batch_size=16, strategies=["one_device"])
+        {'one_device (1 replica, fit)': ...}
+
+        The default, `strategies=["mirrored"]`, needs 2 logical CPU devices
+        (see the module docstring); `"multi_worker"` needs `model_fn` in a
+        .py file.
     """
     if strategies is None:
         strategies_ = ["mirrored"]
