@@ -21,6 +21,7 @@ import portpicker
 
 from keras_distrib import files
 from keras_distrib import supervisor
+from keras_distrib import tf_logs
 from keras_distrib.supervisor import ClusterResult  # noqa: F401 (public result type)
 from keras_distrib.supervisor import TaskResult  # noqa: F401
 
@@ -118,7 +119,7 @@ def _args_problems(args, script):
 
 
 def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), script=True,
-             env=None, log_dir=None, sink=print, evaluator=False):
+             env=None, log_dir=None, sink=print, evaluator=False, verbose=False):
     """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
     problems = []
     if not _whole(workers, 1):
@@ -159,6 +160,8 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
             problems.append(f"`log_dir`={os.fspath(log_dir)!r} is a file; give a directory")
     if not isinstance(evaluator, bool):
         problems.append(f"`evaluator`={evaluator!r}: expected True or False")
+    if not isinstance(verbose, bool):
+        problems.append(f"`verbose`={verbose!r}: expected True or False")
     if not callable(sink):
         problems.append(f"`sink`={sink!r}: expected a callable taking one line (like print)")
     if ports is not None:
@@ -182,9 +185,9 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
-def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False):
+def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, verbose=False):
     """One `TaskSpec` per task of `spec`, with its TF_CONFIG and GPU share."""
-    base_env = dict(os.environ if env is None else env)
+    base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
     trainers = [
         f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
@@ -215,7 +218,8 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False):
 
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
-             sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False):
+             sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
+             verbose=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -223,7 +227,8 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     chief (the coordinator) runs the script.
     """
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
-    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator)
+    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
+                        verbose=verbose)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir)
 
 
@@ -232,7 +237,8 @@ def _script_argv(script, args):
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
-           timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False):
+           timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
+           verbose=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -257,6 +263,11 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             type "evaluator", outside the cluster spec), e.g. a
             `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
             the run waits for it.
+        verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
+            output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`
+            and TensorFlow's start-up notices are dropped from their output
+            (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
+            `env` is kept either way. `log_dir` files keep every line.
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -277,7 +288,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         target = os.fspath(target)
     script = isinstance(target, str) and ":" not in target
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
-             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator)
+             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     values_dir = None
     if script:
         if not os.path.isfile(target):
@@ -312,6 +323,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                     argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
                     env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
                     ports=ports if attempt == 0 else None, evaluator=evaluator,
+                    verbose=verbose,
                 )
             result.restarts = attempt
             if result.returncode == 0 or attempt >= max_restarts:
