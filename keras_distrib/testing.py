@@ -55,7 +55,6 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
-from keras_distrib import _task_entry
 from keras_distrib import data as data_lib
 from keras_distrib import devices
 from keras_distrib import launcher
@@ -86,6 +85,16 @@ FLOAT32_TOLERANCE = 2e-5
 FLOAT16_TOLERANCE = 5e-3
 DEFAULT_DEVICES = 2
 _CLUSTER_TIMEOUT = 300
+
+
+def _task_entry():
+    # Imported when used: `keras_distrib._task_entry` is also the module that
+    # launched tasks run with `python -m`, and importing it with the package
+    # makes Python warn in every task (runpy's "found in sys.modules").
+    from keras_distrib import _task_entry as module
+
+    return module
+
 
 
 # ---------------------------------------------------------------------------
@@ -162,7 +171,7 @@ def _cluster_task(kind, workers, spec, args):
     from keras_distrib import inprocess_cluster
 
     try:
-        function = _task_entry._resolve(spec)
+        function = _task_entry()._resolve(spec)
         if kind == "parameter_server":
             # This process is the coordinator of its own cluster, not a task
             # of the launcher's one-process cluster.
@@ -204,7 +213,7 @@ def run_in_cluster(fn, *args, kind="multi_worker", workers=2, timeout=_CLUSTER_T
     """
     if kind not in IN_CLUSTER:
         raise ValueError(f"`kind`={kind!r}: expected one of {list(IN_CLUSTER)}.")
-    spec = _task_entry.function_spec(fn)
+    spec = _task_entry().function_spec(fn)
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPUs only: see the module docstring
     lines = []
@@ -321,7 +330,7 @@ def _parity_task(strategy, payload_path):
     """In a launched process: train the payload's model under `strategy`."""
     with open(payload_path, "rb") as f:
         payload = pickle.load(f)
-    model_fn = _task_entry._resolve(payload["model_fn"])
+    model_fn = _task_entry()._resolve(payload["model_fn"])
     arrays = payload["arrays"]
     with strategy.scope():
         model = _make_model(model_fn, payload["seed"], arrays[0], payload["initial_weights"])
@@ -686,7 +695,7 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
 
 def _train_in_cluster(kind, model_fn, arrays, initial, *, batch_size, steps, path, seed, timeout):
     """Trains under `kind` in other processes; returns the chief's snapshots."""
-    spec = _task_entry.function_spec(model_fn)
+    spec = _task_entry().function_spec(model_fn)
     folder = tempfile.mkdtemp(prefix="kd_parity_")
     try:
         payload_path = os.path.join(folder, "payload.pkl")

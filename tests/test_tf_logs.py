@@ -1,6 +1,7 @@
 """TensorFlow's start-up notices: recognized exactly, hidden by default, one switch to see them."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -92,3 +93,15 @@ def test_command_line_level(monkeypatch):
     env = {}
     tf_logs.configure_command_line(env, argv=["train.py"], orig_argv=["python", "train.py"])
     assert env == {}  # a user's own program: only the notices are hidden, the level is theirs
+
+
+def test_launched_task_entry_runs_without_runpy_warning():
+    # Launched tasks run `python -m keras_distrib._task_entry`; if importing the
+    # package imported that module too, every task would print runpy's
+    # "found in sys.modules" RuntimeWarning.
+    process = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "keras_distrib._task_entry", "--help"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert process.returncode == 0 and "found in sys.modules" not in process.stderr, process.stderr[-2000:]
