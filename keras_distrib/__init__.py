@@ -8,11 +8,19 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from keras_distrib import tf_logs as _tf_logs  # noqa: E402  (imports no TensorFlow)
+
+# TensorFlow's start-up notices are hidden unless TF_CPP_MIN_LOG_LEVEL asks
+# for them; kd's command line also sets the level its subprocesses inherit.
+_tf_logs.configure_command_line()
+_tf_logs.import_tensorflow()
+
 from keras_distrib import callbacks
 from keras_distrib import cluster
 from keras_distrib import data
 from keras_distrib import gradients
 from keras_distrib import losses
+from keras_distrib import testing
 from keras_distrib.checkpoint import CheckpointError
 from keras_distrib.checkpoint import CheckpointManager
 from keras_distrib.cluster import ClusterConfigError
@@ -59,5 +67,6 @@ __all__ = [
     "local_cluster",
     "losses",
     "make_strategy",
+    "testing",
     "virtual_devices",
 ]

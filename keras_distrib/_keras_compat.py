@@ -137,6 +137,7 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
+    ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
     ("tf.distribute.experimental.coordinator.ClusterCoordinator", "_cluster", "attribute: its workers"),
     ("tensorflow.python.distribute.coordinator.cluster_coordinator.Worker", "create_resource", "method(function, args=None, kwargs=None)"),
     ("tensorflow.python.distribute.coordinator.values.RemoteValueImpl", "_type_spec", "attribute set for resources"),
@@ -542,6 +543,26 @@ def dataset_ops_used(dataset):
 def default_strategy():
     """TensorFlow's default (no-op) strategy, even inside another's scope."""
     return distribute_lib._get_default_strategy()
+
+
+_COLLECTIVE_KEY_BASES = iter(range(100_000, 2**30, 100_000))
+
+
+def isolated_mirrored_strategy(devices):
+    """A `MirroredStrategy` whose collectives no other strategy here can collide with.
+
+    TensorFlow caches each collective's parameters (shape included) by
+    group and instance key for the life of the process, and every
+    MirroredStrategy numbers its collectives from the same start: a second
+    strategy's all-reduce then meets the first one's cached shape and fails
+    ("Shape mismatch in the collective instance"), and every collective
+    after it. TensorFlow's own tests give each strategy a key base of its
+    own (strategy_combinations.py); so does this, on a subclass, so
+    MirroredStrategy itself is untouched.
+    """
+    isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
+                    {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
+    return isolated(devices=devices)
 
 
 def optimizer_strategy(optimizer, default):

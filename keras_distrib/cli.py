@@ -1,4 +1,5 @@
-"""The `keras-distrib` command: `launch` a cluster, print its `tf-config`, run the `demo`.
+"""The `keras-distrib` command: `launch` a cluster, print its `tf-config`, run the `demo`,
+`test` this machine, print the `env`ironment, or `bench`mark.
 
 `launch --workers N` starts a local cluster; `launch` without `--workers`
 under `srun` or in a Kubernetes Job is the per-node agent
@@ -50,6 +51,7 @@ def _launch(options):
                 options.script, per_node=options.per_node or 1, ps=options.ps,
                 args=options.args, max_restarts=options.max_restarts, timeout=options.timeout,
                 log_dir=options.log_dir, grace_period=options.grace_period,
+                verbose=options.verbose,
             )
         else:
             if options.per_node is not None:
@@ -68,6 +70,7 @@ def _launch(options):
                 log_dir=options.log_dir,
                 evaluator=options.evaluator,
                 grace_period=options.grace_period,
+                verbose=options.verbose,
             )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
@@ -106,7 +109,20 @@ def _tf_config(options):
 def _demo(options):
     from keras_distrib import demo
 
-    return demo.main(quick=options.quick, out=options.out)
+    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
+
+
+def _test(options):
+    from keras_distrib import selftest
+
+    return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
+                         directory=options.dir)
+
+
+def _env(options):
+    from keras_distrib import environment
+
+    return environment.main()
 
 
 def build_parser():
@@ -135,6 +151,8 @@ def build_parser():
                         "SIGTERM (a preemption; default %(default)g); kd's tasks then exit 42")
     launch.add_argument("--evaluator", action="store_true",
                         help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
+    launch.add_argument("--verbose", action="store_true",
+                        help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
     launch.add_argument("script", help="the Python script every task runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     launch.set_defaults(run=_launch)
@@ -153,7 +171,27 @@ def build_parser():
     demo = commands.add_parser("demo", help="show exact distributed training on this machine")
     demo.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
+    demo.add_argument("--verbose", action="store_true",
+                      help="show every stage's output: epochs, TensorFlow's logs, tracebacks")
     demo.set_defaults(run=_demo)
+
+    test = commands.add_parser(
+        "test", help="check this machine (or cluster) in a minute: devices, collectives, "
+        "training against one device, sharding, chief-only checkpoints",
+    )
+    test.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    test.add_argument("--timeout", type=float, default=120, help="seconds for the worker processes")
+    test.add_argument("--verbose", action="store_true",
+                      help="show the worker processes' output and TensorFlow's logs")
+    test.add_argument("--dir", default=None,
+                      help="where the checkpoint check writes inside a TF_CONFIG cluster "
+                      "(shared storage); a temporary directory by default")
+    test.set_defaults(run=_test)
+
+    env = commands.add_parser(
+        "env", help="versions, devices, cluster source and the strategy 'auto' picks (for bug reports)"
+    )
+    env.set_defaults(run=_env)
 
     commands.add_parser(
         "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "

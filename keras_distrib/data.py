@@ -24,6 +24,7 @@ __all__ = [
     "describe_input",
     "distribute_dataset",
     "file_count",
+    "replica_split",
     "shard_files",
 ]
 
@@ -250,15 +251,45 @@ def distribute_dataset(data, *, strategy=None, global_batch_size=None, shard_pol
     return strategy.experimental_distribute_dataset(dataset.with_options(options))
 
 
-def _replica_rows(rows, global_batch_size, replicas):
-    """How tf.distribute splits a batch of `rows`: replicas filled in order."""
-    per_replica = global_batch_size // replicas
+def replica_split(rows, replicas):
+    """How `tf.distribute` splits a batch of `rows` over `replicas` replicas.
+
+    TensorFlow cuts the batch into pieces of ceil(rows / replicas) rows, in
+    order: the last non-empty piece holds what is left, and the pieces after
+    it are empty. A full global batch (a multiple of the replicas) splits
+    evenly; a partial last batch does not. Measured against the per-replica
+    batches of `experimental_distribute_dataset` (tests/scripts/data_errors.py).
+
+    Args:
+        rows: Rows in the global batch.
+        replicas: Replicas in sync.
+
+    Returns:
+        The row count of each piece, in order. Piece m goes to worker
+        m % W (of W workers), to its local replica m // W.
+
+    Example:
+        >>> replica_split(26, 4), replica_split(2, 4), replica_split(32, 4)
+        ([7, 7, 7, 5], [1, 1, 0, 0], [8, 8, 8, 8])
+    """
+    size = -(-rows // replicas)
     counts = []
     for _ in range(replicas):
-        take = min(per_replica, rows)
+        take = min(size, rows)
         counts.append(take)
         rows -= take
     return counts
+
+
+def _piece_of_replica(replica_id, workers, local):
+    """Which piece of each global batch replica `replica_id` receives.
+
+    With DATA sharding every worker sees the global batch cut into pieces,
+    and takes every W-th piece: worker w's local replica r (global replica
+    w * local + r) gets piece r * W + w.
+    """
+    worker, index = divmod(replica_id, local)
+    return index * workers + worker
 
 
 def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy="auto",
@@ -272,9 +303,13 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
     count (some replicas get empty batches; kd models handle that exactly,
     plain Keras does not).
 
+    The split of the last batch is TensorFlow's (`replica_split`): 26 rows
+    on 4 replicas are [7, 7, 7, 5], 2 rows are [1, 1, 0, 0].
+
     Returns:
         A dict with the same facts (`policy`, `examples`, `steps`,
-        `last_batch`, `last_batch_per_replica`, `files`, `warnings`).
+        `last_batch`, `last_batch_per_replica` (rows of the last batch, by
+        global replica id), `files`, `warnings`).
 
     Example:
         >>> import numpy as np, keras_distrib as kd
@@ -328,23 +363,29 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
                 "gives wrong gradients here)."
             )
     last = report["last_batch"] if report["last_batch"] is not None else global_batch_size
-    split = _replica_rows(last, global_batch_size, replicas)
-    report["last_batch_per_replica"] = split
+    pieces = replica_split(last, replicas)
+    report["last_batch_per_replica"] = [
+        pieces[_piece_of_replica(g, workers, local)] for g in range(replicas)
+    ]
     first_replica = info.task_index * local if info.task_type in ("worker", "chief") else 0
+    per_replica = global_batch_size // replicas
     print_fn(f"{label}shard policy {report['policy']}, {workers} worker(s) x {local} replica(s), "
-             f"global batch {global_batch_size} = {global_batch_size // replicas} per replica")
+             f"global batch {global_batch_size} = {per_replica} per replica")
     print_fn(f"{label}examples: {report['examples']}, steps per epoch: {report['steps']}, "
-             f"last batch: {report['last_batch']} row(s)")
-    per_worker = global_batch_size // workers
-    for r in range(local):
-        start = (first_replica + r) * (global_batch_size // replicas)
-        print_fn(f"{label}  replica {first_replica + r}: rows [{start}, {start + global_batch_size // replicas}) "
-                 f"of each global batch; {split[first_replica + r]} row(s) of the last one")
+             f"last batch: {report['last_batch']} row(s), per replica {report['last_batch_per_replica']}")
+    last_size = -(-last // replicas)
+    for g in range(first_replica, first_replica + local):
+        piece = _piece_of_replica(g, workers, local)
+        if report["policy"] == "DATA":
+            rows_text = f"rows [{piece * per_replica}, {(piece + 1) * per_replica}) of each global batch"
+        else:
+            rows_text = f"{per_replica} rows of each of this worker's batches"
+        count = pieces[piece]
+        last_text = (f"rows [{piece * last_size}, {piece * last_size + count})" if count
+                     else "none (an empty batch)")
+        print_fn(f"{label}  replica {g}: {rows_text}; of the last batch: {last_text}")
     if report["policy"] == "FILE":
         print_fn(f"{label}  this worker reads every {workers}th file of {files}, starting with file {info.task_index}")
-    elif workers > 1:
-        print_fn(f"{label}  this worker's rows of each global batch: [{info.task_index * per_worker}, "
-                 f"{(info.task_index + 1) * per_worker})")
     for message in report["warnings"]:
         print_fn(f"{label}WARNING: {message}")
     return report

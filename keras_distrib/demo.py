@@ -11,6 +11,10 @@ and the largest weight difference against plain Keras on one device:
 - a kd.TrainLoop with 10 steps per compiled call, on 2 virtual devices;
 - for contrast, plain Keras under the same mirrored strategy (wrong on the
   uneven last batch) and on 2 workers (it crashes).
+
+The whole output fits on one screen: a row per run as it finishes, a failed
+run as its error's type and first line. `--verbose` shows every stage's
+own output instead (epochs, TensorFlow's logs, tracebacks).
 """
 
 import argparse
@@ -20,7 +24,11 @@ import subprocess
 import sys
 import time
 
+from keras_distrib import report
+from keras_distrib import tf_logs
+
 __all__ = [
+    "STAGES",
     "build",
     "main",
     "make_data",
@@ -60,7 +68,18 @@ def build(model_class):
     return model
 
 
-def _stage(name, out, epochs, rows):
+STAGES = (
+    ("one_device", "plain Keras, 1 device (reference)"),
+    ("kd_mirrored", "kd, mirrored, 2 virtual devices"),
+    ("kd_workers", "kd, 2 worker processes (launcher)"),
+    ("kd_loop", "kd.TrainLoop, 10 steps/call, 2 devices"),
+    ("plain_mirrored", "plain Keras, mirrored, 2 devices"),
+    ("plain_workers", "plain Keras, 2 worker processes"),
+)
+_SAY = "kd-demo: "  # stage lines the demo shows (the rest only with --verbose)
+
+
+def _stage(name, out, epochs, rows, verbose):
     """Runs one stage in this process; writes `<out>/<name>.npz` (chief only)."""
     import keras_distrib as kd
 
@@ -87,17 +106,17 @@ def _stage(name, out, epochs, rows):
     else:
         with strategy.scope():
             model = build(model_class)
-    verbose = 2 if kd.is_chief() else 0
     callbacks = []
+    checkpoints = os.path.join(out, "checkpoints")
     if name == "kd_workers":
         callbacks = [
-            kd.callbacks.ModelCheckpoint(os.path.join(out, "checkpoints", "model-{epoch:02d}.keras"), monitor="loss"),
+            kd.callbacks.ModelCheckpoint(os.path.join(checkpoints, "model-{epoch:02d}.keras"), monitor="loss"),
             kd.callbacks.TensorBoard(os.path.join(out, "tensorboard")),
         ]
     fit = kd.TrainLoop(model, steps_per_loop=10).fit if name == "kd_loop" else model.fit
     history = fit(
-        x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=verbose,
-        callbacks=callbacks,
+        x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False,
+        verbose=(2 if kd.is_chief() else 0) if verbose else 0, callbacks=callbacks,
     )
     with cluster.writer_directory(out) as directory:
         path = os.path.join(directory, f"{name}.npz")
@@ -107,11 +126,17 @@ def _stage(name, out, epochs, rows):
             loss=history.history["loss"][-1],
             accuracy=history.history["accuracy"][-1],
         )
+    if name == "kd_workers":
+        if kd.is_chief():
+            saved = len(os.listdir(checkpoints))
+            print(f"{_SAY}chief: wrote {saved} checkpoints and the TensorBoard logs", flush=True)
+        else:
+            print(f"{_SAY}not the chief: took part in every save, kept no file", flush=True)
 
 
-def _run(argv, timeout):
+def _run(argv, env, timeout):
     process = subprocess.run(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env
     )
     return process.returncode, process.stdout
 
@@ -124,77 +149,111 @@ def _load(out, name):
     return weights, float(data["loss"]), float(data["accuracy"])
 
 
-def _last_error(output):
-    lines = [line.split("]", 1)[-1].strip() for line in output.splitlines() if "Error:" in line]
-    return (lines[-1] if lines else "failed")[:100]
+def _error_path(out, name):
+    return os.path.join(out, f"{name}.error")
 
 
-def main(quick=False, out="kd_demo_out"):
-    """Runs every stage, prints the table; returns 0 if kd matched one device."""
+def _failure(out, name, output):
+    """The stage's error as one line (written by the stage), else its last line."""
+    try:
+        with open(_error_path(out, name)) as f:
+            return f.read().strip()
+    except OSError:
+        lines = [line for line in output.splitlines() if line.strip()]
+        return report.error_line(lines[-1] if lines else "failed (no output)")
+
+
+def _run_stage(name, out, epochs, rows, verbose, env):
+    """Runs a stage (in a process, or 2 for the worker stages); returns (code, output, said)."""
+    stage_args = ["--out", out, "--epochs", str(epochs), "--rows", str(rows), "--stage", name]
+    if verbose:
+        stage_args.append("--verbose")
+    said = []
+    if name.endswith("_workers"):
+        from keras_distrib import launcher
+
+        lines = []
+
+        def sink(line):
+            lines.append(line)
+            if verbose:
+                print(line, flush=True)
+            elif _SAY in line:
+                said.append(line.replace(_SAY, "", 1))
+
+        result = launcher.launch(
+            "keras_distrib.demo:_stage_main", workers=2, args=[stage_args], timeout=300,
+            env=env, sink=sink, verbose=verbose,
+        )
+        return result.returncode, "\n".join(lines), said
+    argv = [sys.executable, "-u", "-m", "keras_distrib.demo", *stage_args]
+    code, output = _run(argv, env, timeout=300)
+    if verbose:
+        print(output, end="", flush=True)
+    said = [line.replace(_SAY, "", 1) for line in output.splitlines() if line.startswith(_SAY)]
+    return code, output, said
+
+
+def main(quick=False, out="kd_demo_out", verbose=False):
+    """Runs every stage, prints the table; returns 0 if kd matched one device.
+
+    `verbose` shows every stage's own output (epochs, TensorFlow's logs,
+    tracebacks) instead of one row per run.
+    """
     import numpy as np
 
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
+    for name, _ in STAGES:
+        for path in (os.path.join(out, f"{name}.npz"), _error_path(out, name)):
+            if os.path.exists(path):
+                os.remove(path)
     epochs, rows = (2, 449) if quick else (5, 1985)
-    env_argv = [sys.executable, "-u", "-m", "keras_distrib.demo", "--out", out,
-                "--epochs", str(epochs), "--rows", str(rows), "--stage"]
-    print(f"keras-distrib demo: {rows} rows, global batch {GLOBAL_BATCH} "
-          f"(last batch {rows % GLOBAL_BATCH} rows), {epochs} epochs; output in {out}")
-    rows_out, failures = [], {}
-    stages = [
-        ("one_device", "plain Keras, 1 device (reference)"),
-        ("kd_mirrored", "kd, mirrored, 2 virtual devices"),
-        ("kd_workers", "kd, 2 worker processes (launcher)"),
-        ("kd_loop", "kd.TrainLoop, 10 steps/call, 2 devices"),
-        ("plain_mirrored", "plain Keras, mirrored, 2 devices"),
-        ("plain_workers", "plain Keras, 2 worker processes"),
-    ]
-    from keras_distrib import launcher as launch_lib
+    env = tf_logs.task_environment(os.environ, verbose=verbose)
+    last = rows % GLOBAL_BATCH
+    print(f"keras-distrib demo: one classifier trained {len(STAGES)} ways on the same {rows} rows "
+          f"and global batches\n({GLOBAL_BATCH} per step, the last one {last} row{'s' * (last != 1)}; "
+          f"{epochs} epochs), compared with plain Keras on one device.\n", flush=True)
+    headers = ("run", "loss", "accuracy", "max |w - w_ref|", "time")
+    widths = (40, 8, 10, 17, 8)
 
-    for name, title in stages:
+    def row(cells):
+        left, *right = cells
+        return (f"{left:{widths[0]}s}" + "".join(f"{c:>{w}s}" for c, w in zip(right, widths[1:]))).rstrip()
+
+    print(row(headers), flush=True)
+    table, reference = [], None
+    for name, title in STAGES:
         started = time.monotonic()
-        print(f"== {title}", flush=True)
-        if name.endswith("_workers"):
-            lines = []
-            result = launch_lib.launch(
-                "keras_distrib.demo:_stage_main",
-                workers=2,
-                args=[["--out", out, "--epochs", str(epochs), "--rows", str(rows), "--stage", name]],
-                timeout=300,
-                sink=lambda line: (lines.append(line), print(line, flush=True)),
-            )
-            code, output = result.returncode, "\n".join(lines)
+        code, output, said = _run_stage(name, out, epochs, rows, verbose, env)
+        seconds = f"{time.monotonic() - started:.1f} s"
+        if code != 0 or not os.path.exists(os.path.join(out, f"{name}.npz")):
+            failure = _failure(out, name, output)
+            print(row((title, "FAILED", "", "", seconds)), flush=True)
+            print(f"  {failure}", flush=True)
+            table.append({"run": name, "failed": failure})
         else:
-            code, output = _run(env_argv + [name], timeout=300)
-            print("\n".join(l for l in output.splitlines() if " - loss:" in l or "Epoch" in l))
-        if code != 0:
-            failures[name] = _last_error(output)
-        print(f"   ({time.monotonic() - started:.1f} s)", flush=True)
-        rows_out.append((name, title))
-
-    reference = _load(out, "one_device")
-    table = []
-    print()
-    print(f"{'run':40s} {'loss':>8s} {'accuracy':>9s} {'max |w - w_ref|':>16s}")
-    for name, title in rows_out:
-        if name in failures:
-            print(f"{title:40s} FAILED: {failures[name]}")
-            table.append({"run": name, "failed": failures[name]})
-            continue
-        weights, loss, accuracy = _load(out, name)
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference[0]))
-        print(f"{title:40s} {loss:8.4f} {accuracy:9.4f} {diff:16.2e}")
-        table.append({"run": name, "loss": loss, "accuracy": accuracy, "max_weight_diff": diff})
+            weights, loss, accuracy = _load(out, name)
+            if reference is None:
+                reference = weights
+            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference))
+            print(row((title, f"{loss:.4f}", f"{accuracy:.4f}", f"{diff:.2e}", seconds)), flush=True)
+            table.append({"run": name, "loss": loss, "accuracy": accuracy, "max_weight_diff": diff})
+        for line in said:
+            print(f"  {line}", flush=True)
     with open(os.path.join(out, "demo_table.json"), "w") as f:
         json.dump(table, f, indent=1)
-    print(f"\nkd runs match the one-device run to float32 round-off. Written by the "
-          f"chief of the 2-worker run: checkpoints in {os.path.join(out, 'checkpoints')}, "
-          f"TensorBoard logs in {os.path.join(out, 'tensorboard')} "
-          f"(tensorboard --logdir {os.path.join(out, 'tensorboard')}); "
-          f"the table in {os.path.join(out, 'demo_table.json')}.")
     kd_ok = all(
         row.get("max_weight_diff", 1.0) <= 1e-5 for row in table if row["run"].startswith(("kd_", "one_"))
     )
+    verdict = (f"kd matches one device to float32 round-off. Plain Keras does not: on the "
+               f"{last}-row last batch\neach replica divides its loss by its own rows; on 2 "
+               "workers it does not run." if kd_ok else
+               "A kd run does NOT match one device: please report it, with --verbose output.")
+    print(f"\n{verdict}\nWritten by the chief of the 2-worker run alone:\n"
+          f"  checkpoints  {os.path.join(out, 'checkpoints')}\n"
+          f"  TensorBoard  tensorboard --logdir {os.path.join(out, 'tensorboard')}\n"
+          f"The table: {os.path.join(out, 'demo_table.json')}. Every stage's own output: --verbose.")
     return 0 if kd_ok else 1
 
 
@@ -204,8 +263,21 @@ def _stage_main(argv=None):
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--rows", type=int, required=True)
+    parser.add_argument("--verbose", action="store_true")
     options = parser.parse_args(argv)
-    _stage(options.stage, options.out, options.epochs, options.rows)
+    try:
+        _stage(options.stage, options.out, options.epochs, options.rows, options.verbose)
+    except Exception as error:
+        if options.verbose:
+            raise
+        # The contrast stages fail on purpose: one line for the table, not
+        # a traceback that prints whole tensors.
+        path = _error_path(options.out, options.stage)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            f.write(report.error_line(error))
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+        print(f"{report.error_line(error)} (--verbose shows the traceback)", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ error that says what to do.
 
 import tensorflow as tf
 
+from keras_distrib import tf_logs
+
 __all__ = [
     "virtual_devices",
 ]
@@ -51,7 +53,8 @@ def virtual_devices(n, device_type="CPU", *, memory_limit_mb=1024):
             f"`device_type`={device_type!r} is not supported. Expected one "
             f"of {_DEVICE_TYPES}."
         )
-    physical = tf.config.list_physical_devices(device_type)
+    with tf_logs.hidden_notices():  # the first device query starts CUDA (see tf_logs)
+        physical = tf.config.list_physical_devices(device_type)
     if not physical:
         raise ValueError(
             f"`device_type`={device_type!r}: this machine has no physical "

@@ -8,6 +8,7 @@ servers started on free localhost ports.
 import tensorflow as tf
 
 from keras_distrib import launcher
+from keras_distrib import tf_logs
 
 __all__ = ["local_cluster"]
 
@@ -53,12 +54,13 @@ def local_cluster(workers=2, ps=1, *, worker_threads=None):
     spec = tf.train.ClusterSpec(launcher.cluster_spec(workers, ps=ps))
     worker_config = tf.compat.v1.ConfigProto()
     worker_config.inter_op_parallelism_threads = worker_threads or max(4, workers + 2)
-    for task_type, count, config in (("worker", workers, worker_config), ("ps", ps, None)):
-        for index in range(count):
-            _LOCAL_SERVERS.append(
-                tf.distribute.Server(
-                    spec, job_name=task_type, task_index=index, config=config,
-                    protocol="grpc", start=True,
+    with tf_logs.hidden_notices():  # starting servers starts CUDA (see tf_logs)
+        for task_type, count, config in (("worker", workers, worker_config), ("ps", ps, None)):
+            for index in range(count):
+                _LOCAL_SERVERS.append(
+                    tf.distribute.Server(
+                        spec, job_name=task_type, task_index=index, config=config,
+                        protocol="grpc", start=True,
+                    )
                 )
-            )
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")

@@ -30,6 +30,7 @@ from keras_distrib import cluster as cluster_lib
 from keras_distrib import cluster_sources
 from keras_distrib import files
 from keras_distrib import supervisor
+from keras_distrib import tf_logs
 from keras_distrib.supervisor import ClusterResult  # noqa: F401 (public result type)
 from keras_distrib.supervisor import TaskResult  # noqa: F401
 
@@ -138,7 +139,7 @@ def _args_problems(args, script):
 
 
 def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), script=True,
-             env=None, log_dir=None, sink=print, evaluator=False):
+             env=None, log_dir=None, sink=print, evaluator=False, verbose=False):
     """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
     problems = []
     if not _whole(workers, 1):
@@ -179,6 +180,8 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
             problems.append(f"`log_dir`={os.fspath(log_dir)!r} is a file; give a directory")
     if not isinstance(evaluator, bool):
         problems.append(f"`evaluator`={evaluator!r}: expected True or False")
+    if not isinstance(verbose, bool):
+        problems.append(f"`verbose`={verbose!r}: expected True or False")
     if not callable(sink):
         problems.append(f"`sink`={sink!r}: expected a callable taking one line (like print)")
     if ports is not None:
@@ -202,9 +205,9 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
-def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=None):
+def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=None, verbose=False):
     """One `TaskSpec` per task of `spec` (or of `local` labels), with its TF_CONFIG and GPU share."""
-    base_env = dict(os.environ if env is None else env)
+    base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
     trainers = [
         f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
@@ -239,7 +242,7 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             grace_period=None):
+             grace_period=None, verbose=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -247,7 +250,8 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     chief (the coordinator) runs the script.
     """
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
-    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator)
+    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
+                        verbose=verbose)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
                                 grace_period=grace_period)
 
@@ -312,7 +316,7 @@ def _attempts(run, *, max_restarts, sink, what):
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           grace_period=DEFAULT_GRACE_PERIOD):
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -341,6 +345,11 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         grace_period: When this process gets SIGTERM or SIGINT, the seconds
             the tasks get (after the same signal) to save and exit before
             they are killed. The run then ends without a restart.
+        verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
+            output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`
+            and TensorFlow's start-up notices are dropped from their output
+            (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
+            `env` is kept either way. `log_dir` files keep every line.
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -359,7 +368,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         target = os.fspath(target)
     script = isinstance(target, str) and ":" not in target
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
-             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator)
+             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     problems = _grace_problems(grace_period)
     if problems:
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
@@ -370,7 +379,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                 argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
                 env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
                 ports=ports if attempt == 0 else None, evaluator=evaluator,
-                grace_period=grace_period,
+                grace_period=grace_period, verbose=verbose,
             ),
             max_restarts=max_restarts, sink=sink, what="the cluster",
         )
@@ -474,7 +483,7 @@ def node_tasks(per_node=1, ps=None, environ=None):
 
 
 def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout=None,
-                log_dir=None, env=None, sink=print, grace_period=DEFAULT_GRACE_PERIOD):
+                log_dir=None, env=None, sink=print, grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
     """Runs this node's tasks of a cluster a cluster manager started; returns a `ClusterResult`.
 
     The per-node agent behind `keras-distrib launch` (without `--workers`)
@@ -497,7 +506,7 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
         target = os.fspath(target)
     script = isinstance(target, str) and ":" not in target
     validate(1, 0, False, max_restarts, timeout, args=args, script=script, env=env,
-             log_dir=log_dir, sink=sink)
+             log_dir=log_dir, sink=sink, verbose=verbose)
     problems = _grace_problems(grace_period)
     if problems:
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
@@ -508,7 +517,7 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
          f"{sum(len(v) for v in spec.values())} task(s)")
     try:
         specs = _task_specs(spec, argv_for, ps=has_ps, env=env, server_argv=_SERVER_ARGV,
-                            local=set(local))
+                            local=set(local), verbose=verbose)
         result = _attempts(
             lambda attempt: supervisor.run_tasks(specs, timeout=timeout, sink=sink,
                                                  log_dir=log_dir, grace_period=grace_period),

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
+from keras_distrib import tf_logs
 
 __all__ = [
     "check_devices",
@@ -55,7 +56,8 @@ def _check_choice(name, value, choices):
 
 
 def _local_devices(device_type):
-    return [d.name for d in tf.config.list_logical_devices(device_type)]
+    with tf_logs.hidden_notices():  # the first device query starts CUDA (see tf_logs)
+        return [d.name for d in tf.config.list_logical_devices(device_type)]
 
 
 def _canonical(device):
@@ -224,7 +226,8 @@ def _claim_gpu_share(info):
 
 def _configured_cpu_count():
     """Logical CPU devices set up by `virtual_devices`, without initializing TF."""
-    physical = tf.config.list_physical_devices("CPU")
+    with tf_logs.hidden_notices():
+        physical = tf.config.list_physical_devices("CPU")
     config = tf.config.get_logical_device_configuration(physical[0]) if physical else None
     return len(config) if config else 1
 

@@ -20,6 +20,8 @@ import subprocess
 import threading
 import time
 
+from keras_distrib import tf_logs
+
 __all__ = [
     "ClusterResult",
     "RESTART_EXIT_CODE",
@@ -112,6 +114,8 @@ class _Task:
         self.task_index = task_index
         self.tail = []
         self._sink = sink
+        # TensorFlow's start-up notices, repeated by every task (see tf_logs).
+        self._hide_notices = tf_logs.hides_notices(env)
         self._log = open(log_path, "a") if log_path else None
         self.process = subprocess.Popen(
             argv,
@@ -135,10 +139,12 @@ class _Task:
         prefix = f"[{self.label}] "
         for line in self.process.stdout:
             line = line.rstrip("\n")
-            self.tail = (self.tail + [line])[-_TAIL_LINES:]
             if self._log:
                 self._log.write(line + "\n")
                 self._log.flush()
+            if self._hide_notices and tf_logs.is_startup_notice(line):
+                continue
+            self.tail = (self.tail + [line])[-_TAIL_LINES:]
             self._sink(prefix + line)
         self.process.stdout.close()
 

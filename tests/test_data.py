@@ -33,8 +33,12 @@ def _ids_across_workers(*args):
 
 @pytest.mark.parametrize("rows", [64, 37])
 def test_data_sharding_sees_every_example_once(rows, tmp_path):
-    ids, _ = _ids_across_workers("data", rows, tmp_path)
+    ids, results = _ids_across_workers("data", rows, tmp_path)
     assert sorted(ids) == list(range(rows))
+    # describe_input's split of the last batch (by global replica id) is the real one.
+    for result in results:
+        worker = int(result["task"].split()[1])
+        assert result["last_batch"] == result["described"][2 * worker: 2 * worker + 2], result
 
 
 @pytest.mark.parametrize("files", [4, 1])
@@ -85,12 +89,38 @@ def test_bad_inputs_are_explained(tmp_path):
         kd.distribute_dataset(lambda context: [1, 2, 3], strategy=strategy)
 
 
-def test_global_batch_not_divisible_is_explained():
+@pytest.fixture(scope="module")
+def four_replicas():
+    """tests/scripts/data_errors.py's result: 4 virtual devices in one process."""
     code, output = _harness.run_script("data_errors.py")
     assert code == 0, output[-3000:]
     (result,) = _harness.results_of(output)
-    assert "`global_batch_size`=30 is not divisible by the 4 replicas in sync" in result["error"]
-    assert "Use a multiple of 4 (e.g. 28 or 32)" in result["error"]
+    return result
+
+
+def test_global_batch_not_divisible_is_explained(four_replicas):
+    assert "`global_batch_size`=30 is not divisible by the 4 replicas in sync" in four_replicas["error"]
+    assert "Use a multiple of 4 (e.g. 28 or 32)" in four_replicas["error"]
+
+
+def test_describe_input_reports_tensorflows_real_split(four_replicas):
+    # The reference is TensorFlow itself: the rows each replica receives.
+    for split in four_replicas["splits"]:
+        real = [[len(ids) for ids in batch] for batch in split["tensorflow"]]
+        assert split["described"] == real[-1], split
+        assert split["kd"] == split["tensorflow"], split  # kd.distribute_dataset splits the same way
+        # Every full batch splits evenly, in order: replica r holds rows [8r, 8r + 8).
+        for step, batch in enumerate(split["tensorflow"][:-1]):
+            assert batch == [list(range(32 * step + 8 * r, 32 * step + 8 * r + 8)) for r in range(4)]
+    by_rows = {split["rows"]: split["described"] for split in four_replicas["splits"]}
+    assert by_rows[58] == [7, 7, 7, 5] and by_rows[34] == [1, 1, 0, 0]
+    assert by_rows[64] == [8, 8, 8, 8] and by_rows[1] == [1, 0, 0, 0]
+    lines = four_replicas["lines"]  # 66 rows, global batch 32: a last batch of 2 rows
+    assert any("last batch: 2 row(s), per replica [1, 1, 0, 0]" in line for line in lines), lines
+    assert any("replica 1: rows [8, 16) of each global batch; of the last batch: rows [1, 2)" in line
+               for line in lines), lines
+    assert any("replica 3: rows [24, 32) of each global batch; of the last batch: none" in line
+               for line in lines), lines
 
 
 def test_describe_input_reports_and_warns():

@@ -43,6 +43,7 @@ MATRIX = {
     "parameter_server": ALL,
 }
 MULTI_WORKER = CORE + ["mixed_float16", "reshuffled_dataset"]
+LOOP_MULTI_WORKER = ["base", "accumulation", "masks"]
 
 # (path, feature) -> text the refusal must contain.
 _CENTRAL = "CentralStorageStrategy keeps one copy of each variable"
@@ -82,6 +83,19 @@ def _check(path, results, features):
     assert not failures, "\n".join(map(str, failures))
 
 
+def _cluster_results(path, features):
+    result, output = _harness.run_cluster(
+        "exactness.py", path, ",".join(features), workers=2, timeout=600
+    )
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    by_task = {}
+    for item in _harness.results_of("\n".join(lines)):
+        by_task.setdefault(item["task"], []).append(item)
+    assert sorted(by_task) == ["worker 0", "worker 1"]
+    return by_task
+
+
 @pytest.mark.parametrize("path", sorted(MATRIX))
 def test_feature_matches_one_device(path):
     features = MATRIX[path]
@@ -92,19 +106,16 @@ def test_feature_matches_one_device(path):
 
 def test_features_on_two_worker_processes():
     # 2 processes x 2 virtual devices: 4 replicas, exact on both workers.
-    result, output = _harness.run_cluster(
-        "exactness.py", "multi_worker", ",".join(MULTI_WORKER), workers=2, timeout=600
-    )
-    assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
-    by_task = {}
-    for item in results:
-        by_task.setdefault(item["task"], []).append(item)
-    assert sorted(by_task) == ["worker 0", "worker 1"]
-    for task_results in by_task.values():
+    for task_results in _cluster_results("multi_worker", MULTI_WORKER).values():
         assert {r["replicas"] for r in task_results} == {4}
         _check("multi_worker", task_results, MULTI_WORKER)
+
+
+def test_train_loop_on_two_worker_processes():
+    # kd.TrainLoop, 3 steps per compiled call, on 2 processes x 2 devices.
+    for task_results in _cluster_results("loop_multi_worker", LOOP_MULTI_WORKER).values():
+        assert {r["replicas"] for r in task_results} == {4}
+        _check("loop_multi_worker", task_results, LOOP_MULTI_WORKER)
 
 
 def test_plain_keras_contrast_fails_the_same_comparison():

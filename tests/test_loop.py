@@ -1,7 +1,10 @@
-"""kd.TrainLoop: same weights and History as Model.fit, and as one device."""
+"""kd.TrainLoop: the loop fit uses, with compiled steps for hand-written loops.
+
+Its exactness against one device, on one or many processes, is in
+tests/test_exactness.py (the `loop_*` paths).
+"""
 
 import csv
-import json
 
 import keras
 import numpy as np
@@ -9,47 +12,6 @@ import pytest
 
 import keras_distrib as kd
 from tests import _harness
-
-TOLERANCE = 1e-5
-CORE = "even,uneven_empty,weighted_l2"
-# Exactness of the loop against one device over many features is in
-# tests/test_exactness.py; these check the loop is bit-identical to fit.
-LOOP_CONFIGS = [
-    (2, "mirrored", 10),
-]
-
-
-def _check(results, replicas):
-    assert [r["scenario"] for r in results] == CORE.split(",")
-    for result in results:
-        assert result["replicas"] == replicas
-        assert result["loop_vs_fit_weights"] <= 1e-6, result
-        assert result["loop_vs_fit_history"] <= 1e-6, result
-        for key in ("weights", "history", "evaluate", "predict"):
-            assert result[key] <= TOLERANCE, (key, result)
-
-
-@pytest.mark.parametrize("devices,kind,steps_per_loop", LOOP_CONFIGS,
-                         ids=[f"{k}{d}-loop{s}" for d, k, s in LOOP_CONFIGS])
-def test_loop_matches_fit_and_one_device(devices, kind, steps_per_loop):
-    code, output = _harness.run_script(
-        "parity.py", devices, kind, "{}", CORE, json.dumps({"steps_per_loop": steps_per_loop})
-    )
-    assert code == 0, output[-4000:]
-    _check(_harness.results_of(output), devices)
-
-
-def test_loop_on_two_worker_processes():
-    result, output = _harness.run_cluster(
-        "parity.py", 1, "multi_worker", "{}", CORE, json.dumps({"steps_per_loop": 10}), workers=2
-    )
-    assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
-    assert sorted({r["task"] for r in results}) == ["worker 0", "worker 1"]
-    for task in ("worker 0", "worker 1"):
-        _check([r for r in results if r["task"] == task], 2)
-
 
 def test_tensorflow_tutorial_loop_gives_the_same_weights():
     code, output = _harness.run_script("tf_tutorial_loop.py")

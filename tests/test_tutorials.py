@@ -7,6 +7,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from keras_distrib import tf_logs
+
 TUTORIALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials")
 
 
@@ -26,6 +28,10 @@ def run_notebook(name, parameters, report, workdir):
     finally:
         if env_before is None:
             os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    # Readable output: kd hides TensorFlow's start-up notices (keras_distrib.tf_logs).
+    noise = [line for cell in notebook.cells for output in cell.get("outputs", [])
+             for line in output.get("text", "").splitlines() if tf_logs.is_startup_notice(line)]
+    assert not noise, f"{name} shows TensorFlow's start-up notices: {noise[:3]}"
     for output in notebook.cells[-1].outputs:
         for line in output.get("text", "").splitlines():
             if line.startswith("REPORT "):

@@ -33,6 +33,7 @@ PATHS = {
     "jit_one_device": (1, "default", {"jit_compile": True}, None, {}),
     "multi_worker1": (1, "multi_worker", {}, None, {}),
     "multi_worker": (2, "multi_worker", {}, None, {}),
+    "loop_multi_worker": (2, "multi_worker", {}, 3, {}),
     # evaluate and predict on the reference's weights, in-process cluster
     "parameter_server": (1, "parameter_server", {}, None, {}),
     "plain-mirrored2": (2, "mirrored", {}, None, {}),

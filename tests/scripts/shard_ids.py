@@ -71,10 +71,15 @@ with warnings.catch_warnings(record=True) as caught:
         sys.exit(0)
 
 per_replica = [[] for _ in range(len(strategy.extended.worker_devices))]
+last = []
 for batch in dist:
+    last = [int(value.shape[0]) for value in strategy.experimental_local_results(batch)]
     for i, value in enumerate(strategy.experimental_local_results(batch)):
         per_replica[i].extend(value.numpy().tolist())
+described = kd.describe_input(np.arange(rows), strategy=strategy, global_batch_size=GLOBAL_BATCH,
+                              print_fn=lambda line: None)["last_batch_per_replica"]
 print("RESULT " + json.dumps({
     "task": info.label, "ids": per_replica, "replicas": strategy.num_replicas_in_sync,
+    "last_batch": last, "described": described,
     "warnings": [str(w.message) for w in caught if "sharding by DATA" in str(w.message)],
 }), flush=True)

@@ -1,0 +1,90 @@
+"""Plain-text output a person reads: one-line errors and aligned tables.
+
+The demo, `keras-distrib test`, `keras-distrib env` and `kd.testing` report
+in the same shape: a table with one row per run or check, and an error as
+its type and first line, not a traceback (tracebacks of TensorFlow errors
+run to dozens of lines and print whole tensors).
+"""
+
+import re
+
+__all__ = [
+    "error_line",
+    "table",
+]
+
+_CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
+_OPENERS = {"(": ")", "[": "]", "{": "}"}
+_RAISED = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: |$)")
+
+
+def _unbalanced(text):
+    depth = 0
+    for char in text:
+        if char in _OPENERS:
+            depth += 1
+        elif char in _OPENERS.values():
+            depth -= 1
+    return depth > 0
+
+
+def error_line(error, width=120):
+    """`Type: first line` of an exception (or of a `"Type: message"` string).
+
+    A first line that opens a bracket it does not close (TensorFlow prints
+    whole tensors inside its messages) is joined to the message's last line,
+    with the middle elided; `<class 'a.b.C'>` is shortened to `C`. The
+    result is cut to `width` characters.
+
+    Example:
+        >>> error_line(ValueError("Attempt to convert a value (PerReplica:{\\n"
+        ...                       "  0: <tf.Tensor ...>\\n}) with an unsupported type "
+        ...                       "(<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor."))
+        'ValueError: Attempt to convert a value (PerReplica:{…}) with an unsupported type (PerReplica) to a Tensor.'
+    """
+    if isinstance(error, BaseException):
+        kind, message = type(error).__name__, str(error)
+    else:
+        kind, _, message = str(error).partition(": ")
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if lines and lines[0] == "in user code:":
+        # tf.function's wrapper: the traceback, then the original `Type: message`.
+        raised = [i for i, line in enumerate(lines) if _RAISED.match(line)]
+        if raised:
+            kind, _, first = lines[raised[-1]].partition(": ")
+            lines = [first] + lines[raised[-1] + 1:]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and _unbalanced(text):
+        text = f"{text}…{lines[-1]}"
+    text = _CLASS.sub(r"\1", text)
+    line = f"{kind}: {text}" if text else kind
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def table(rows, headers, *, align=None):
+    """Rows of cells as aligned text lines (a header line first).
+
+    Args:
+        rows: Sequences of cells (converted with `str`).
+        headers: The column titles.
+        align: Per column, `"<"` (left) or `">"` (right); numbers right by
+            default when `None`: the first column left, the others right.
+
+    Returns:
+        A list of lines without trailing spaces.
+
+    Example:
+        >>> print("\\n".join(table([("one", 1.5), ("three", 10)], ("name", "value"))))
+        name   value
+        one      1.5
+        three     10
+    """
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    columns = len(headers)
+    align = align or ["<"] + [">"] * (columns - 1)
+    widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(columns)]
+    lines = []
+    for row in cells:
+        parts = [f"{cell:{align[i]}{widths[i]}}" for i, cell in enumerate(row)]
+        lines.append("  ".join(parts).rstrip())
+    return lines

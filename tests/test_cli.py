@@ -1,0 +1,73 @@
+"""The command line: `keras-distrib test` passes here, `env` tells what a bug report needs."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from keras_distrib import cli
+from keras_distrib import environment
+from keras_distrib import selftest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_self_test_passes_on_this_machine():
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the command's own default: TensorFlow's notices hidden
+    env.pop("TF_CONFIG", None)
+    started = time.monotonic()
+    process = subprocess.run([sys.executable, "-m", "keras_distrib", "test"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    output = process.stdout + process.stderr
+    assert process.returncode == 0, output[-4000:]
+    for check in ("devices", "all-reduce, 2 replicas (mirrored)", "training: mirrored vs one device",
+                  "start 2 worker processes", "all-reduce, 2 worker processes",
+                  "training: 2 workers vs one device", "data sharding, 2 workers x 1 replica",
+                  "chief-only checkpoint write"):
+        assert any(line.startswith(check) and " PASS " in line for line in output.splitlines()), (check, output)
+    assert "All 8 checks passed" in output
+    assert "worker 0 (chief) wrote model-1.keras, model-2.keras; worker 1 kept no file" in output
+    for noise in ("I0000", "E0000", "W0000", "absl::InitializeLog", "Traceback"):
+        assert noise not in output, (noise, output)
+    assert elapsed < 120, elapsed  # about 16 s on an idle 2-core machine; a minute is the promise
+
+
+def test_self_test_failure_gives_a_failing_row_and_exit_code(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "local_checks", lambda: [selftest.Check("devices", True, "CPU", 0.1)])
+    monkeypatch.setattr(selftest, "launched_checks", lambda **options: [
+        selftest.Check("start 2 worker processes", False, "timed out: no answer", 120.0)])
+    assert cli.main(["test"]) == 1
+    output = capsys.readouterr().out
+    assert re.search(r"^start 2 worker processes\s+FAIL\s+120.0 s\s+timed out: no answer$", output, re.M), output
+    assert "1 of 2 checks FAILED" in output
+
+
+def test_env_names_versions_devices_cluster_and_auto(monkeypatch, capsys):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
+                                    '"task": {"type": "worker", "index": 1}}')
+    assert cli.main(["env"]) == 0
+    output = capsys.readouterr().out
+    facts = dict(line.split(None, 1) for line in output.splitlines() if line.strip())
+    for name in ("keras_distrib", "python", "keras", "tensorflow", "numpy", "devices", "cluster"):
+        assert name in facts, (name, output)
+    assert facts["cluster"].startswith("TF_CONFIG: 2 worker; this process is worker 1"), output
+    assert facts["make_strategy('auto')"] == "multi_worker"
+    monkeypatch.delenv("TF_CONFIG")
+    rows = dict(environment.facts())
+    assert rows["cluster"] == "none (no TF_CONFIG, Slurm step, Kubernetes Job or TPU): a single process"
+
+
+@pytest.mark.parametrize("argv", [
+    ["launch", "--verbose", "--workers", "2", "train.py"],
+    ["demo", "--quick", "--verbose"],
+    ["test", "--workers", "3", "--timeout", "30", "--verbose"],
+    ["env"],
+])
+def test_commands_parse(argv):
+    options = cli.build_parser().parse_args(argv)
+    assert options.command == argv[0]

@@ -1,0 +1,223 @@
+"""kd.testing: assert_parity catches broken models and passes good ones, as a user's pytest plugin.
+
+The main test writes a user's test file (and a conftest.py loading the plugin)
+into a temporary directory and runs pytest on it in a fresh process: the
+plugin must split the CPU before TensorFlow starts its devices, which this
+suite's own process did long ago. The broken models are the ones users
+write: a plain keras.Model subclass with gradient clipping, BatchNormalization
+that is not synchronized, Dropout, a train_step that averages its loss over
+the replica's rows, and a plain model on an uneven last batch.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from keras_distrib import report
+from keras_distrib import testing
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+USER_TESTS = '''
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_distrib as kd
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(33, 5)).astype("float32")  # batches of 16: the last has 1 row
+Y = (X @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(33, 1))).astype("float32")
+
+
+def build(model_class, *, clipnorm=None, batch_norm=None, dropout=0.0):
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    if batch_norm is not None:
+        hidden = keras.layers.BatchNormalization(synchronized=batch_norm, name="norm")(hidden)
+    if dropout:
+        hidden = keras.layers.Dropout(dropout, name="drop")(hidden)
+    model = model_class(inputs, keras.layers.Dense(1, name="out")(hidden))
+    options = {"clipnorm": clipnorm} if clipnorm else {}
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, **options), loss="mse", metrics=["mae"])
+    return model
+
+
+def good_model():
+    return build(kd.Model, clipnorm=0.5)
+
+
+def plain_model():
+    return build(keras.Model)
+
+
+class ClippedKeras(keras.Model):
+    """A plain keras.Model subclass: Keras 3 clips each replica's partial gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh", name="hidden")
+        self.out = keras.layers.Dense(1, name="out")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def clipped_keras():
+    model = ClippedKeras()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5), loss="mse")
+    return model
+
+
+class HandMadeLoss(kd.Model):
+    """A train_step that averages the loss over the replica's own rows."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {}
+
+
+def hand_made_loss():
+    return build(HandMadeLoss)
+
+
+def test_good_model_matches_everywhere_in_process():
+    result = kd.testing.assert_parity(good_model, (X, Y), batch_size=16,
+                                      strategies=["one_device", "mirrored", "central_storage"])
+    assert sorted(result) == ["central_storage (2 replicas, fit)", "mirrored (2 replicas, fit)",
+                              "one_device (1 replica, fit)"]
+    assert max(result.values()) <= 2e-5
+    # Two epochs, through kd.TrainLoop, and synchronized BatchNormalization.
+    kd.testing.assert_parity(lambda: build(kd.Model, clipnorm=0.5, batch_norm=True), (X, Y),
+                             batch_size=16, steps=6, path="loop")
+
+
+def test_plain_keras_subclass_with_clipping_is_caught():
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(clipped_keras, (X, Y), batch_size=16)
+    message = str(caught.value)
+    assert "mirrored (2 replicas, fit) does not train like one device" in message
+    assert "first mismatch: step 1 (epoch 1, batch 1 of 3)" in message
+    assert "first variable: clipped_keras/hidden/kernel (5, 8)" in message
+    assert re.search(r"max \\|a - b\\| / \\(1 \\+ \\|a\\|\\) = [0-9.e-]+ \\(tolerance 2e-05", message)
+    assert "likely cause: per-replica gradient clipping: the optimizer (`clipnorm`=0.5)" in message
+
+
+def test_unsynchronized_batch_norm_is_caught():
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(lambda: build(kd.Model, batch_norm=False), (X, Y), batch_size=16)
+    message = str(caught.value)
+    assert "first mismatch: step 1" in message
+    assert "likely cause: unsynchronized BatchNormalization: 'norm' normalizes" in message
+    assert "synchronized=True" in message
+
+
+def test_dropout_is_caught():
+    with pytest.raises(AssertionError, match="likely cause: dropout or other randomness: 'drop'"):
+        kd.testing.assert_parity(lambda: build(kd.Model, dropout=0.3), (X, Y), batch_size=16)
+
+
+def test_custom_reduction_is_caught():
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(hand_made_loss, (X, Y), batch_size=16)
+    assert "likely cause: a custom reduction in HandMadeLoss.train_step" in str(caught.value)
+
+
+def test_plain_model_is_caught_at_the_uneven_batch():
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(plain_model, (X, Y), batch_size=16)
+    message = str(caught.value)
+    assert ("first mismatch: step 3 (epoch 1, batch 3 of 3; the uneven last batch: 1 row, "
+            "split [1, 0] over the 2 replicas)") in message
+    assert "steps before it: 1-2 match" in message
+    assert "likely cause: a plain Keras model (Functional, not a kd model) on an uneven batch" in message
+
+
+def test_fixtures(kd_strategy, kd_one_device, kd_mirrored, kd_central_storage,
+                  kd_multi_worker, kd_parameter_server):
+    assert kd_strategy.num_replicas_in_sync in (1, 2)
+    assert [s.num_replicas_in_sync for s in (kd_one_device, kd_mirrored, kd_central_storage)] == [1, 2, 2]
+    assert callable(kd_multi_worker) and callable(kd_parameter_server)
+
+
+def test_other_processes():
+    result = kd.testing.assert_parity(good_model, (X, Y), batch_size=16, steps=4,
+                                      strategies=["multi_worker", "parameter_server"])
+    assert max(result.values()) <= 2e-5, result
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(plain_model, (X, Y), batch_size=16, strategies=["multi_worker"])
+    assert ("training under multi_worker (2 worker processes, fit) failed (on one device it runs): "
+            "worker ") in str(caught.value)
+    assert "PerReplica" in str(caught.value)
+'''
+
+
+def test_plugin_in_a_user_test_file(tmp_path):
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["keras_distrib.testing"]\n')
+    (tmp_path / "test_user_model.py").write_text(USER_TESTS)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TF_CONFIG", None)
+    process = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kd-devices", "2",
+         "-W", "ignore::UserWarning", "test_user_model.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
+    )
+    output = process.stdout + process.stderr
+    assert process.returncode == 0, output[-6000:]
+    assert re.search(r"\b10 passed\b", output), output[-3000:]
+
+
+# In this process: the parts that need no second device.
+
+
+def test_invalid_arguments_are_all_listed():
+    with pytest.raises(ValueError) as caught:
+        testing.assert_parity(42, [np.zeros((4, 2))], strategies=["mirorred"], steps=0, path="custom",
+                              batch_size=0)
+    message = str(caught.value)
+    for text in ("`model_fn`=42 is not callable", "`path`='custom'", "`strategies` item 'mirorred'",
+                 "`steps`=0", "`batch_size`=0", "`data` is a list"):
+        assert text in message, (text, message)
+
+
+def test_local_strategy_refuses_cluster_kinds():
+    with pytest.raises(ValueError, match="`kind`='multi_worker' does not run in this process"):
+        testing.local_strategy("multi_worker")
+
+
+def test_one_device_parity_in_this_process():
+    import keras
+
+    def model_fn():
+        inputs = keras.Input((3,))
+        model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=0.1), loss="mse")
+        return model
+
+    x = np.random.default_rng(1).normal(size=(9, 3)).astype("float32")
+    result = testing.assert_parity(model_fn, (x, x[:, :1]), strategies=["one_device"], batch_size=4)
+    assert list(result) == ["one_device (1 replica, fit)"] and result["one_device (1 replica, fit)"] <= 2e-5
+
+
+def test_error_line_is_one_line():
+    nested = ValueError("Attempt to convert a value (PerReplica:{\n  0: <tf.Tensor ...>\n}) with an "
+                        "unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>) "
+                        "to a Tensor.")
+    assert report.error_line(nested) == ("ValueError: Attempt to convert a value (PerReplica:{…}) with an "
+                                         "unsupported type (PerReplica) to a Tensor.")
+    wrapped = ValueError("in user code:\n\n    File \"x.py\", line 3, in f  *\n        y()\n\n"
+                         "    ValueError: destinations can not be empty\n")
+    assert report.error_line(wrapped) == "ValueError: destinations can not be empty"
