@@ -258,6 +258,17 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
         while True:
             codes = [t.process.poll() for t in tasks]
             failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
+            if not watched:
+                # A node that runs only servers (a per-node agent's ps and
+                # worker tasks): they end once the coordinator is gone.
+                if all(code is not None for code in codes):
+                    failed = next((t for t, code in zip(tasks, codes) if code != 0), None)
+                    break
+                if timeout is not None and time.monotonic() - started > timeout:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+                continue
             for task, code in zip(tasks, codes):
                 if code is None or task in watched or task.label in reported:
                     continue

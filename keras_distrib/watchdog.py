@@ -228,6 +228,10 @@ class Watchdog:
                 continue
             self.sink(self._describe(now - my_since, count, entered, epoch, batch, seen, now))
             if self.exit_on_stall:
+                if (count, entered) < max([state[:2] for state in seen.values()] or [(count, entered)]):
+                    # The stuck worker waits a little: the report of the workers
+                    # waiting for it (which name it) comes first.
+                    time.sleep(2 * self.interval)
                 sys.stderr.flush()
                 os._exit(STALL_EXIT_CODE)
             return

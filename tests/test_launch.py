@@ -251,3 +251,63 @@ def test_tf_config_command_prints_the_cluster_and_its_source():
                              capture_output=True, text=True, timeout=120, env=env)
     assert process.returncode == 2
     assert "`JOB_COMPLETION_INDEX`=2 is not below `KD_NUM_PODS`=2" in process.stderr
+
+
+def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_killed():
+    # Three Kubernetes pods, each running the per-node agent, KD_PS=1: pod 0
+    # the coordinator, pod 1 a ps task, pod 2 a worker. The coordinator's
+    # process is killed; its agent says so and what to do, and the other
+    # pods' servers, which no launcher on their node could otherwise stop,
+    # notice the coordinator is gone and end.
+    import re
+    import signal
+    import threading
+
+    port = _harness.free_port_block(3)
+    agent = [sys.executable, "-m", "keras_distrib", "launch", "--per-node", "1", "--timeout", "150",
+             os.path.join(_harness.SCRIPTS, "stall.py")]
+    processes, lines = [], [[], [], []]
+
+    def pump(index):
+        for line in processes[index].stdout:
+            lines[index].append(line.rstrip())
+
+    try:
+        for index in range(3):
+            env = _harness._env()
+            env.update(JOB_COMPLETION_INDEX=str(index), KD_NUM_PODS="3", KD_PS="1",
+                       HOSTNAME=f"train-{index}",
+                       KD_HOSTS=",".join(f"localhost:{port + i}" for i in range(3)))
+            processes.append(subprocess.Popen(agent, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True,
+                                              start_new_session=True))
+            threading.Thread(target=pump, args=(index,), daemon=True).start()
+        deadline = time.monotonic() + 120
+        ready, up = None, False
+        while not (ready and up) and time.monotonic() < deadline and processes[0].poll() is None:
+            ready = next((m for m in map(re.compile(r"\[chief 0\] READY \S+ (\d+)").search, lines[0]) if m),
+                         None)
+            up = all(any("server: the coordinator (chief 0 at" in line and "is up" in line for line in found)
+                     for found in lines[1:])
+            time.sleep(0.1)
+        assert ready and up, "\n".join(lines[0][-20:] + lines[1][-20:] + lines[2][-20:])
+        os.kill(int(ready.group(1)), signal.SIGKILL)
+        killed = time.monotonic()
+        codes = [process.wait(timeout=60) for process in processes]
+        seconds = time.monotonic() - killed
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=30)
+    time.sleep(0.2)
+    outputs = ["\n".join(found) for found in lines]
+    assert codes[0] == 137, outputs[0][-3000:]
+    assert "[launcher] chief 0 was killed by signal 9" in outputs[0] and "--max-restarts" in outputs[0]
+    for index, label in ((1, "ps 0"), (2, "worker 0")):
+        assert codes[index] == 0, outputs[index][-3000:]
+        assert f"[{label}] {label} server: the coordinator (chief 0 at localhost:{port}) has not " \
+               "accepted connections for 10s" in outputs[index], outputs[index][-3000:]
+    assert seconds < 40, seconds
