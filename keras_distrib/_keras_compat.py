@@ -44,6 +44,7 @@ from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
+from tensorflow.python.eager import context as tf_context
 from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
@@ -149,6 +150,12 @@ PRIVATE_NAMES = (
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
+    # The coordination service's key-value store (no public API): preemption
+    # agreement and the watchdog's heartbeats.
+    ("tensorflow.python.eager.context", "context", "function(): the eager Context"),
+    ("tensorflow.python.eager.context.Context", "set_config_key_value", "method(key, value)"),
+    ("tensorflow.python.eager.context.Context", "get_config_key_value", "method(key, timeout_in_ms=0)"),
+    ("tensorflow.python.eager.context.Context", "delete_config_key_value", "method(key)"),
 )
 
 
@@ -479,6 +486,43 @@ def per_worker_iterator(coordinator, dataset_for_worker):
         )
         iterators.append(remote)
     return coordinator_values.PerWorkerDistributedIterator(tuple(iterators))
+
+
+class KeyExists(Exception):
+    """The coordination service already holds the key (keys are written once)."""
+
+
+class KeyMissing(Exception):
+    """The key did not appear within the timeout."""
+
+
+def key_value_insert(key, value):
+    """Writes `key` in the coordination service's store (multi-worker jobs).
+
+    Raises:
+        KeyExists: the key was already written (by any task).
+    """
+    try:
+        tf_context.context().set_config_key_value(key, value)
+    except tf.errors.AlreadyExistsError:
+        raise KeyExists(key) from None
+
+
+def key_value_get(key, timeout_ms):
+    """Reads `key`, waiting up to `timeout_ms` (> 0) for it to be written.
+
+    Raises:
+        KeyMissing: not written within the timeout.
+    """
+    try:
+        return tf_context.context().get_config_key_value(key, int(max(1, timeout_ms)))
+    except (tf.errors.DeadlineExceededError, tf.errors.NotFoundError):
+        raise KeyMissing(key) from None
+
+
+def key_value_delete(key):
+    """Deletes `key` (and keys under it) from the store; absent keys are ignored."""
+    tf_context.context().delete_config_key_value(key)
 
 
 def parameter_server_workers(strategy):

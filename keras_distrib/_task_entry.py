@@ -11,7 +11,10 @@ import base64
 import importlib
 import os
 import pickle
+import signal
+import socket
 import sys
+import time
 
 
 def function_spec(target):
@@ -90,7 +93,8 @@ def _run_server():
     from keras_distrib import cluster
 
     info = cluster.cluster_info()
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    resolver = (cluster.cluster_resolver(info)
+                or tf.distribute.cluster_resolver.TFConfigClusterResolver())
     # Two inter-op threads are not enough on a 2-core machine: the server
     # deadlocks while a worker waits on a ps (see FINDINGS).
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=4)
@@ -103,7 +107,53 @@ def _run_server():
         start=True,
     )
     print(f"{info.label} server listening (pid {os.getpid()})", flush=True)
-    server.join()
+
+    def keep_serving(signum, frame):
+        # A preemption reaches every task at once (srun, Kubernetes, the
+        # launcher), but the coordinator's final backup reads the variables
+        # from this server: serve on until the grace period's SIGKILL.
+        print(f"{info.label} server got {signal.Signals(signum).name}; serving on so that the "
+              "coordinator can save its backup (SIGKILL stops it)", flush=True)
+
+    signal.signal(signal.SIGTERM, keep_serving)
+    # Not server.join(), which blocks signal handlers: wait here, and end
+    # when the coordinator is gone. On a node whose agent runs only servers
+    # (srun or a Kubernetes Job) nothing else would ever stop them.
+    chief = (info.cluster.get("chief") or [None])[0]
+    seen, gone_since = False, None
+    while True:
+        time.sleep(COORDINATOR_POLL_SECONDS)
+        if chief is None:
+            continue
+        if _accepts_connections(chief):
+            if not seen:
+                print(f"{info.label} server: the coordinator (chief 0 at {chief}) is up; this "
+                      "server ends once it is gone", flush=True)
+            seen, gone_since = True, None
+            continue
+        if not seen:
+            continue  # the coordinator has not started yet
+        gone_since = gone_since or time.monotonic()
+        if time.monotonic() - gone_since >= COORDINATOR_GONE_SECONDS:
+            print(f"{info.label} server: the coordinator (chief 0 at {chief}) has not accepted "
+                  f"connections for {COORDINATOR_GONE_SECONDS:g}s, so training ended or it died "
+                  "(its node's launcher says which); this server exits. After a failure, "
+                  "restart the job (keras-distrib launch --max-restarts K); training resumes "
+                  "from its backup.", flush=True)
+            return
+
+
+COORDINATOR_POLL_SECONDS = 0.5
+COORDINATOR_GONE_SECONDS = 10.0
+
+
+def _accepts_connections(address):
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def main(argv=None):

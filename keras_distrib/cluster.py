@@ -1,7 +1,10 @@
-"""Who am I in the cluster: TF_CONFIG parsing, the chief, and where to write.
+"""Who am I in the cluster: TF_CONFIG, Slurm, Kubernetes or TPU; the chief; where to write.
 
-Every file writer in keras_distrib asks this module for its directory, so the
-rule "only the chief's files persist" lives in one place.
+`cluster_info()` reads TF_CONFIG when it is set, else the cluster manager's
+environment (`keras_distrib.cluster_sources`: Slurm, Kubernetes Indexed Jobs
+and JobSets, TPU pods), so a script needs no change between a laptop and a
+cluster. Every file writer in keras_distrib asks this module for its
+directory, so the rule "only the chief's files persist" lives in one place.
 """
 
 import contextlib
@@ -10,29 +13,36 @@ import json
 import os
 import types
 
+from keras_distrib import cluster_sources
 from keras_distrib import files
 
 __all__ = [
     "ClusterConfigError",
     "ClusterInfo",
+    "SOURCES",
     "chief_verbose",
     "cluster_info",
+    "cluster_resolver",
+    "from_placement",
     "is_chief",
     "parse_tf_config",
     "writer_directory",
 ]
+
+# Where `cluster_info()` found the cluster (`ClusterInfo.source`); None: a single process.
+SOURCES = ("tf_config", "slurm", "kubernetes", "tpu")
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TASK_TYPES = ("chief", "worker")
 
 
 class ClusterConfigError(ValueError):
-    """TF_CONFIG is malformed; the message lists every problem found."""
+    """TF_CONFIG (or a cluster manager's environment) is malformed; the message lists every problem."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterInfo:
-    """This process's place in the cluster, parsed from TF_CONFIG.
+    """This process's place in the cluster, from TF_CONFIG or a cluster manager.
 
     Attributes:
         task_type: `"chief"`, `"worker"`, `"ps"`, `"evaluator"`, or `None`
@@ -42,6 +52,11 @@ class ClusterInfo:
             a single process.
         is_chief: Whether this process writes checkpoints and summaries.
         cluster: Task type -> tuple of `"host:port"` addresses (read-only).
+        source: Where the cluster was found: `"tf_config"`, `"slurm"`,
+            `"kubernetes"`, `"tpu"`, or `None` for a single process.
+        local_index: This task's index among the tasks on its host (Slurm).
+        local_tasks: How many tasks share its host (Slurm); a task sharing a
+            node's GPUs with others gets its own share of them.
 
     Example:
         >>> import keras_distrib as kd
@@ -58,6 +73,19 @@ class ClusterInfo:
     cluster: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({})
     )
+    source: object = None
+    local_index: int = 0
+    local_tasks: int = 1
+
+    @property
+    def tf_config(self):
+        """This task as a TF_CONFIG dict (`{"cluster": ..., "task": ...}`), or None if single."""
+        if self.task_type is None:
+            return None
+        return {
+            "cluster": {k: list(v) for k, v in self.cluster.items()},
+            "task": {"type": self.task_type, "index": self.task_index},
+        }
 
     @property
     def num_ps(self):
@@ -113,6 +141,8 @@ def _duplicate_problems(cluster):
 
 def parse_tf_config(tf_config):
     """Validates a TF_CONFIG value (str or dict) and returns a `ClusterInfo`.
+
+    An empty value (`""`, `{}`) means a single process.
 
     Raises:
         ClusterConfigError: listing every problem, with the fix.
@@ -205,34 +235,106 @@ def parse_tf_config(tf_config):
         cluster=types.MappingProxyType(
             {k: tuple(v) for k, v in cluster.items()}
         ),
+        source="tf_config",
     )
 
 
+def from_placement(placement):
+    """The `ClusterInfo` of a `cluster_sources.Placement` (Slurm, Kubernetes, TPU).
+
+    Raises:
+        ClusterConfigError: `KD_PS` leaves no worker.
+    """
+    if placement.source == "tpu":
+        # One client process drives every TPU host.
+        hosts = {"worker": placement.addresses} if placement.addresses else {}
+        return ClusterInfo(cluster=types.MappingProxyType(hosts), source="tpu")
+    count = len(placement.addresses)
+    if placement.ps and count < placement.ps + 2:
+        raise ClusterConfigError(
+            f"`KD_PS`={placement.ps} parameter servers leave no worker among the {count} "
+            f"{placement.source} task(s): a parameter-server cluster needs a chief (rank 0), "
+            f"the ps tasks and at least one worker, so at least {placement.ps + 2} tasks."
+        )
+    layout = cluster_sources.roles(count, placement.ps)
+    cluster = {}
+    for (task_type, _), address in zip(layout, placement.addresses):
+        cluster.setdefault(task_type, []).append(address)
+    task_type, task_index = layout[placement.rank]
+    info = parse_tf_config({"cluster": cluster, "task": {"type": task_type, "index": task_index}})
+    return dataclasses.replace(
+        info, source=placement.source, local_index=placement.local_index,
+        local_tasks=placement.local_tasks,
+    )
+
+
+_DETECTED = {}
+
+
+def _from_environment():
+    # Cached per environment: a Slurm node list costs a subprocess to expand.
+    key = tuple(os.environ.get(name) for name in cluster_sources.ENVIRONMENT)
+    if key not in _DETECTED:
+        if os.environ.get("TF_CONFIG", "").strip():
+            info = parse_tf_config(os.environ["TF_CONFIG"])
+        else:
+            placement = cluster_sources.detect()
+            info = ClusterInfo() if placement is None else from_placement(placement)
+        _DETECTED.clear()
+        _DETECTED[key] = info
+    return _DETECTED[key]
+
+
 def cluster_info(tf_config=None):
-    """Parses and validates TF_CONFIG into a frozen `ClusterInfo`.
+    """This process's place in the cluster, as a frozen `ClusterInfo`.
+
+    Reads the `TF_CONFIG` environment variable when it is set; otherwise the
+    cluster manager's environment: a Slurm task started by `srun`, a pod of
+    a Kubernetes Indexed Job or JobSet (with `KD_NUM_PODS` set), or a TPU
+    pod's client (see `keras_distrib.cluster_sources` for the variables).
+    `source` says which; nothing found means a single process.
 
     Args:
-        tf_config: A JSON string or dict; the `TF_CONFIG` environment
-            variable when `None`. Unset or empty means a single process.
+        tf_config: A TF_CONFIG value (JSON string or dict) to parse instead
+            of the environment.
 
     Returns:
         A `ClusterInfo`.
 
     Raises:
-        ClusterConfigError: TF_CONFIG is malformed (every problem is listed).
+        ClusterConfigError: TF_CONFIG is malformed, or the cluster manager's
+            variables are incomplete or disagree (every problem is listed,
+            naming the variable).
 
     Example:
         >>> import keras_distrib as kd
         >>> info = kd.cluster_info({"cluster": {"worker": ["h:1", "h:2"]},
         ...                         "task": {"type": "worker", "index": 1}})
-        >>> (info.num_workers, info.is_chief)
-        (2, False)
+        >>> (info.num_workers, info.is_chief, info.source)
+        (2, False, 'tf_config')
     """
     if tf_config is None:
-        tf_config = os.environ.get("TF_CONFIG", "")
-        if not tf_config.strip():
-            return ClusterInfo()
+        return _from_environment()
     return parse_tf_config(tf_config)
+
+
+def cluster_resolver(info=None):
+    """A `tf.distribute` cluster resolver for `info` (this process's by default).
+
+    None where TensorFlow's own TF_CONFIG resolver applies (TF_CONFIG, or a
+    single process); for Slurm and Kubernetes a `SimpleClusterResolver` of
+    the cluster `cluster_info()` found, so strategies and servers use the
+    same addresses kd does.
+    """
+    info = info or cluster_info()
+    if info.source not in ("slurm", "kubernetes"):
+        return None
+    import tensorflow as tf
+
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({k: list(v) for k, v in info.cluster.items()}),
+        task_type=info.task_type, task_id=info.task_index, rpc_layer="grpc",
+    )
 
 
 def is_chief(tf_config=None):

@@ -14,6 +14,9 @@ __all__ = [
     "main",
 ]
 
+# `ClusterInfo.source` as people write it.
+_SOURCE_NAMES = {"tf_config": "TF_CONFIG", "slurm": "Slurm", "kubernetes": "Kubernetes", "tpu": "TPU"}
+
 def facts():
     """The environment as a list of (name, value) pairs."""
     import keras
@@ -50,10 +53,10 @@ def facts():
         rows.append(("cluster", f"TF_CONFIG is invalid: {str(error).splitlines()[0]}"))
         info = None
     if info is not None:
-        source = getattr(info, "source", None) or ("TF_CONFIG" if os.environ.get("TF_CONFIG", "").strip()
-                                                   else None)
+        source = _SOURCE_NAMES.get(info.source, info.source)
         if source is None:
-            rows.append(("cluster", "none (no TF_CONFIG): a single process"))
+            rows.append(("cluster", "none (no TF_CONFIG, Slurm step, Kubernetes Job or TPU): "
+                                    "a single process"))
         else:
             counts = ", ".join(f"{len(addresses)} {task}" for task, addresses in info.cluster.items())
             rows.append(("cluster", f"{source}: {counts}; this process is {info.label or 'not a task'}"

@@ -1,9 +1,16 @@
-"""Launch a local cluster: one process per task, each with its own TF_CONFIG.
+"""Launch a cluster: one process per task, each with its own TF_CONFIG.
 
-`launch` (and `keras-distrib launch`) picks free ports, writes each task's
-TF_CONFIG, splits the GPUs, and runs the tasks under
-`keras_distrib.supervisor` (prefixed logs, first failure stops all, timeout),
-restarting the whole cluster on fresh ports up to `max_restarts` times.
+`launch` (and `keras-distrib launch --workers N`) starts a whole cluster on
+localhost: it picks free ports, writes each task's TF_CONFIG, splits the
+GPUs, and runs the tasks under `keras_distrib.supervisor` (prefixed logs,
+first failure stops all, timeout), restarting the whole cluster on fresh
+ports up to `max_restarts` times.
+
+`launch_node` (and `keras-distrib launch` without `--workers`, under `srun`
+or in a Kubernetes Job) is the per-node agent of a cluster a cluster manager
+started: it reads the cluster from Slurm's or Kubernetes' environment (see
+`keras_distrib.cluster_sources`) and starts this node's tasks, one per node
+or one per GPU, with the same supervision.
 """
 
 import collections.abc
@@ -19,13 +26,26 @@ import sys
 
 import portpicker
 
+from keras_distrib import cluster as cluster_lib
+from keras_distrib import cluster_sources
 from keras_distrib import files
 from keras_distrib import supervisor
 from keras_distrib import tf_logs
 from keras_distrib.supervisor import ClusterResult  # noqa: F401 (public result type)
 from keras_distrib.supervisor import TaskResult  # noqa: F401
 
-__all__ = ["ClusterResult", "LaunchError", "TaskResult", "launch"]
+__all__ = [
+    "ClusterResult",
+    "LaunchError",
+    "TaskResult",
+    "launch",
+    "launch_node",
+    "node_tasks",
+]
+
+# Seconds the tasks get to save and exit when the launcher is told to stop
+# (a preemption); below Slurm's KillWait and Kubernetes' default grace (30 s).
+DEFAULT_GRACE_PERIOD = 25.0
 
 
 class LaunchError(ValueError):
@@ -185,18 +205,20 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
-def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, verbose=False):
-    """One `TaskSpec` per task of `spec`, with its TF_CONFIG and GPU share."""
+def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=None, verbose=False):
+    """One `TaskSpec` per task of `spec` (or of `local` labels), with its TF_CONFIG and GPU share."""
     base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
     trainers = [
         f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
-        if not (ps and t == "chief")
+        if not (ps and t == "chief") and (local is None or f"{t} {i}" in local)
     ]
     gpu_share = supervisor.split_gpus(supervisor.visible_gpus(base_env), trainers)
     specs = []
     for task_type, addresses in spec.items():
         for index in range(len(addresses)):
+            if local is not None and f"{task_type} {index}" not in local:
+                continue
             task_env = dict(base_env)
             task_env["TF_CONFIG"] = tf_config(spec, task_type, index)
             task_env["KD_TASK"] = f"{task_type} {index}"
@@ -205,7 +227,8 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, verbos
             # that never exit on their own: the coordinator's exit ends the run.
             server = bool(ps) and task_type in ("worker", "ps")
             argv = server_argv if server else argv_for(task_type, index)
-            specs.append(supervisor.TaskSpec(task_type, index, argv, task_env, watched=not server))
+            specs.append(supervisor.TaskSpec(task_type, index, argv, task_env, watched=not server,
+                                             vital=task_type == "ps"))
     if evaluator:
         # Outside the cluster spec, as TensorFlow's evaluator task: it reads
         # the chief's checkpoints and is stopped when training ends.
@@ -219,7 +242,7 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, verbos
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             verbose=False):
+             grace_period=None, verbose=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -229,16 +252,71 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
     specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
-    return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir)
+    return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                                grace_period=grace_period)
 
 
 def _script_argv(script, args):
     return lambda task_type, index: [sys.executable, "-u", script, *args]
 
 
+def _grace_problems(grace_period):
+    if grace_period is None or (
+        not isinstance(grace_period, bool) and isinstance(grace_period, numbers.Real)
+        and math.isfinite(grace_period) and grace_period >= 0
+    ):
+        return []
+    return [f"`grace_period`={grace_period!r}: expected a finite number of seconds >= 0"]
+
+
+def _resolve_target(target, args):
+    """`(argv_for, values_dir)` for a script path or an importable function."""
+    from keras_distrib import _task_entry
+
+    if isinstance(target, str) and ":" not in target:
+        if not os.path.isfile(target):
+            raise LaunchError(
+                f"`target`={target!r} is not a file. Pass the path of a Python "
+                "script, a function, or 'package.module:function'."
+            )
+        return _script_argv(target, [str(a) for a in args]), None
+    try:
+        spec = _task_entry.function_spec(target)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    module = spec.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise LaunchError(
+            f"`target`={target!r}: module {module!r} cannot be found on sys.path, so no "
+            "task could import it. Check the spelling, or pass a script path."
+        )
+    values_dir = files.make_scratch("launch")
+    return _task_entry.argv_factory(spec, args, values_dir), values_dir
+
+
+_SERVER_ARGV = [sys.executable, "-u", "-m", "keras_distrib._task_entry", "--server"]
+
+
+def _attempts(run, *, max_restarts, sink, what):
+    """Runs `run(attempt)` until it succeeds, is signalled, or restarts run out."""
+    attempt = 0
+    while True:
+        with supervisor.signals_stop_the_cluster():
+            result = run(attempt)
+        result.restarts = attempt
+        if result.returncode == 0 or result.signalled or attempt >= max_restarts:
+            return result
+        attempt += 1
+        sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})")
+
+
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           verbose=False):
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -252,7 +330,8 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         args: Command-line arguments (script) or positional arguments
             (function).
         max_restarts: Restart the whole cluster on fresh ports up to this
-            many times after a failure.
+            many times after a failure (a task that saved a backup on
+            preemption exits with 42, which also restarts it).
         timeout: Seconds for each attempt; `None` for no limit.
         log_dir: Also write each task's output to `DIR/<type>_<index>.log`.
         env: Environment for the tasks (this process's by default).
@@ -263,6 +342,9 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             type "evaluator", outside the cluster spec), e.g. a
             `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
             the run waits for it.
+        grace_period: When this process gets SIGTERM or SIGINT, the seconds
+            the tasks get (after the same signal) to save and exit before
+            they are killed. The run then ends without a restart.
         verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
             output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`
             and TensorFlow's start-up notices are dropped from their output
@@ -282,59 +364,168 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         >>> result.returncode  # doctest: +SKIP
         0
     """
-    from keras_distrib import _task_entry
-
     if isinstance(target, os.PathLike):
         target = os.fspath(target)
     script = isinstance(target, str) and ":" not in target
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
-    values_dir = None
-    if script:
-        if not os.path.isfile(target):
-            raise LaunchError(
-                f"`target`={target!r} is not a file. Pass the path of a Python "
-                "script, a function, or 'package.module:function'."
-            )
-        argv_for = _script_argv(target, [str(a) for a in args])
-    else:
-        try:
-            spec = _task_entry.function_spec(target)
-        except ValueError as error:
-            raise LaunchError(str(error)) from None
-        module = spec.split(":", 1)[0]
-        try:
-            found = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            raise LaunchError(
-                f"`target`={target!r}: module {module!r} cannot be found on sys.path, so no "
-                "task could import it. Check the spelling, or pass a script path."
-            )
-        values_dir = files.make_scratch("launch")
-        argv_for = _task_entry.argv_factory(spec, args, values_dir)
-    server_argv = [sys.executable, "-u", "-m", "keras_distrib._task_entry", "--server"]
+    problems = _grace_problems(grace_period)
+    if problems:
+        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+    argv_for, values_dir = _resolve_target(target, args)
     try:
-        attempt = 0
-        while True:
-            with supervisor.signals_stop_the_cluster():
-                result = run_once(
-                    argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
-                    env=env, sink=sink, log_dir=log_dir, server_argv=server_argv,
-                    ports=ports if attempt == 0 else None, evaluator=evaluator,
-                    verbose=verbose,
-                )
-            result.restarts = attempt
-            if result.returncode == 0 or attempt >= max_restarts:
-                break
-            attempt += 1
-            sink(f"[launcher] restarting the cluster ({attempt}/{max_restarts})")
+        result = _attempts(
+            lambda attempt: run_once(
+                argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
+                env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
+                ports=ports if attempt == 0 else None, evaluator=evaluator,
+                grace_period=grace_period, verbose=verbose,
+            ),
+            max_restarts=max_restarts, sink=sink, what="the cluster",
+        )
         if values_dir is not None:
-            result.values = _task_entry.collect_values(values_dir)
+            result.values = _task_entry_values(values_dir)
         return result
     finally:
         if values_dir is not None:
             files.remove_scratch(values_dir)
 
 
+def _task_entry_values(values_dir):
+    from keras_distrib import _task_entry
+
+    return _task_entry.collect_values(values_dir)
+
+
+# The per-node agent.
+
+
+def _per_node_count(per_node, environ):
+    if per_node == "gpu":
+        gpus = supervisor.visible_gpus(environ)
+        if not gpus:
+            raise LaunchError(
+                "`per_node`='gpu': this node shows no GPU (CUDA_VISIBLE_DEVICES is empty or "
+                "unset and nvidia-smi lists none), so there is no task to start. Use "
+                "`--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
+                "(e.g. `#SBATCH --gpus-per-node=4`, or `nvidia.com/gpu` in the pod's limits)."
+            )
+        return len(gpus)
+    if not _whole(per_node, 1):
+        raise LaunchError(f"`per_node`={per_node!r}: expected a whole number >= 1, or 'gpu' "
+                          "(one task per visible GPU).")
+    return per_node
+
+
+def node_tasks(per_node=1, ps=None, environ=None):
+    """This node's share of the cluster: `(source, cluster spec, local task labels)`.
+
+    The cluster manager (Slurm, Kubernetes) started one agent per node;
+    each starts `per_node` tasks, so agent `a`'s task `j` has rank
+    `a * per_node + j` and port `agent port + j`. `ps` (else `KD_PS`)
+    parameter servers follow the chief, as in `cluster_sources.roles`.
+    Under TF_CONFIG the agent runs the one task it names.
+
+    Raises:
+        LaunchError: no cluster manager is found, several agents share a
+            node, `per_node` is invalid, or `ps` leaves no worker.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    count = _per_node_count(per_node, environ)
+    if ps is not None and not _whole(ps, 0):
+        raise LaunchError(f"`ps`={ps!r}: expected a whole number >= 0")
+    if environ.get("TF_CONFIG", "").strip():
+        info = cluster_lib.parse_tf_config(environ["TF_CONFIG"])
+        if count != 1 or ps:
+            raise LaunchError(
+                "TF_CONFIG names one task, so the agent runs exactly that one: drop "
+                "`--per-node`/`--ps`, or unset TF_CONFIG to read Slurm's or Kubernetes' variables."
+            )
+        if info.task_type is None:
+            raise LaunchError("TF_CONFIG is empty: there is no task to run.")
+        return "tf_config", {k: list(v) for k, v in info.cluster.items()}, [info.label]
+    try:
+        placement = cluster_sources.detect(environ)
+    except cluster_lib.ClusterConfigError as error:
+        raise LaunchError(str(error)) from None
+    if placement is None or placement.source == "tpu":
+        found = "a TPU pod, which TensorFlow drives from one process" if placement else "no cluster"
+        raise LaunchError(
+            f"`keras-distrib launch` without `--workers` is the per-node agent of a Slurm or "
+            f"Kubernetes job, but this environment shows {found} (no `srun` task, no "
+            "KD_NUM_PODS, no TF_CONFIG). Run `keras-distrib launch --workers N script.py` for a "
+            "local cluster, or `python script.py` directly."
+        )
+    if placement.local_tasks > 1:
+        raise LaunchError(
+            f"{placement.local_tasks} agents run on this node; the agent starts the node's tasks "
+            "itself, so run one per node: `srun --ntasks-per-node=1 keras-distrib launch "
+            "--per-node N script.py` (or start the tasks with srun directly, without the agent)."
+        )
+    ps = placement.ps if ps is None else ps
+    total = len(placement.addresses) * count
+    if ps and total < ps + 2:
+        raise LaunchError(
+            f"`ps`={ps} leaves no worker among the {total} task(s) ({len(placement.addresses)} "
+            f"node(s) x {count} per node); a parameter-server cluster needs a chief, the ps "
+            "tasks and at least one worker."
+        )
+    layout = cluster_sources.roles(total, ps)
+    spec, local = {}, []
+    for agent, address in enumerate(placement.addresses):
+        host, _, port = address.rpartition(":")
+        for j in range(count):
+            task_type, index = layout[agent * count + j]
+            spec.setdefault(task_type, []).append(f"{host}:{int(port) + j}")
+            if agent == placement.rank:
+                local.append(f"{task_type} {index}")
+    return placement.source, spec, local
+
+
+def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout=None,
+                log_dir=None, env=None, sink=print, grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
+    """Runs this node's tasks of a cluster a cluster manager started; returns a `ClusterResult`.
+
+    The per-node agent behind `keras-distrib launch` (without `--workers`)
+    under `srun` or in a Kubernetes Job: see `node_tasks` for which tasks
+    run here. Each task gets its TF_CONFIG and, with `per_node="gpu"`, its
+    own GPU. Supervision is `launch`'s: prefixed logs, the first failure
+    stops this node's tasks, `max_restarts` restarts them (on the same
+    ports; the other nodes' agents restart theirs), and a SIGTERM (a
+    preemption) is passed on with `grace_period` seconds to save.
+
+    Raises:
+        LaunchError: see `node_tasks`, and `launch`'s argument checks.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> from keras_distrib import launcher
+        >>> launcher.launch_node("train.py", per_node="gpu")  # doctest: +SKIP
+    """
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    script = isinstance(target, str) and ":" not in target
+    validate(1, 0, False, max_restarts, timeout, args=args, script=script, env=env,
+             log_dir=log_dir, sink=sink, verbose=verbose)
+    problems = _grace_problems(grace_period)
+    if problems:
+        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+    source, spec, local = node_tasks(per_node, ps, env)
+    argv_for, values_dir = _resolve_target(target, args)
+    has_ps = bool(spec.get("ps"))
+    sink(f"[launcher] {source} node: starting {', '.join(local)} of "
+         f"{sum(len(v) for v in spec.values())} task(s)")
+    try:
+        specs = _task_specs(spec, argv_for, ps=has_ps, env=env, server_argv=_SERVER_ARGV,
+                            local=set(local), verbose=verbose)
+        result = _attempts(
+            lambda attempt: supervisor.run_tasks(specs, timeout=timeout, sink=sink,
+                                                 log_dir=log_dir, grace_period=grace_period),
+            max_restarts=max_restarts, sink=sink, what="this node's tasks",
+        )
+        if values_dir is not None:
+            result.values = _task_entry_values(values_dir)
+        return result
+    finally:
+        if values_dir is not None:
+            files.remove_scratch(values_dir)

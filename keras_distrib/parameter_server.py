@@ -181,7 +181,13 @@ def _class_weight_to_sample_weights(y, class_weight):
 
 
 class WorkerEpochs:
-    """Epochs of `steps_per_epoch` steps over per-worker datasets (a loop source)."""
+    """Epochs of `steps_per_epoch` steps over per-worker datasets (a loop source).
+
+    The datasets repeat, so the data runs on across epochs (`continuous`):
+    a resumed run moves past the epochs its backup holds as well.
+    """
+
+    continuous = True
 
     def __init__(self, coordinator, data, steps_per_epoch, steps_per_call):
         self.iterator = data.iterator(coordinator)
@@ -212,6 +218,7 @@ class WorkerRunner:
         self.depth = max(1, depth)
         self.in_flight = collections.deque()
         self.latest = {}
+        self._skip = None
 
     def run(self, iterator, count):
         """Schedules `count` steps on a worker; returns logs a few chunks behind."""
@@ -223,9 +230,26 @@ class WorkerRunner:
         return dict(self.latest)
 
     def skip(self, iterator, count):
-        """Nothing to skip: repeated per-worker datasets have no epoch position."""
-        # Per-worker datasets repeat; resuming continues with the remaining steps.
-        return 0
+        """Moves a single worker's data past `count` batches (resuming a backup).
+
+        With one worker the resumed run then reads exactly the batches the
+        interrupted one would have. With several, which worker read which
+        batch was never reproducible, so nothing is skipped: each worker's
+        stream continues afresh.
+        """
+        if count <= 0 or _worker_count(self.model.distribute_strategy) != 1:
+            return 0
+        if self._skip is None:
+            @tf.function
+            def skip_on_worker(iterator, count):
+                for _ in tf.range(count):
+                    next(iterator)
+                return count
+
+            self._skip = skip_on_worker
+        # One worker runs closures in the order they were scheduled.
+        self.coordinator.schedule(self._skip, args=(iterator, tf.constant(count)))
+        return count
 
     def epoch_logs(self, logs):
         """Waits for every scheduled step; returns the metrics' global values."""

@@ -16,6 +16,7 @@ from keras_distrib import tf_logs
 
 __all__ = [
     "check_devices",
+    "gpu_share",
     "make_strategy",
     "resolve_auto_kind",
 ]
@@ -182,7 +183,45 @@ def _tpu_present():
     # context, after which a multi-worker strategy can no longer be created.
     if tf.config.list_physical_devices("TPU"):
         return True
-    return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"))
+    return any(os.environ.get(v) for v in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES"))
+
+
+def gpu_share(gpus, local_index, local_tasks):
+    """Which of a node's `gpus` visible GPUs one of its `local_tasks` tasks uses.
+
+    Slurm tasks that share a node see all of its GPUs unless Slurm binds
+    them (`--gpus-per-task`); each task then takes its own contiguous share,
+    as TensorFlow's SlurmClusterResolver does. Returns the GPU indices, or
+    None to keep every visible GPU (one task on the node, no GPU, or fewer
+    GPUs than tasks: Slurm already gave each task its own).
+
+    Example:
+        >>> gpu_share(8, local_index=1, local_tasks=4)
+        [2, 3]
+    """
+    if local_tasks <= 1 or gpus < local_tasks:
+        return None
+    share = gpus // local_tasks
+    return list(range(local_index * share, (local_index + 1) * share))
+
+
+def _claim_gpu_share(info):
+    """Makes a Slurm task that shares its node use only its share of the GPUs."""
+    if info.source != "slurm" or info.local_tasks <= 1 or os.environ.get("SLURM_GPUS_PER_TASK"):
+        return
+    gpus = tf.config.list_physical_devices("GPU")
+    share = gpu_share(len(gpus), info.local_index, info.local_tasks)
+    if share is None:
+        return
+    try:
+        tf.config.set_visible_devices([gpus[i] for i in share], "GPU")
+    except RuntimeError as error:
+        raise ValueError(
+            f"This Slurm task ({info.label}, task {info.local_index} of {info.local_tasks} on "
+            f"its node) must use GPUs {share} of the node's {len(gpus)}, but TensorFlow has "
+            f"already initialized every GPU ({error}). Call kd.make_strategy before anything "
+            "else touches TensorFlow's devices, or bind GPUs with `srun --gpus-per-task`."
+        ) from None
 
 
 def _configured_cpu_count():
@@ -194,7 +233,11 @@ def _configured_cpu_count():
 
 
 def resolve_auto_kind(cluster_resolver=None):
-    """The kind `"auto"` picks here, in the contract's order."""
+    """The kind `"auto"` picks here, in the contract's order.
+
+    The cluster is `kd.cluster_info()`'s: TF_CONFIG, Slurm, Kubernetes or a
+    TPU pod, so the same script picks the right strategy everywhere.
+    """
     if _tpu_present():
         return "tpu"
     info = cluster_lib.cluster_info()
@@ -248,9 +291,12 @@ def _make_parameter_server(cluster_resolver, variable_partitioner):
             raise ValueError(
                 "`kind`='parameter_server' needs a cluster with 'ps' tasks: "
                 "set TF_CONFIG (e.g. with `keras-distrib launch --ps 1`), "
-                "pass a cluster_resolver, or use kd.local_cluster()."
+                "KD_PS under Slurm or Kubernetes, pass a cluster_resolver, or "
+                "use kd.local_cluster()."
             )
-        cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        _claim_gpu_share(info)
+        cluster_resolver = (cluster_lib.cluster_resolver(info)
+                            or tf.distribute.cluster_resolver.TFConfigClusterResolver())
     return tf.distribute.experimental.ParameterServerStrategy(
         cluster_resolver, variable_partitioner=variable_partitioner
     )
@@ -266,9 +312,10 @@ def make_strategy(
 ):
     """Creates a `tf.distribute.Strategy` of the given kind.
 
-    `"auto"` picks a TPU if one is found, multi-worker if TF_CONFIG names
-    several workers, parameter-server if it names `ps` tasks, mirrored if
-    several GPUs (or virtual devices) exist, and one-device otherwise.
+    `"auto"` picks a TPU if one is found, multi-worker if the cluster
+    (`kd.cluster_info()`: TF_CONFIG, Slurm, Kubernetes) has several workers,
+    parameter-server if it has `ps` tasks, mirrored if several GPUs (or
+    virtual devices) exist, and one-device otherwise.
 
     Args:
         kind: One of `"auto"`, `"default"`, `"one_device"`, `"mirrored"`,
@@ -279,8 +326,8 @@ def make_strategy(
         communication: Multi-worker collectives: `"auto"`, `"ring"`,
             `"nccl"` or a `tf.distribute.experimental.CommunicationOptions`.
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`
-            for multi-worker, parameter-server or TPU strategies; TF_CONFIG
-            is used when `None`.
+            for multi-worker, parameter-server or TPU strategies; the
+            cluster `kd.cluster_info()` finds when `None`.
         **options: Per kind: `cross_device_ops` (`"auto"`, `"nccl"`,
             `"hierarchical_copy"`, `"reduce_to_one_device"` or an instance)
             and `num_packs` for mirrored; `parameter_device` for central
@@ -353,7 +400,10 @@ def make_strategy(
         )
     if kind == "multi_worker":
         if cluster_resolver is None:
-            cluster_lib.cluster_info()  # Validates TF_CONFIG with a clear error.
+            # Validates the cluster with a clear error; TF reads TF_CONFIG itself.
+            info = cluster_lib.cluster_info()
+            _claim_gpu_share(info)
+            cluster_resolver = cluster_lib.cluster_resolver(info)
         if devices:
             raise ValueError(
                 f"`devices`={devices!r}: kind='multi_worker' uses every local GPU, "

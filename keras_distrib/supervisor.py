@@ -4,7 +4,10 @@
 killed if this process dies), prefixes every output line with the task
 (`[worker 1] ...`), and stops everything at the first failure, at the
 timeout, or when this process gets SIGTERM/SIGINT. No process outlives it.
-`keras_distrib.launcher` builds clusters on top of it.
+A SIGTERM to this process (a preemption: Slurm or Kubernetes stopping the
+node) is passed on to the tasks, which get `grace_period` seconds to save a
+backup and exit (kd's tasks exit with `RESTART_EXIT_CODE`, 42) before they
+are killed. `keras_distrib.launcher` builds clusters on top of it.
 """
 
 import contextlib
@@ -21,6 +24,7 @@ from keras_distrib import tf_logs
 
 __all__ = [
     "ClusterResult",
+    "RESTART_EXIT_CODE",
     "TaskResult",
     "TaskSpec",
     "run_tasks",
@@ -30,6 +34,13 @@ __all__ = [
 ]
 
 GRACE_SECONDS = 5.0
+# What a task exits with after saving a backup on preemption: restart me.
+# (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
+# platforms too.) `keras_distrib.preemption` uses the same value.
+RESTART_EXIT_CODE = 42
+# How long a parameter-server cluster's coordinator gets to report a lost
+# ps task itself before the launcher stops the cluster.
+PS_LOSS_WAIT = 30.0
 _TAIL_LINES = 20
 
 
@@ -56,6 +67,7 @@ class ClusterResult:
     failed: object = None
     timed_out: bool = False
     restarts: int = 0
+    signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
 
 
 def visible_gpus(env=None):
@@ -149,13 +161,20 @@ class _Task:
         return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail))
 
 
-def _stop(tasks, grace=GRACE_SECONDS):
-    """SIGTERM every live task's process group, then SIGKILL after `grace`."""
+def _stop(tasks, grace=GRACE_SECONDS, servers=()):
+    """SIGTERM every live task's process group, then SIGKILL after `grace`.
+
+    `servers` (a parameter-server cluster's ps and worker servers) serve on
+    after SIGTERM, for the coordinator's final backup: the grace waits for
+    the other tasks only, then SIGKILL ends the servers too.
+    """
     live = [t for t in tasks if t.process.poll() is None]
     for task in live:
         task.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace
     for task in live:
+        if task in servers:
+            continue
         try:
             task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -179,25 +198,50 @@ class TaskSpec:
     env: dict
     watched: bool = True  # False: its exit does not end the run (ps-cluster servers)
     follower: bool = False  # stopped (SIGTERM) when the other watched tasks end, e.g. an evaluator
+    vital: bool = False  # unwatched, but its exit ends the run (a ps task holds variables)
 
     @property
     def label(self):
         return f"{self.task_type} {self.task_index}"
 
 
-def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
+def _lost_peer_message(result, own_label, service_task):
+    """kd's explanation when a task ended because the cluster lost another task, else None."""
+    from keras_distrib import watchdog
+
+    lost = watchdog.lost_tasks("\n".join(result.tail), own_label, service_task)
+    return f"[launcher] {watchdog.lost_task_message(lost, own_label)}" if lost else None
+
+
+def _ps_lost_message(task, code):
+    return (f"[launcher] {task.label} server exited with code {code}: the parameter servers "
+            "hold the model's variables, so training cannot go on without it. Restart the "
+            "job (--max-restarts; training resumes from its backup).")
+
+
+def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None):
     """Starts every task, waits, and stops them all; returns a `ClusterResult`.
 
     The run ends when every watched task exited 0, when a watched task
     fails (the others are stopped: SIGTERM, then SIGKILL after
     `GRACE_SECONDS`), or at `timeout` seconds (exit code 124). Followers
     (an evaluator) get SIGTERM once every other watched task exited 0, and
-    the run waits for them to finish.
+    the run waits for them to finish. A vital task (a ps server) that exits
+    ends the run too, once the others had `PS_LOSS_WAIT` seconds to report it.
+
+    When this process gets SIGTERM/SIGINT (inside `signals_stop_the_cluster`)
+    the tasks get SIGTERM and `grace_period` seconds (default
+    `GRACE_SECONDS`) to save and exit; the result's code is
+    `RESTART_EXIT_CODE` if a task saved for a restart, else 128 + signal.
     """
+    grace = GRACE_SECONDS if grace_period is None else grace_period
     tasks = []
     started = time.monotonic()
     timed_out = False
     failed = None
+    signalled = None
+    stop_grace = GRACE_SECONDS
+    lost_ps = None
     try:
         for spec in specs:
             log_path = None
@@ -208,20 +252,43 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
         watched = [t for t, spec in zip(tasks, specs) if spec.watched]
         followers = [t for t, spec in zip(tasks, specs) if spec.follower]
         leaders = [t for t in watched if t not in followers]
+        vital = [t for t, spec in zip(tasks, specs) if spec.vital]
         told_followers = False
         reported = set()
         while True:
             codes = [t.process.poll() for t in tasks]
             failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
+            if not watched:
+                # A node that runs only servers (a per-node agent's ps and
+                # worker tasks): they end once the coordinator is gone.
+                if all(code is not None for code in codes):
+                    failed = next((t for t, code in zip(tasks, codes) if code != 0), None)
+                    break
+                if timeout is not None and time.monotonic() - started > timeout:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+                continue
             for task, code in zip(tasks, codes):
-                # A parameter-server cluster's coordinator retries the steps of
-                # a lost worker elsewhere: report it, keep the cluster running.
-                if code is not None and task not in watched and task.label not in reported:
-                    reported.add(task.label)
+                if code is None or task in watched or task.label in reported:
+                    continue
+                reported.add(task.label)
+                if task in vital:
+                    sink(_ps_lost_message(task, code))
+                    lost_ps = lost_ps or (task, time.monotonic())
+                else:
+                    # A parameter-server cluster's coordinator retries the steps of
+                    # a lost worker elsewhere: report it, keep the cluster running.
                     sink(f"[launcher] {task.label} server exited with code {code}; "
                          "the coordinator carries on without it")
             if failures:
                 failed = failures[0]
+                if failed.process.returncode == RESTART_EXIT_CODE:
+                    # It saved for a preemption; the others are saving the same step.
+                    stop_grace = grace
+                break
+            if lost_ps and time.monotonic() - lost_ps[1] > PS_LOSS_WAIT:
+                failed = lost_ps[0]
                 break
             if all(t.process.poll() == 0 for t in watched):
                 break
@@ -234,9 +301,22 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
                 timed_out = True
                 break
             time.sleep(0.05)
+    except SystemExit as stop:
+        # SIGTERM/SIGINT to the launcher (see signals_stop_the_cluster): pass
+        # it on, and give the tasks time to save (a preemption's grace).
+        signalled = stop.code
+        stop_grace = grace
+        sink(f"[launcher] got signal {signalled - 128}; passing it on, the tasks have "
+             f"{grace:g}s to save and exit")
     finally:
-        _stop(tasks)
+        _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
     results = [t.finish() for t in tasks]
+    if signalled is not None:
+        codes = [r.returncode for r in results]
+        saved = RESTART_EXIT_CODE in codes
+        code = RESTART_EXIT_CODE if saved else signalled
+        sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
+        return ClusterResult(code, results, signalled=True)
     if timed_out:
         running = [r.label for r in results if r.returncode in (None, -9, -15)]
         sink(f"[launcher] timeout after {timeout:g}s; still running: {', '.join(running) or 'none'}")
@@ -248,6 +328,15 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None):
         sink(f"[launcher] {result.label} exited with code {result.returncode}; stopped the others. Last lines:")
         for line in result.tail:
             sink(f"[launcher]   {line}")
+        if result.returncode is not None and result.returncode < 0:
+            from keras_distrib import watchdog
+
+            sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
+                 f"a preemption without grace, or by hand). {watchdog.ADVICE}")
+        service_task = "chief 0" if any(r.task_type == "chief" for r in results) else "worker 0"
+        explanation = _lost_peer_message(result, result.label, service_task)
+        if explanation:
+            sink(explanation)
         return ClusterResult(code, results, failed=result)
     return ClusterResult(0, results)
 

@@ -69,3 +69,44 @@ def run_cluster(name, *args, workers=2, timeout=300, **kwargs):
         env=_env(), sink=lines.append, **kwargs,
     )
     return result, "\n".join(lines)
+
+
+def free_port_block(count):
+    """The first of `count` consecutive free localhost ports."""
+    for _ in range(100):
+        first = kd_launch.pick_ports(1)[0]
+        if first + count <= 65535 and all(kd_launch.port_is_free(first + i) for i in range(count)):
+            return first
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def run_together(commands, timeout=240):
+    """Starts every `(argv, extra_env)` at once, as a cluster manager would; waits for all.
+
+    Returns [(returncode, output)] in order. Every process (and its group)
+    is killed at the timeout or on the way out.
+    """
+    processes = []
+    try:
+        for argv, extra in commands:
+            env = _env()
+            env.update({k: str(v) for k, v in extra.items()})
+            processes.append(subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True,
+            ))
+        results = []
+        for process in processes:
+            try:
+                output, _ = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{process.args} timed out after {timeout}s") from None
+            results.append((process.returncode, output))
+        return results
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()

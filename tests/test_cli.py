@@ -59,7 +59,7 @@ def test_env_names_versions_devices_cluster_and_auto(monkeypatch, capsys):
     assert facts["make_strategy('auto')"] == "multi_worker"
     monkeypatch.delenv("TF_CONFIG")
     rows = dict(environment.facts())
-    assert rows["cluster"] == "none (no TF_CONFIG): a single process"
+    assert rows["cluster"] == "none (no TF_CONFIG, Slurm step, Kubernetes Job or TPU): a single process"
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,11 +1,15 @@
 import json
 import os
 
+import numpy as np
 import pytest
+import sys
 
 import keras_distrib as kd
 from keras_distrib import cluster
+from keras_distrib import cluster_sources
 from keras_distrib import files
+from tests import _harness
 
 
 def _config(task_type="worker", index=0, **cluster_spec):
@@ -103,3 +107,228 @@ def test_progress_bars_on_the_chief_only(monkeypatch):
     assert cluster.chief_verbose(2) == 2  # an explicit choice is kept
     monkeypatch.setenv("TF_CONFIG", _config("worker", 0))
     assert cluster.chief_verbose("auto") == "auto"
+
+
+# Cluster managers: Slurm, Kubernetes, TPU (simulated environments).
+
+_CLEAN = [name for name in cluster_sources.ENVIRONMENT if name != "PATH"]
+
+
+@pytest.fixture
+def environ(monkeypatch, tmp_path):
+    """A clean environment without scontrol on PATH; returns a setter."""
+    for name in _CLEAN:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+
+    def set_env(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(name, str(value))
+
+    return set_env
+
+
+def _slurm(rank, ntasks=4, nodes="n[9-10]", per_node="2(x2)", **extra):
+    values = dict(SLURM_PROCID=rank, SLURM_STEP_NUM_TASKS=ntasks, SLURM_STEP_ID=0,
+                  SLURM_STEP_NODELIST=nodes, SLURM_STEP_TASKS_PER_NODE=per_node,
+                  SLURM_JOB_ID=1234)
+    values.update(extra)
+    return values
+
+
+def test_slurm_block_distribution_keeps_the_node_order(environ):
+    environ(**_slurm(2, KD_PORT=7000))
+    info = kd.cluster_info()
+    # n9 before n10 (TensorFlow's SlurmClusterResolver sorts names: n10 first).
+    assert info.cluster["worker"] == ("n9:7000", "n9:7001", "n10:7000", "n10:7001")
+    assert (info.source, info.task_type, info.task_index, info.is_chief) == ("slurm", "worker", 2, False)
+    assert (info.local_index, info.local_tasks, info.num_workers) == (0, 2, 4)
+    assert info.tf_config == {"cluster": {"worker": list(info.cluster["worker"])},
+                              "task": {"type": "worker", "index": 2}}
+
+
+def test_slurm_cyclic_distribution_and_default_ports(environ):
+    environ(**_slurm(1, SLURM_DISTRIBUTION="cyclic", SLURM_LOCALID=0, SLURMD_NODENAME="n10"))
+    info = kd.cluster_info()
+    base = 15000 + 1234 * 8
+    assert info.cluster["worker"] == (f"n9:{base}", f"n10:{base}", f"n9:{base + 1}", f"n10:{base + 1}")
+    assert info.task_index == 1 and info.local_index == 0
+
+
+def test_slurm_uses_scontrol_when_on_path(environ, tmp_path):
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "scontrol"
+    fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 2\necho alpha; echo beta\n")
+    fake.chmod(0o755)
+    environ(**_slurm(3, nodes="weird[list", KD_PORT=9000))
+    assert kd.cluster_info().cluster["worker"][-1] == "beta:9001"
+
+
+def test_slurm_parameter_servers(environ):
+    environ(**_slurm(1, KD_PS=1, KD_PORT=7000))
+    info = kd.cluster_info()
+    assert dict(info.cluster) == {"chief": ("n9:7000",), "ps": ("n9:7001",),
+                                  "worker": ("n10:7000", "n10:7001")}
+    assert (info.task_type, info.task_index, info.num_workers, info.num_ps) == ("ps", 0, 3, 1)
+
+
+@pytest.mark.parametrize(
+    "values,match",
+    [
+        (_slurm(4), r"`SLURM_PROCID`=4 is not below `SLURM_STEP_NUM_TASKS`=4"),
+        (_slurm(0, per_node="3,1", SLURM_LOCALID=0), None),
+        (_slurm(0, per_node="2,1"), r"`SLURM_STEP_TASKS_PER_NODE`='2,1' adds up to 3 tasks, not `SLURM_STEP_NUM_TASKS`=4"),
+        (_slurm(0, per_node="4"), r"gives 1 node\(s\) but `SLURM_STEP_NODELIST`='n\[9-10\]' names 2"),
+        (_slurm(1, SLURM_LOCALID=0), r"`SLURM_LOCALID`='0', but a block distribution puts rank 1 at '1'"),
+        (_slurm(0, SLURMD_NODENAME="n10"), r"`SLURMD_NODENAME`='n10'.*puts rank 0 at 'n9'"),
+        (_slurm(0, SLURM_DISTRIBUTION="arbitrary"), r"`SLURM_DISTRIBUTION`='arbitrary'"),
+        (_slurm(0, nodes="n[3-1]"), r"bad range '3-1'"),
+        (_slurm("x"), r"`SLURM_PROCID`='x': expected a whole number"),
+        (_slurm(0, KD_PORT=70000), r"`KD_PORT`=70000: expected a port"),
+        (_slurm(0, KD_PS=3), r"`KD_PS`=3 parameter servers leave no worker among the 4 slurm task"),
+    ],
+)
+def test_inconsistent_slurm_environments_name_the_variable(environ, values, match):
+    environ(**values)
+    if match is None:
+        assert kd.cluster_info().local_tasks == 3
+        return
+    with pytest.raises(cluster.ClusterConfigError, match=match):
+        kd.cluster_info()
+
+
+def test_slurm_batch_script_without_srun_trains_alone(environ, caplog):
+    environ(SLURM_PROCID=0, SLURM_NTASKS=4, SLURM_JOB_NODELIST="n[1-4]")
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        info = kd.cluster_info()
+    assert info.source is None and info.num_workers == 1
+    assert "Start the script with `srun`" in caplog.text
+
+
+def test_slurm_hostlist_parser():
+    assert cluster_sources.expand_hostlist("n[9-10],gpu-a[01-02,7],login") == [
+        "n9", "n10", "gpu-a01", "gpu-a02", "gpu-a7", "login"]
+    assert cluster_sources.expand_hostlist("rack[1-2]-node") == ["rack1-node", "rack2-node"]
+    assert cluster_sources.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    with pytest.raises(cluster.ClusterConfigError, match=r"tasks-per-node list '2\(x\)'"):
+        cluster_sources.expand_tasks_per_node("2(x)")
+
+
+def test_kubernetes_indexed_job(environ):
+    environ(JOB_COMPLETION_INDEX=1, KD_NUM_PODS=3, KD_SERVICE="svc", HOSTNAME="train-1")
+    info = kd.cluster_info()
+    assert info.cluster["worker"] == ("train-0.svc:2222", "train-1.svc:2222", "train-2.svc:2222")
+    assert (info.source, info.task_index, info.is_chief) == ("kubernetes", 1, False)
+
+
+def test_kubernetes_jobset_defaults_to_its_subdomain(environ):
+    environ(JOB_COMPLETION_INDEX=0, KD_NUM_PODS=2, JOBSET_NAME="js", HOSTNAME="js-workers-0-0",
+            KD_PORT=3000, KD_PS=0)
+    assert kd.cluster_info().cluster["worker"] == ("js-workers-0-0.js:3000", "js-workers-0-1.js:3000")
+
+
+@pytest.mark.parametrize(
+    "values,match",
+    [
+        (dict(KD_NUM_PODS=2), r"`KD_NUM_PODS`=2 is set but `JOB_COMPLETION_INDEX` is not"),
+        (dict(KD_NUM_PODS=2, JOB_COMPLETION_INDEX=2), r"`JOB_COMPLETION_INDEX`=2 is not below `KD_NUM_PODS`=2"),
+        (dict(KD_NUM_PODS=2, JOB_COMPLETION_INDEX=0, HOSTNAME="train-0"), r"`KD_SERVICE` is not set"),
+        (dict(KD_NUM_PODS=2, JOB_COMPLETION_INDEX=1, KD_SERVICE="s", HOSTNAME="train-0"),
+         r"`HOSTNAME`='train-0' does not end with '-1'"),
+        (dict(KD_NUM_PODS=2, JOB_COMPLETION_INDEX=0, KD_HOSTS="a:1"), r"`KD_HOSTS` lists 1 pod\(s\) but `KD_NUM_PODS`=2"),
+        (dict(KD_NUM_PODS=1, JOB_COMPLETION_INDEX=0, KD_HOSTS="a:x"), r"`KD_HOSTS` has entries that are not 'host:port': \['a:x'\]"),
+        (dict(KD_NUM_PODS=0), r"`KD_NUM_PODS`='0': expected a whole number >= 1"),
+    ],
+)
+def test_inconsistent_kubernetes_environments_name_the_variable(environ, values, match):
+    environ(**values)
+    with pytest.raises(cluster.ClusterConfigError, match=match):
+        kd.cluster_info()
+
+
+def test_tf_config_wins_over_a_cluster_manager(environ):
+    environ(TF_CONFIG=_config("worker", 1), **_slurm(0))
+    info = kd.cluster_info()
+    assert (info.source, info.task_index) == ("tf_config", 1)
+
+
+def test_tpu_pod_is_one_client(environ):
+    environ(TPU_WORKER_HOSTNAMES="t0,t1")
+    info = kd.cluster_info()
+    assert (info.source, info.num_workers, info.is_chief, info.task_type) == ("tpu", 1, True, None)
+    assert info.cluster["worker"] == ("t0:8470", "t1:8470")
+
+
+def test_cluster_resolver_carries_the_detected_cluster(environ):
+    environ(**_slurm(3, KD_PORT=7000))
+    resolver = cluster.cluster_resolver()
+    assert resolver.cluster_spec().as_dict() == {"worker": ["n9:7000", "n9:7001", "n10:7000", "n10:7001"]}
+    assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 3, "grpc")
+    environ(TF_CONFIG=_config("worker", 1))
+    assert cluster.cluster_resolver() is None  # TensorFlow reads TF_CONFIG itself
+
+
+# Simulated cluster managers, real processes on localhost.
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    """The script with no cluster: make_strategy("auto") picks one device."""
+    code, output = _harness.run_script("cluster_manager.py")
+    assert code == 0, output[-3000:]
+    (result,) = _harness.results_of(output)
+    assert (result["source"], result["strategy"]) == (None, "OneDeviceStrategy")
+    return result
+
+
+def _check_exact(results, one_device_run, source):
+    assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
+    assert {(r["source"], r["strategy"], r["replicas"]) for r in results} == {
+        (source, "CollectiveAllReduceStrategy", 2)}  # MultiWorkerMirroredStrategy
+    assert len({r["digest"] for r in results}) == 1  # bit-identical on both workers
+    for got, want in zip(results[0]["weights"], one_device_run["weights"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)  # and one device's
+
+
+def _task_results(output):
+    return _harness.results_of("\n".join(
+        line.split("] ", 1)[1] if line.startswith("[") else line
+        for line in output.splitlines() if "RESULT " in line
+    ))
+
+
+def test_slurm_step_runs_the_per_node_agent_and_trains_exactly(tmp_path, one_device_run):
+    # `srun -N1 -n1 keras-distrib launch --per-node 2 script.py`: one agent
+    # on one node starts two workers. scontrol is faked on PATH.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n[ \"$1 $2 $3\" = 'show hostnames kdnode[1]' ] && echo localhost && exit 0\nexit 1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    port = _harness.free_port_block(2)
+    env = dict(SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=1, SLURM_STEP_ID=0, SLURM_JOB_ID=7,
+               SLURM_STEP_NODELIST="kdnode[1]", SLURM_STEP_TASKS_PER_NODE=1, SLURM_LOCALID=0,
+               KD_PORT=port, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    agent = [sys.executable, "-m", "keras_distrib", "launch", "--per-node", "2", "--timeout", "200",
+             os.path.join(_harness.SCRIPTS, "cluster_manager.py")]
+    ((code, output),) = _harness.run_together([(agent, env)])
+    assert code == 0, output[-4000:]
+    assert "[launcher] slurm node: starting worker 0, worker 1 of 2 task(s)" in output
+    results = _task_results(output)
+    # The agent wrote each task's TF_CONFIG from Slurm's variables.
+    _check_exact(results, one_device_run, "tf_config")
+
+
+def test_kubernetes_indexed_job_pods_train_exactly(one_device_run):
+    # Two pods of an Indexed Job run the script directly; on localhost the
+    # pods' names are given in KD_HOSTS (in a cluster: <job>-<i>.<KD_SERVICE>).
+    port = _harness.free_port_block(2)
+    script = [sys.executable, "-u", os.path.join(_harness.SCRIPTS, "cluster_manager.py")]
+    pods = [(script, dict(JOB_COMPLETION_INDEX=i, KD_NUM_PODS=2, HOSTNAME=f"train-{i}",
+                          KD_HOSTS=f"localhost:{port},localhost:{port + 1}"))
+            for i in range(2)]
+    outputs = _harness.run_together(pods)
+    for code, output in outputs:
+        assert code == 0, output[-4000:]
+    results = [r for _, output in outputs for r in _task_results(output)]
+    _check_exact(results, one_device_run, "kubernetes")

@@ -1,5 +1,6 @@
 """The local cluster launcher: real processes, timeouts, cleanup by pid."""
 
+import json
 import os
 import subprocess
 import sys
@@ -197,3 +198,116 @@ def test_workers_train_to_identical_weights(workers):
 
     for got, want in zip(results[0]["weights"], single["weights"]):
         np.testing.assert_allclose(got, want, atol=1e-5)  # and the one-process run
+
+
+# The per-node agent (`keras-distrib launch` under srun or a Kubernetes Job).
+
+_SLURM_TWO_NODES = dict(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0",
+                        SLURM_STEP_NODELIST="n[1-2]", SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                        KD_PORT="7000", PATH="/nonexistent")
+
+
+def test_agent_places_its_tasks_after_the_other_nodes():
+    source, spec, local = kd_launch.node_tasks(2, environ=_SLURM_TWO_NODES)
+    assert source == "slurm"
+    assert spec == {"worker": ["n1:7000", "n1:7001", "n2:7000", "n2:7001"]}
+    assert local == ["worker 2", "worker 3"]
+    _, spec, local = kd_launch.node_tasks(2, ps=1, environ={**_SLURM_TWO_NODES, "SLURM_PROCID": "0"})
+    assert spec == {"chief": ["n1:7000"], "ps": ["n1:7001"], "worker": ["n2:7000", "n2:7001"]}
+    assert local == ["chief 0", "ps 0"]
+
+
+@pytest.mark.parametrize(
+    "per_node,environ,match",
+    [
+        ("gpu", {**_SLURM_TWO_NODES, "CUDA_VISIBLE_DEVICES": ""}, r"`per_node`='gpu': this node shows no GPU"),
+        (0, _SLURM_TWO_NODES, r"`per_node`=0: expected a whole number >= 1, or 'gpu'"),
+        (1, {"PATH": "/nonexistent"}, r"shows no cluster \(no `srun` task, no KD_NUM_PODS, no TF_CONFIG\)"),
+        (1, {"TPU_NAME": "t"}, r"shows a TPU pod, which TensorFlow drives from one process"),
+        (1, {**_SLURM_TWO_NODES, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+         r"2 agents run on this node.*srun --ntasks-per-node=1"),
+        (2, {"TF_CONFIG": '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}}'},
+         r"TF_CONFIG names one task"),
+        (1, {**_SLURM_TWO_NODES, "SLURM_PROCID": "5"}, r"`SLURM_PROCID`=5 is not below"),
+    ],
+)
+def test_agent_refusals_say_why(per_node, environ, match):
+    with pytest.raises(kd_launch.LaunchError, match=match):
+        kd_launch.node_tasks(per_node, environ=environ)
+
+
+def test_tf_config_command_prints_the_cluster_and_its_source():
+    env = {**_harness._env(), "JOB_COMPLETION_INDEX": "1", "KD_NUM_PODS": "2", "KD_SERVICE": "svc",
+           "HOSTNAME": "train-1"}
+    process = subprocess.run([sys.executable, "-m", "keras_distrib", "tf-config", "--compact"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert process.returncode == 0, process.stderr[-2000:]
+    report = json.loads(process.stdout.strip().splitlines()[-1])
+    assert report == {"source": "kubernetes", "task": "worker 1", "TF_CONFIG": {
+        "cluster": {"worker": ["train-0.svc:2222", "train-1.svc:2222"]},
+        "task": {"type": "worker", "index": 1}}}
+    env["JOB_COMPLETION_INDEX"] = "2"
+    process = subprocess.run([sys.executable, "-m", "keras_distrib", "tf-config"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert process.returncode == 2
+    assert "`JOB_COMPLETION_INDEX`=2 is not below `KD_NUM_PODS`=2" in process.stderr
+
+
+def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_killed():
+    # Three Kubernetes pods, each running the per-node agent, KD_PS=1: pod 0
+    # the coordinator, pod 1 a ps task, pod 2 a worker. The coordinator's
+    # process is killed; its agent says so and what to do, and the other
+    # pods' servers, which no launcher on their node could otherwise stop,
+    # notice the coordinator is gone and end.
+    import re
+    import signal
+    import threading
+
+    port = _harness.free_port_block(3)
+    agent = [sys.executable, "-m", "keras_distrib", "launch", "--per-node", "1", "--timeout", "150",
+             os.path.join(_harness.SCRIPTS, "stall.py")]
+    processes, lines = [], [[], [], []]
+
+    def pump(index):
+        for line in processes[index].stdout:
+            lines[index].append(line.rstrip())
+
+    try:
+        for index in range(3):
+            env = _harness._env()
+            env.update(JOB_COMPLETION_INDEX=str(index), KD_NUM_PODS="3", KD_PS="1",
+                       HOSTNAME=f"train-{index}",
+                       KD_HOSTS=",".join(f"localhost:{port + i}" for i in range(3)))
+            processes.append(subprocess.Popen(agent, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True,
+                                              start_new_session=True))
+            threading.Thread(target=pump, args=(index,), daemon=True).start()
+        deadline = time.monotonic() + 120
+        ready, up = None, False
+        while not (ready and up) and time.monotonic() < deadline and processes[0].poll() is None:
+            ready = next((m for m in map(re.compile(r"\[chief 0\] READY \S+ (\d+)").search, lines[0]) if m),
+                         None)
+            up = all(any("server: the coordinator (chief 0 at" in line and "is up" in line for line in found)
+                     for found in lines[1:])
+            time.sleep(0.1)
+        assert ready and up, "\n".join(lines[0][-20:] + lines[1][-20:] + lines[2][-20:])
+        os.kill(int(ready.group(1)), signal.SIGKILL)
+        killed = time.monotonic()
+        codes = [process.wait(timeout=60) for process in processes]
+        seconds = time.monotonic() - killed
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=30)
+    time.sleep(0.2)
+    outputs = ["\n".join(found) for found in lines]
+    assert codes[0] == 137, outputs[0][-3000:]
+    assert "[launcher] chief 0 was killed by signal 9" in outputs[0] and "--max-restarts" in outputs[0]
+    for index, label in ((1, "ps 0"), (2, "worker 0")):
+        assert codes[index] == 0, outputs[index][-3000:]
+        assert f"[{label}] {label} server: the coordinator (chief 0 at localhost:{port}) has not " \
+               "accepted connections for 10s" in outputs[index], outputs[index][-3000:]
+    assert seconds < 40, seconds

@@ -7,20 +7,27 @@ and moves the data past the batches already trained, without training them,
 so the run continues with exactly the batch it would have trained next
 (exact for input pipelines whose order does not depend on the run's history:
 `shuffle=False`, or a dataset shuffled from a fixed seed per epoch).
-On SIGTERM (preemption, or the launcher stopping a cluster) the workers save
-together at the next batch and exit.
+
+On SIGTERM (a preemption, or the launcher stopping a cluster) every worker
+saves at the same agreed step and the process exits with
+`kd.preemption.RESTART_EXIT_CODE` (42) to be restarted
+(`keras_distrib.preemption`: the agreement goes through the coordination
+service from background threads; no collective runs per step).
 """
 
-import signal
+import logging
+import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_distrib import _keras_compat
 from keras_distrib import checkpoint as checkpoint_lib
+from keras_distrib import preemption
 from keras_distrib.loop import DataPosition
 from keras_distrib.callbacks import _schedule
+
+logger = logging.getLogger("keras_distrib")
 
 __all__ = [
     "BackupAndRestore",
@@ -60,8 +67,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             workers write to scratch space that is removed).
         save_freq: `"epoch"`, or a number of batches between backups.
         delete_checkpoint: Remove the backup after training completes.
-        save_on_preemption: On SIGTERM, back up at the next batch (all
-            workers together) and stop training with exit code 143.
+        save_on_preemption: On SIGTERM (or when `termination_watcher`
+            fires), every worker backs up at the same agreed step, then the
+            process exits with code 42 (`kd.preemption.RESTART_EXIT_CODE`)
+            so that `keras-distrib launch --max-restarts`, Slurm's requeue
+            or a Kubernetes Job restarts it; the restart resumes exactly.
+            The agreement costs nothing per step.
+        grace_period: Seconds between the signal and the forced kill that
+            training may use: 0 (default) saves at the first agreed step and
+            exits; more saves then, trains on, and saves again before the
+            grace period ends (as TensorFlow's PreemptionCheckpointHandler).
+        termination_watcher: Optional `callable() -> bool`, polled every
+            second, True when termination is imminent (e.g. a cloud's
+            maintenance notice); it acts like SIGTERM.
 
     Only the chief writes (and locks) `backup_dir`: a second live run on
     the same directory is refused at the start of training, before it
@@ -76,18 +94,22 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir, *, save_freq="epoch", delete_checkpoint=True,
-                 save_on_preemption=True):
+                 save_on_preemption=True, grace_period=0.0, termination_watcher=None):
         super().__init__()
         self.backup_dir = checkpoint_lib.validate_directory(backup_dir, "backup_dir")
         self.schedule = _schedule.SaveSchedule(save_freq)
         self.delete_checkpoint = delete_checkpoint
         self.save_on_preemption = save_on_preemption
+        # Validated here, before anything trains (ValueError names the argument).
+        self._preemption_settings = dict(grace_period=grace_period, watcher=termination_watcher)
+        preemption.PreemptionHandler(**self._preemption_settings)
         self._manager = None
         self._epoch = 0
         self._resume = None
         self.restored_position = None
-        self._preempted = False
-        self._previous_handler = None
+        self._handler = None
+        self._chunks = 0
+        self._exit_after_training = False
 
     def set_model(self, model):
         """Sets the model; refuses a plain `keras.Model` (see below) before anything is written."""
@@ -132,25 +154,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.restored_position = DataPosition(progress["epoch"], progress["step"])
             if progress["step"] > 0:
                 self._resume = progress
+        self._chunks = 0
+        self._exit_after_training = False
         if self.save_on_preemption:
-            try:
-                self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-            except ValueError:  # Not the main thread: preemption is not watched.
-                self._previous_handler = None
-
-    def _on_sigterm(self, signum, frame):
-        self._preempted = True
-
-    def _preemption_agreed(self):
-        """Whether any worker was preempted (all workers must agree to save)."""
-        flag = tf.constant(1.0 if self._preempted else 0.0)
-        strategy = self.model.distribute_strategy
-        if _keras_compat.is_multi_worker(strategy):
-            per_replica = strategy.experimental_distribute_values_from_function(lambda _: flag)
-            flag = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-        return bool(flag.numpy() > 0)
+            self._handler = preemption.PreemptionHandler(
+                strategy=model.distribute_strategy, **self._preemption_settings
+            )
+            self._handler.start()
 
     def _save(self, epoch, step):
+        from keras_distrib import parameter_server
+
+        strategy = self.model.distribute_strategy
+        if parameter_server.is_parameter_server(strategy):
+            # Steps scheduled on the workers may still be running: the backup
+            # must hold exactly the steps its position counts.
+            parameter_server.coordinator_for(strategy).join()
         self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model))
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -164,27 +183,42 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.schedule.batch_done(resume["step"] - 1)
         self._resume = None
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_chunk_end(self, batch, logs=None):
+        """After a chunk of steps ending at index `batch`: back up if due or preempted.
+
+        kd's loop calls it on the main thread, between steps; it is not
+        `on_train_batch_end`, so that Keras can keep dispatching that (and
+        the logs' conversion to NumPy) from a background thread.
+        """
         due = self.schedule.batch_done(batch)
         step = batch + 1
-        if self.save_on_preemption and self._preemption_agreed():
+        self._chunks += 1
+        decision = self._handler.check(self._chunks) if self._handler is not None else None
+        if decision is not None:
+            started = time.monotonic()
             self._save(self._epoch, step)
-            self.model.stop_training = True
-            self._stop_for_preemption = True
+            self._handler.saved(time.monotonic() - started)
+            logger.warning("Preemption (%s): backed up epoch %d, step %d (chunk %d)%s.",
+                           self._handler.reason or "agreed by another worker", self._epoch, step,
+                           self._chunks, "" if decision == preemption.EXIT else "; training on")
+            if decision == preemption.EXIT:
+                self.model.stop_training = True
+                self._exit_after_training = True
             return
         if due:
             self._save(self._epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.schedule.per_epoch and not self._preempted:
+        if self.schedule.per_epoch and not self._exit_after_training:
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
-        if getattr(self, "_stop_for_preemption", False):
-            raise SystemExit(143)
+        if self._handler is not None:
+            self._handler.stop()
+        if self._exit_after_training:
+            self._manager.close()
+            self._handler.exit()
+        self._handler = None
         if self.delete_checkpoint:
             self._manager.delete_all()
         else:

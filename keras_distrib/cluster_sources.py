@@ -1,0 +1,451 @@
+"""Where the cluster comes from: TF_CONFIG, Slurm, Kubernetes, TPU pods.
+
+`kd.cluster_info()` asks `detect()` which environment this process runs in
+and gets back the tasks' addresses in rank order plus this task's rank; the
+same script then runs unchanged on a laptop, under `srun`, or in a
+Kubernetes Job. The environment variables each source reads:
+
+Slurm (a task started by `srun`; the batch script itself is not a task):
+    `SLURM_PROCID` (this task's rank), `SLURM_STEP_NUM_TASKS` (else
+    `SLURM_NTASKS`), `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`,
+    `SLURM_NODELIST`; expanded with `scontrol show hostnames`, or kd's own
+    parser where `scontrol` is missing), `SLURM_STEP_TASKS_PER_NODE` (else
+    `SLURM_TASKS_PER_NODE`), `SLURM_DISTRIBUTION` (block, the default, or
+    cyclic), and, to cross-check, `SLURM_LOCALID` and `SLURMD_NODENAME`.
+    Ports: `KD_PORT` (the first port on each node; task j on a node uses
+    `KD_PORT + j`), by default derived from `SLURM_JOB_ID` so that two jobs
+    sharing a node rarely collide.
+
+Kubernetes (an Indexed Job, or a JobSet's replicated Job), opted in by
+`KD_NUM_PODS`:
+    `JOB_COMPLETION_INDEX` (set by Kubernetes: this pod's index),
+    `KD_NUM_PODS` (the Job's `completions`), `KD_SERVICE` (the headless
+    Service named in the pod template's `subdomain`; a JobSet's default
+    subdomain, `JOBSET_NAME`, when unset), `HOSTNAME` (set by Kubernetes:
+    `<job>-<index>`), `KD_PORT` (default 2222). Pod i is then
+    `<job>-<i>.<service>:<port>`. `KD_HOSTS` (comma-separated `host:port`
+    per pod) replaces the names when they do not follow that pattern.
+
+Both: `KD_PS` (default 0) makes rank 0 the chief (a parameter-server
+coordinator), ranks 1..KD_PS parameter servers and the rest workers.
+
+TPU (`TPU_NAME`, `COLAB_TPU_ADDR` or `TPU_WORKER_HOSTNAMES`): TensorFlow
+drives a TPU pod from one client process, so the cluster is that client;
+`kd.make_strategy` resolves the TPU with `TPUClusterResolver`.
+
+TensorFlow's `SlurmClusterResolver` is not used: it assigns ranks to hosts in
+sorted name order (wrong for `n9,n10`, or a cyclic distribution), and on a
+node without `nvidia-smi` it fails unless CUDA_VISIBLE_DEVICES is set.
+"""
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import subprocess
+
+logger = logging.getLogger("keras_distrib")
+
+__all__ = [
+    "Placement",
+    "detect",
+    "expand_hostlist",
+    "expand_tasks_per_node",
+    "in_slurm_step",
+    "kubernetes_placement",
+    "roles",
+    "slurm_hostnames",
+    "slurm_placement",
+    "tpu_placement",
+]
+
+# Every variable a source reads: `cluster_info()` caches on their values.
+ENVIRONMENT = (
+    "TF_CONFIG", "KD_PORT", "KD_PS",
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "SLURM_STEPID",
+    "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE", "SLURM_DISTRIBUTION", "SLURM_LOCALID", "SLURMD_NODENAME",
+    "SLURM_JOB_ID", "PATH",
+    "KD_NUM_PODS", "JOB_COMPLETION_INDEX", "KD_SERVICE", "KD_HOSTS", "JOBSET_NAME", "HOSTNAME",
+    "TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES",
+)
+KUBERNETES_PORT = 2222
+TPU_PORT = 8470
+
+
+def _config_error(message):
+    from keras_distrib import cluster
+
+    return cluster.ClusterConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Every task's address in rank order, and which one this process is.
+
+    Attributes:
+        source: `"slurm"`, `"kubernetes"` or `"tpu"`.
+        addresses: `"host:port"` of every task, by rank.
+        rank: This task's rank (index into `addresses`).
+        local_index: This task's index among the tasks on its host.
+        local_tasks: How many tasks share its host.
+        ps: Parameter-server tasks (`KD_PS`).
+        detail: What was read, for messages (`keras-distrib tf-config`).
+    """
+
+    source: str
+    addresses: tuple
+    rank: int
+    local_index: int = 0
+    local_tasks: int = 1
+    ps: int = 0
+    detail: str = ""
+
+
+def roles(count, ps=0):
+    """`[(task_type, task_index), ...]` for `count` tasks in rank order.
+
+    Without parameter servers every task is a worker (worker 0 is the
+    chief). With `ps` of them, rank 0 is the chief (the coordinator), ranks
+    1..ps are parameter servers and the rest are workers.
+
+    Example:
+        >>> roles(4, ps=1)
+        [('chief', 0), ('ps', 0), ('worker', 0), ('worker', 1)]
+    """
+    if not ps:
+        return [("worker", i) for i in range(count)]
+    return ([("chief", 0)] + [("ps", i) for i in range(ps)]
+            + [("worker", i) for i in range(count - 1 - ps)])
+
+
+# Slurm.
+
+
+def _split_outside_brackets(text):
+    parts, depth, current = [], 0, ""
+    for char in text:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return parts
+
+
+def expand_hostlist(hostlist):
+    """Expands a Slurm host list, keeping its order.
+
+    Raises:
+        ClusterConfigError: the list is malformed (naming it).
+
+    Example:
+        >>> expand_hostlist("n[9-10],gpu-a[01-02,7],login")
+        ['n9', 'n10', 'gpu-a01', 'gpu-a02', 'gpu-a7', 'login']
+    """
+    hosts = []
+    for part in _split_outside_brackets(hostlist.strip()):
+        match = re.fullmatch(r"([^\[\],]+)(?:\[([0-9,\-]+)\])?([^\[\],]*)", part)
+        if match is None:
+            raise _config_error(
+                f"The Slurm node list {hostlist!r} cannot be read at {part!r}. Expected e.g. "
+                "'node[01-04],gpu7' (what `scontrol show hostnames` expands)."
+            )
+        prefix, ranges, suffix = match.groups()
+        if ranges is None:
+            hosts.append(prefix + suffix)
+            continue
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            high = high or low
+            if not low.isdigit() or not high.isdigit() or int(high) < int(low):
+                raise _config_error(
+                    f"The Slurm node list {hostlist!r} has a bad range {item!r} in {part!r}."
+                )
+            hosts.extend(f"{prefix}{i:0{len(low)}d}{suffix}" for i in range(int(low), int(high) + 1))
+    return hosts
+
+
+def slurm_hostnames(nodelist, environ=None):
+    """The host names of a Slurm node list: `scontrol show hostnames`, else kd's parser."""
+    environ = os.environ if environ is None else environ
+    scontrol = shutil.which("scontrol", path=environ.get("PATH"))
+    if scontrol:
+        try:
+            result = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                timeout=30, env=dict(environ),
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            logger.warning("`scontrol show hostnames` failed (%s); kd expands the list itself.", error)
+        else:
+            hosts = result.stdout.split()
+            if result.returncode == 0 and hosts:
+                return hosts
+            logger.warning(
+                "`scontrol show hostnames %s` exited with %s (%s); kd expands the list itself.",
+                nodelist, result.returncode, result.stderr.strip()[:200],
+            )
+    return expand_hostlist(nodelist)
+
+
+def expand_tasks_per_node(text):
+    """Expands Slurm's tasks-per-node list.
+
+    Example:
+        >>> expand_tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
+    """
+    counts = []
+    for part in text.strip().split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise _config_error(
+                f"The Slurm tasks-per-node list {text!r} cannot be read at {part!r}. Expected "
+                "e.g. '2(x3),1'."
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _whole(environ, name, minimum=0):
+    value = environ.get(name)
+    if value is None or not value.strip().lstrip("-").isdigit() or int(value) < minimum:
+        raise _config_error(f"`{name}`={value!r}: expected a whole number >= {minimum}.")
+    return int(value)
+
+
+def _first(environ, *names):
+    for name in names:
+        if environ.get(name, "").strip():
+            return name, environ[name].strip()
+    return None, None
+
+
+def _ps_count(environ):
+    return _whole(environ, "KD_PS") if environ.get("KD_PS", "").strip() else 0
+
+
+def _port(environ, default):
+    if not environ.get("KD_PORT", "").strip():
+        return default
+    port = _whole(environ, "KD_PORT", 1)
+    if port > 65535:
+        raise _config_error(f"`KD_PORT`={port}: expected a port in 1..65535.")
+    return port
+
+
+def _slurm_default_port(environ):
+    # Distinct per job, with room for 8 tasks per node below 65536.
+    job = environ.get("SLURM_JOB_ID", "0")
+    return 15000 + (int(job) % 6000) * 8 if job.isdigit() else 15000
+
+
+def _slurm_task_hosts(hosts, counts, distribution):
+    """(host index, local index) of every rank."""
+    if distribution.startswith("cyclic"):
+        placed, remaining, node = [], list(counts), 0
+        while len(placed) < sum(counts):
+            if remaining[node]:
+                placed.append((node, counts[node] - remaining[node]))
+                remaining[node] -= 1
+            node = (node + 1) % len(hosts)
+        return placed
+    return [(node, local) for node, count in enumerate(counts) for local in range(count)]
+
+
+def in_slurm_step(environ):
+    """Whether this process is a task of an `srun` job step."""
+    return bool(environ.get("SLURM_PROCID", "").strip()) and bool(
+        environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_STEP_ID")
+        or environ.get("SLURM_STEPID")
+    )
+
+
+def slurm_placement(environ):
+    """This task's `Placement` from Slurm's variables (see the module docstring).
+
+    Raises:
+        ClusterConfigError: the variables disagree (naming each one).
+    """
+    problems = []
+    rank = _whole(environ, "SLURM_PROCID")
+    count_name, count = _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    nodes_name, nodelist = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    per_node_name, per_node = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    if count_name is None:
+        problems.append("neither `SLURM_STEP_NUM_TASKS` nor `SLURM_NTASKS` is set")
+    if nodes_name is None:
+        problems.append("no node list: none of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST`, "
+                        "`SLURM_NODELIST` is set")
+    if problems:
+        raise _config_error("Slurm's environment is incomplete: " + "; ".join(problems) + ".")
+    tasks = _whole(environ, count_name, 1)
+    if rank >= tasks:
+        raise _config_error(
+            f"`SLURM_PROCID`={rank} is not below `{count_name}`={tasks}: ranks run 0..{tasks - 1}. "
+            "The variables come from different job steps; start the script with `srun`."
+        )
+    hosts = slurm_hostnames(nodelist, environ)
+    if per_node_name is None:
+        if tasks % len(hosts):
+            raise _config_error(
+                f"`{count_name}`={tasks} tasks do not divide evenly over the {len(hosts)} nodes "
+                f"of `{nodes_name}`={nodelist!r}, and `SLURM_STEP_TASKS_PER_NODE` is not set."
+            )
+        counts = [tasks // len(hosts)] * len(hosts)
+    else:
+        counts = expand_tasks_per_node(per_node)
+    if len(counts) != len(hosts):
+        problems.append(
+            f"`{per_node_name}`={per_node!r} gives {len(counts)} node(s) but `{nodes_name}`="
+            f"{nodelist!r} names {len(hosts)}"
+        )
+    elif sum(counts) != tasks:
+        problems.append(f"`{per_node_name}`={per_node!r} adds up to {sum(counts)} tasks, not "
+                        f"`{count_name}`={tasks}")
+    distribution = environ.get("SLURM_DISTRIBUTION", "block").strip().lower() or "block"
+    if not distribution.startswith(("block", "cyclic")):
+        problems.append(
+            f"`SLURM_DISTRIBUTION`={distribution!r}: kd places ranks for the block (default) and "
+            "cyclic distributions only; run `srun --distribution=block`"
+        )
+    if problems:
+        raise _config_error("Slurm's environment is inconsistent:\n  - " + "\n  - ".join(problems))
+    placed = _slurm_task_hosts(hosts, counts, distribution)
+    node, local = placed[rank]
+    checks = (("SLURM_LOCALID", str(local)), ("SLURMD_NODENAME", hosts[node]))
+    for name, expected in checks:
+        actual = environ.get(name, "").strip()
+        if actual and actual.split(".")[0] != expected.split(".")[0]:
+            problems.append(f"`{name}`={actual!r}, but a {distribution.split(',')[0]} distribution "
+                            f"puts rank {rank} at {expected!r}")
+    if problems:
+        raise _config_error(
+            "kd cannot place this Slurm task:\n  - " + "\n  - ".join(problems)
+            + "\nStart the tasks with `srun` (block or cyclic distribution), or write TF_CONFIG."
+        )
+    base = _port(environ, _slurm_default_port(environ))
+    addresses = tuple(f"{hosts[n]}:{base + j}" for n, j in placed)
+    return Placement(
+        "slurm", addresses, rank, local_index=local, local_tasks=counts[node],
+        ps=_ps_count(environ),
+        detail=(f"SLURM_PROCID={rank} of {count_name}={tasks} on {len(hosts)} node(s) from "
+                f"{nodes_name}={nodelist} ({per_node_name or 'even split'}, {distribution} "
+                f"distribution), ports from {'KD_PORT' if environ.get('KD_PORT') else 'SLURM_JOB_ID'}"),
+    )
+
+
+# Kubernetes.
+
+
+def _host_port_list(text, name, default_port):
+    addresses, bad = [], []
+    for item in (part.strip() for part in text.split(",")):
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, str(default_port)
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            bad.append(item)
+        else:
+            addresses.append(f"{host}:{int(port)}")
+    if bad:
+        raise _config_error(f"`{name}` has entries that are not 'host:port': {bad}.")
+    return addresses
+
+
+def kubernetes_placement(environ):
+    """This pod's `Placement` from an Indexed Job's variables (module docstring).
+
+    Raises:
+        ClusterConfigError: a variable is missing or they disagree (naming each).
+    """
+    pods = _whole(environ, "KD_NUM_PODS", 1)
+    if not environ.get("JOB_COMPLETION_INDEX", "").strip():
+        raise _config_error(
+            f"`KD_NUM_PODS`={pods} is set but `JOB_COMPLETION_INDEX` is not: kd reads each pod's "
+            "index from an Indexed Job (`completionMode: Indexed`, or a JobSet), where "
+            "Kubernetes sets it."
+        )
+    index = _whole(environ, "JOB_COMPLETION_INDEX")
+    if index >= pods:
+        raise _config_error(
+            f"`JOB_COMPLETION_INDEX`={index} is not below `KD_NUM_PODS`={pods}: set KD_NUM_PODS "
+            "to the Job's `completions`."
+        )
+    port = _port(environ, KUBERNETES_PORT)
+    if environ.get("KD_HOSTS", "").strip():
+        addresses = _host_port_list(environ["KD_HOSTS"], "KD_HOSTS", port)
+        if len(addresses) != pods:
+            raise _config_error(
+                f"`KD_HOSTS` lists {len(addresses)} pod(s) but `KD_NUM_PODS`={pods}."
+            )
+        detail = "KD_HOSTS"
+    else:
+        service_name, service = _first(environ, "KD_SERVICE", "JOBSET_NAME")
+        hostname = environ.get("HOSTNAME", "").strip()
+        suffix = f"-{index}"
+        problems = []
+        if service is None:
+            problems.append(
+                "`KD_SERVICE` is not set: give the headless Service's name (the pod template's "
+                "`subdomain`)"
+            )
+        if not hostname.endswith(suffix) or len(hostname) == len(suffix):
+            problems.append(
+                f"`HOSTNAME`={hostname!r} does not end with '-{index}' (`JOB_COMPLETION_INDEX`), as "
+                "an Indexed Job's pods do; list the pods in `KD_HOSTS` instead"
+            )
+        if problems:
+            raise _config_error("kd cannot name this Job's pods:\n  - " + "\n  - ".join(problems))
+        prefix = hostname[: -len(suffix)]
+        addresses = [f"{prefix}-{i}.{service}:{port}" for i in range(pods)]
+        detail = f"{prefix}-<index>.{service} from HOSTNAME and {service_name}"
+    return Placement(
+        "kubernetes", tuple(addresses), index, ps=_ps_count(environ),
+        detail=f"JOB_COMPLETION_INDEX={index} of KD_NUM_PODS={pods}; pods {detail}, port {port}",
+    )
+
+
+# TPU.
+
+
+def tpu_placement(environ):
+    """The TPU client's `Placement`: one process drives the pod's hosts."""
+    hosts = [h.strip() for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    name_var, name = _first(environ, "TPU_NAME", "COLAB_TPU_ADDR")
+    detail = f"{name_var}={name}" if name_var else f"TPU_WORKER_HOSTNAMES ({len(hosts)} host(s))"
+    return Placement("tpu", tuple(f"{h}:{TPU_PORT}" for h in hosts), 0, detail=detail)
+
+
+def detect(environ=None):
+    """The `Placement` this environment describes, or None (TF_CONFIG or none).
+
+    TF_CONFIG, when set, wins and is parsed by `kd.cluster_info` itself;
+    then Slurm, Kubernetes (opted in by `KD_NUM_PODS`), and TPU.
+
+    Raises:
+        ClusterConfigError: a source's variables are incomplete or disagree.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TF_CONFIG", "").strip():
+        return None
+    if in_slurm_step(environ):
+        return slurm_placement(environ)
+    if environ.get("SLURM_PROCID", "").strip() and environ.get("SLURM_NTASKS", "1").strip() not in ("", "1"):
+        logger.warning(
+            "SLURM_NTASKS=%s but this process is not an `srun` task (no SLURM_STEP_* variables): "
+            "it trains alone. Start the script with `srun` to train on every task.",
+            environ.get("SLURM_NTASKS"),
+        )
+    if environ.get("KD_NUM_PODS", "").strip():
+        return kubernetes_placement(environ)
+    if any(environ.get(v, "").strip() for v in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES")):
+        return tpu_placement(environ)
+    return None

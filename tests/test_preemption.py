@@ -1,0 +1,143 @@
+"""Preemption: every worker saves at one agreed step, exits 42, and the restart resumes exactly."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from keras_distrib import preemption
+from tests import _harness
+
+
+def _weights(path):
+    data = np.load(path)
+    return [data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))]
+
+
+def _diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(_weights(a), _weights(b)))
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The uninterrupted run on one device (the script picks it with "auto")."""
+    folder = tmp_path_factory.mktemp("one_device")
+    out = str(folder / "ref.npz")
+    code, output = _harness.run_script("preempt.py", "fit", folder / "backup", out, -1)
+    assert code == 0 and "DONE 18" in output, output[-3000:]
+    return out
+
+
+def _saves(output):
+    return sorted(line.split("] ", 1)[0] + "] " + line.split("Preemption (", 1)[1].split("): ", 1)[1]
+                  for line in output.splitlines()
+                  if "): backed up epoch" in line and not line.startswith("[launcher]"))
+
+
+def test_multi_worker_trainloop_saves_at_one_agreed_step_and_resumes_exactly(one_device, tmp_path):
+    # Worker 1 gets SIGTERM after chunk 4 (of 2 steps); both back up the
+    # same later chunk, exit 42, and the launcher restarts the cluster.
+    out = str(tmp_path / "out.npz")
+    result, output = _harness.run_cluster("preempt.py", "loop", tmp_path / "backup", out, 4,
+                                          workers=2, max_restarts=1, timeout=240)
+    assert result.returncode == 0 and result.restarts == 1, output[-4000:]
+    assert "[launcher] worker 0 exited with code 42" in output or \
+        "[launcher] worker 1 exited with code 42" in output, output[-4000:]
+    # The signalled worker leads: it publishes a chunk after the one it is
+    # in (which chunk depends on when its claim lands), and both save it.
+    assert "[worker 1] WARNING:keras_distrib:Preemption (SIGTERM): every worker saves after step" in output
+    saves = _saves(output)
+    assert len(saves) == 2 and saves[0].startswith("[worker 0] ") and saves[1].startswith("[worker 1] ")
+    assert saves[0].split("] ", 1)[1] == saves[1].split("] ", 1)[1], saves
+    chunk = int(saves[0].rsplit("(chunk ", 1)[1].rstrip(")."))
+    assert chunk > 4 and f"every worker saves after step {chunk}." in output, saves
+    assert output.count("DONE 18") == 2
+    assert _diff(one_device, out) <= 1e-6
+
+
+def test_parameter_server_coordinator_preempted_resumes_exactly(one_device, tmp_path):
+    # One worker: a parameter server's asynchronous training is then
+    # deterministic, and equal to one device's.
+    out = str(tmp_path / "out.npz")
+    result, output = _harness.run_cluster("preempt.py", "fit", tmp_path / "backup", out, 8,
+                                          workers=1, ps=1, max_restarts=1, timeout=240)
+    assert result.returncode == 0 and result.restarts == 1, output[-4000:]
+    assert "[launcher] chief 0 exited with code 42" in output
+    # Signalled in a callback after chunk 8; kd's hook runs after the callbacks, so it saves chunk 8.
+    assert _saves(output) == ["[chief 0] backed up epoch 1, step 2 (chunk 8)."]
+    assert "DONE 18" in output
+    assert _diff(one_device, out) <= 1e-6
+
+
+# The handler alone, in this process (one process decides alone).
+
+
+def test_signal_saves_at_the_next_check_then_exits():
+    handler = preemption.PreemptionHandler()
+    with handler:
+        assert handler.check(1) is None
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the test process lives on
+        assert handler.preempted and handler.reason == "SIGTERM"
+        assert handler.check(2) == preemption.EXIT
+        with pytest.raises(SystemExit) as stop:
+            handler.exit()
+    assert stop.value.code == preemption.RESTART_EXIT_CODE == 42
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_watcher_acts_like_the_signal():
+    notice = []
+    with preemption.PreemptionHandler(watcher=lambda: bool(notice), poll_interval=0.02) as handler:
+        assert handler.check(1) is None
+        notice.append(True)
+        deadline = time.monotonic() + 10
+        while not handler.preempted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert handler.reason == "the termination watcher"
+        assert handler.check(2) == preemption.EXIT
+
+
+def test_grace_period_saves_now_and_again_before_it_ends():
+    with preemption.PreemptionHandler(grace_period=1.5) as handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signalled = time.monotonic()
+        decisions, step = [], 0
+        while time.monotonic() - signalled < 5 and preemption.EXIT not in [d for _, d, _ in decisions]:
+            step += 1
+            decision = handler.check(step)
+            if decision:
+                decisions.append((step, decision, time.monotonic() - signalled))
+            time.sleep(0.01)
+    assert [d for _, d, _ in decisions] == [preemption.SAVE, preemption.EXIT]
+    assert decisions[0][0] == 1  # at once
+    assert 0.2 < decisions[1][2] < 1.5  # before the grace period ends, with a margin
+
+
+def test_no_signal_costs_no_collective_and_microseconds():
+    # The check reads flags only (before: an all-reduce per batch).
+    with preemption.PreemptionHandler() as handler:
+        started = time.perf_counter()
+        for step in range(100_000):
+            assert handler.check(step) is None
+        per_check = (time.perf_counter() - started) / 100_000
+    assert per_check < 20e-6, per_check
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(grace_period=-1), r"`grace_period`=-1: expected a finite number of seconds >= 0"),
+        (dict(grace_period=float("inf")), r"`grace_period`=inf"),
+        (dict(watcher="yes"), r"`watcher`='yes': expected a callable"),
+    ],
+)
+def test_bad_settings_are_refused_when_the_callback_is_made(kwargs, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        preemption.PreemptionHandler(**kwargs)
+    from keras_distrib.callbacks import BackupAndRestore
+
+    renamed = {"termination_watcher" if k == "watcher" else k: v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        BackupAndRestore(str(tmp_path / "b"), **renamed)

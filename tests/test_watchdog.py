@@ -1,0 +1,137 @@
+"""Dead and stalled workers are named within a timeout, with what to do, and nothing is left running."""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from keras_distrib import launcher
+from keras_distrib import watchdog
+from tests import _harness
+
+
+def _launch(workers, ps, act_on, signum, args=(), watchdog_seconds=None, timeout=150):
+    """Launches stall.py; once every task trained a few steps, sends `signum` to `act_on`.
+
+    Returns (result, output, seconds from the signal to the end, pids seen).
+    """
+    pids, lines, sent = {}, [], {}
+    training = workers if not ps else 1
+
+    def sink(line):
+        lines.append(line)
+        found = re.search(r"\[(\w+ \d)\] (?:.*server listening \(pid (\d+)\)|READY \S+ (\d+))", line)
+        if found:
+            pids[found.group(1)] = int(found.group(2) or found.group(3))
+        ready = sum("] READY " in l for l in lines)
+        if signum and ready >= training and "at" not in sent and act_on in pids:
+            sent["at"] = time.monotonic()
+            os.kill(pids[act_on], signum)
+
+    env = _harness._env()
+    if watchdog_seconds:
+        env[watchdog.ENV] = str(watchdog_seconds)
+    started = time.monotonic()
+    result = launcher.launch(os.path.join(_harness.SCRIPTS, "stall.py"), workers=workers, ps=ps,
+                             args=tuple(args), timeout=timeout, env=env, sink=sink)
+    ended = time.monotonic()
+    output = "\n".join(lines)
+    for label, pid in pids.items():  # the launcher left nothing behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    return result, output, ended - sent.get("at", started), pids
+
+
+def test_stopped_worker_is_named_by_the_coordination_service_with_what_to_do():
+    # SIGSTOP: the process lives on but answers nothing; TensorFlow's
+    # coordination service ends the job once its heartbeats are missed.
+    result, output, seconds, _ = _launch(2, 0, "worker 1", signal.SIGSTOP)
+    assert not result.timed_out and result.returncode != 0, output[-4000:]
+    assert "[launcher] worker 0 cannot go on: the cluster lost worker 1 (/job:worker/task:1)" in output, \
+        output[-4000:]
+    assert "--max-restarts" in output and "resumes training from its backup" in output
+    assert seconds < 60, seconds
+    print(f"stopped worker 1: survivor ended {seconds:.1f}s later")
+
+
+def test_watchdog_names_a_worker_stuck_between_steps():
+    # Worker 1's process stays healthy (heartbeats, coordination service
+    # happy) but never starts step 10: without the watchdog this hangs forever.
+    result, output, seconds, _ = _launch(2, 0, None, None, args=("worker-1", 10), watchdog_seconds=5)
+    assert not result.timed_out and result.returncode == watchdog.STALL_EXIT_CODE, output[-4000:]
+    assert "HANGING worker-1 before step 10" in output
+    assert "[worker 0]   worker 1 is missing at step 11: its process is alive but still at epoch 2, " \
+           "batch 1 (step 10)" in output, output[-4000:]
+    assert "What to do: Restart the job: keras-distrib launch --max-restarts K" in output
+
+
+def test_watchdog_on_a_parameter_server_coordinator_names_the_stall():
+    # A stopped ps task: the coordinator's steps stop finishing, nothing errors.
+    result, output, seconds, _ = _launch(1, 1, "ps 0", signal.SIGSTOP, watchdog_seconds=5)
+    assert not result.timed_out and result.returncode == watchdog.STALL_EXIT_CODE, output[-4000:]
+    assert "[chief 0] kd watchdog (KD_WATCHDOG=5): chief 0 has made no progress" in output, output[-4000:]
+    assert "one of ps 0, worker 0 is stopped, hung or unreachable" in output
+    assert seconds < 40, seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf"])
+def test_bad_watchdog_setting_is_refused(value):
+    with pytest.raises(ValueError, match=rf"`KD_WATCHDOG`='{value}': expected the seconds a training step"):
+        watchdog.from_environment(environ={"KD_WATCHDOG": value})
+
+
+@pytest.mark.parametrize("victim,signum", [(1, signal.SIGKILL), (0, signal.SIGSTOP)])
+def test_pod_survivor_names_the_lost_task_without_a_launcher(victim, signum):
+    # Two Kubernetes pods run the script directly (no kd launcher watches
+    # them); worker 1 is killed, or worker 0 (the chief, which hosts the
+    # coordination service) is stopped. The survivor's error says which
+    # task was lost and what to do.
+    port = _harness.free_port_block(2)
+    processes, lines, ready = [], {0: [], 1: []}, set()
+
+    def pump(index):
+        for line in processes[index].stdout:
+            lines[index].append(line.rstrip())
+            if line.startswith("READY"):
+                ready.add(index)
+
+    import subprocess
+    import sys
+    import threading
+
+    try:
+        for index in range(2):
+            env = _harness._env()
+            env.update(JOB_COMPLETION_INDEX=str(index), KD_NUM_PODS="2", HOSTNAME=f"train-{index}",
+                       KD_HOSTS=f"localhost:{port},localhost:{port + 1}")
+            processes.append(subprocess.Popen(
+                [sys.executable, "-u", os.path.join(_harness.SCRIPTS, "stall.py")], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        for index in range(2):
+            threading.Thread(target=pump, args=(index,), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while len(ready) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in processes):
+            time.sleep(0.05)
+        assert len(ready) == 2, "\n".join(lines[0][-30:] + lines[1][-30:])
+        os.kill(processes[victim].pid, signum)
+        sent = time.monotonic()
+        survivor = processes[1 - victim]
+        survivor.wait(timeout=90)
+        seconds = time.monotonic() - sent
+    finally:
+        for process in processes:  # the stopped or surviving process and its group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=30)
+    time.sleep(0.2)
+    output = "\n".join(lines[1 - victim])
+    assert survivor.returncode == 1, output[-4000:]
+    assert (f"worker {1 - victim} cannot go on: the cluster lost worker {victim} "
+            f"(/job:worker/task:{victim})") in output, output[-4000:]
+    assert "--max-restarts" in output
+    assert seconds < 45, seconds
+    print(f"{signal.Signals(signum).name} worker {victim}: survivor ended {seconds:.1f}s later")
