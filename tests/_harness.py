@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 import keras_distrib.launcher as kd_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,3 +112,12 @@ def run_together(commands, timeout=240):
             except ProcessLookupError:
                 pass
             process.wait()
+
+
+def saved_weights_diff(a, b):
+    """The largest |a - b| between two weight files saved with np.savez(path, *weights) (arr_0, arr_1, ...)."""
+    def weights(path):
+        data = np.load(path)
+        return [data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))]
+
+    return max(float(np.abs(x - y).max()) for x, y in zip(weights(a), weights(b)))

@@ -18,15 +18,6 @@ from keras_distrib.checkpoint import CheckpointError
 from tests import _harness
 
 
-def _weights(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))]
-
-
-def _diff(a, b):
-    return max(float(np.abs(x - y).max()) for x, y in zip(_weights(a), _weights(b)))
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted single-process run every resume is compared with."""
@@ -45,7 +36,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(mode, reference, tmp_path):
     assert os.path.exists(backup / "latest")  # killed after the step-8 backup
     code, output = _harness.run_script("resume.py", mode, backup, out, 9, "KILL")
     assert code == 0 and "DONE 18" in output, output[-3000:]
-    assert _diff(reference, out) <= 1e-6
+    assert _harness.saved_weights_diff(reference, out) <= 1e-6
     if mode != "manual":
         assert not backup.exists()  # delete_checkpoint=True after success
 
@@ -60,7 +51,7 @@ def test_sigterm_saves_then_restart_resumes_at_the_saved_step(reference, tmp_pat
     assert (progress["epoch"], progress["step"]) == (1, 3)
     code, output = _harness.run_script("resume.py", "fit", backup, out, 9, "TERM")
     assert code == 0 and "DONE 18" in output, output[-3000:]
-    assert _diff(reference, out) <= 1e-6
+    assert _harness.saved_weights_diff(reference, out) <= 1e-6
 
 
 @pytest.mark.parametrize("mode", ["fit", "manual"])
@@ -72,7 +63,7 @@ def test_two_workers_killed_and_restarted_resume_exactly(mode, reference, tmp_pa
     assert result.returncode == 0 and result.restarts == 1, output[-4000:]
     assert "[launcher] worker 1 exited with code -9" in output
     assert output.count("DONE 18") == 2
-    assert _diff(reference, out) <= 1e-6
+    assert _harness.saved_weights_diff(reference, out) <= 1e-6
     assert sorted(os.listdir(tmp_path)) == sorted(["out.npz", "out.npz.killed"] + (["backup"] if mode == "manual" else []))
 
 

@@ -5,20 +5,10 @@ import signal
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from keras_distrib import preemption
 from tests import _harness
-
-
-def _weights(path):
-    data = np.load(path)
-    return [data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))]
-
-
-def _diff(a, b):
-    return max(float(np.abs(x - y).max()) for x, y in zip(_weights(a), _weights(b)))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def test_multi_worker_trainloop_saves_at_one_agreed_step_and_resumes_exactly(one
     chunk = int(saves[0].rsplit("(chunk ", 1)[1].rstrip(")."))
     assert chunk > 4 and f"every worker saves after step {chunk}." in output, saves
     assert output.count("DONE 18") == 2
-    assert _diff(one_device, out) <= 1e-6
+    assert _harness.saved_weights_diff(one_device, out) <= 1e-6
 
 
 def test_parameter_server_coordinator_preempted_resumes_exactly(one_device, tmp_path):
@@ -69,7 +59,7 @@ def test_parameter_server_coordinator_preempted_resumes_exactly(one_device, tmp_
     # Signalled in a callback after chunk 8; kd's hook runs after the callbacks, so it saves chunk 8.
     assert _saves(output) == ["[chief 0] backed up epoch 1, step 2 (chunk 8)."]
     assert "DONE 18" in output
-    assert _diff(one_device, out) <= 1e-6
+    assert _harness.saved_weights_diff(one_device, out) <= 1e-6
 
 
 # The handler alone, in this process (one process decides alone).
