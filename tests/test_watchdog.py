@@ -67,12 +67,17 @@ def test_watchdog_names_a_worker_stuck_between_steps():
     assert "What to do: Restart the job: keras-distrib launch --max-restarts K" in output
 
 
-def test_watchdog_on_a_parameter_server_coordinator_names_the_stall():
-    # A stopped ps task: the coordinator's steps stop finishing, nothing errors.
-    result, output, seconds, _ = _launch(1, 1, "ps 0", signal.SIGSTOP, watchdog_seconds=5)
+@pytest.mark.parametrize("workers,stopped,candidates", [
+    (1, "ps 0", "one of ps 0, worker 0"),
+    (2, "worker 1", "one of ps 0, worker 0, worker 1"),
+])
+def test_watchdog_on_a_parameter_server_coordinator_names_the_stall(workers, stopped, candidates):
+    # A stopped ps task or worker: the coordinator's steps stop finishing
+    # (a stopped worker raises no error either), nothing errors.
+    result, output, seconds, _ = _launch(workers, 1, stopped, signal.SIGSTOP, watchdog_seconds=5)
     assert not result.timed_out and result.returncode == watchdog.STALL_EXIT_CODE, output[-4000:]
     assert "[chief 0] kd watchdog (KD_WATCHDOG=5): chief 0 has made no progress" in output, output[-4000:]
-    assert "one of ps 0, worker 0 is stopped, hung or unreachable" in output
+    assert f"{candidates} is stopped, hung or unreachable" in output
     assert seconds < 40, seconds
 
 
