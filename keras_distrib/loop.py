@@ -163,6 +163,8 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     begin = done
                 callbacks.on_train_batch_begin(begin)
                 if watch is not None:
+                    if watch.steps_seen == 0 and hasattr(iterator, "element_spec"):
+                        watch.check_batches(iterator.element_spec)
                     watch.entering()
                 try:
                     logs = runner.run(iterator, end - begin + 1)

@@ -16,6 +16,11 @@ it prints which worker is missing at which step, then exits with
 A process that runs alone (one device, or a parameter-server coordinator,
 whose workers and ps tasks run no Python) reports that no step finished
 within `seconds`, with the tasks it was waiting on.
+
+Before the first step, the workers of a multi-worker job also compare their
+batches' structure, dtypes and shapes (`batch_signature`) through the same
+store, and stop with an error naming the workers whose input differs
+(otherwise one fails alone, or the others wait for it in the collective).
 """
 
 import itertools
@@ -33,6 +38,7 @@ __all__ = [
     "ENV",
     "STALL_EXIT_CODE",
     "Watchdog",
+    "batch_signature",
     "explain_lost_task",
     "from_environment",
     "lost_task_message",
@@ -124,6 +130,22 @@ def from_environment(strategy=None, environ=None):
     return Watchdog(seconds, strategy=strategy)
 
 
+def batch_signature(element_spec):
+    """A worker's batches in one line: structure, then each tensor's dtype and shape.
+
+    The batch dimension is left out (the last batch of an epoch may be
+    shorter). Equal on every worker of a well-fed job.
+    """
+    import tensorflow as tf
+
+    structure = tf.nest.map_structure(lambda _: "*", element_spec)
+    leaves = []
+    for spec in tf.nest.flatten(element_spec, expand_composites=True):
+        shape = spec.shape.as_list()[1:] if spec.shape.rank else "?"
+        leaves.append(f"{spec.dtype.name}{shape}")
+    return f"{structure!r} " + ", ".join(leaves)
+
+
 class Watchdog:
     """Reports (and ends the process) when training stops making progress.
 
@@ -163,6 +185,11 @@ class Watchdog:
     def __exit__(self, *exc_info):
         self.stop()
 
+    @property
+    def steps_seen(self):
+        """How many times `step` was called (chunks of steps finished)."""
+        return self._count
+
     def entering(self):
         """Records that the training thread is about to run the next step(s)."""
         self._entered = self._count + 1
@@ -171,6 +198,38 @@ class Watchdog:
         """Records that training finished batch index `batch` of `epoch` (training thread)."""
         self._where = (epoch, batch)
         self._count += 1
+
+    def check_batches(self, element_spec, timeout=60.0):
+        """Checks that every worker feeds batches of the same structure, dtypes and shapes.
+
+        Called once, before the first step: a worker whose input differs
+        would otherwise fail alone (or hang the others in the step's
+        collective). Raises ValueError naming the workers that differ.
+        """
+        if not self._multi:
+            return
+        mine = batch_signature(element_spec)
+        _keras_compat.key_value_insert(f"{self._prefix}/batches/{self._me.replace(' ', '-')}", mine)
+        deadline = time.monotonic() + timeout
+        differ = []
+        for task in self._others:
+            while True:
+                try:
+                    theirs = _keras_compat.key_value_get(f"{self._prefix}/batches/{task.replace(' ', '-')}", 100)
+                    break
+                except _keras_compat.KeyMissing:
+                    if time.monotonic() > deadline:
+                        theirs = None
+                        break
+            if theirs is not None and theirs != mine:
+                differ.append(f"  {task}: {theirs}")
+        if differ:
+            raise ValueError(
+                f"kd watchdog ({ENV}): the workers' batches differ, so their steps cannot match.\n"
+                f"  {self._me}: {mine}\n" + "\n".join(differ) + "\n"
+                "Every worker must feed batches of the same structure, dtypes and shapes (the batch "
+                "dimension aside): check the input pipeline (dataset_fn, files, preprocessing) of "
+                "the workers named.")
 
     def start(self):
         """Starts the heartbeat thread."""

@@ -67,6 +67,18 @@ def test_watchdog_names_a_worker_stuck_between_steps():
     assert "What to do: Restart the job: keras-distrib launch --max-restarts K" in output
 
 
+def test_watchdog_names_the_worker_whose_batches_differ():
+    # Worker 1 feeds labels of shape (n,) where worker 0 feeds (n, 1): the
+    # workers compare their batches before the first step and stop with an
+    # error showing both signatures (the launcher then stops the other).
+    result, output, _, _ = _launch(2, 0, None, None, args=("mismatch", -1), watchdog_seconds=30)
+    assert not result.timed_out and result.returncode != 0, output[-4000:]
+    assert "the workers' batches differ" in output, output[-4000:]
+    assert "worker 0: ('*', '*') float32[4], float32[1]" in output, output[-4000:]
+    assert "worker 1: ('*', '*') float32[4], float32[]" in output, output[-4000:]
+    assert "check the input pipeline (dataset_fn, files, preprocessing) of the workers named" in output
+
+
 @pytest.mark.parametrize("workers,stopped,candidates", [
     (1, "ps 0", "one of ps 0, worker 0"),
     (2, "worker 1", "one of ps 0, worker 0, worker 1"),

@@ -6,7 +6,8 @@ then the coordinator). Every process prints `READY <task> <pid>` once it
 has trained a few steps (the test then SIGKILLs or SIGSTOPs a task). With
 HANG_TASK (e.g. `worker-1`), that task hangs at the start of step
 HANG_STEP while its process stays healthy (a stuck data loader or file
-read between steps).
+read between steps). With HANG_TASK `mismatch`, worker 1 feeds labels of
+shape (n,) where the others feed (n, 1).
 """
 
 import os
@@ -26,6 +27,8 @@ me = f"{info.task_type}-{info.task_index}"
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 4)).astype("float32")
 y = x.sum(axis=1, keepdims=True)
+if hang_task == "mismatch" and me == "worker-1":
+    y = y[:, 0]
 
 
 class Progress(keras.callbacks.Callback):
