@@ -301,17 +301,41 @@ def _resolve_target(target, args):
 _SERVER_ARGV = [sys.executable, "-u", "-m", "keras_distrib._task_entry", "--server"]
 
 
-def _attempts(run, *, max_restarts, sink, what):
-    """Runs `run(attempt)` until it succeeds, is signalled, or restarts run out."""
-    attempt = 0
-    while True:
-        with supervisor.signals_stop_the_cluster():
-            result = run(attempt)
-        result.restarts = attempt
-        if result.returncode == 0 or result.signalled or attempt >= max_restarts:
-            return result
-        attempt += 1
-        sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})")
+def _attempts(run, *, max_restarts, sink, what, values_dir=None):
+    """Runs `run(attempt)` until it succeeds, is signalled, or restarts run out.
+
+    With `values_dir` (a function target), the tasks' return values are
+    collected into the result, and the directory is removed in any case.
+    """
+    try:
+        attempt = 0
+        while True:
+            with supervisor.signals_stop_the_cluster():
+                result = run(attempt)
+            result.restarts = attempt
+            if result.returncode == 0 or result.signalled or attempt >= max_restarts:
+                break
+            attempt += 1
+            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})")
+        if values_dir is not None:
+            result.values = _task_entry_values(values_dir)
+        return result
+    finally:
+        if values_dir is not None:
+            files.remove_scratch(values_dir)
+
+
+def _script_target(target):
+    """`target` as a string or callable, and whether it is a script."""
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    return target, isinstance(target, str) and ":" not in target
+
+
+def _check_grace_period(grace_period):
+    problems = _grace_problems(grace_period)
+    if problems:
+        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
@@ -364,31 +388,20 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         >>> result.returncode  # doctest: +SKIP
         0
     """
-    if isinstance(target, os.PathLike):
-        target = os.fspath(target)
-    script = isinstance(target, str) and ":" not in target
+    target, script = _script_target(target)
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
-    problems = _grace_problems(grace_period)
-    if problems:
-        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+    _check_grace_period(grace_period)
     argv_for, values_dir = _resolve_target(target, args)
-    try:
-        result = _attempts(
-            lambda attempt: run_once(
-                argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
-                env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
-                ports=ports if attempt == 0 else None, evaluator=evaluator,
-                grace_period=grace_period, verbose=verbose,
-            ),
-            max_restarts=max_restarts, sink=sink, what="the cluster",
-        )
-        if values_dir is not None:
-            result.values = _task_entry_values(values_dir)
-        return result
-    finally:
-        if values_dir is not None:
-            files.remove_scratch(values_dir)
+    return _attempts(
+        lambda attempt: run_once(
+            argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
+            env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
+            ports=ports if attempt == 0 else None, evaluator=evaluator,
+            grace_period=grace_period, verbose=verbose,
+        ),
+        max_restarts=max_restarts, sink=sink, what="the cluster", values_dir=values_dir,
+    )
 
 
 def _task_entry_values(values_dir):
@@ -502,30 +515,19 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
         >>> from keras_distrib import launcher
         >>> launcher.launch_node("train.py", per_node="gpu")  # doctest: +SKIP
     """
-    if isinstance(target, os.PathLike):
-        target = os.fspath(target)
-    script = isinstance(target, str) and ":" not in target
+    target, script = _script_target(target)
     validate(1, 0, False, max_restarts, timeout, args=args, script=script, env=env,
              log_dir=log_dir, sink=sink, verbose=verbose)
-    problems = _grace_problems(grace_period)
-    if problems:
-        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+    _check_grace_period(grace_period)
     source, spec, local = node_tasks(per_node, ps, env)
     argv_for, values_dir = _resolve_target(target, args)
     has_ps = bool(spec.get("ps"))
     sink(f"[launcher] {source} node: starting {', '.join(local)} of "
          f"{sum(len(v) for v in spec.values())} task(s)")
-    try:
-        specs = _task_specs(spec, argv_for, ps=has_ps, env=env, server_argv=_SERVER_ARGV,
-                            local=set(local), verbose=verbose)
-        result = _attempts(
-            lambda attempt: supervisor.run_tasks(specs, timeout=timeout, sink=sink,
-                                                 log_dir=log_dir, grace_period=grace_period),
-            max_restarts=max_restarts, sink=sink, what="this node's tasks",
-        )
-        if values_dir is not None:
-            result.values = _task_entry_values(values_dir)
-        return result
-    finally:
-        if values_dir is not None:
-            files.remove_scratch(values_dir)
+    return _attempts(
+        lambda attempt: supervisor.run_tasks(
+            _task_specs(spec, argv_for, ps=has_ps, env=env, server_argv=_SERVER_ARGV,
+                        local=set(local), verbose=verbose),
+            timeout=timeout, sink=sink, log_dir=log_dir, grace_period=grace_period),
+        max_restarts=max_restarts, sink=sink, what="this node's tasks", values_dir=values_dir,
+    )
