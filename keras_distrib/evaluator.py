@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from keras_distrib import checkpoint as checkpoint_lib
 from keras_distrib import files
+from keras_distrib import validation
 
 __all__ = ["SidecarEvaluator"]
 
@@ -96,8 +97,7 @@ class SidecarEvaluator:
         for name, value in (("poll_seconds", poll_seconds), ("timeout", timeout)):
             if value is None and name == "timeout":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                    or value != value or value == float("inf"):
+            if not validation.is_seconds(value):
                 problems.append(f"`{name}`={value!r} must be a finite number of seconds > 0")
         if problems:
             raise ValueError("Invalid SidecarEvaluator arguments:\n  - " + "\n  - ".join(problems))

@@ -16,8 +16,6 @@ or one per GPU, with the same supervision.
 import collections.abc
 import importlib.util
 import json
-import math
-import numbers
 import os
 import pickle
 import shlex
@@ -31,6 +29,7 @@ from keras_distrib import cluster_sources
 from keras_distrib import files
 from keras_distrib import supervisor
 from keras_distrib import tf_logs
+from keras_distrib import validation
 from keras_distrib.supervisor import ClusterResult  # noqa: F401 (public result type)
 from keras_distrib.supervisor import TaskResult  # noqa: F401
 
@@ -155,10 +154,7 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
         )
     if not _whole(max_restarts, 0):
         problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number >= 0")
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-        or not math.isfinite(timeout) or timeout <= 0
-    ):
+    if timeout is not None and not validation.is_seconds(timeout):
         problems.append(
             f"`timeout`={timeout!r}: expected a finite number of seconds > 0, or None for "
             "no limit"
@@ -261,10 +257,7 @@ def _script_argv(script, args):
 
 
 def _grace_problems(grace_period):
-    if grace_period is None or (
-        not isinstance(grace_period, bool) and isinstance(grace_period, numbers.Real)
-        and math.isfinite(grace_period) and grace_period >= 0
-    ):
+    if grace_period is None or validation.is_seconds(grace_period, zero=True):
         return []
     return [f"`grace_period`={grace_period!r}: expected a finite number of seconds >= 0"]
 

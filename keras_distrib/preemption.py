@@ -37,6 +37,7 @@ import time
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
+from keras_distrib import validation
 from keras_distrib.supervisor import RESTART_EXIT_CODE
 
 logger = logging.getLogger("keras_distrib")
@@ -59,7 +60,7 @@ _GENERATIONS = itertools.count()
 
 
 def _check_seconds(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+    if not validation.is_seconds(value, zero=True):
         raise ValueError(f"`{name}`={value!r}: expected a finite number of seconds >= 0.")
     return float(value)
 

@@ -19,6 +19,7 @@ from keras import tree
 __all__ = [
     "InputError",
     "check_fit_arguments",
+    "is_seconds",
     "validate_inputs",
 ]
 
@@ -31,6 +32,12 @@ class InputError(ValueError):
 
 def _whole(value, minimum):
     return not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral) and value >= minimum
+
+
+def is_seconds(value, *, zero=False):
+    """Whether `value` is a finite real number of seconds, > 0 (or >= 0 with `zero`)."""
+    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Real)
+            and math.isfinite(value) and (value >= 0 if zero else value > 0))
 
 
 def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per_epoch=None,

@@ -32,6 +32,7 @@ import time
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
+from keras_distrib import validation
 
 __all__ = [
     "ADVICE",
@@ -165,7 +166,7 @@ class Watchdog:
     """
 
     def __init__(self, seconds, *, strategy=None, exit_on_stall=True, sink=None):
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        if not validation.is_seconds(seconds):
             raise ValueError(f"`seconds`={seconds!r}: expected a number of seconds > 0.")
         self.seconds = float(seconds)
         self.strategy = strategy
