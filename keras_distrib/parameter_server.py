@@ -380,7 +380,7 @@ def _evaluate_sharded(model, x, y, *, sample_weight, batch_size, steps, shards, 
     datasets = _shard_datasets(strategy, x, y, sample_weight, batch_size, steps, shards)
     loop.build_model(model, datasets[0].element_spec)
     iterators = [iter(coordinator.create_per_worker_dataset(d)) for d in datasets]
-    evaluate_shard = _shard_evaluator(model)
+    evaluate_shard = step_lib.shard_evaluator(model)
     callbacks = loop.callback_list(callbacks, model, verbose=verbose, epochs=1, steps=shards)
     model.stop_evaluating = False
     callbacks.on_test_begin()
@@ -400,41 +400,6 @@ def _evaluate_sharded(model, x, y, *, sample_weight, batch_size, steps, shards, 
     if return_dict:
         return logs
     return _keras_compat.flatten_metrics_in_order(model, logs)
-
-
-def _shard_evaluator(model):
-    """A function a worker runs over one shard: the metric state it adds up to.
-
-    The metrics update inside a `keras.StatelessScope` that starts from their
-    reset values, so each shard's result is its own, whatever else ran.
-    """
-    strategy = model.distribute_strategy
-    replica_step = step_lib.replica_function(model, "test")
-    variables = list(model.metrics_variables)
-
-    def current(scope):
-        return [tf.convert_to_tensor(scope.get_current_value(v), v.dtype) for v in variables]
-
-    def replica_update(data, state):
-        # The scope is entered on the replica's own thread (the strategy
-        # runs replica functions on threads of their own).
-        with keras.StatelessScope(state_mapping=list(zip(variables, state))) as scope:
-            replica_step(data)
-        return current(scope)
-
-    @tf.function
-    def evaluate_shard(iterator):
-        with keras.StatelessScope() as scope:
-            for metric in model.metrics:
-                metric.reset_state()
-        state = current(scope)
-        optional = iterator.get_next_as_optional()
-        while optional.has_value():
-            state = strategy.run(replica_update, args=(optional.get_value(), state))
-            optional = iterator.get_next_as_optional()
-        return state
-
-    return evaluate_shard
 
 
 def predict(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):

@@ -32,6 +32,7 @@ __all__ = [
     "plan_for",
     "reduce_mean",
     "replica_function",
+    "shard_evaluator",
     "step_logs",
     "whole_step_xla",
 ]
@@ -326,3 +327,42 @@ def _warn_stepwise(model, count):
         "inside a compiled loop. The results are exact either way.",
         stacklevel=3,
     )
+
+
+def shard_evaluator(model):
+    """What a worker runs over one shard of evaluation data: the metric state it adds up to.
+
+    Parameter-server evaluation sharded over the workers
+    (`pss_evaluation_shards`): the coordinator schedules it on each shard and
+    sums the states.
+
+    The metrics update inside a `keras.StatelessScope` that starts from their
+    reset values, so each shard's result is its own, whatever else ran.
+    """
+    strategy = model.distribute_strategy
+    replica_step = replica_function(model, "test")
+    variables = list(model.metrics_variables)
+
+    def current(scope):
+        return [tf.convert_to_tensor(scope.get_current_value(v), v.dtype) for v in variables]
+
+    def replica_update(data, state):
+        # The scope is entered on the replica's own thread (the strategy
+        # runs replica functions on threads of their own).
+        with keras.StatelessScope(state_mapping=list(zip(variables, state))) as scope:
+            replica_step(data)
+        return current(scope)
+
+    @tf.function
+    def evaluate_shard(iterator):
+        with keras.StatelessScope() as scope:
+            for metric in model.metrics:
+                metric.reset_state()
+        state = current(scope)
+        optional = iterator.get_next_as_optional()
+        while optional.has_value():
+            state = strategy.run(replica_update, args=(optional.get_value(), state))
+            optional = iterator.get_next_as_optional()
+        return state
+
+    return evaluate_shard
