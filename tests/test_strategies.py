@@ -58,6 +58,7 @@ def test_default_and_one_device():
     assert isinstance(one, tf.distribute.OneDeviceStrategy)
 
 
+@pytest.mark.cluster
 def test_auto_picks_by_environment():
     code, output = _harness.run_script("strategy_kinds.py")
     assert code == 0, output[-4000:]
