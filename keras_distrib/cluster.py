@@ -14,6 +14,7 @@ import os
 import types
 
 from keras_distrib import cluster_sources
+from keras_distrib.cluster_sources import ClusterConfigError
 from keras_distrib import files
 
 __all__ = [
@@ -34,10 +35,6 @@ SOURCES = ("tf_config", "slurm", "kubernetes", "tpu")
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TASK_TYPES = ("chief", "worker")
-
-
-class ClusterConfigError(ValueError):
-    """TF_CONFIG (or a cluster manager's environment) is malformed; the message lists every problem."""
 
 
 @dataclasses.dataclass(frozen=True)
