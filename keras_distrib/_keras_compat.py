@@ -135,6 +135,7 @@ PRIVATE_NAMES = (
     ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
+    ("tensorflow.python.distribute.ps_values.AggregatingVariable", "get", "method(): the one variable it wraps"),
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
@@ -642,6 +643,45 @@ def fix_variables(variables):
                 object.__setattr__(variable, name, _sharded_readable(inner, name))
 
 
+def write_from_first_replica(variables):
+    """Central storage: replica 0's `assign` to `variables` updates the one copy.
+
+    Under CentralStorageStrategy a variable created without an aggregation
+    (Keras's default; BatchNormalization's moving statistics) is an
+    `AggregatingVariable` that TensorFlow refuses to update in a replica
+    ("You must specify an aggregation method"). Its moving statistics are
+    the same on every replica when kd computes the moments over the global
+    batch (synchronized BatchNormalization), so replica 0 writes them and the
+    others skip the write: what MirroredStrategy's saved (first) copy holds.
+    No `merge_call`, so it also runs inside kd's compiled multi-step loops.
+    Other variables and strategies are left alone. Idempotent.
+    """
+    for variable in variables:
+        inner = getattr(variable, "_value", None)
+        if not isinstance(inner, ps_values.AggregatingVariable) or "assign" in vars(variable):
+            continue
+        if inner.aggregation != tf.VariableAggregation.NONE:
+            continue
+        object.__setattr__(variable, "assign", _first_replica_assign(variable, inner))
+
+
+def _first_replica_assign(variable, inner):
+    keras_assign = type(variable).assign.__get__(variable)
+
+    def assign(value):
+        context = tf.distribute.get_replica_context()
+        if _in_stateless_scope() or context is None or context.num_replicas_in_sync == 1:
+            return keras_assign(value)
+        stored = inner.get()
+        value = tf.cast(value, stored.dtype)
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        tf.cond(first, lambda: stored.assign(value).op, tf.no_op)
+        return value
+
+    assign.__name__ = "assign"
+    return assign
+
+
 def model_variables(model):
     """Every variable of a kd model: weights, metrics, optimizer (and shards)."""
     found = list(model.variables) + list(model.metrics_variables)
@@ -711,17 +751,20 @@ def has_gradient_pipeline(optimizer):
     return optimizer in _PIPELINE_OPTIMIZERS
 
 
-def install_gradient_pipeline(optimizer, aggregate):
+def install_gradient_pipeline(optimizer, aggregate, prepare):
     """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
 
-    `aggregate` all-reduces the replicas' gradients; after it every replica
-    holds the global gradient, and the optimizer's own reduction is skipped.
+    `prepare(optimizer, trainable_variables)` runs first (kd builds an
+    unbuilt optimizer there); `aggregate` all-reduces the replicas'
+    gradients; after it every replica holds the global gradient, and the
+    optimizer's own reduction is skipped.
     """
     if optimizer in _PIPELINE_OPTIMIZERS:
         return
     outer_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
+        prepare(optimizer, trainable_variables)
         return outer_apply(aggregate(list(grads)), trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)

@@ -133,9 +133,6 @@ def unsupported_settings(model, *, training):
             problems.append(f"`use_ema`=True: {why}. {fix}")
         if optimizer is not base:
             problems.append(f"LossScaleOptimizer (mixed precision): {why}. {fix}")
-        for layer in layers:
-            if isinstance(layer, keras.layers.BatchNormalization):
-                problems.append(f"layer {layer.name!r} (BatchNormalization, moving statistics): {why}. {fix}")
     plan = step_lib.plan_for(model)
     if training and plan.xla_forward:
         why = ("`jit_compile=True` with several CPU replicas (or workers) compiles only the "
@@ -230,7 +227,18 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             _keras_compat.record_add_loss(layer, _record_loss)
             if _keras_compat.is_sync_batch_norm(layer):
                 _keras_compat.replace_batch_norm_moments(layer, global_moments)
+        self._prepare_replica_writes()
         _keras_compat.fix_variables(_keras_compat.model_variables(self))
+
+    def _prepare_replica_writes(self):
+        # Under central storage, BatchNormalization's moving statistics are
+        # written by replica 0 (see _keras_compat.write_from_first_replica).
+        for layer in _keras_compat.flatten_layers(self):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                _keras_compat.write_from_first_replica(layer.non_trainable_variables)
+        object.__setattr__(self, "_kd_replica_writes", self.built)
+
+    _kd_replica_writes = False
 
     def replica_batch(self, x):
         """Context for one replica's batch (row counts for loss scaling).
@@ -270,6 +278,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return list(batch.losses) + penalties
 
     def __call__(self, *args, **kwargs):
+        if not self._kd_replica_writes and tf.distribute.has_strategy() \
+                and not tf.distribute.in_cross_replica_context():
+            # A hand-written loop may call the model in a replica without
+            # compiling it: its BatchNormalization updates need kd's
+            # central-storage writes all the same.
+            self._prepare_replica_writes()
         batch = replica.current_batch()
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)

@@ -54,7 +54,6 @@ REFUSED = {
     ("central_storage2", "ema"): ("`use_ema`=True", _CENTRAL),
     ("central_storage2", "mixed_float16"): ("LossScaleOptimizer", _CENTRAL),
     ("central_storage2", "nonfinite_on_one_replica"): ("LossScaleOptimizer", _CENTRAL),
-    ("central_storage2", "sync_batch_norm"): ("BatchNormalization", _CENTRAL),
     ("jit_mirrored2", "sync_batch_norm"): ("BatchNormalization(synchronized=True)", _JIT),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
 }

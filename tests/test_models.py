@@ -55,3 +55,16 @@ def test_model_created_outside_scope_is_refused():
     assert code == 0, output[-4000:]
     (result,) = _harness.results_of(output)
     assert "Create (and compile) the model inside" in result["error"]
+
+
+@pytest.mark.cluster
+def test_batch_norm_in_a_hand_written_central_storage_loop():
+    code, output = _harness.run_script("hand_written_loops.py", "central_storage")
+    assert code == 0, output[-4000:]
+    results = {r["case"]: r for r in _harness.results_of(output)}
+    # A kd model with BatchNormalization(synchronized=True) and an unbuilt Adam,
+    # never compiled: weights and moving statistics match one device.
+    assert "error" not in results["kd_batch_norm_adam"], results["kd_batch_norm_adam"]
+    assert results["kd_batch_norm_adam"]["diff"] <= 2e-5
+    # Contrast: a plain Keras model cannot update its moving statistics there.
+    assert "You must specify an aggregation method" in results["keras_batch_norm_adam"]["error"]
