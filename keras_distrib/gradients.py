@@ -27,7 +27,6 @@ from keras_distrib import step
 
 __all__ = [
     "all_reduce",
-    "build_outside_replicas",
     "exact_optimizer",
     "install",
 ]
@@ -65,7 +64,7 @@ def all_reduce(gradients):
     return [None if g is None else next(summed) for g in gradients]
 
 
-def build_outside_replicas(optimizer, variables):
+def _build_outside_replicas(optimizer, variables):
     """Builds an unbuilt `optimizer` on `variables` once, for every replica.
 
     Keras builds an optimizer at its first `apply`. In a hand-written loop
@@ -125,7 +124,7 @@ def exact_optimizer(optimizer):
             f"`optimizer` must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}. "
             "Create it with keras.optimizers (e.g. keras.optimizers.Adam(1e-3))."
         )
-    _keras_compat.install_gradient_pipeline(optimizer, all_reduce, build_outside_replicas)
+    _keras_compat.install_gradient_pipeline(optimizer, all_reduce, _build_outside_replicas)
     return optimizer
 
 
