@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import tf_logs
+from keras_distrib import validation
 
 __all__ = [
     "StrategyTraits",
@@ -362,7 +363,7 @@ def make_strategy(
             f"Accepted: {sorted(_KIND_OPTIONS[kind]) or 'none'}."
         )
     num_packs = options.get("num_packs", 1)
-    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
+    if not validation.is_whole(num_packs, 1):
         raise ValueError(f"`num_packs`={num_packs!r} must be a whole number >= 1.")
     if kind not in ("multi_worker", "parameter_server", "tpu"):
         devices = check_devices(devices)
