@@ -21,7 +21,6 @@ them.
 import dataclasses
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -215,7 +214,11 @@ def evaluate_pass(model, source, runner, *, callbacks, return_dict):
 
 
 def predict_pass(model, source, runner, *, callbacks):
-    """One pass of prediction; returns every row's outputs, in order, as NumPy."""
+    """One pass of prediction; returns every row's outputs, in order, as NumPy.
+
+    Ragged outputs (or outputs whose shapes vary by batch) come back as a
+    RaggedTensor, as Keras returns them.
+    """
     model.stop_predicting = False
     callbacks.on_predict_begin()
     outputs = []
@@ -223,7 +226,7 @@ def predict_pass(model, source, runner, *, callbacks):
         for begin, end, iterator in source:
             callbacks.on_predict_batch_begin(begin)
             batch_outputs = runner.run(iterator, end - begin + 1)
-            outputs.append(tree.map_structure(np.asarray, batch_outputs))
+            outputs.append(batch_outputs)
             callbacks.on_predict_batch_end(end, {"outputs": batch_outputs})
             if model.stop_predicting:
                 break
@@ -233,7 +236,7 @@ def predict_pass(model, source, runner, *, callbacks):
             "`predict` got no batch from `x`: it is empty, or `steps`=0. Pass data "
             "with at least one row."
         )
-    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+    return _keras_compat.concat_predictions(outputs)
 
 
 # Front ends over local or distributed data (everything but parameter servers).
@@ -285,9 +288,16 @@ def build_model(model, data_batch):
 
 
 def _first_replica_spec(spec):
-    """A TensorSpec from a (possibly per-replica) element spec."""
+    """A TensorSpec from a (possibly per-replica) element spec.
+
+    An absent optional input (`keras.Input(optional=True)` fed None) is
+    None, as Keras builds it.
+    """
     values = _keras_compat.per_replica_specs(spec)
-    return values[0] if values else spec
+    spec = values[0] if values else spec
+    if isinstance(spec, (tf.NoneTensorSpec, tf.OptionalSpec)):
+        return None
+    return spec
 
 
 def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
