@@ -31,6 +31,7 @@ from keras_distrib import watchdog
 
 __all__ = [
     "DataPosition",
+    "EmptyDataError",
     "LocalRunner",
     "TrainLoop",
     "build",
@@ -46,6 +47,10 @@ __all__ = [
     "predict_pass",
     "resume_position",
 ]
+
+
+class EmptyDataError(ValueError):
+    """`fit` got no batch at all in an epoch (nothing was trained)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +157,12 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
         done = position.batch if epoch == position.epoch else 0
+        ran = False  # a step ran, or the backup held the batches
         with source.catch_stop_iteration():
             for begin, end, iterator in source:
                 if end < done:  # the backup holds this whole chunk
                     runner.skip(iterator, end - begin + 1)
+                    ran = True
                     continue
                 if begin < done:
                     runner.skip(iterator, done - begin)
@@ -172,6 +179,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     if explained is None:
                         raise
                     raise explained from error
+                ran = True
                 callbacks.on_train_batch_end(end, logs)
                 for hook in chunk_hooks:
                     hook(end, logs)
@@ -179,6 +187,13 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     watch.step(epoch, end)
                 if model.stop_training:
                     break
+        if not ran:
+            raise EmptyDataError(
+                f"`x` gave no batch in epoch {epoch + 1}: the data is empty (e.g. a dataset "
+                "filtered to nothing, or a generator that is exhausted). Nothing was trained. "
+                "Pass data with at least one row (a generator must yield batches for every "
+                "epoch, or set `steps_per_epoch`)."
+            )
         epoch_logs = runner.epoch_logs(logs)
         if validate is not None:
             validation_logs = validate(epoch)
@@ -518,66 +533,47 @@ class TrainLoop:
     # Model.fit-like entry points.
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+            callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+            class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1,
             backup_dir=None, backup_freq="epoch"):
         """Trains like `Model.fit` and returns its `keras.callbacks.History`.
 
-        With `backup_dir`, a `kd.callbacks.BackupAndRestore(backup_dir,
-        save_freq=backup_freq)` is added: a restarted run resumes at the
-        saved epoch and step.
+        The same front door as `Model.fit` (`keras_distrib.front`): the same
+        arguments and checks. With `backup_dir`, a
+        `kd.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq)` is
+        added: a restarted run resumes at the saved epoch and step.
         """
-        from keras_distrib import parameter_server
-        from keras_distrib import validation
+        from keras_distrib import front
 
-        validation.validate_inputs(
-            self.model, x, y, sample_weight, method="fit", validation_data=validation_data,
-            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
-            verbose=verbose, shuffle=shuffle, class_weight=class_weight, callbacks=callbacks,
-        )
         if backup_dir is not None:
             from keras_distrib.callbacks import BackupAndRestore
 
-            callbacks = list(callbacks or []) + [BackupAndRestore(backup_dir, save_freq=backup_freq)]
-        arguments = dict(
-            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            if callbacks is None or isinstance(callbacks, (list, tuple)):
+                callbacks = list(callbacks or []) + [BackupAndRestore(backup_dir, save_freq=backup_freq)]
+        return front.fit(
+            self.model, self._step, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
             validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
             sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )
-        if parameter_server.is_parameter_server(self.strategy):
-            return parameter_server.fit(self.model, x, y, steps_per_call=self.steps_per_loop, **arguments)
-        return fit(self.model, self._step("train"), x, y, evaluate_steps=self._step("test"), **arguments)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
-                 sample_weight=None, steps=None, callbacks=None):
-        """Evaluates like `Model.evaluate(return_dict=True)`."""
-        from keras_distrib import parameter_server
+                 sample_weight=None, steps=None, callbacks=None, shards=None):
+        """Evaluates like `Model.evaluate(return_dict=True)` (the same front door)."""
+        from keras_distrib import front
 
-        if parameter_server.is_parameter_server(self.strategy):
-            return parameter_server.evaluate(
-                self.model, x, y, batch_size=batch_size, verbose=verbose,
-                sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
-            )
-        return evaluate(
-            self.model, self._step("test"), x, y, batch_size=batch_size, verbose=verbose,
-            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks, return_dict=True,
+        return front.evaluate(
+            self.model, self._step, x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
+            shards=shards,
         )
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """Predicts like `Model.predict`: every row once, in input order."""
-        from keras_distrib import parameter_server
+        """Predicts like `Model.predict`: every row once, in input order (the same front door)."""
+        from keras_distrib import front
 
-        if parameter_server.is_parameter_server(self.strategy):
-            return parameter_server.predict(
-                self.model, x, batch_size=batch_size, verbose=verbose, steps=steps,
-                callbacks=callbacks,
-            )
-        return predict(
-            self.model, self._step("predict"), x, batch_size=batch_size, verbose=verbose,
-            steps_count=steps, callbacks=callbacks,
-        )
+        return front.predict(self.model, self._step, x, batch_size=batch_size, verbose=verbose,
+                             steps=steps, callbacks=callbacks)

@@ -17,12 +17,11 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib import front
 from keras_distrib import gradients
 from keras_distrib import loop
-from keras_distrib import parameter_server
 from keras_distrib import replica
 from keras_distrib import step as step_lib
-from keras_distrib import validation
 
 __all__ = [
     "DistributedModelMixin",
@@ -450,6 +449,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     # fit, evaluate and predict run kd's loop (keras_distrib.loop).
 
+    def _step_of(self, kind):
+        return {"train": self.make_train_function, "test": self.make_test_function,
+                "predict": self.make_predict_function}[kind]()
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -457,29 +460,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy()
-        validation.validate_inputs(
-            self, x, y, sample_weight, method="fit", validation_data=validation_data,
-            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_split=validation_split,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
-            class_weight=class_weight, callbacks=callbacks,
-        )
-        arguments = dict(
-            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            validation_split=validation_split, validation_data=validation_data,
-            shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-        )
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.fit(
-                self, x, y, steps_per_call=int(self.steps_per_execution or 1), **arguments
-            )
-        return loop.fit(
-            self, self.make_train_function(), x, y, evaluate_steps=self.make_test_function(),
-            **arguments,
+        return front.fit(
+            self, self._step_of, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
+            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+            sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -491,37 +478,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         shards = kwargs.pop("shards", None)
         if kwargs:
             raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
-        validation.validate_inputs(self, x, y, sample_weight, method="evaluate",
-                                   batch_size=batch_size, steps=steps)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.evaluate(
-                self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
-                steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
-            )
-        if shards:
-            raise ValueError(
-                f"`shards`={shards!r}: sharded evaluation is for ParameterServerStrategy; "
-                f"under {type(self.distribute_strategy).__name__} evaluation is already "
-                "distributed over the replicas."
-            )
-        return loop.evaluate(
-            self, self.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
-            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
-            return_dict=return_dict,
+        return front.evaluate(
+            self, self._step_of, x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+            return_dict=return_dict, shards=shards,
         )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """`keras.Model.predict`: every row once, in input order, under any strategy."""
+        """`keras.Model.predict`: every row once, in input order, under any strategy.
+
+        Works on a model that was never compiled (inference), as Keras's.
+        """
         self._check_strategy()
-        validation.validate_inputs(self, x, method="predict", batch_size=batch_size, steps=steps)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.predict(
-                self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
-            )
-        return loop.predict(
-            self, self.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
-            steps_count=steps, callbacks=callbacks,
-        )
+        return front.predict(self, self._step_of, x, batch_size=batch_size, verbose=verbose,
+                             steps=steps, callbacks=callbacks)
 
     def predict_on_batch(self, x):
         """`keras.Model.predict_on_batch`: `x` as one batch, every row once, in order.
