@@ -580,3 +580,8 @@ class Sequential(DistributedModelMixin, keras.Sequential):
         >>> model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")
     """
+
+
+# Keras's legacy `.h5` format names a model's class by its bare Python name;
+# kd's functional class has a name of its own, so a saved file resolves to it.
+keras.saving.get_custom_objects().setdefault("FunctionalModel", FunctionalModel)
