@@ -13,9 +13,15 @@ loop's (`steps_per_loop`).
 
 from keras_distrib import loop
 from keras_distrib import parameter_server
+from keras_distrib import strategies
 from keras_distrib import validation
 
-__all__ = ["evaluate", "fit", "predict"]
+__all__ = ["evaluate", "fit", "on_parameter_server", "predict"]
+
+
+def on_parameter_server(model):
+    """Whether `model`'s steps are scheduled on parameter-server workers (else the local loop)."""
+    return strategies.traits(model.distribute_strategy).is_parameter_server
 
 
 def fit(model, steps_for, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
@@ -39,7 +45,7 @@ def fit(model, steps_for, x=None, y=None, *, batch_size=None, epochs=1, verbose=
         validation_steps=validation_steps, validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )
-    if parameter_server.is_parameter_server(model.distribute_strategy):
+    if on_parameter_server(model):
         train = steps_for("train")
         return parameter_server.fit(model, x, y, steps_per_call=train.steps, **arguments)
     return loop.fit(model, steps_for("train"), x, y, evaluate_steps=steps_for("test"), **arguments)
@@ -52,7 +58,7 @@ def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto
                                batch_size=batch_size, steps=steps, verbose=verbose,
                                callbacks=callbacks)
     strategy = model.distribute_strategy
-    if parameter_server.is_parameter_server(strategy):
+    if on_parameter_server(model):
         return parameter_server.evaluate(
             model, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
             steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
@@ -74,7 +80,7 @@ def predict(model, steps_for, x, *, batch_size=None, verbose="auto", steps=None,
     """`Model.predict` for `model`: every row once, in input order."""
     validation.validate_inputs(model, x, method="predict", batch_size=batch_size, steps=steps,
                                verbose=verbose, callbacks=callbacks)
-    if parameter_server.is_parameter_server(model.distribute_strategy):
+    if on_parameter_server(model):
         return parameter_server.predict(
             model, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
         )

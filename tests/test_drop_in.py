@@ -232,6 +232,7 @@ def test_reduction_none_loss_trains_as_keras():
 # 9, 8, 3 under several replicas; 9 on one device.
 
 
+@pytest.mark.cluster
 def test_replicas_predict_on_batch_reduction_none_and_generators():
     code, output = _harness.run_script("drop_in_replicas.py", timeout=400)
     assert code == 0, output[-4000:]
