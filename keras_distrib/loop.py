@@ -18,9 +18,11 @@ moves the data past the batches the backup already holds, without training
 them.
 """
 
+import collections.abc
 import dataclasses
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -44,6 +46,7 @@ __all__ = [
     "evaluate_pass",
     "fit",
     "fit_epochs",
+    "owned_batches",
     "predict",
     "predict_pass",
     "resume_position",
@@ -258,11 +261,81 @@ def predict_pass(model, source, runner, *, callbacks):
 # Front ends over local or distributed data (everything but parameter servers).
 
 
+_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
+
+
+def _copy_batch(batch):
+    """A batch whose arrays are new NumPy arrays that nothing else holds."""
+    return tree.map_structure(
+        lambda v: np.array(v, copy=True) if isinstance(v, np.ndarray) else v, batch
+    )
+
+
+class _CopiedBatches(keras.utils.PyDataset):
+    """A PyDataset that hands out copies of another's batches (see `owned_batches`)."""
+
+    def __init__(self, inner):
+        super().__init__(workers=inner.workers, use_multiprocessing=inner.use_multiprocessing,
+                         max_queue_size=inner.max_queue_size)
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    @property
+    def num_batches(self):
+        return self.inner.num_batches
+
+    def __getitem__(self, index):
+        return _copy_batch(self.inner[index])
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+
+def _copy_element(*element):
+    def copy(value):
+        return tf.raw_ops.DeepCopy(x=value) if isinstance(value, tf.Tensor) else value
+
+    return tree.map_structure(copy, element if len(element) > 1 else element[0])
+
+
+def owned_batches(x):
+    """`x`, with every batch a Python side hands to TensorFlow copied first.
+
+    `Dataset.from_generator` (and so Keras's PyDataset and generator
+    adapters) gives TensorFlow the generator's NumPy arrays without a copy;
+    TensorFlow then treats their memory as its own and may write a step's
+    intermediate result into it (an op reusing its input's buffer). The
+    user's arrays change: under MirroredStrategy the labels were rewritten
+    in place during epoch 1, so epoch 2 trained on different labels, in
+    some runs (it depends on TensorFlow's scheduling). Copying each batch
+    first leaves the user's arrays alone; one device gives the same values
+    either way.
+    """
+    if isinstance(x, keras.utils.PyDataset):
+        return _CopiedBatches(x)
+    if isinstance(x, tf.data.Dataset):
+        if _PYTHON_OPS & _keras_compat.dataset_ops_used(x):
+            return x.map(_copy_element)
+        return x
+    if isinstance(x, collections.abc.Iterator) and not hasattr(x, "shape"):
+        return (_copy_batch(batch) for batch in x)
+    return x
+
+
 def epoch_source(model, *, x, y=None, sample_weight=None, batch_size=None, steps=None,
                  shuffle=False, class_weight=None, steps_per_call=1, strategy=None):
-    """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`)."""
+    """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`).
+
+    Batches from Python (PyDataset, generators, `from_generator`) are
+    copied before TensorFlow sees them (`owned_batches`).
+    """
     return _keras_compat.epoch_iterator(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
+        x=owned_batches(x), y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
         shuffle=shuffle, class_weight=class_weight,
         distribute_strategy=strategy or model.distribute_strategy,
         steps_per_execution=steps_per_call,
@@ -479,8 +552,13 @@ class TrainLoop:
     # Compiled steps for hand-written loops.
 
     def distribute(self, dataset):
-        """`strategy.experimental_distribute_dataset(dataset)`."""
-        return self.strategy.experimental_distribute_dataset(dataset)
+        """`strategy.experimental_distribute_dataset(dataset)`, Python-fed batches copied first.
+
+        A `Dataset.from_generator` (or `py_function`) pipeline gets a copy of
+        each batch (`owned_batches`), so training cannot write into the
+        generator's arrays.
+        """
+        return self.strategy.experimental_distribute_dataset(owned_batches(dataset))
 
     def build(self, data_batch):
         """Creates the model, metric and optimizer variables in the scope.

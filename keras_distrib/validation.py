@@ -336,45 +336,6 @@ def _data_problems(model, x, y, sample_weight, *, check_finite, method):
     return _array_problems(model, x, y, sample_weight, check_finite=check_finite, method=method)
 
 
-_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
-
-
-def _python_source(data):
-    """What kind of Python-fed input `data` is (a PyDataset, a generator, ...), or None."""
-    if isinstance(data, keras.utils.PyDataset):
-        return "a keras.utils.PyDataset"
-    if isinstance(data, tf.data.Dataset):
-        from keras_distrib import _keras_compat
-
-        found = sorted(_PYTHON_OPS & _keras_compat.dataset_ops_used(data))
-        if found:
-            return f"a tf.data.Dataset that calls Python ({', '.join(found)}: from_generator or py_function)"
-        return None
-    if isinstance(data, collections.abc.Iterator) and not _is_array(data):
-        return f"a Python {type(data).__name__} (generator or iterator)"
-    return None
-
-
-def _generator_problems(model, x, validation_data):
-    """Python-fed inputs under several replicas: not exact every run, refused with the fix."""
-    strategy = model.distribute_strategy
-    if strategy.num_replicas_in_sync <= 1:
-        return []
-    problems = []
-    for label, data in (("x", x), ("validation_data", validation_data)):
-        kind = _python_source(data) if data is not None else None
-        if kind:
-            problems.append(
-                f"`{label}` is {kind}. Under {type(strategy).__name__} with "
-                f"{strategy.num_replicas_in_sync} replicas, training on Python-fed batches is not "
-                "reproducible: the same batches reach the replicas, yet the weights differ between "
-                "runs from the second epoch on. Pass NumPy arrays, or a tf.data.Dataset built from "
-                "tensors or files (tf.data.Dataset.from_tensor_slices(...).batch(...), "
-                "TFRecordDataset); or train this input on one device"
-            )
-    return problems
-
-
 def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", validation_data=None,
                     **arguments):
     """Raises `InputError` listing every problem with `method`'s arguments.
@@ -429,8 +390,6 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
         check_finite = method != "predict"
         problems.extend(_data_problems(model, x, y, sample_weight, check_finite=check_finite,
                                        method=method))
-    if method == "fit":
-        problems.extend(_generator_problems(model, x, validation_data))
     if validation_data is not None:
         if isinstance(validation_data, tf.data.Dataset):
             problems.extend(_dataset_problems(model, validation_data, None, "validation_data"))

@@ -229,7 +229,7 @@ def test_reduction_none_loss_trains_as_keras():
     np.testing.assert_allclose(histories[0]["loss"], histories[1]["loss"], rtol=1e-12)
 
 
-# 9, 8, 3 under several replicas; 9 on one device.
+# 3, 8, 9 under several replicas; 9 on one device.
 
 
 @pytest.mark.cluster
@@ -243,9 +243,12 @@ def test_replicas_predict_on_batch_reduction_none_and_generators():
     # reduction="none" on 2 replicas, uneven last batch, vs one-device Keras.
     assert result["reduction_none_diff"] < 1e-12
     assert result["reduction_none_loss_diff"] < 1e-12
-    # Python-fed inputs are refused for fit, with the fix named.
+    # Python-fed input, 3 runs each, every step against one-device Keras
+    # (epoch 2 used to diverge in some runs: TensorFlow wrote into the
+    # generator's label arrays).
     for kind in ("pydataset", "generator", "from_generator"):
-        assert "`x` is" in result[kind] and "from_tensor_slices" in result[kind], result[kind]
+        assert result[kind]["steps"] == 18 and max(result[kind]["diffs"]) < 1e-12, result[kind]
+    assert result["arrays_unchanged"]
 
 
 class Batches(keras.utils.PyDataset):
