@@ -152,6 +152,8 @@ PRIVATE_NAMES = (
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
+    ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
+    ("tf.data.Dataset", "_functions", "method(): StructuredFunctionWrappers (.function.graph)"),
     # The coordination service's key-value store (no public API): preemption
     # agreement and the watchdog's heartbeats.
     ("tensorflow.python.eager.context", "context", "function(): the eager Context"),
@@ -611,6 +613,30 @@ def dataset_ops_used(dataset):
     for function in graph.library.function:
         ops.update(node.op for node in function.node_def)
     return ops
+
+
+def dataset_calls_python(dataset, op_types):
+    """Whether a dataset's functions (map, flat_map, from_generator's) use any of `op_types`.
+
+    Walks the dataset's inputs and the graphs of their functions, without
+    serializing the dataset (which would copy every constant it holds, e.g.
+    the arrays of `from_tensor_slices`).
+    """
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in current._functions():
+            graphs = [wrapper.function.graph]
+            while graphs:
+                graph = graphs.pop()
+                if any(op.type in op_types for op in graph.get_operations()):
+                    return True
+                graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
+        pending.extend(current._inputs())
+    return False
 
 
 def default_strategy():

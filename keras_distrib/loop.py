@@ -319,7 +319,7 @@ def owned_batches(x):
     if isinstance(x, keras.utils.PyDataset):
         return _CopiedBatches(x)
     if isinstance(x, tf.data.Dataset):
-        if _PYTHON_OPS & _keras_compat.dataset_ops_used(x):
+        if _keras_compat.dataset_calls_python(x, _PYTHON_OPS):
             return x.map(_copy_element)
         return x
     if isinstance(x, collections.abc.Iterator) and not hasattr(x, "shape"):

@@ -354,3 +354,18 @@ def test_non_finite_data_is_warned_about_and_trained_on_as_keras():
         losses.append(history.history["loss"])
     assert np.isinf(losses[0][0]) or np.isnan(losses[0][0])
     assert ours.stop_training and theirs.stop_training
+
+
+def test_python_fed_datasets_are_found_without_serializing_them():
+    def batches():
+        yield X[:4], Y[:4]
+
+    spec = (tf.TensorSpec((None, 3), tf.float64), tf.TensorSpec((None, 2), tf.float64))
+    generated = tf.data.Dataset.from_generator(batches, output_signature=spec)
+    from_arrays = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4)
+    assert kd.loop.owned_batches(from_arrays) is from_arrays
+    copied = kd.loop.owned_batches(generated.prefetch(1))
+    assert copied is not generated and copied.element_spec == generated.element_spec
+    for (x, y), (x_copy, y_copy) in zip(generated, copied):
+        np.testing.assert_array_equal(x, x_copy)
+        np.testing.assert_array_equal(y, y_copy)
