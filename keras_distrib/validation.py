@@ -336,6 +336,33 @@ def _data_problems(model, x, y, sample_weight, *, check_finite, method):
     return _array_problems(model, x, y, sample_weight, check_finite=check_finite, method=method)
 
 
+def _absent_inputs(name, data):
+    """Labels of the None entries inside a list, tuple or dict of inputs."""
+    if isinstance(data, collections.abc.Mapping):
+        items = [(f"{name}[{k!r}]", v) for k, v in data.items()]
+    elif isinstance(data, (list, tuple)):
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(data)]
+    else:
+        return []
+    found = []
+    for label, value in items:
+        found += [label] if value is None else _absent_inputs(label, value)
+    return found
+
+
+def _absent_input_problems(model, x):
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    absent = _absent_inputs("x", x) if replicas > 1 else []
+    if not absent:
+        return []
+    return [
+        f"{', '.join(f'`{label}`' for label in absent)} is None (an optional input left out), under "
+        f"{type(model.distribute_strategy).__name__} with {replicas} replicas: TensorFlow's "
+        "distributed input cannot split a missing input over replicas (plain Keras fails there "
+        "too). Pass the input (e.g. zeros the model ignores), or run on one device"
+    ]
+
+
 def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", validation_data=None,
                     **arguments):
     """Raises `InputError` listing every problem with `method`'s arguments.
@@ -387,6 +414,7 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
             f"`x` is None; `{method}` needs data: arrays, a dict of arrays, or a tf.data.Dataset"
         )
     else:
+        problems.extend(_absent_input_problems(model, x))
         check_finite = method != "predict"
         problems.extend(_data_problems(model, x, y, sample_weight, check_finite=check_finite,
                                        method=method))

@@ -59,6 +59,17 @@ result["reduction_none_diff"] = max(
 result["reduction_none_loss_diff"] = float(np.abs(np.array(loss) - np.array(reference_loss)).max())
 
 
+# An optional input left out (None): refused under several replicas, naming it.
+with strategy.scope():
+    first, second = keras.Input((3,)), keras.Input((3,), optional=True)
+    optional = kd.Model([first, second], keras.layers.Dense(1)(first))
+    optional.compile(optimizer="sgd", loss="mse")
+try:
+    optional.fit([x, None], y[:, :1], verbose=0)
+    result["optional_none"] = "trained"
+except ValueError as error:
+    result["optional_none"] = str(error)
+
 # Python-fed input: each batch a view into arrays that must stay as they are.
 features = rng.normal(size=(30, 3))
 labels = rng.normal(size=(30, 2))
