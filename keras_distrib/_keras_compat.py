@@ -23,8 +23,9 @@ What kd corrects here, at the narrowest point it can reach:
   workers read-modify-write the same variable concurrently and lose
   increments. `fix_variables` routes both to the variable's own atomic
   update, and makes partitioned weights readable as NumPy (saving).
-- The forward pass: `add_loss` terms recorded per replica, synchronized
-  batch normalization with exact global moments.
+- The forward pass: `add_loss` terms recorded per replica, batch
+  normalization with exact global moments, random layers drawing for the
+  global batch (their `call` replaced per layer).
 
 Importing keras_distrib patches no Keras or TensorFlow class.
 """
@@ -804,7 +805,7 @@ def _apply_in_cross_replica(optimizer, distribution, grads, variables):
 # Per-replica forward-pass bookkeeping (see keras_distrib/models.py).
 
 _LOSS_RECORDING_LAYERS = weakref.WeakSet()
-_SYNC_BATCH_NORM_LAYERS = weakref.WeakSet()
+_BATCH_NORM_LAYERS = weakref.WeakSet()
 
 
 def flatten_layers(model):
@@ -838,18 +839,34 @@ def is_sync_batch_norm(layer):
     )
 
 
+def owned_seed_generators(layer):
+    """The `keras.random.SeedGenerator`s `layer` itself holds (not its sublayers')."""
+    return [v for v in vars(layer).values() if isinstance(v, keras.random.SeedGenerator)]
+
+
+_CALL_REPLACED_LAYERS = weakref.WeakSet()
+
+
+def replace_call(layer, make_call):
+    """Makes `layer` run `make_call(layer, original_call)` instead of its `call` (idempotent)."""
+    if layer in _CALL_REPLACED_LAYERS:
+        return
+    object.__setattr__(layer, "call", make_call(layer, layer.call))
+    _CALL_REPLACED_LAYERS.add(layer)
+
+
 def replace_batch_norm_moments(layer, moments):
-    """Makes a synchronized BatchNormalization use `moments(layer, x, mask, original)`.
+    """Makes a BatchNormalization use `moments(layer, x, mask, original)`.
 
     `original` is Keras's `_moments`; `layer_axes(layer)` gives the axes.
     """
-    if layer in _SYNC_BATCH_NORM_LAYERS:
+    if layer in _BATCH_NORM_LAYERS:
         return
     original = layer._moments
     object.__setattr__(
         layer, "_moments", lambda inputs, mask: moments(layer, inputs, mask, original)
     )
-    _SYNC_BATCH_NORM_LAYERS.add(layer)
+    _BATCH_NORM_LAYERS.add(layer)
 
 
 def batch_norm_axes(layer):
