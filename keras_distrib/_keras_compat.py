@@ -844,6 +844,22 @@ def owned_seed_generators(layer):
     return [v for v in vars(layer).values() if isinstance(v, keras.random.SeedGenerator)]
 
 
+def replace_variable_updates(variable, make_updates):
+    """Replaces `variable`'s `assign`, `assign_add`, `assign_sub` (idempotent).
+
+    `make_updates(current, keras_assign)` gets the variable's current
+    methods (a dict by name) and Keras's own `assign`, and returns the new
+    methods by name.
+    """
+    if getattr(variable.assign, "replaced_by_kd", False):  # variables are unhashable
+        return
+    current = {name: getattr(variable, name) for name in ("assign", "assign_add", "assign_sub")}
+    keras_assign = type(variable).assign.__get__(variable)
+    for name, method in make_updates(current, keras_assign).items():
+        method.replaced_by_kd = True
+        object.__setattr__(variable, name, method)
+
+
 _CALL_REPLACED_LAYERS = weakref.WeakSet()
 
 

@@ -143,6 +143,72 @@ def _random_layer_problem(layer):
     )
 
 
+def _layer_state(model):
+    """(layer, variable) for each non-trainable variable a layer may assign in `call`.
+
+    BatchNormalization's moving statistics (kd makes them global) and the
+    random layers' seed states (the same on every replica) are not
+    included; each variable is named with the innermost layer holding it.
+    """
+    owners = {}
+    skipped = set()
+    for layer in _keras_compat.flatten_layers(model):
+        skipped.update(id(g.state) for g in _keras_compat.owned_seed_generators(layer))
+        for variable in layer.non_trainable_weights:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                skipped.add(id(variable))
+            owners[id(variable)] = (layer, variable)
+    return [pair for key, pair in owners.items() if key not in skipped]
+
+
+def _replica_state_updates(layer, variable):
+    """Updates of a layer's variable that mean on many replicas what they mean on one.
+
+    In a step on several replicas, `assign_add`/`assign_sub` of a value that
+    depends on the data add the sum over replicas (counts and sums of rows:
+    what one device adds for the global batch; an empty replica adds
+    nothing), and of a constant add it once (a step counter). `assign` has
+    no such meaning: each replica's value comes from its own rows; it is
+    refused at the first step, naming the layer and the variable.
+    """
+
+    def make(current, keras_assign):
+        def assign(value, *args, **kwargs):
+            if _in_replica_step():
+                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                raise ValueError(
+                    f"layer {layer.name!r} ({type(layer).__name__}) assigns its variable "
+                    f"{variable.path!r} with `assign` in a step on {replicas} replicas: each "
+                    "replica computes the value from its own rows, and what one device computes "
+                    "from the global batch cannot be rebuilt from them. kd sums `assign_add`/"
+                    "`assign_sub` increments over the replicas (exact for counts and sums of "
+                    "rows): update the variable that way, or outside the training step (e.g. in "
+                    "a callback), or train on one replica."
+                )
+            return current["assign"](value, *args, **kwargs)
+
+        def adding(name, sign):
+            def update(value, *args, **kwargs):
+                if not _in_replica_step():
+                    return current[name](value, *args, **kwargs)
+                value = tf.convert_to_tensor(value, variable.dtype)
+                if tf.get_static_value(value) is None:
+                    batch = replica.current_batch()
+                    value = replica.replica_sum(value * tf.cast(batch.has_rows, value.dtype))
+                return keras_assign(variable.value + sign * value)
+
+            return update
+
+        return {"assign": assign, "assign_add": adding("assign_add", 1),
+                "assign_sub": adding("assign_sub", -1)}
+
+    return make
+
+
+def _in_replica_step():
+    return replica.current_batch() is not None and _spreads_over_replicas()
+
+
 def _moments_token(value, dtype):
     """A zero that carries a gradient path from `value`.
 
@@ -364,6 +430,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                     _PER_REPLICA_BATCH_NORM.discard(layer)
             if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS):
                 _keras_compat.replace_call(layer, _global_batch_call)
+        for layer, variable in _layer_state(self):
+            _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
         _keras_compat.fix_variables(_keras_compat.model_variables(self))
 
     def replica_batch(self, x):

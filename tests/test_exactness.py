@@ -18,32 +18,36 @@ ALL = [
     "loss_scale_factor", "mixed_float16", "nonfinite_on_one_replica", "ema", "adamw_schedule",
     "regularizers", "frozen_layer", "sync_batch_norm", "weights", "class_weights",
     "multi_output", "dict_inputs", "masks", "lstm_auc", "cnn", "reshuffled_dataset",
-    "custom_train_step",
+    "custom_train_step", "dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics",
+    "running_mean",
 ]
+# Randomness, batch statistics and layer state (issue 22).
+LAYERED = ["dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics"]
 # What each path must show; every path also runs under mirrored2 with ALL.
 CORE = ["base", "clipnorm", "accumulation", "nonfinite_on_one_replica", "sync_batch_norm",
         "masks", "cnn", "custom_train_step"]
 MATRIX = {
     "one_device": ALL,
-    "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step"],
+    "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step",
+                  "dropout_bn_noise", "running_mean"],
     "mirrored2": ALL,
-    "mirrored4": CORE,
+    "mirrored4": CORE + LAYERED,
     "mirrored2_reduce_to_one_device": ["base", "global_clipnorm", "weights", "multi_output"],
     "central_storage2": [
         "base", "clipnorm", "accumulation", "mixed_float16", "ema", "sync_batch_norm",
         "class_weights", "multi_output", "cnn", "custom_train_step",
     ],
-    "loop_mirrored2": CORE + ["reshuffled_dataset"],
+    "loop_mirrored2": CORE + ["reshuffled_dataset"] + LAYERED,
     "loop_one_device": ["base", "accumulation", "masks"],
-    "spe3_mirrored2": CORE + ["ema"],
+    "spe3_mirrored2": CORE + ["ema", "dropout_bn_noise"],
     "jit_mirrored2": ["base", "clipnorm", "accumulation", "mixed_float16", "regularizers",
-                      "sync_batch_norm", "masks", "cnn", "custom_train_step"],
+                      "sync_batch_norm", "masks", "cnn", "custom_train_step", "dropout_bn_noise"],
     "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc"],
     "multi_worker1": ["base", "clipnorm", "weights"],
     "parameter_server": ALL,
 }
-MULTI_WORKER = CORE + ["mixed_float16", "reshuffled_dataset"]
-LOOP_MULTI_WORKER = ["base", "accumulation", "masks"]
+MULTI_WORKER = CORE + ["mixed_float16", "reshuffled_dataset"] + LAYERED
+LOOP_MULTI_WORKER = ["base", "accumulation", "masks", "dropout_bn_noise"]
 
 # (path, feature) -> text the refusal must contain.
 _CENTRAL = "CentralStorageStrategy keeps one copy of each variable"
@@ -55,7 +59,9 @@ REFUSED = {
     ("central_storage2", "mixed_float16"): ("LossScaleOptimizer", _CENTRAL),
     ("central_storage2", "nonfinite_on_one_replica"): ("LossScaleOptimizer", _CENTRAL),
     ("central_storage2", "sync_batch_norm"): ("BatchNormalization", _CENTRAL),
-    ("jit_mirrored2", "sync_batch_norm"): ("BatchNormalization(synchronized=True)", _JIT),
+    ("jit_mirrored2", "sync_batch_norm"): ("(BatchNormalization) all-reduces its global", _JIT),
+    ("jit_mirrored2", "dropout_bn_noise"): ("(BatchNormalization) all-reduces its global", _JIT),
+    ("mirrored2", "running_mean"): ("(RunningMean) assigns its variable", "`assign`"),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
 }
 

@@ -447,6 +447,53 @@ def two_sync_bn():
     return _image_feature(_two_sync_bn)
 
 
+class RowStatistics(keras.layers.Layer):
+    """Counts the rows it sees and sums its inputs (state assigned in `call`)."""
+
+    def build(self, input_shape):
+        self.rows = self.add_weight(shape=(), initializer="zeros", trainable=False, name="rows")
+        self.total = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                     trainable=False, name="total")
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def call(self, x, training=None):
+        if training:
+            self.rows.assign_add(keras.ops.cast(keras.ops.shape(x)[0], self.rows.dtype))
+            self.total.assign_add(keras.ops.sum(x, axis=0))
+            self.calls.assign_add(1.0)  # once per step, whatever the batch
+        return x
+
+
+class RunningMean(keras.layers.Layer):
+    """Keeps a running mean of its inputs with `assign` (no replica-free meaning)."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                    trainable=False, name="running_mean")
+
+    def call(self, x, training=None):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * keras.ops.mean(x, axis=0))
+        return x
+
+
+def _stateful_mlp(cls, layer):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    x = layer()(keras.layers.Dense(8, activation="tanh")(inputs))
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def row_statistics():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01),
+                               build=lambda cls: _stateful_mlp(cls, RowStatistics))
+
+
+def running_mean():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01),
+                               build=lambda cls: _stateful_mlp(cls, RunningMean))
+
+
 FEATURES = {
     "base": base,
     "clipnorm": clipnorm,
@@ -474,6 +521,8 @@ FEATURES = {
     "dropout_bn_noise": dropout_bn_noise,
     "resnet_bn": resnet_bn,
     "two_sync_bn": two_sync_bn,
+    "row_statistics": row_statistics,
+    "running_mean": running_mean,
 }
 
 
@@ -582,6 +631,9 @@ def reference(name):
 def error_summary(error):
     """The informative line of an error (TensorFlow wraps it in a traceback)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for index, line in enumerate(lines[:-1]):
+        if "Exception encountered when calling" in line:  # Keras wraps a layer's error
+            return f"{line} {lines[index + 1]}"[:600]
     informative = [line for line in lines if "Error:" in line or "error" in line.lower()]
     return ((informative or lines or [""])[-1])[:600]
 
