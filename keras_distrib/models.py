@@ -28,6 +28,7 @@ __all__ = [
     "Model",
     "Sequential",
     "global_moments",
+    "layer_state",
     "unsupported_settings",
 ]
 
@@ -143,7 +144,7 @@ def _random_layer_problem(layer):
     )
 
 
-def _layer_state(model):
+def layer_state(model):
     """(layer, variable) for each non-trainable variable a layer may assign in `call`.
 
     BatchNormalization's moving statistics (kd makes them global) and the
@@ -430,7 +431,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                     _PER_REPLICA_BATCH_NORM.discard(layer)
             if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS):
                 _keras_compat.replace_call(layer, _global_batch_call)
-        for layer, variable in _layer_state(self):
+        for layer, variable in layer_state(self):
             _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
         _keras_compat.fix_variables(_keras_compat.model_variables(self))
 

@@ -276,13 +276,39 @@ def _first_input(x):
     return tree.flatten(x)[0]
 
 
+def _one_pipeline_dataset(dataset_fn):
+    """`dataset_fn`'s dataset for one input pipeline and one replica: the global batches."""
+    context = tf.distribute.InputContext(
+        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+    return dataset_fn(context)
+
+
+def _is_dataset_source(data):
+    return isinstance(data, tf.data.Dataset) or (callable(data) and not isinstance(data, (tuple, list)))
+
+
+def _dataset_of(arrays):
+    return _one_pipeline_dataset(arrays) if callable(arrays) else arrays
+
+
 def _build(model, x):
-    """Creates the model's variables (a subclassed model may have none yet)."""
-    if not model.built or not model.weights:
-        model(tree.map_structure(lambda a: a[:1], x), training=False)
+    """Creates the model's variables (a subclassed model may have none yet).
+
+    `x` is a batch of NumPy inputs, or a dataset's element spec (zeros of
+    its shape: reading a batch would move a reshuffling dataset on).
+    """
+    if model.built and model.weights:
+        return
+    if isinstance(x, tf.data.Dataset):
+        inputs = keras.utils.unpack_x_y_sample_weight(x.element_spec)[0]
+        sample = tree.map_structure(
+            lambda spec: tf.zeros([1] + [d or 1 for d in spec.shape[1:]], spec.dtype), inputs)
+    else:
+        sample = tree.map_structure(lambda a: a[:1], x)
+    model(sample, training=False)
 
 
-def _make_model(model_fn, seed, x, initial_weights=None):
+def _make_model(model_fn, seed, x, initial_weights=None):  # x: arrays' inputs, or a dataset
     keras.utils.set_random_seed(seed)  # the same dropout seeds in every run
     model = model_fn()
     if not isinstance(model, keras.Model):
@@ -302,21 +328,31 @@ def _make_model(model_fn, seed, x, initial_weights=None):
 
 
 def _train(model, arrays, *, batch_size, steps, path, per_epoch):
-    """Trains `model` for `steps` steps; returns its weights after each step, and history."""
-    x, y, sample_weight = arrays
-    rows = len(_first_input(x))
-    steps_per_epoch = math.ceil(rows / batch_size)
-    recorder = _Recorder(steps_per_epoch, steps, per_epoch=per_epoch)
-    if per_epoch:
-        # Parameter server: each worker repeats its dataset, so epochs are
-        # counted in steps. One step per epoch (joined at its end) keeps the
-        # global batches of one device's epochs, the uneven one included.
-        sliced = tuple(a for a in (x, y, sample_weight) if a is not None)
-        kwargs = dict(x=lambda context: tf.data.Dataset.from_tensor_slices(sliced).batch(batch_size),
-                      epochs=steps, steps_per_epoch=1)
+    """Trains `model` for `steps` steps; returns its weights after each step, and history.
+
+    `arrays` is (x, y, sample_weight), a batched `tf.data.Dataset` or a
+    `dataset_fn` (called for one input pipeline).
+    """
+    if _is_dataset_source(arrays):
+        dataset = _dataset_of(arrays)
+        steps_per_epoch = _dataset_steps(dataset)
+        recorder = _Recorder(steps_per_epoch, steps)
+        kwargs = dict(x=dataset, epochs=math.ceil(steps / steps_per_epoch), shuffle=False)
     else:
-        kwargs = dict(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-                      epochs=math.ceil(steps / steps_per_epoch), shuffle=False)
+        x, y, sample_weight = arrays
+        steps_per_epoch = math.ceil(len(_first_input(x)) / batch_size)
+        recorder = _Recorder(steps_per_epoch, steps, per_epoch=per_epoch)
+        if per_epoch:
+            # Parameter server: each worker repeats its dataset, so epochs are
+            # counted in steps. One step per epoch (joined at its end) keeps the
+            # global batches of one device's epochs, the uneven one included.
+            sliced = tuple(a for a in (x, y, sample_weight) if a is not None)
+            kwargs = dict(
+                x=lambda context: tf.data.Dataset.from_tensor_slices(sliced).batch(batch_size),
+                epochs=steps, steps_per_epoch=1)
+        else:
+            kwargs = dict(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+                          epochs=math.ceil(steps / steps_per_epoch), shuffle=False)
     fit = model.fit
     if path == "loop":
         from keras_distrib import loop
@@ -332,8 +368,11 @@ def _parity_task(strategy, payload_path):
         payload = pickle.load(f)
     model_fn = _task_entry()._resolve(payload["model_fn"])
     arrays = payload["arrays"]
+    if isinstance(arrays, tuple) and isinstance(arrays[0], str):  # a dataset_fn's spec
+        arrays = _task_entry()._resolve(arrays[0])
+    build_from = _dataset_of(arrays) if _is_dataset_source(arrays) else arrays[0]
     with strategy.scope():
-        model = _make_model(model_fn, payload["seed"], arrays[0], payload["initial_weights"])
+        model = _make_model(model_fn, payload["seed"], build_from, payload["initial_weights"])
     return _train(model, arrays, batch_size=payload["batch_size"], steps=payload["steps"],
                   path=payload["path"], per_epoch=payload["per_epoch"])
 
@@ -373,12 +412,29 @@ def _is_own_code(module):
     return module.split(".")[0] not in ("keras", "keras_distrib", "tf_keras", "tensorflow")
 
 
-def _likely_causes(model, *, replicas, uneven, first_step):
+def _state_owner(model, variable_name):
+    """The layer holding `variable_name` if it is state a layer assigns in `call`, or None."""
+    for layer, variable in models.layer_state(model):
+        if getattr(variable, "path", variable.name) == variable_name:
+            return layer
+    return None
+
+
+def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
     """Why a model may train differently on several replicas, most likely first."""
     causes = []
     layers = _layers(model)
     kd_model = isinstance(model, models.DistributedModelMixin)
-    random_layers = [
+    owner = _state_owner(model, variable_name) if variable_name else None
+    if owner is not None:
+        causes.append(
+            f"layer state: {owner.name!r} ({type(owner).__name__}) updates its non-trainable "
+            f"variable {variable_name!r} in `call`, and each replica updates it from its own "
+            "rows" + (" (Keras averages the replicas' values)." if not kd_model else
+                      ". kd sums `assign_add`/`assign_sub` of data over the replicas and refuses "
+                      "`assign`: check what the layer adds per step.")
+        )
+    random_layers = [] if kd_model else [
         layer for layer in layers
         if isinstance(getattr(layer, "seed_generator", None), keras.random.SeedGenerator)
         and getattr(layer, "rate", 1) != 0
@@ -388,13 +444,15 @@ def _likely_causes(model, *, replicas, uneven, first_step):
         causes.append(
             f"dropout or other randomness: {names} draw{'s' * (len(random_layers) == 1)} random "
             "numbers on each replica, so "
-            "the replicas do not drop (or perturb) the rows one device does. Randomness cannot "
-            "match across replica counts: check parity with rate=0, then turn it back on."
+            "the replicas do not drop (or perturb) the rows one device does. kd models draw "
+            "for the global batch and keep each replica's rows: build the model as kd.Model / "
+            "kd.Sequential."
         )
+    per_replica = not kd_model or getattr(model, "batch_norm", "global") == "per_replica"
     unsynced = [
         layer for layer in layers
         if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized
-    ]
+    ] if per_replica else []
     if unsynced and replicas > 1:
         names = ", ".join(repr(layer.name) for layer in unsynced[:3])
         causes.append(
@@ -403,7 +461,8 @@ def _likely_causes(model, *, replicas, uneven, first_step):
             "that replica's own mean and variance (and move their averages with them), not "
             "the global batch's" + (", and on this uneven batch some replicas have few rows "
                                     "or none" if uneven else "")
-            + ". Use BatchNormalization(synchronized=True), which kd makes exact."
+            + ". kd models compute global statistics (unless compiled with "
+            "batch_norm=\"per_replica\"); or use BatchNormalization(synchronized=True)."
         )
     if not kd_model and uneven:
         causes.append(
@@ -459,6 +518,8 @@ def _likely_causes(model, *, replicas, uneven, first_step):
 def _step_text(step, steps_per_epoch, rows, batch_size, replicas):
     epoch, batch = divmod(step - 1, steps_per_epoch)
     text = f"step {step} (epoch {epoch + 1}, batch {batch + 1} of {steps_per_epoch}"
+    if rows is None:  # a dataset: its batches' sizes are its own
+        return text + ")"
     batch_rows = min(batch_size, rows - batch * batch_size)
     if batch_rows < batch_size:
         split = data_lib.replica_split(batch_rows, replicas)
@@ -487,8 +548,10 @@ def _compare(label, reference, candidate, *, names, shapes, tolerance, model, re
             continue
         first = next(i for i, gap in enumerate(gaps) if gap > tolerance)
         top = int(np.argmax(gaps))
-        uneven = min(batch_size, rows - ((step - 1) % steps_per_epoch) * batch_size) < batch_size
-        causes = _likely_causes(model, replicas=replicas, uneven=uneven, first_step=step)
+        uneven = rows is not None and (
+            min(batch_size, rows - ((step - 1) % steps_per_epoch) * batch_size) < batch_size)
+        causes = _likely_causes(model, replicas=replicas, uneven=uneven, first_step=step,
+                                variable_name=names[first])
         lines = [
             f"kd.testing.assert_parity: {label} does not train like one device.",
             f"  first mismatch: {_step_text(step, steps_per_epoch, rows, batch_size, replicas)}",
@@ -545,11 +608,40 @@ def _check_arguments(model_fn, data, strategies_, steps, path, batch_size, repli
         problems.append(f"`batch_size`={batch_size!r}: expected a whole number >= 1 (the global batch)")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         problems.append(f"`replicas`={replicas!r}: expected a whole number >= 1")
-    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+    if isinstance(data, tf.data.Dataset):
+        cluster = [k for k in strategies_ if not isinstance(k, tf.distribute.Strategy) and k in IN_CLUSTER]
+        if cluster:
+            problems.append(f"`data` is a tf.data.Dataset, which cannot reach the processes of "
+                            f"{cluster}: pass a `dataset_fn(input_context)` defined at module level "
+                            "of a .py file instead")
+    elif callable(data) and not isinstance(data, (tuple, list)):
+        if "parameter_server" in strategies_:
+            problems.append("`data` is a dataset_fn and `strategies` names 'parameter_server', "
+                            "which compares on NumPy data only: pass (x, y) arrays for it")
+    elif not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
         problems.append(f"`data` is a {type(data).__name__}: expected (x, y) or (x, y, sample_weight) "
-                        "as NumPy arrays (x and y may be dicts or lists of arrays)")
+                        "as NumPy arrays (x and y may be dicts or lists of arrays), a batched "
+                        "tf.data.Dataset, or a dataset_fn(input_context)")
     if problems:
         raise ValueError("kd.testing.assert_parity: invalid arguments:\n  - " + "\n  - ".join(problems))
+
+
+def _dataset_steps(dataset):
+    """Batches in one pass of `dataset`; a clear error when it is unknown or endless."""
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(
+            f"`data`: the dataset_fn returned a {type(dataset).__name__}; expected a batched "
+            "tf.data.Dataset (the global batches, for one input pipeline)."
+        )
+    count = int(dataset.cardinality())
+    if count < 0:
+        count = sum(1 for _ in dataset)  # unknown cardinality (e.g. filter): count once
+    if count == 0 or dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            f"`data`: the dataset has {'no' if count == 0 else 'endless'} batches; expected a "
+            "finite, batched tf.data.Dataset (use .take(n) on a repeated one)."
+        )
+    return count
 
 
 def _label(kind, replicas, path):
@@ -568,7 +660,9 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
     Trains on one CPU device (the reference) and under each strategy, from
     the same initial weights and on the same global batches in the same
     order, and compares every weight (BatchNormalization's moving statistics
-    included) after every step, then the loss and metrics `fit` reports.
+    and the state layers keep, such as counters, included) after every step,
+    then the loss and metrics `fit` reports. A mismatch in layer state names
+    the layer and the variable.
     Give it data whose row count is not a multiple of `batch_size`: the
     uneven last batch (some replicas get few rows, or none) is where
     per-replica arithmetic shows.
@@ -580,7 +674,12 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
             `"multi_worker"` and `"parameter_server"` it must be importable:
             a function at module level of a .py file.
         data: `(x, y)` or `(x, y, sample_weight)`: NumPy arrays (x and y may
-            be dicts or lists of arrays), fed in order (no shuffling).
+            be dicts or lists of arrays), fed in order (no shuffling) in
+            batches of `batch_size`; or a finite `tf.data.Dataset` of global
+            batches (in this process only); or a `dataset_fn(input_context)`,
+            called for one input pipeline in every run, so every run trains
+            on the same global batches (module level of a .py file for
+            `"multi_worker"`; not for `"parameter_server"`).
         strategies: Names from `STRATEGIES` (`"one_device"`, `"mirrored"`,
             `"central_storage"`, `"multi_worker"`, `"parameter_server"`) or
             `tf.distribute.Strategy` objects of this process; `["mirrored"]`
@@ -630,11 +729,16 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
     else:
         strategies_ = list(strategies)
     _check_arguments(model_fn, data, strategies_, steps, path, batch_size, replicas)
-    x, y, sample_weight = (tuple(data) + (None,))[:3]
-    rows = len(_first_input(x))
-    steps_per_epoch = math.ceil(rows / batch_size)
+    if _is_dataset_source(data):
+        arrays = data
+        x = _dataset_of(data)
+        rows, steps_per_epoch = None, _dataset_steps(x)
+    else:
+        x, y, sample_weight = (tuple(data) + (None,))[:3]
+        rows = len(_first_input(x))
+        steps_per_epoch = math.ceil(rows / batch_size)
+        arrays = (x, y, sample_weight)
     steps = steps or steps_per_epoch
-    arrays = (x, y, sample_weight)
 
     if any(not isinstance(k, tf.distribute.Strategy) and k in ("mirrored", "central_storage")
            for k in strategies_):
@@ -664,7 +768,10 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
                  else {"one_device": 1, "multi_worker": 2, "parameter_server": 1}.get(kind, replicas))
         try:
             if in_cluster:
-                candidate = _train_in_cluster(kind, model_fn, arrays, initial, batch_size=batch_size,
+                shipped = arrays
+                if callable(arrays) and not isinstance(arrays, tuple):
+                    shipped = (_task_entry().function_spec(arrays),)
+                candidate = _train_in_cluster(kind, model_fn, shipped, initial, batch_size=batch_size,
                                               steps=steps, path=path, seed=seed, timeout=timeout)
             else:
                 strategy = kind if isinstance(kind, tf.distribute.Strategy) else local_strategy(
