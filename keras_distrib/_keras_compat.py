@@ -98,6 +98,7 @@ PRIVATE_NAMES = (
     ("keras.src.backend.common.symbolic_scope", "in_symbolic_scope", "function()"),
     ("keras.src.backend.tensorflow.trainer", "TFEpochIterator", "class: (begin, end, iterator) chunks"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset", "attribute set in __init__"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_num_batches", "attribute: steps per epoch, None until the data ends"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "function(arrays, validation_split)"),
     ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
@@ -412,6 +413,22 @@ def compile_metric_log_keys(metric):
 def epoch_iterator(**kwargs):
     """Keras's epoch iterator for TensorFlow (its data adapters, chunking)."""
     return keras_tf_trainer.TFEpochIterator(**kwargs)
+
+
+def set_epoch_batches(epoch_iterator, count):
+    """Makes a Keras epoch iterator run `count` steps per epoch (None: until the data ends).
+
+    Unlike `steps_per_epoch`, a fresh iterator over the data still starts
+    every epoch; the count survives `reset()`.
+    """
+    reset = type(epoch_iterator).reset.__get__(epoch_iterator)
+
+    def counted_reset():
+        reset()
+        epoch_iterator._num_batches = count
+
+    object.__setattr__(epoch_iterator, "reset", counted_reset)
+    epoch_iterator._num_batches = count
 
 
 def dataset_element_spec(epoch_iterator):

@@ -242,12 +242,52 @@ def predict_pass(model, source, runner, *, callbacks):
 def epoch_source(model, *, x, y=None, sample_weight=None, batch_size=None, steps=None,
                  shuffle=False, class_weight=None, steps_per_call=1, strategy=None):
     """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`)."""
-    return _keras_compat.epoch_iterator(
+    strategy = strategy or model.distribute_strategy
+    source = _keras_compat.epoch_iterator(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-        shuffle=shuffle, class_weight=class_weight,
-        distribute_strategy=strategy or model.distribute_strategy,
+        shuffle=shuffle, class_weight=class_weight, distribute_strategy=strategy,
         steps_per_execution=steps_per_call,
     )
+    if (steps is None and isinstance(x, tf.distribute.DistributedDataset)
+            and _keras_compat.is_multi_worker(strategy)):
+        join_workers(source, strategy)
+    return source
+
+
+def worker_batch_counts(strategy, local_count):
+    """Every worker's batch count per epoch (-1: unknown), by worker index."""
+    replicas = strategy.num_replicas_in_sync
+    workers = max(cluster.cluster_info().num_workers, 1)
+    local = replicas // workers
+    index = cluster.cluster_info().task_index if workers > 1 else 0
+
+    def own_count():
+        context = tf.distribute.get_replica_context()
+        first = tf.equal(context.replica_id_in_sync_group % local, 0)
+        counts = tf.one_hot(index, workers, dtype=tf.int64) * tf.constant(local_count + 1, tf.int64)
+        return tf.where(first, counts, tf.zeros_like(counts))
+
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(own_count), axis=None)
+    return [int(count) - 1 for count in np.asarray(total)]
+
+
+def join_workers(source, strategy):
+    """Runs every worker's epoch for as many steps as the longest worker's.
+
+    Workers whose datasets (a `dataset_fn`'s shards) hold different numbers
+    of batches would stop at different steps, and the collectives of the
+    next step would pair with something else. TensorFlow hands a worker
+    that has run out empty batches while any worker still has data; kd
+    steps on them (an empty replica adds nothing), so every worker takes
+    every step: what one device computes on the same global data. So when
+    the counts differ, every worker runs until the data ends everywhere
+    (TensorFlow ends it on every worker at the same step).
+    """
+    local = source.num_batches
+    counts = worker_batch_counts(strategy, -1 if local is None else int(local))
+    if len(set(counts)) == 1:
+        return
+    _keras_compat.set_epoch_batches(source, None)
 
 
 def build(model, source):

@@ -141,3 +141,22 @@ def test_plain_keras_contrast_fails_the_same_comparison():
     overflow = results["nonfinite_on_one_replica"]
     assert overflow["iterations"][0] != overflow["iterations"][1], overflow
     assert overflow["weights"] == float("inf"), overflow
+
+
+def test_workers_with_unequal_batch_counts_take_every_step():
+    """2 workers whose dataset_fn shards differ by a batch train as one device does.
+
+    The worker that runs out steps on empty batches until the other is done
+    (before: TensorFlow's raw "Collective instance ... data_type" error).
+    Plain Keras 3 under the same strategy fails on this input.
+    """
+    result, output = _harness.run_cluster("unequal_workers.py", workers=2, timeout=300)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert len(results) == 6, output[-4000:]
+    for item in results:
+        if item["mode"] == "plain":
+            assert "error" in item or item["difference"] > 1e-3, item
+        else:
+            assert item.get("difference", 1.0) <= 2e-5, item
