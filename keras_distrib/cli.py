@@ -195,7 +195,7 @@ def build_parser():
 
     commands.add_parser(
         "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "
-        "([--model mlp|cnn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
+        "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
     )
     return parser
 

@@ -19,7 +19,7 @@ ALL = [
     "regularizers", "frozen_layer", "sync_batch_norm", "weights", "class_weights",
     "multi_output", "dict_inputs", "masks", "lstm_auc", "cnn", "reshuffled_dataset",
     "custom_train_step", "dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics",
-    "running_mean",
+    "running_mean", "custom_random_layer",
 ]
 # Randomness, batch statistics and layer state (issue 22).
 LAYERED = ["dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics"]
@@ -62,6 +62,7 @@ REFUSED = {
     ("jit_mirrored2", "sync_batch_norm"): ("(BatchNormalization) all-reduces its global", _JIT),
     ("jit_mirrored2", "dropout_bn_noise"): ("(BatchNormalization) all-reduces its global", _JIT),
     ("mirrored2", "running_mean"): ("(RunningMean) assigns its variable", "`assign`"),
+    ("mirrored2", "custom_random_layer"): ("(NoisyScale) draws random numbers in a way kd cannot",),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
 }
 
@@ -141,6 +142,25 @@ def test_plain_keras_contrast_fails_the_same_comparison():
     overflow = results["nonfinite_on_one_replica"]
     assert overflow["iterations"][0] != overflow["iterations"][1], overflow
     assert overflow["weights"] == float("inf"), overflow
+
+
+def test_per_replica_batch_norm_is_an_opt_out():
+    """compile(batch_norm="per_replica"): Keras's per-replica statistics, not one device's.
+
+    Synchronized layers stay exact; plain Keras 3 under mirrored is far off
+    on the random and batch-statistics models (the contrast).
+    """
+    features = ["dropout_bn_noise", "sync_batch_norm"]
+    code, output = _harness.run_script("exactness.py", "bn_per_replica_mirrored2", ",".join(features))
+    assert code == 0, output[-4000:]
+    results = {r["feature"]: r for r in _harness.results_of(output)}
+    assert results["dropout_bn_noise"]["weights"] > 1e-3, results["dropout_bn_noise"]
+    assert results["sync_batch_norm"]["weights"] <= 2e-5, results["sync_batch_norm"]
+    layered = ["dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics"]
+    code, output = _harness.run_script("exactness.py", "plain-mirrored2", ",".join(layered))
+    assert code == 0, output[-4000:]
+    for result in _harness.results_of(output):
+        assert "error" in result or result["weights"] > 1e-3, result
 
 
 def test_workers_with_unequal_batch_counts_take_every_step():

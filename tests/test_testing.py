@@ -38,7 +38,7 @@ X = rng.normal(size=(33, 5)).astype("float32")  # batches of 16: the last has 1 
 Y = (X @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(33, 1))).astype("float32")
 
 
-def build(model_class, *, clipnorm=None, batch_norm=None, dropout=0.0):
+def build(model_class, *, clipnorm=None, batch_norm=None, dropout=0.0, compile_options=None):
     inputs = keras.Input((5,))
     hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
     if batch_norm is not None:
@@ -47,8 +47,31 @@ def build(model_class, *, clipnorm=None, batch_norm=None, dropout=0.0):
         hidden = keras.layers.Dropout(dropout, name="drop")(hidden)
     model = model_class(inputs, keras.layers.Dense(1, name="out")(hidden))
     options = {"clipnorm": clipnorm} if clipnorm else {}
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, **options), loss="mse", metrics=["mae"])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, **options), loss="mse",
+                  metrics=["mae"], **(compile_options or {}))
     return model
+
+
+class Counter(keras.layers.Layer):
+    """Counts the rows it sees: state assigned in call."""
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, name="seen")
+
+    def call(self, x):
+        self.seen.assign_add(tf.cast(tf.shape(x)[0], "float32"))
+        return x
+
+
+def counting(model_class):
+    inputs = keras.Input((5,))
+    model = model_class(inputs, keras.layers.Dense(1)(Counter(name="counter")(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def dataset_fn(input_context):
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
 
 
 def good_model():
@@ -116,17 +139,37 @@ def test_plain_keras_subclass_with_clipping_is_caught():
 
 
 def test_unsynchronized_batch_norm_is_caught():
-    with pytest.raises(AssertionError) as caught:
-        kd.testing.assert_parity(lambda: build(kd.Model, batch_norm=False), (X, Y), batch_size=16)
-    message = str(caught.value)
-    assert "first mismatch: step 1" in message
-    assert "likely cause: unsynchronized BatchNormalization: 'norm' normalizes" in message
-    assert "synchronized=True" in message
+    for model_fn in (lambda: build(keras.Model, batch_norm=False),
+                     lambda: build(kd.Model, batch_norm=False, compile_options={"batch_norm": "per_replica"})):
+        with pytest.raises(AssertionError) as caught:
+            kd.testing.assert_parity(model_fn, (X, Y), batch_size=16)
+        message = str(caught.value)
+        assert "first mismatch: step 1" in message
+        assert "likely cause: unsynchronized BatchNormalization: 'norm' normalizes" in message
+        assert "kd models compute global statistics" in message
 
 
 def test_dropout_is_caught():
     with pytest.raises(AssertionError, match="likely cause: dropout or other randomness: 'drop'"):
-        kd.testing.assert_parity(lambda: build(kd.Model, dropout=0.3), (X, Y), batch_size=16)
+        kd.testing.assert_parity(lambda: build(keras.Model, dropout=0.3), (X, Y), batch_size=16)
+
+
+def test_kd_model_with_dropout_and_batch_norm_matches_on_datasets():
+    # kd draws dropout for the global batch and normalizes over it; the data
+    # as a tf.data.Dataset and as a dataset_fn.
+    model_fn = lambda: build(kd.Model, batch_norm=False, dropout=0.3)
+    for data in (tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), dataset_fn):
+        result = kd.testing.assert_parity(model_fn, data, strategies=["mirrored"], steps=6)
+        assert max(result.values()) <= 2e-5
+
+
+def test_layer_state_is_named():
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(lambda: counting(keras.Model), (X, Y), batch_size=16)
+    message = str(caught.value)
+    assert "first variable: counter/seen ()" in message
+    assert "likely cause: layer state: 'counter' (Counter) updates its non-trainable variable" in message
+    kd.testing.assert_parity(lambda: counting(kd.Model), (X, Y), batch_size=16)
 
 
 def test_custom_reduction_is_caught():
@@ -177,7 +220,7 @@ def test_plugin_in_a_user_test_file(tmp_path):
     )
     output = process.stdout + process.stderr
     assert process.returncode == 0, output[-6000:]
-    assert re.search(r"\b10 passed\b", output), output[-3000:]
+    assert re.search(r"\b12 passed\b", output), output[-3000:]
 
 
 # In this process: the parts that need no second device.

@@ -477,6 +477,24 @@ class RunningMean(keras.layers.Layer):
         return x
 
 
+class NoisyScale(keras.layers.Layer):
+    """A user's random layer: scales its input by noise from its own generator."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        return x * (1.0 + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed_generator))
+
+
+def custom_random_layer():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01),
+                               build=lambda cls: _stateful_mlp(cls, NoisyScale))
+
+
 def _stateful_mlp(cls, layer):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((5,))
@@ -523,6 +541,7 @@ FEATURES = {
     "two_sync_bn": two_sync_bn,
     "row_statistics": row_statistics,
     "running_mean": running_mean,
+    "custom_random_layer": custom_random_layer,
 }
 
 
