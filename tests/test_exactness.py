@@ -148,6 +148,7 @@ def test_plain_keras_contrast_fails_the_same_comparison():
     assert overflow["weights"] == float("inf"), overflow
 
 
+@pytest.mark.cluster
 def test_per_replica_batch_norm_is_an_opt_out():
     """compile(batch_norm="per_replica"): Keras's per-replica statistics, not one device's.
 
@@ -167,6 +168,7 @@ def test_per_replica_batch_norm_is_an_opt_out():
         assert "error" in result or result["weights"] > 1e-3, result
 
 
+@pytest.mark.cluster
 def test_workers_with_unequal_batch_counts_take_every_step():
     """2 workers whose dataset_fn shards differ by a batch train as one device does.
 

@@ -55,3 +55,12 @@ def test_model_created_outside_scope_is_refused():
     assert code == 0, output[-4000:]
     (result,) = _harness.results_of(output)
     assert "Create (and compile) the model inside" in result["error"]
+
+
+def test_batch_norm_option_is_checked():
+    inputs = keras.Input((3,))
+    model = kd.Model(inputs, keras.layers.BatchNormalization()(inputs))
+    with pytest.raises(ValueError, match=r"`batch_norm`='sync': expected one of \['global', 'per_replica'\]"):
+        model.compile(optimizer="sgd", loss="mse", batch_norm="sync")
+    model.compile(optimizer="sgd", loss="mse", batch_norm="per_replica")
+    assert model.batch_norm == "per_replica"
