@@ -159,7 +159,7 @@ def test_kd_model_with_dropout_and_batch_norm_matches_on_datasets():
     # as a tf.data.Dataset and as a dataset_fn.
     model_fn = lambda: build(kd.Model, batch_norm=False, dropout=0.3)
     for data in (tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), dataset_fn):
-        result = kd.testing.assert_parity(model_fn, data, strategies=["mirrored"], steps=6)
+        result = kd.testing.assert_parity(model_fn, data, strategies=["mirrored"])
         assert max(result.values()) <= 2e-5
 
 
