@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
@@ -138,6 +139,11 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_cross_device_ops",
+     "attribute: the cross-device ops given, or None"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_inferred_cross_device_ops",
+     "attribute: the cross-device ops inferred from the devices"),
+    ("tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce", "class"),
     ("tf.distribute.experimental.coordinator.ClusterCoordinator", "_cluster", "attribute: its workers"),
     ("tensorflow.python.distribute.coordinator.cluster_coordinator.Worker", "create_resource", "method(function, args=None, kwargs=None)"),
     ("tensorflow.python.distribute.coordinator.values.RemoteValueImpl", "_type_spec", "attribute set for resources"),
@@ -548,7 +554,7 @@ def default_strategy():
 _COLLECTIVE_KEY_BASES = iter(range(100_000, 2**30, 100_000))
 
 
-def isolated_mirrored_strategy(devices):
+def isolated_mirrored_strategy(devices, cross_device_ops=None):
     """A `MirroredStrategy` whose collectives no other strategy here can collide with.
 
     TensorFlow caches each collective's parameters (shape included) by
@@ -562,7 +568,23 @@ def isolated_mirrored_strategy(devices):
     """
     isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
                     {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
-    return isolated(devices=devices)
+    return isolated(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def collective_key_base(strategy):
+    """The base of a `MirroredStrategy`'s collective keys; None if it runs no collectives.
+
+    Only a MirroredStrategy whose replicas all-reduce with collective ops
+    (`tf.distribute` picks them for CPUs and for GPUs without NCCL) has
+    keys that can collide; one reducing to one device or with NCCL has none.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return None
+    extended = strategy.extended
+    ops = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
+    if not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+        return None
+    return strategy._collective_key_base
 
 
 def optimizer_strategy(optimizer, default):
