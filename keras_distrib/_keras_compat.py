@@ -50,6 +50,7 @@ from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.callbacks import tensorboard as keras_tensorboard
 from keras.src.losses import loss as keras_loss
 from keras.src.models import functional as keras_functional
 from keras.src.models import model as keras_model
@@ -138,6 +139,8 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
+    ("keras.src.callbacks.tensorboard", "keras_model_summary", "function(name, data, step)"),
+    ("keras.callbacks.TensorBoard", "_train_writer", "property: the train summary writer"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
     ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_cross_device_ops",
      "attribute: the cross-device ops given, or None"),
@@ -887,3 +890,31 @@ def set_keras_mask(tensor, mask):
     keras_masking.set_keras_mask(tensor, mask)
 
 
+# ---------------------------------------------------------------------------
+# TensorBoard's model graphs.
+
+# The class names Keras's TensorBoard callback writes a `keras` summary for.
+_KERAS_GRAPH_CLASSES = ("Functional", "Sequential")
+
+
+def write_model_config(callback, model):
+    """Writes the `keras` summary (TensorBoard's conceptual graph) Keras skips for `model`.
+
+    Keras writes it only for models whose class is named `Functional` or
+    `Sequential`; kd's functional class is `FunctionalModel`, and a user's
+    subclass of a functional model has a name of its own. Any functional or
+    sequential model whose config lists its layers gets it here; Keras's
+    own ones already have it.
+    """
+    if type(model).__name__ in _KERAS_GRAPH_CLASSES:
+        return False
+    if not isinstance(model, (keras_functional.Functional, keras.Sequential)):
+        return False
+    try:
+        layers = "layers" in model.get_config()
+    except Exception:  # noqa: BLE001 - a model without a config has no conceptual graph
+        return False
+    if not layers:
+        return False
+    with callback._train_writer.as_default():
+        return keras_tensorboard.keras_model_summary("keras", model, step=0)
