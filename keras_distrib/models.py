@@ -27,6 +27,7 @@ __all__ = [
     "Model",
     "Sequential",
     "global_moments",
+    "unregistered_class_warning",
     "unsupported_settings",
 ]
 
@@ -111,6 +112,32 @@ def global_moments(layer, inputs, mask, keras_moments):
     else:
         variance = spread / (count + epsilon)
     return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+
+def unregistered_class_warning(model):
+    """Warns when `keras.saving.load_model` will not find `model`'s class.
+
+    A `.keras` file names the model's class; a subclass such as
+    `class MyTask(kd.DistributedModelMixin, keras_hub.models.BertTextClassifier)`
+    reloads only if Keras can look its name up: registered with
+    `@keras.saving.register_keras_serializable()`, or passed to
+    `load_model(..., custom_objects={"MyTask": MyTask})`. Said when saving,
+    while the class is at hand, rather than when loading fails.
+
+    Returns:
+        True if it warned.
+    """
+    cls = type(model)
+    if keras.saving.get_registered_object(keras.saving.get_registered_name(cls)) is cls:
+        return False
+    warnings.warn(
+        f"{cls.__name__} is not registered with Keras, so keras.saving.load_model will not "
+        f"find it in this file (\"Could not locate class '{cls.__name__}'\"). Decorate the class "
+        "with @keras.saving.register_keras_serializable(), or load with "
+        f"keras.saving.load_model(path, custom_objects={{'{cls.__name__}': {cls.__name__}}}).",
+        stacklevel=3,
+    )
+    return True
 
 
 def unsupported_settings(model, *, training):
@@ -223,6 +250,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if self.built and self.optimizer is not None:
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
+
+    def save(self, filepath, *args, **kwargs):
+        """`keras.Model.save`; warns if `keras.saving.load_model` will not find the class.
+
+        A subclass of your own (or of a KerasHub task) must be registered
+        (`@keras.saving.register_keras_serializable()`) or passed as
+        `custom_objects` to reload; see `unregistered_class_warning`.
+        """
+        unregistered_class_warning(self)
+        return super().save(filepath, *args, **kwargs)
 
     def _prepare_layers(self):
         """Per-replica bookkeeping on every layer and variable (idempotent)."""
