@@ -13,14 +13,17 @@ largest difference of the same model built on plain Keras (max |a - b| /
 """
 
 import json
+import os
 import sys
 import tempfile
+import time
 import warnings
 
 import keras
 import numpy as np
 
 import keras_distrib as kd
+from keras_distrib import report
 
 kd.virtual_devices(2)
 import tensorflow as tf  # noqa: E402
@@ -219,8 +222,24 @@ def plain_keras_difference(model_fn, data, strategy):
             model.set_weights(initial)
         model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH, shuffle=False, verbose=0)
     except Exception as error:  # noqa: BLE001 - the contrast records what plain Keras raises
-        return kd.report.error_line(error) if hasattr(kd, "report") else f"{type(error).__name__}: {error}"[:200]
+        return report.error_line(error)
     return max(_relative(a, b) for a, b in zip(reference.get_weights(), model.get_weights()))
+
+
+def reload_check(model_fn, data, strategy):
+    """Trains under `strategy`, saves, reloads: the class, optimizer steps, same predictions."""
+    x, y, sample_weight = (tuple(data) + (None,))[:3]
+    with strategy.scope():
+        model = model_fn()
+    model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH, shuffle=False, verbose=0)
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "task.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+    same = all(np.array_equal(a, b) for a, b in zip(
+        tf.nest.flatten(model.predict(x, verbose=0)), tf.nest.flatten(loaded.predict(x, verbose=0))))
+    return {"class": type(loaded).__name__, "iterations": int(loaded.optimizer.iterations.numpy()),
+            "same_predictions": bool(same)}
 
 
 def kd_difference(model_fn, data):
@@ -258,6 +277,7 @@ if __name__ == "__main__":
 
     strategy = kd.make_strategy("mirrored")
     for case in sys.argv[1:]:
+        started = time.process_time()
         if case == "keras_tuner":
             result = {"case": case, "kd": tuner_differences("kd", strategy),
                       "keras": tuner_differences("keras", strategy)}
@@ -267,4 +287,7 @@ if __name__ == "__main__":
             plain_fn, plain_data = CASES[case]("keras")
             result = {"case": case, "kd": difference, "float64_notes": notes,
                       "keras": plain_keras_difference(plain_fn, plain_data, strategy)}
+            if case == "bert_classifier":
+                result["reload"] = reload_check(model_fn, data, strategy)
+        result["cpu_seconds"] = round(time.process_time() - started, 1)
         print("RESULT " + json.dumps(result), flush=True)
