@@ -46,6 +46,8 @@ def _message_lines(message):
         kept = [line for line in lines[1:]
                 if not line.startswith(("Detected at node", "File ", "[["))]
         lines = kept or lines
+    if len(lines) > 1 and re.match(r"^\d+ root error\(s\) found\.$", lines[0]):
+        lines = lines[1:] + [lines[0]]  # "(0) INVALID_ARGUMENT: ..." says what
     if len(lines) > 1 and _KERAS_CALL.match(lines[0]):
         lines = lines[1:] + [lines[0]]
     return lines

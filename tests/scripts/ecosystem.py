@@ -199,6 +199,59 @@ def tuner_differences(base, strategy):
 
 
 # ---------------------------------------------------------------------------
+# TensorBoard: kd's callback on a kd model under the strategy, Keras's on one device.
+
+def _summaries(log_dir):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    values = {}
+    for run in ("train", "validation"):
+        events = event_accumulator.EventAccumulator(os.path.join(log_dir, run),
+                                                    size_guidance={"tensors": 0})
+        events.Reload()
+        for tag in events.Tags()["tensors"]:
+            for event in events.Tensors(tag):
+                if tag != "keras":
+                    values[(run, tag, event.step)] = float(tf.make_ndarray(event.tensor_proto))
+        values[(run, "keras graph", 0)] = "keras" in events.Tags()["tensors"]
+    return values
+
+
+def tensorboard_comparison(strategy):
+    """Tags, steps and values kd's TensorBoard writes under `strategy` vs Keras's on one device."""
+    x = rng.normal(size=(ROWS, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+
+    def build(model_class):
+        inputs = keras.Input((5,))
+        model = model_class(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        return model
+
+    with tempfile.TemporaryDirectory() as directory:
+        keras.utils.set_random_seed(0)
+        with tf.device("/CPU:0"):
+            reference = build(keras.Model)
+            initial = reference.get_weights()
+            reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_split=0.25,
+                          callbacks=[keras.callbacks.TensorBoard(os.path.join(directory, "keras"))])
+        with strategy.scope():
+            model = build(kd.Model)
+            model.set_weights(initial)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_split=0.25,
+                  callbacks=[kd.callbacks.TensorBoard(os.path.join(directory, "kd"))])
+        expected = _summaries(os.path.join(directory, "keras"))
+        got = _summaries(os.path.join(directory, "kd"))
+    numbers = [key for key, value in expected.items() if not isinstance(value, bool)]
+    return {
+        "same_tags_and_steps": sorted(expected) == sorted(got),
+        "summaries": len(numbers),
+        "keras_graph": [expected[("train", "keras graph", 0)], got.get(("train", "keras graph", 0))],
+        "max_difference": max(_relative(expected[k], got[k]) for k in numbers if k in got),
+    }
+
+
+# ---------------------------------------------------------------------------
 # Measuring.
 
 def _relative(a, b):
@@ -278,7 +331,9 @@ if __name__ == "__main__":
     strategy = kd.make_strategy("mirrored")
     for case in sys.argv[1:]:
         started = time.process_time()
-        if case == "keras_tuner":
+        if case == "tensorboard":
+            result = {"case": case, **tensorboard_comparison(strategy)}
+        elif case == "keras_tuner":
             result = {"case": case, "kd": tuner_differences("kd", strategy),
                       "keras": tuner_differences("keras", strategy)}
         else:
