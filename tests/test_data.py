@@ -27,6 +27,8 @@ def _ids_across_workers(*args):
     results = _harness.results_of("\n".join(lines))
     assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
     assert {r["replicas"] for r in results} == {4}
+    # The traits record kd's modules compare (strategies.traits), asked of a real cluster.
+    assert {tuple(r["traits"]) for r in results} == {("multi_worker", 4, 2)}
     ids = [i for r in results for replica in r["ids"] for i in replica]
     return ids, results
 

@@ -117,7 +117,8 @@ def test_parameter_server_cluster_runs_the_script_as_coordinator():
     assert result.returncode == 0, output[-4000:]
     lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
     (value,) = _harness.results_of("\n".join(lines))
-    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2}
+    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2,
+                     "kind": "parameter_server"}
     assert "[worker 1] worker 1 server listening" in output
     assert "[ps 0] ps 0 server listening" in output
     # The servers never exit by themselves: the launcher stopped them.
@@ -129,7 +130,8 @@ def test_local_cluster_in_process():
     code, output = _harness.run_script("local_ps.py")
     assert code == 0, output[-4000:]
     (value,) = _harness.results_of(output)
-    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2}
+    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2,
+                     "kind": "parameter_server"}
 
 
 @pytest.mark.cluster
