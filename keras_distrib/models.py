@@ -299,16 +299,6 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    def save(self, filepath, *args, **kwargs):
-        """`keras.Model.save`; warns if `keras.saving.load_model` will not find the class.
-
-        A subclass of your own (or of a KerasHub task) must be registered
-        (`@keras.saving.register_keras_serializable()`) or passed as
-        `custom_objects` to reload; see `unregistered_class_warning`.
-        """
-        unregistered_class_warning(self)
-        return super().save(filepath, *args, **kwargs)
-
     def _prepare_layers(self):
         """Per-replica bookkeeping on every layer and variable (idempotent)."""
         for layer in _keras_compat.flatten_layers(self):
@@ -553,7 +543,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         Keras's own class (a kd model would silently lose its exact steps) or
         not at all. Here the file names the class by its registered name
         (`keras_distrib>Sequential`), which `load_model` resolves to kd's.
+
+        A subclass of your own (or of a KerasHub task) reloads only if
+        registered (`@keras.saving.register_keras_serializable()`) or passed
+        as `custom_objects`; saving one that is neither warns
+        (`unregistered_class_warning`).
         """
+        unregistered_class_warning(self)
         before = _file_stamp(filepath)
         result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
         if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:
