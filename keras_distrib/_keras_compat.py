@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
@@ -50,6 +51,7 @@ from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.callbacks import tensorboard as keras_tensorboard
 from keras.src.losses import loss as keras_loss
 from keras.src.models import functional as keras_functional
 from keras.src.models import model as keras_model
@@ -141,7 +143,14 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
+    ("keras.src.callbacks.tensorboard", "keras_model_summary", "function(name, data, step)"),
+    ("keras.callbacks.TensorBoard", "_train_writer", "property: the train summary writer"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_cross_device_ops",
+     "attribute: the cross-device ops given, or None"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_inferred_cross_device_ops",
+     "attribute: the cross-device ops inferred from the devices"),
+    ("tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce", "class"),
     ("tf.distribute.experimental.coordinator.ClusterCoordinator", "_cluster", "attribute: its workers"),
     ("tensorflow.python.distribute.coordinator.cluster_coordinator.Worker", "create_resource", "method(function, args=None, kwargs=None)"),
     ("tensorflow.python.distribute.coordinator.values.RemoteValueImpl", "_type_spec", "attribute set for resources"),
@@ -665,7 +674,7 @@ def default_strategy():
 _COLLECTIVE_KEY_BASES = iter(range(100_000, 2**30, 100_000))
 
 
-def isolated_mirrored_strategy(devices):
+def isolated_mirrored_strategy(devices, cross_device_ops=None):
     """A `MirroredStrategy` whose collectives no other strategy here can collide with.
 
     TensorFlow caches each collective's parameters (shape included) by
@@ -679,7 +688,23 @@ def isolated_mirrored_strategy(devices):
     """
     isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
                     {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
-    return isolated(devices=devices)
+    return isolated(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def collective_key_base(strategy):
+    """The base of a `MirroredStrategy`'s collective keys; None if it runs no collectives.
+
+    Only a MirroredStrategy whose replicas all-reduce with collective ops
+    (`tf.distribute` picks them for CPUs and for GPUs without NCCL) has
+    keys that can collide; one reducing to one device or with NCCL has none.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return None
+    extended = strategy.extended
+    ops = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
+    if not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+        return None
+    return strategy._collective_key_base
 
 
 def optimizer_strategy(optimizer, default):
@@ -1014,3 +1039,31 @@ def set_keras_mask(tensor, mask):
     keras_masking.set_keras_mask(tensor, mask)
 
 
+# ---------------------------------------------------------------------------
+# TensorBoard's model graphs.
+
+# The class names Keras's TensorBoard callback writes a `keras` summary for.
+_KERAS_GRAPH_CLASSES = ("Functional", "Sequential")
+
+
+def write_model_config(callback, model):
+    """Writes the `keras` summary (TensorBoard's conceptual graph) Keras skips for `model`.
+
+    Keras writes it only for models whose class is named `Functional` or
+    `Sequential`; kd's functional class is `FunctionalModel`, and a user's
+    subclass of a functional model has a name of its own. Any functional or
+    sequential model whose config lists its layers gets it here; Keras's
+    own ones already have it.
+    """
+    if type(model).__name__ in _KERAS_GRAPH_CLASSES:
+        return False
+    if not isinstance(model, (keras_functional.Functional, keras.Sequential)):
+        return False
+    try:
+        layers = "layers" in model.get_config()
+    except Exception:  # noqa: BLE001 - a model without a config has no conceptual graph
+        return False
+    if not layers:
+        return False
+    with callback._train_writer.as_default():
+        return keras_tensorboard.keras_model_summary("keras", model, step=0)

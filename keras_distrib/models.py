@@ -31,6 +31,7 @@ __all__ = [
     "Sequential",
     "global_moments",
     "layer_state",
+    "unregistered_class_warning",
     "unsupported_settings",
 ]
 
@@ -331,6 +332,30 @@ def _global_batch_norm(layer):
     return isinstance(layer, keras.layers.BatchNormalization) and (
         _keras_compat.is_sync_batch_norm(layer) or layer not in _PER_REPLICA_BATCH_NORM
     )
+def unregistered_class_warning(model):
+    """Warns when `keras.saving.load_model` will not find `model`'s class.
+
+    A `.keras` file names the model's class; a subclass such as
+    `class MyTask(kd.DistributedModelMixin, keras_hub.models.BertTextClassifier)`
+    reloads only if Keras can look its name up: registered with
+    `@keras.saving.register_keras_serializable()`, or passed to
+    `load_model(..., custom_objects={"MyTask": MyTask})`. Said when saving,
+    while the class is at hand, rather than when loading fails.
+
+    Returns:
+        True if it warned.
+    """
+    cls = type(model)
+    if keras.saving.get_registered_object(keras.saving.get_registered_name(cls)) is cls:
+        return False
+    warnings.warn(
+        f"{cls.__name__} is not registered with Keras, so keras.saving.load_model will not "
+        f"find it in this file (\"Could not locate class '{cls.__name__}'\"). Decorate the class "
+        "with @keras.saving.register_keras_serializable(), or load with "
+        f"keras.saving.load_model(path, custom_objects={{'{cls.__name__}': {cls.__name__}}}).",
+        stacklevel=3,
+    )
+    return True
 
 
 def unsupported_settings(model, *, training):
@@ -719,7 +744,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         Keras's own class (a kd model would silently lose its exact steps) or
         not at all. Here the file names the class by its registered name
         (`keras_distrib>Sequential`), which `load_model` resolves to kd's.
+
+        A subclass of your own (or of a KerasHub task) reloads only if
+        registered (`@keras.saving.register_keras_serializable()`) or passed
+        as `custom_objects`; saving one that is neither warns
+        (`unregistered_class_warning`).
         """
+        unregistered_class_warning(self)
         before = _file_stamp(filepath)
         result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
         if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:

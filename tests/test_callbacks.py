@@ -1,4 +1,4 @@
-"""kd.callbacks: scratch space of non-chief workers, ModelCheckpoint's placeholders."""
+"""kd.callbacks: scratch space of non-chief workers, ModelCheckpoint's placeholders, TensorBoard's model graph."""
 
 import json
 import os
@@ -70,3 +70,53 @@ def test_model_checkpoint_fills_batch_and_log_keys(tmp_path):
     # As Keras: the batch number counts from 1 (saves after batches 2 and 4).
     assert len(names) == 2 and all(re.fullmatch(rf"m-01-{b}-\d+\.\d\.weights\.h5", n)
                                    for b, n in zip((2, 4), names)), names
+
+
+def _graph_nodes(log_dir):
+    """Node names of the conceptual graph (the `keras` tag) TensorBoard's Graphs tab shows."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.plugins.graph import keras_util
+
+    events = event_accumulator.EventAccumulator(os.path.join(log_dir, "train"),
+                                                size_guidance={"tensors": 0})
+    events.Reload()
+    if "keras" not in events.Tags()["tensors"]:
+        return None
+    (event,) = events.Tensors("keras")
+    config = json.loads(event.tensor_proto.string_val[0])
+    return sorted(node.name for node in keras_util.keras_model_to_graph_def(config).node)
+
+
+class _FunctionalSubclass(kd.DistributedModelMixin, keras.Model):
+    pass
+
+
+@pytest.mark.parametrize("build", ["kd.Model", "kd.Sequential", "subclass"])
+def test_tensorboard_writes_the_model_graph_keras_writes_for_its_own_models(tmp_path, build):
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+
+    def layers():
+        return [keras.layers.Dense(4, name="hidden"), keras.layers.Dense(1, name="out")]
+
+    def functional(model_class):
+        inputs = keras.Input((3,), name="x")
+        hidden, out = layers()
+        return model_class(inputs, out(hidden(inputs)), name="net")
+
+    if build == "kd.Sequential":
+        keras_model = keras.Sequential([keras.Input((3,), name="x"), *layers()], name="net")
+        kd_model = kd.Sequential([keras.Input((3,), name="x"), *layers()], name="net")
+    else:
+        keras_model = functional(keras.Model)
+        kd_model = functional(kd.Model if build == "kd.Model" else _FunctionalSubclass)
+    graphs = {}
+    for name, model, callback in [("keras", keras_model, keras.callbacks.TensorBoard),
+                                  ("kd", kd_model, kd.callbacks.TensorBoard),
+                                  ("contrast", kd_model, keras.callbacks.TensorBoard)]:
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, x[:, :1], batch_size=3, verbose=0,
+                  callbacks=[callback(str(tmp_path / name), write_graph=True)])
+        graphs[name] = _graph_nodes(str(tmp_path / name))
+    assert graphs["keras"] and graphs["kd"] == graphs["keras"], graphs
+    if build != "kd.Sequential":  # Keras's callback skips classes not named Functional
+        assert graphs["contrast"] is None, graphs

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
 from keras_distrib import report
@@ -147,6 +148,54 @@ def test_unsynchronized_batch_norm_is_caught():
         assert "first mismatch: step 1" in message
         assert "likely cause: unsynchronized BatchNormalization: 'norm' normalizes" in message
         assert "kd models compute global statistics" in message
+        # Not round-off: float64 shows the same difference.
+        assert re.search(r"float64 re-check: the same training in float64 still differs by [0-9.e-]+ "
+                         r"\\(an exact model matches to about 1e-12\\): a real difference", message), message
+
+
+def round_off_model():
+    """A bias before synchronized BatchNormalization has a gradient of exactly zero;
+    Adam turns its float32 round-off into steps of the learning rate's size."""
+    inputs = keras.Input((4, 4, 3))
+    hidden = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+    hidden = keras.layers.BatchNormalization(synchronized=True, name="norm")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(keras.layers.ReLU()(hidden))
+    model = kd.Model(inputs, keras.layers.Dense(3, name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_round_off_is_told_from_a_real_difference():
+    images = rng.normal(size=(33, 4, 4, 3)).astype("float32")
+    labels = rng.integers(0, 3, size=(33,))
+    with pytest.warns(UserWarning, match=r"float32 differs from one device by [0-9.e-]+ \\(tolerance "
+                      r"2e-05\\), and the same training in float64 matches to [0-9.e-]+: float32 round-off"):
+        result = kd.testing.assert_parity(round_off_model, (images, labels), batch_size=16)
+    assert max(result.values()) <= 1e-9, result  # the float64 difference
+    assert keras.config.floatx() == "float32" and keras.config.dtype_policy().name == "float32"
+
+
+class BatchOf16(keras.layers.Layer):
+    """Assumes the global batch: fails on a replica's half of it."""
+
+    def call(self, x):
+        return x + tf.ones((16, 5))
+
+
+def test_the_whole_error_when_a_strategy_fails():
+    def model_fn():
+        inputs = keras.Input((5,))
+        model = kd.Model(inputs, keras.layers.Dense(1)(BatchOf16()(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(model_fn, (X[:32], Y[:32]), batch_size=16)
+    message = str(caught.value)
+    assert "training under mirrored (2 replicas, fit) failed (on one device it runs): ValueError: " \
+           "Dimensions must be equal, but are 8 and 16" in message, message
+    assert "the whole error:" in message and "with input shapes: [8,5], [16,5]." in message, message
 
 
 def test_dropout_is_caught():
@@ -256,12 +305,26 @@ def test_one_device_parity_in_this_process():
     assert list(result) == ["one_device (1 replica, fit)"] and result["one_device (1 replica, fit)"] <= 2e-5
 
 
-def test_error_line_is_one_line():
+def test_error_line_and_error_text_find_the_message():
     nested = ValueError("Attempt to convert a value (PerReplica:{\n  0: <tf.Tensor ...>\n}) with an "
                         "unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>) "
                         "to a Tensor.")
     assert report.error_line(nested) == ("ValueError: Attempt to convert a value (PerReplica:{…}) with an "
                                          "unsupported type (PerReplica) to a Tensor.")
+    @tf.function(input_signature=[tf.TensorSpec((None, 4))] * 2)
+    def add(a, b):
+        return a + b
+
+    graph_error = None
+    try:
+        add(tf.ones((8, 4)), tf.ones((16, 4)))  # TensorFlow's "Graph execution error:"
+    except tf.errors.InvalidArgumentError as error:
+        graph_error = error
+    assert str(graph_error).startswith("Graph execution error:")
+    assert report.error_line(graph_error).startswith("InvalidArgumentError: Incompatible shapes: [8,4] vs. [16,4]")
+    whole = report.error_text(graph_error)
+    assert whole.startswith("InvalidArgumentError: Incompatible shapes: [8,4] vs. [16,4]")
+    assert "File " not in whole and "Detected at node" not in whole
     wrapped = ValueError("in user code:\n\n    File \"x.py\", line 3, in f  *\n        y()\n\n"
                          "    ValueError: destinations can not be empty\n")
     assert report.error_line(wrapped) == "ValueError: destinations can not be empty"
