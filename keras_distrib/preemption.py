@@ -2,7 +2,9 @@
 
 A cluster manager preempts a job by sending SIGTERM (Slurm before its
 KillWait, Kubernetes before `terminationGracePeriodSeconds`), often to one
-node first. Workers of a multi-worker job must all save at the same step (a
+node first. kd handles SIGTERM and SIGUSR1 alike (`SIGNALS`): SIGUSR1 is the
+early warning a Slurm job asks for before its time limit
+(`#SBATCH --signal=USR1@120`); its default action would kill the process. Workers of a multi-worker job must all save at the same step (a
 checkpoint of different steps would not restore), and the agreement must
 cost nothing while no preemption comes: kd, like TensorFlow's
 `PreemptionCheckpointHandler`, agrees through the coordination service's
@@ -47,8 +49,12 @@ __all__ = [
     "PreemptionHandler",
     "RESTART_EXIT_CODE",
     "SAVE",
+    "SIGNALS",
 ]
 
+# The signals that mean "save and exit": a preemption (SIGTERM) and Slurm's
+# early warning before a time limit (`--signal=USR1@<seconds>`).
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 SAVE = "save"  # save now and keep training (first save of a grace period)
 EXIT = "exit"  # save now, then exit with RESTART_EXIT_CODE
 _ACK_TIMEOUT = 60.0
@@ -81,7 +87,8 @@ class PreemptionHandler:
         watcher: Optional `callable() -> bool`, polled every
             `poll_interval` seconds, True when termination is imminent
             (e.g. a cloud's maintenance notice): acts like the signal.
-        signals: Signals that mean preemption (default SIGTERM). Handlers are
+        signals: Signals that mean preemption (default `SIGNALS`: SIGTERM,
+            and SIGUSR1 for Slurm's `--signal=USR1@<seconds>`). Handlers are
             installed only from the main thread, and restored by `stop()`.
         poll_interval: Seconds between `watcher` calls.
         strategy: The training strategy; a multi-worker one agrees through
@@ -97,7 +104,7 @@ class PreemptionHandler:
         >>> handler.stop()
     """
 
-    def __init__(self, *, grace_period=0.0, watcher=None, signals=(signal.SIGTERM,),
+    def __init__(self, *, grace_period=0.0, watcher=None, signals=SIGNALS,
                  poll_interval=1.0, strategy=None):
         self.grace_period = _check_seconds("grace_period", grace_period)
         self.poll_interval = _check_seconds("poll_interval", poll_interval)

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -25,15 +26,21 @@ from keras_distrib import tf_logs
 __all__ = [
     "ClusterResult",
     "RESTART_EXIT_CODE",
+    "STOP_SIGNALS",
     "TaskResult",
     "TaskSpec",
     "run_tasks",
     "signals_stop_the_cluster",
     "split_gpus",
     "visible_gpus",
+    "whole_lines",
 ]
 
 GRACE_SECONDS = 5.0
+# Signals to the launcher that stop the cluster, the tasks getting SIGTERM and
+# the grace period to save: SIGTERM (a preemption, `scancel`), SIGINT
+# (Ctrl-C) and SIGUSR1 (Slurm's `--signal=USR1@<seconds>` before a time limit).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # What a task exits with after saving a backup on preemption: restart me.
 # (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
 # platforms too.) `keras_distrib.preemption` uses the same value.
@@ -68,6 +75,30 @@ class ClusterResult:
     timed_out: bool = False
     restarts: int = 0
     signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
+
+
+def whole_lines(sink):
+    """`sink`, called by one thread at a time; `print` becomes a whole-line write and flush.
+
+    The tasks' reader threads share the sink: each line reaches the
+    launcher's output in one write, never merged with another task's (nor,
+    through `srun`, with another node's agent: stdout is flushed per line).
+    """
+    if getattr(sink, "whole_lines", False):
+        return sink
+    lock = threading.Lock()
+
+    def write(line):
+        with lock:
+            if sink is print:
+                stream = sys.stdout
+                stream.write(f"{line}\n")
+                stream.flush()
+            else:
+                sink(line)
+
+    write.whole_lines = True
+    return write
 
 
 def visible_gpus(env=None):
@@ -235,6 +266,7 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
     `RESTART_EXIT_CODE` if a task saved for a restart, else 128 + signal.
     """
     grace = GRACE_SECONDS if grace_period is None else grace_period
+    sink = whole_lines(sink)
     tasks = []
     started = time.monotonic()
     timed_out = False
@@ -306,8 +338,8 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
         # it on, and give the tasks time to save (a preemption's grace).
         signalled = stop.code
         stop_grace = grace
-        sink(f"[launcher] got signal {signalled - 128}; passing it on, the tasks have "
-             f"{grace:g}s to save and exit")
+        sink(f"[launcher] got {signal.Signals(signalled - 128).name}; passing SIGTERM on, the "
+             f"tasks have {grace:g}s to save and exit")
     finally:
         _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
     results = [t.finish() for t in tasks]
@@ -343,7 +375,11 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
 
 @contextlib.contextmanager
 def signals_stop_the_cluster():
-    """SIGTERM/SIGINT to the launcher unwind it, so its `finally` stops every task."""
+    """A signal of `STOP_SIGNALS` to the launcher unwinds it, so its `finally` stops every task.
+
+    The tasks then get SIGTERM and the grace period to save (SIGUSR1 is
+    Slurm's warning before a time limit, `--signal=USR1@<seconds>`).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -351,7 +387,7 @@ def signals_stop_the_cluster():
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ import os
 import numpy as np
 import pytest
 import sys
+import time
 
 import keras_distrib as kd
 from keras_distrib import cluster
@@ -116,10 +117,16 @@ _CLEAN = [name for name in cluster_sources.ENVIRONMENT if name != "PATH"]
 
 @pytest.fixture
 def environ(monkeypatch, tmp_path):
-    """A clean environment without scontrol on PATH; returns a setter."""
+    """A clean environment without scontrol on PATH; returns a setter.
+
+    The simulated nodes' names (n9, n10) do not resolve here: each stands for
+    a machine of its own (name resolution is tested on its own below, and for
+    real in tests/test_slurm.py).
+    """
     for name in _CLEAN:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: host)
 
     def set_env(**values):
         for name, value in values.items():
@@ -162,6 +169,28 @@ def test_slurm_uses_scontrol_when_on_path(environ, tmp_path):
     fake.chmod(0o755)
     environ(**_slurm(3, nodes="weird[list", KD_PORT=9000))
     assert kd.cluster_info().cluster["worker"][-1] == "beta:9001"
+
+
+def test_slurm_nodes_on_one_machine_get_different_ports(environ, monkeypatch):
+    # Two Slurm nodes on one host (the usual multi-node test set-up): their
+    # tasks share the machine, so each needs its own port.
+    monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: "127.0.0.1")
+    environ(**_slurm(2, KD_PORT=7000))
+    assert kd.cluster_info().cluster["worker"] == ("n9:7000", "n9:7001", "n10:7002", "n10:7003")
+
+
+def test_an_unresolvable_slurm_node_is_named_within_seconds(environ, monkeypatch):
+    monkeypatch.undo()  # the real resolution
+    for name in _CLEAN:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _slurm(0, nodes="kd-no-such-node[1-2].invalid", per_node="2(x2)").items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    started = time.monotonic()
+    with pytest.raises(kd.ClusterConfigError,
+                       match=r"The Slurm node 'kd-no-such-node1\.invalid' does not resolve"):
+        kd.cluster_info()
+    assert time.monotonic() - started < cluster_sources.RESOLVE_SECONDS + 1
 
 
 def test_slurm_parameter_servers(environ):
