@@ -304,8 +304,36 @@ class PreemptionHandler:
         self._round += 1
         return EXIT if self.grace_period <= 0 or round_ == 1 else SAVE
 
+    def _wait_for_every_save(self):
+        """Multi-worker: announce this worker's save and wait for every other worker's.
+
+        No worker exits before the chief's backup is complete: under
+        `srun --kill-on-bad-exit=1` the first task to exit 42 ends the
+        others' processes.
+        """
+        try:
+            _keras_compat.key_value_insert(f"{self._prefix}/saved/{self._me}", "1")
+        except Exception as error:  # noqa: BLE001 - the cluster may be going down
+            logger.warning("Could not announce this worker's backup: %s", error)
+            return
+        deadline = time.monotonic() + _ACK_TIMEOUT
+        info = cluster_lib.cluster_info()
+        peers = [f"{t}-{i}" for t in ("chief", "worker") for i in range(len(info.cluster.get(t, ())))]
+        for peer in peers:
+            while time.monotonic() < deadline:
+                try:
+                    _keras_compat.key_value_get(f"{self._prefix}/saved/{peer}", _POLL_MS)
+                    break
+                except _keras_compat.KeyMissing:
+                    continue
+                except Exception:  # noqa: BLE001 - the service is gone: nothing left to wait for
+                    return
+
     def exit(self):
-        """Exits the process with `RESTART_EXIT_CODE` (after the final save)."""
+        """Exits the process with `RESTART_EXIT_CODE` (after the final save; every
+        worker of a multi-worker cluster waits until all have saved)."""
+        if getattr(self, "_multi", False):
+            self._wait_for_every_save()
         logger.warning("Backed up for the preemption; exiting with code %d so that the job is "
                        "restarted and resumes from the backup.", RESTART_EXIT_CODE)
         raise SystemExit(RESTART_EXIT_CODE)
