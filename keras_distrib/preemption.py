@@ -55,6 +55,9 @@ __all__ = [
 # The signals that mean "save and exit": a preemption (SIGTERM) and Slurm's
 # early warning before a time limit (`--signal=USR1@<seconds>`).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What a task logs once its backup is written, just before it exits 42; the
+# launcher reads it when the task is killed on its way out (see supervisor).
+SAVED_MESSAGE = "Backed up for the preemption"
 SAVE = "save"  # save now and keep training (first save of a grace period)
 EXIT = "exit"  # save now, then exit with RESTART_EXIT_CODE
 _ACK_TIMEOUT = 60.0
@@ -332,8 +335,8 @@ class PreemptionHandler:
     def exit(self):
         """Exits the process with `RESTART_EXIT_CODE` (after the final save; every
         worker of a multi-worker cluster waits until all have saved)."""
+        logger.warning("%s; exiting with code %d so that the job is restarted and resumes from "
+                       "the backup.", SAVED_MESSAGE, RESTART_EXIT_CODE)
         if getattr(self, "_multi", False):
             self._wait_for_every_save()
-        logger.warning("Backed up for the preemption; exiting with code %d so that the job is "
-                       "restarted and resumes from the backup.", RESTART_EXIT_CODE)
         raise SystemExit(RESTART_EXIT_CODE)

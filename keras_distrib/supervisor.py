@@ -236,6 +236,12 @@ class TaskSpec:
         return f"{self.task_type} {self.task_index}"
 
 
+def _said_saved(result):
+    from keras_distrib import preemption
+
+    return any(preemption.SAVED_MESSAGE in line for line in result.tail[-5:])
+
+
 def _lost_peer_message(result, own_label, service_task):
     """kd's explanation when a task ended because the cluster lost another task, else None."""
     from keras_distrib import watchdog
@@ -341,11 +347,16 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
         sink(f"[launcher] got {signal.Signals(signalled - 128).name}; passing SIGTERM on, the "
              f"tasks have {grace:g}s to save and exit")
     finally:
-        _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
+        with _signals_ignored():
+            # The tasks are being stopped (and given the grace period to save):
+            # a second signal must not cut that short.
+            _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
     results = [t.finish() for t in tasks]
     if signalled is not None:
         codes = [r.returncode for r in results]
-        saved = RESTART_EXIT_CODE in codes
+        # A task that saved may still be killed on its way out (Slurm ends the
+        # step once another node's task exited 42): its last words count.
+        saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
         code = RESTART_EXIT_CODE if saved else signalled
         sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
         return ClusterResult(code, results, signalled=True)
@@ -371,6 +382,30 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
             sink(explanation)
         return ClusterResult(code, results, failed=result)
     return ClusterResult(0, results)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ignore_stop_signals():
+    """After the run: the exit code is decided, a late signal must not change it.
+
+    Under `srun --kill-on-bad-exit=1`, the first node's agent to exit 42
+    makes Slurm send SIGTERM to the others, which are then exiting 42 too.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
