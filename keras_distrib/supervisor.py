@@ -29,6 +29,7 @@ __all__ = [
     "STOP_SIGNALS",
     "TaskResult",
     "TaskSpec",
+    "ignore_stop_signals",
     "run_tasks",
     "signals_stop_the_cluster",
     "split_gpus",
