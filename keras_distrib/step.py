@@ -22,6 +22,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib import replica
+from keras_distrib import validation
 
 __all__ = [
     "SparseGradientInLoop",
@@ -176,7 +177,7 @@ class Step:
     def __init__(self, model, kind, *, steps=1):
         if kind not in KINDS:
             raise ValueError(f"`kind`={kind!r}: expected one of {list(KINDS)}.")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if not validation.is_whole(steps, 1):
             raise ValueError(f"`steps`={steps!r}: expected a whole number >= 1.")
         self.model = model
         self.kind = kind

@@ -18,11 +18,13 @@ import pytest
 from tests import _harness
 from tests import _slurm
 
+# Every test here starts processes (the cluster's daemons, jobs).
+pytestmark = [pytest.mark.cluster]
 _MISSING = _slurm.missing_commands()
 if _MISSING and os.environ.get("CI", "").lower() != "true":
-    pytestmark = pytest.mark.skip(
+    pytestmark.append(pytest.mark.skip(
         reason=f"Slurm or munge is not installed (missing {', '.join(_MISSING)}); "
-               "`bash tools/setup_slurm.sh` installs them (apt-get, as root)")
+               "`bash tools/setup_slurm.sh` installs them (apt-get, as root)"))
 
 # Weights after 2 workers' exact training vs one device: float32 round-off.
 _TOLERANCE = 1e-5
