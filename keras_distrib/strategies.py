@@ -307,6 +307,23 @@ def _make_parameter_server(cluster_resolver, variable_partitioner):
     )
 
 
+def _server_error(error, cluster_resolver):
+    """TensorFlow's bare `Could not start gRPC server`, with the port that is taken."""
+    if "Could not start gRPC server" not in str(error):
+        return error
+    try:
+        spec = cluster_resolver.cluster_spec().as_dict()
+        own = spec[cluster_resolver.task_type][int(cluster_resolver.task_id)]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        own = "its address in TF_CONFIG"
+    return cluster_lib.ClusterConfigError(
+        f"This task ({cluster_resolver.task_type} {cluster_resolver.task_id}) could not listen on "
+        f"{own}: the port is taken (another job or process listens there; `ss -ltnp`), or the "
+        "address is not this machine's. Under Slurm unset KD_PORT (kd then derives the ports "
+        "from the job) or choose another; elsewhere give a free port in TF_CONFIG."
+    )
+
+
 def make_strategy(
     kind="auto",
     *,
@@ -415,10 +432,13 @@ def make_strategy(
                 "or every virtual CPU device (kd.virtual_devices); it takes no list."
             )
         with _keras_compat.cpu_replicas_per_worker(_configured_cpu_count()):
-            return tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=cluster_resolver,
-                communication_options=_communication_options(communication),
-            )
+            try:
+                return tf.distribute.MultiWorkerMirroredStrategy(
+                    cluster_resolver=cluster_resolver,
+                    communication_options=_communication_options(communication),
+                )
+            except tf.errors.UnknownError as error:
+                raise _server_error(error, cluster_resolver) from error
     if kind == "parameter_server":
         return _make_parameter_server(
             cluster_resolver, options.get("variable_partitioner")

@@ -282,6 +282,25 @@ def test_a_taken_port_of_this_node_is_named(fake_names):
     kd_launch._check_local_ports(spec, local)  # free again
 
 
+@pytest.mark.cluster
+def test_a_worker_whose_port_is_taken_names_it():
+    # `srun python train.py` (no agent to check first): TensorFlow says only
+    # "Could not start gRPC server"; kd names the address.
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = {"cluster": {"worker": [f"localhost:{port}", f"localhost:{_harness.free_port_block(1)}"]},
+                  "task": {"type": "worker", "index": 0}}
+        process = subprocess.run(
+            [sys.executable, "-c", "import keras_distrib as kd; kd.make_strategy('multi_worker')"],
+            capture_output=True, text=True, timeout=120,
+            env={**_harness._env(), "TF_CONFIG": json.dumps(config)})
+    assert process.returncode != 0
+    assert (f"ClusterConfigError: This task (worker 0) could not listen on localhost:{port}: "
+            "the port is taken") in process.stderr, process.stderr[-3000:]
+
+
 def test_lines_from_many_threads_are_never_merged(capfd):
     sink = supervisor.whole_lines(print)
     line = "x" * 5000  # longer than a pipe's atomic write (4096)
