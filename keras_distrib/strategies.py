@@ -308,19 +308,25 @@ def _make_parameter_server(cluster_resolver, variable_partitioner):
 
 
 def _server_error(error, cluster_resolver):
-    """TensorFlow's bare `Could not start gRPC server`, with the port that is taken."""
+    """TensorFlow's bare `Could not start gRPC server`, with the address that is taken."""
     if "Could not start gRPC server" not in str(error):
         return error
     try:
-        spec = cluster_resolver.cluster_spec().as_dict()
-        own = spec[cluster_resolver.task_type][int(cluster_resolver.task_id)]
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
-        own = "its address in TF_CONFIG"
+        if cluster_resolver is not None:
+            spec = cluster_resolver.cluster_spec().as_dict()
+            task_type, index = cluster_resolver.task_type, int(cluster_resolver.task_id)
+        else:  # TensorFlow read TF_CONFIG itself
+            info = cluster_lib.cluster_info()
+            spec, task_type, index = info.cluster, info.task_type, info.task_index
+        label, own = f"{task_type} {index}", spec[task_type][index]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError,
+            cluster_lib.ClusterConfigError):
+        label, own = "this task", "its address in TF_CONFIG"
     return cluster_lib.ClusterConfigError(
-        f"This task ({cluster_resolver.task_type} {cluster_resolver.task_id}) could not listen on "
-        f"{own}: the port is taken (another job or process listens there; `ss -ltnp`), or the "
-        "address is not this machine's. Under Slurm unset KD_PORT (kd then derives the ports "
-        "from the job) or choose another; elsewhere give a free port in TF_CONFIG."
+        f"This task ({label}) could not listen on {own}: the port is taken (another job or "
+        "process listens there; `ss -ltnp`), or the address is not this machine's. Under Slurm "
+        "unset KD_PORT (kd then derives the ports from the job) or choose another; elsewhere "
+        "give a free port in TF_CONFIG."
     )
 
 
