@@ -413,8 +413,7 @@ def _per_node_count(per_node, environ):
                      "CUDA_VISIBLE_DEVICES is empty")
             raise LaunchError(
                 f"`per_node`='gpu': this node shows no GPU ({shown}), so there is no task to "
-                "start. Use "
-                "`--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
+                "start. Use `--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
                 "(e.g. `#SBATCH --gpus-per-node=4`, or `nvidia.com/gpu` in the pod's limits)."
             )
         return len(gpus)

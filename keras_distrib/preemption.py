@@ -4,8 +4,10 @@ A cluster manager preempts a job by sending SIGTERM (Slurm before its
 KillWait, Kubernetes before `terminationGracePeriodSeconds`), often to one
 node first. kd handles SIGTERM and SIGUSR1 alike (`SIGNALS`): SIGUSR1 is the
 early warning a Slurm job asks for before its time limit
-(`#SBATCH --signal=USR1@120`); its default action would kill the process. Workers of a multi-worker job must all save at the same step (a
-checkpoint of different steps would not restore), and the agreement must
+(`#SBATCH --signal=USR1@120`); its default action would kill the process.
+
+Workers of a multi-worker job must all save at the same step (a checkpoint
+of different steps would not restore), and the agreement must
 cost nothing while no preemption comes: kd, like TensorFlow's
 `PreemptionCheckpointHandler`, agrees through the coordination service's
 key-value store, from background threads, instead of a collective per step.
