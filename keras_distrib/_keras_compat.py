@@ -98,6 +98,8 @@ PRIVATE_NAMES = (
     ("keras.src.backend.tensorflow.trainer", "TFEpochIterator", "class: (begin, end, iterator) chunks"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset", "attribute set in __init__"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
+    ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat", "function(tensors)"),
+    ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged", "function(x)"),
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "function(arrays, validation_split)"),
     ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
     ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
@@ -150,6 +152,8 @@ PRIVATE_NAMES = (
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
+    ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
+    ("tf.data.Dataset", "_functions", "method(): StructuredFunctionWrappers (.function.graph)"),
     # The coordination service's key-value store (no public API): preemption
     # agreement and the watchdog's heartbeats.
     ("tensorflow.python.eager.context", "context", "function(): the eager Context"),
@@ -247,6 +251,10 @@ class GlobalShareMean(keras.metrics.Mean):
     - `weighting="steps"` (per-output `<name>_loss`, which Keras weights by the
       static batch size, unknown in a `fit` pipeline, so 1 per batch):
       sum_b(loss_b) / batches, each replica adding its share and 1/R.
+
+    A loss with `reduction="none"` gives per-example values instead of a
+    share; they are tracked as Keras tracks them on one device (see
+    `_update_per_example`).
     """
 
     def __init__(self, name="loss", dtype=None, weighting="rows"):
@@ -266,12 +274,30 @@ class GlobalShareMean(keras.metrics.Mean):
             return super().update_state(values, sample_weight=sample_weight)
         replicas = num_replicas()
         share = tf.cast(values, self.dtype) / replicas
+        if share.shape.rank != 0:
+            return self._update_per_example(share, batch)
         if self.weighting == "rows":
             self.total.assign_add(share * tf.cast(batch.global_rows, self.dtype))
             self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
         else:
             self.total.assign_add(share)
             self.count.assign_add(tf.constant(1.0 / replicas, self.dtype))
+
+
+    def _update_per_example(self, values, batch):
+        # A loss with reduction="none" returns this replica's per-example
+        # values (unscaled, kd's loss wrapper leaves them as they are). On one
+        # device Keras's tracker adds mean(values) * rows and counts the rows
+        # (the model's loss), or adds sum(values) and counts the leading
+        # dimension (a per-output loss); each replica adds its own part.
+        if self.weighting == "rows":
+            rows = tf.cast(batch.local_rows, self.dtype)
+            mean = tf.math.divide_no_nan(tf.reduce_sum(values), tf.cast(tf.size(values), self.dtype))
+            self.total.assign_add(mean * rows)
+            self.count.assign_add(rows)
+        else:
+            self.total.assign_add(tf.reduce_sum(values))
+            self.count.assign_add(tf.cast(tf.shape(values)[0], self.dtype))
 
 
 class GlobalCompileLoss(compile_utils.CompileLoss):
@@ -335,6 +361,41 @@ Functional = keras_functional.Functional
 
 def functional_init_arguments(args, kwargs):
     return keras_model.functional_init_arguments(args, kwargs)
+
+
+def make_functional(cls, kd_model, kd_functional):
+    """Makes the user's class `cls` functional, as `keras.Model.__init__` does.
+
+    Keras's "subclass a functional model" pattern
+    (`super().__init__(inputs=..., outputs=...)` in a subclass's `__init__`)
+    rewrites the bases of every class between `cls` and `keras.Model`,
+    putting `Functional` in place of `keras.Model`. Done on a kd model, that
+    rewrite would reach `kd.Model` itself, and every later `kd.Model`
+    subclass would become functional. Here the rewrite stops at kd's class:
+    `kd_model` is replaced by `kd_functional` (its fixed functional
+    subclass) in the user's classes, and kd's classes are left untouched.
+    """
+
+    def inject(klass):
+        if klass is kd_model:
+            return kd_functional
+        if klass is keras.Model:
+            return keras_functional.Functional
+        if (klass is object or not issubclass(klass, keras.Model)
+                or issubclass(klass, keras_functional.Functional)
+                or klass.__module__.startswith("keras_distrib.")):
+            return klass
+        bases = tuple(inject(base) for base in klass.__bases__)
+        if bases != klass.__bases__:
+            klass.__bases__ = bases
+        return klass
+
+    inject(cls)
+
+
+def functional_init(model, args, kwargs):
+    """`keras.Model.__init__` for functional arguments, on an already functional class."""
+    keras_functional.Functional.__init__(model, *args, **kwargs)
 
 
 class ModelHooks:
@@ -439,6 +500,20 @@ def concat_replicas(outputs, strategy):
     return keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="concat")
 
 
+def concat_predictions(batches):
+    """Keras's `predict` result from each call's outputs, in order.
+
+    NumPy arrays, or a RaggedTensor (or SparseTensor) where the outputs are
+    ragged, or their shapes differ from batch to batch, as Keras returns.
+    """
+    first = batches[0]
+    lists = tree.map_structure(lambda _: [], first)
+    for batch in batches:
+        tree.map_structure_up_to(first, lambda parts, value: parts.append(value), lists, batch)
+    joined = tree.map_structure_up_to(first, keras_tf_trainer.potentially_ragged_concat, lists)
+    return tree.map_structure(keras_tf_trainer.convert_to_np_if_not_ragged, joined)
+
+
 def pythonify_logs(logs):
     return python_utils.pythonify_logs(logs)
 
@@ -538,6 +613,30 @@ def dataset_ops_used(dataset):
     for function in graph.library.function:
         ops.update(node.op for node in function.node_def)
     return ops
+
+
+def dataset_calls_python(dataset, op_types):
+    """Whether a dataset's functions (map, flat_map, from_generator's) use any of `op_types`.
+
+    Walks the dataset's inputs and the graphs of their functions, without
+    serializing the dataset (which would copy every constant it holds, e.g.
+    the arrays of `from_tensor_slices`).
+    """
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in current._functions():
+            graphs = [wrapper.function.graph]
+            while graphs:
+                graph = graphs.pop()
+                if any(op.type in op_types for op in graph.get_operations()):
+                    return True
+                graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
+        pending.extend(current._inputs())
+    return False
 
 
 def default_strategy():

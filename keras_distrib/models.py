@@ -7,19 +7,21 @@ wrapping (`strategy.run`, reductions, several steps per call) is
 training.
 """
 
+import json
+import os
 import warnings
 
+import h5py
 import keras
 import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib import front
 from keras_distrib import gradients
 from keras_distrib import loop
-from keras_distrib import parameter_server
 from keras_distrib import replica
 from keras_distrib import step as step_lib
-from keras_distrib import validation
 
 __all__ = [
     "DistributedModelMixin",
@@ -35,6 +37,46 @@ def _record_loss(loss):
     batch = replica.current_batch()
     if batch is not None:
         batch.record_loss(loss)
+
+
+def _static_rows(x):
+    """Rows in a batch of arrays or eager tensors (its first input's), or None."""
+    for value in tree.flatten(x):
+        if value is None:
+            continue
+        if isinstance(value, tf.RaggedTensor):
+            return int(value.nrows())
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] is None:
+            return None
+        return int(shape[0])
+    return None
+
+
+def _file_stamp(path):
+    try:
+        status = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return status.st_mtime_ns, status.st_size, status.st_ino
+
+
+def _record_registered_class(path, cls):
+    """Names `cls` by its registered name in a legacy `.h5` file's model config."""
+    name = keras.saving.get_registered_name(cls)
+    if name == cls.__name__:  # not registered: Keras's bare name is all there is
+        return
+    with h5py.File(path, "r+") as file:
+        config = file.attrs.get("model_config")
+        if config is None:
+            return
+        if isinstance(config, bytes):
+            config = config.decode("utf-8")
+        config = json.loads(config)
+        if config.get("class_name") != cls.__name__:
+            return
+        config["class_name"] = name
+        file.attrs["model_config"] = json.dumps(config).encode("utf-8")
 
 
 def _pad_empty_batch(x, batch):
@@ -121,7 +163,7 @@ def unsupported_settings(model, *, training):
     strategy = model.distribute_strategy
     problems = []
     layers = _keras_compat.flatten_layers(model)
-    optimizer = model.optimizer
+    optimizer = getattr(model, "optimizer", None)  # None: never compiled
     base = _keras_compat.base_optimizer(optimizer) if optimizer is not None else None
     if training and isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
         fix = "Use kd.make_strategy('mirrored') on the same devices, which is exact with it."
@@ -214,10 +256,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         `.keras` file would reload uncompiled, without its optimizer state.
         Here it compiles through kd's `compile` and builds the optimizer on
         the variables it updates, so the saved optimizer variables load into
-        it.
+        it. A subclass with a `compile` of its own loads uncompiled, with
+        Keras's warning, as with Keras.
         """
         if not config:
             return
+        if type(self).compile is not DistributedModelMixin.compile:
+            # The subclass's own compile (e.g. a GAN's compile(d_optimizer,
+            # g_optimizer, loss_fn)) cannot take these arguments: Keras warns
+            # and loads the model uncompiled; so does this.
+            return super().compile_from_config(config)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if self.built and self.optimizer is not None:
@@ -401,6 +449,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     # fit, evaluate and predict run kd's loop (keras_distrib.loop).
 
+    def _step_of(self, kind):
+        return {"train": self.make_train_function, "test": self.make_test_function,
+                "predict": self.make_predict_function}[kind]()
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -408,29 +460,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy()
-        validation.validate_inputs(
-            self, x, y, sample_weight, method="fit", validation_data=validation_data,
-            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_split=validation_split,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
-            class_weight=class_weight, callbacks=callbacks,
-        )
-        arguments = dict(
-            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            validation_split=validation_split, validation_data=validation_data,
-            shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-        )
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.fit(
-                self, x, y, steps_per_call=int(self.steps_per_execution or 1), **arguments
-            )
-        return loop.fit(
-            self, self.make_train_function(), x, y, evaluate_steps=self.make_test_function(),
-            **arguments,
+        return front.fit(
+            self, self._step_of, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
+            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+            sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -442,37 +478,50 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         shards = kwargs.pop("shards", None)
         if kwargs:
             raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
-        validation.validate_inputs(self, x, y, sample_weight, method="evaluate",
-                                   batch_size=batch_size, steps=steps)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.evaluate(
-                self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
-                steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
-            )
-        if shards:
-            raise ValueError(
-                f"`shards`={shards!r}: sharded evaluation is for ParameterServerStrategy; "
-                f"under {type(self.distribute_strategy).__name__} evaluation is already "
-                "distributed over the replicas."
-            )
-        return loop.evaluate(
-            self, self.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
-            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
-            return_dict=return_dict,
+        return front.evaluate(
+            self, self._step_of, x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+            return_dict=return_dict, shards=shards,
         )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """`keras.Model.predict`: every row once, in input order, under any strategy."""
+        """`keras.Model.predict`: every row once, in input order, under any strategy.
+
+        Works on a model that was never compiled (inference), as Keras's.
+        """
         self._check_strategy()
-        validation.validate_inputs(self, x, method="predict", batch_size=batch_size, steps=steps)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.predict(
-                self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        return front.predict(self, self._step_of, x, batch_size=batch_size, verbose=verbose,
+                             steps=steps, callbacks=callbacks)
+
+    def predict_on_batch(self, x):
+        """`keras.Model.predict_on_batch`: `x` as one batch, every row once, in order.
+
+        Under a strategy the batch is split over the replicas as `predict`
+        splits a batch (plain Keras gives every replica the whole batch and
+        returns each row once per replica).
+        """
+        rows = _static_rows(x)
+        if rows is None:
+            raise ValueError(
+                f"`x` ({type(x).__name__}) has no leading batch dimension to predict on; "
+                "pass an array, a tensor, or a list/dict of them."
             )
-        return loop.predict(
-            self, self.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
-            steps_count=steps, callbacks=callbacks,
-        )
+        return self.predict(x, batch_size=max(rows, 1), verbose=0)
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """`keras.Model.save`; a legacy `.h5` file reloads as this model's class.
+
+        Keras's legacy HDF5 format records the class by its bare Python name
+        (`Sequential`, `FunctionalModel`), which `load_model` resolves to
+        Keras's own class (a kd model would silently lose its exact steps) or
+        not at all. Here the file names the class by its registered name
+        (`keras_distrib>Sequential`), which `load_model` resolves to kd's.
+        """
+        before = _file_stamp(filepath)
+        result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:
+            _record_registered_class(filepath, type(self))
+        return result
 
     def build_from_data(self, iterator=None, data_batch=None):
         """Builds every variable from an epoch iterator's spec, or a batch.
@@ -505,6 +554,17 @@ class Model(DistributedModelMixin, keras.Model):
             return keras.Model.__new__(FunctionalModel)
         return super().__new__(cls, *args, **kwargs)
 
+    def __init__(self, *args, **kwargs):
+        # A subclass calling `super().__init__(inputs=..., outputs=...)`
+        # becomes functional as with Keras, but through FunctionalModel:
+        # kd.Model's own bases never change.
+        if not _keras_compat.functional_init_arguments(args, kwargs):
+            super().__init__(*args, **kwargs)
+            return
+        if not isinstance(self, _keras_compat.Functional):
+            _keras_compat.make_functional(type(self), Model, FunctionalModel)
+        _keras_compat.functional_init(self, args, kwargs)
+
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
 class FunctionalModel(Model, _keras_compat.Functional):
@@ -520,3 +580,8 @@ class Sequential(DistributedModelMixin, keras.Sequential):
         >>> model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")
     """
+
+
+# Keras's legacy `.h5` format names a model's class by its bare Python name;
+# kd's functional class has a name of its own, so a saved file resolves to it.
+keras.saving.get_custom_objects().setdefault("FunctionalModel", FunctionalModel)

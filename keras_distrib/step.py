@@ -22,6 +22,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib import replica
+from keras_distrib import strategies
 from keras_distrib import validation
 
 __all__ = [
@@ -50,6 +51,10 @@ class SparseGradientInLoop(Exception):
     """
 
 
+class _CompositeInLoop(Exception):
+    """Ragged or sparse predictions, which a compiled loop cannot stack (one step per call then)."""
+
+
 def metric_results(model):
     """Every model metric's value; global when read in cross-replica context."""
     results = {}
@@ -73,7 +78,7 @@ def metric_names(model):
 
 def reduce_mean(strategy, value):
     """Mean over replicas of a per-replica value (what Keras calls "auto")."""
-    if isinstance(value, tf.distribute.DistributedValues) or _keras_compat.is_multi_worker(strategy):
+    if isinstance(value, tf.distribute.DistributedValues) or strategies.traits(strategy).is_multi_worker:
         return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
     return value
 
@@ -100,11 +105,11 @@ def whole_step_xla(strategy):
     into XLA for one replica, TPUs, or mirrored replicas that are all GPUs;
     elsewhere a synchronization inside a compiled function fails.
     """
-    if strategy.num_replicas_in_sync == 1 or isinstance(strategy, tf.distribute.TPUStrategy):
+    traits = strategies.traits(strategy)
+    if traits.replicas == 1 or traits.is_tpu:
         return True
     devices = tuple(getattr(strategy.extended, "worker_devices", ()))
-    return (bool(devices) and all("GPU" in d.upper() for d in devices)
-            and not _keras_compat.is_multi_worker(strategy))
+    return bool(devices) and all("GPU" in d.upper() for d in devices) and not traits.is_multi_worker
 
 
 def on_replica_device(function):
@@ -128,7 +133,7 @@ def plan_for(model, *, looped=False):
     replicas = strategy.num_replicas_in_sync
     jit = bool(model.jit_compile) and not model.run_eagerly
     return replica.StepPlan(
-        pad_empty=replicas > 1 and not isinstance(strategy, tf.distribute.TPUStrategy),
+        pad_empty=replicas > 1 and not strategies.traits(strategy).is_tpu,
         xla_forward=jit and not whole_step_xla(strategy),
         looped=looped,
     )
@@ -188,7 +193,7 @@ class Step:
         # Collectives inside a compiled loop keep their first iteration's
         # shape; gathering predictions across workers (or sparse gradients,
         # see SparseGradientInLoop) changes shape with the batch.
-        self._looping = not (kind == "predict" and _keras_compat.is_multi_worker(self.strategy))
+        self._looping = not (kind == "predict" and strategies.traits(self.strategy).is_multi_worker)
         self._compile()
 
     # Compiled functions.
@@ -231,6 +236,8 @@ class Step:
 
     def _many_predictions(self, iterator, count, first):
         flat = tree.flatten(first)
+        if not all(isinstance(t, tf.Tensor) for t in flat):
+            raise _CompositeInLoop()
         arrays = [
             tf.TensorArray(t.dtype, size=0, dynamic_size=True, infer_shape=False).write(0, t)
             for t in flat
@@ -274,6 +281,8 @@ class Step:
                 except SparseGradientInLoop:
                     self._looping = False
                     _warn_stepwise(self.model, count)
+                except _CompositeInLoop:  # ragged or sparse predictions
+                    self._looping = False
             return self._stepwise(iterator, count)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
