@@ -13,6 +13,7 @@ import sys
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import cluster_sources
+from keras_distrib import supervisor
 from keras_distrib import launcher as launch_lib
 
 __all__ = [
@@ -75,6 +76,7 @@ def _launch(options):
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
         return 2
+    supervisor.ignore_stop_signals()
     return result.returncode
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "build_model",
     "callback_list",
     "chunk_end_hooks",
+    "epoch_interrupted",
     "epoch_source",
     "evaluate",
     "evaluate_pass",
@@ -81,7 +82,13 @@ class LocalRunner:
         return self.step.skip(iterator, count)
 
     def epoch_logs(self, logs):
-        """The epoch's logs: the metrics' global values (or the last step's logs)."""
+        """The epoch's logs: the metrics' global values (or the last step's logs).
+
+        With no step run in this process (a resume from a backup taken at the
+        epoch's last step), the metrics' values restored from the backup.
+        """
+        if not logs:
+            return dict(self.model.get_metrics_result())
         return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
 
 
@@ -92,6 +99,17 @@ def resume_position(callbacks):
         if position is not None:
             return position
     return None
+
+
+def epoch_interrupted(callbacks):
+    """Whether a callback stopped the epoch part-way for a restart (a preemption's backup).
+
+    Such an epoch did not finish: it is not ended (no `on_epoch_end`, so no
+    checkpoint, log line or History entry counts it); the restarted run
+    finishes it and ends it once.
+    """
+    return any(getattr(c, "epoch_interrupted", False) is True
+               for c in getattr(callbacks, "callbacks", ()))
 
 
 def callback_list(callbacks, model, *, verbose, epochs, steps, history=False):
@@ -191,6 +209,8 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     watch.step(epoch, end)
                 if model.stop_training:
                     break
+        if epoch_interrupted(callbacks):
+            break
         if not ran:
             raise EmptyDataError(
                 f"`x` gave no batch in epoch {epoch + 1}: the data is empty (e.g. a dataset "
@@ -206,7 +226,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
         callbacks.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
-    if epochs > 0 and model.optimizer is not None:
+    if epochs > 0 and model.optimizer is not None and not epoch_interrupted(callbacks):
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=epoch_logs)
     return model.history

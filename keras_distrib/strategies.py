@@ -308,6 +308,29 @@ def _make_parameter_server(cluster_resolver, variable_partitioner):
     )
 
 
+def _server_error(error, cluster_resolver):
+    """TensorFlow's bare `Could not start gRPC server`, with the address that is taken."""
+    if "Could not start gRPC server" not in str(error):
+        return error
+    try:
+        if cluster_resolver is not None:
+            spec = cluster_resolver.cluster_spec().as_dict()
+            task_type, index = cluster_resolver.task_type, int(cluster_resolver.task_id)
+        else:  # TensorFlow read TF_CONFIG itself
+            info = cluster_lib.cluster_info()
+            spec, task_type, index = info.cluster, info.task_type, info.task_index
+        label, own = f"{task_type} {index}", spec[task_type][index]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError,
+            cluster_lib.ClusterConfigError):
+        label, own = "this task", "its address in TF_CONFIG"
+    return cluster_lib.ClusterConfigError(
+        f"This task ({label}) could not listen on {own}: the port is taken (another job or "
+        "process listens there; `ss -ltnp`), or the address is not this machine's. Under Slurm "
+        "unset KD_PORT (kd then derives the ports from the job) or choose another; elsewhere "
+        "give a free port in TF_CONFIG."
+    )
+
+
 def make_strategy(
     kind="auto",
     *,
@@ -416,10 +439,13 @@ def make_strategy(
                 "or every virtual CPU device (kd.virtual_devices); it takes no list."
             )
         with _keras_compat.cpu_replicas_per_worker(_configured_cpu_count()):
-            return tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=cluster_resolver,
-                communication_options=_communication_options(communication),
-            )
+            try:
+                return tf.distribute.MultiWorkerMirroredStrategy(
+                    cluster_resolver=cluster_resolver,
+                    communication_options=_communication_options(communication),
+                )
+            except tf.errors.UnknownError as error:
+                raise _server_error(error, cluster_resolver) from error
     if kind == "parameter_server":
         return _make_parameter_server(
             cluster_resolver, options.get("variable_partitioner")
