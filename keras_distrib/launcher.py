@@ -291,7 +291,7 @@ def _resolve_target(target, args):
     return _task_entry.argv_factory(spec, args, values_dir), values_dir
 
 
-_SERVER_ARGV = [sys.executable, "-u", "-m", "keras_distrib._task_entry", "--server"]
+_SERVER_ARGV = [sys.executable, "-u", "-P", "-m", "keras_distrib._task_entry", "--server"]
 
 
 def _attempts(run, *, max_restarts, sink, what, values_dir=None):

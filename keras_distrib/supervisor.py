@@ -11,15 +11,16 @@ are killed. `keras_distrib.launcher` builds clusters on top of it.
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
+from keras_distrib import _guard
 from keras_distrib import tf_logs
 
 __all__ = [
@@ -99,13 +100,14 @@ def split_gpus(gpus, tasks):
     return {task: ",".join(gpus[i * share:(i + 1) * share]) for i, task in enumerate(tasks)}
 
 
-def _die_with_parent():
-    """In the child: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def guarded(argv):
+    """`argv` started under `keras_distrib._guard`: none of the task's processes outlives it.
+
+    The guard is run by file path with `-I -S` (isolated: neither the working
+    directory nor PYTHONPATH is searched); it ends the task's children and
+    daemons when the task exits and when this process dies, even by SIGKILL.
+    """
+    return [sys.executable, "-I", "-S", _guard.__file__, str(os.getpid()), *argv]
 
 
 class _Task:
@@ -117,15 +119,17 @@ class _Task:
         # TensorFlow's start-up notices, repeated by every task (see tf_logs).
         self._hide_notices = tf_logs.hides_notices(env)
         self._log = open(log_path, "a") if log_path else None
+        self._sink_broken = None
         self.process = subprocess.Popen(
-            argv,
+            guarded(argv),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
-            text=True,
+            # Bytes that are not UTF-8 are shown escaped (`\xff`), never stop the reader.
+            encoding="utf-8",
+            errors="backslashreplace",
             bufsize=1,
         )
         self._reader = threading.Thread(target=self._pump, daemon=True)
@@ -145,8 +149,21 @@ class _Task:
             if self._hide_notices and tf_logs.is_startup_notice(line):
                 continue
             self.tail = (self.tail + [line])[-_TAIL_LINES:]
-            self._sink(prefix + line)
+            if self._sink_broken is None:
+                try:
+                    self._sink(prefix + line)
+                except Exception as error:  # noqa: BLE001 - e.g. BrokenPipeError under `| head`
+                    # Keep reading: a task blocked on a full pipe would never end.
+                    self._sink_broken = error
         self.process.stdout.close()
+
+    def stop_guard(self):
+        """Asks the guard to end every process of the task (daemons included)."""
+        if self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, _guard.STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
 
     def signal_group(self, signum):
         try:
@@ -180,6 +197,12 @@ def _stop(tasks, grace=GRACE_SECONDS, servers=()):
         except subprocess.TimeoutExpired:
             pass
     for task in tasks:
+        task.stop_guard()
+    for task in tasks:
+        try:
+            task.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
         # The group may hold grandchildren even after the leader exited.
         task.signal_group(signal.SIGKILL)
         try:
@@ -343,7 +366,7 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
 
 @contextlib.contextmanager
 def signals_stop_the_cluster():
-    """SIGTERM/SIGINT to the launcher unwind it, so its `finally` stops every task."""
+    """SIGTERM/SIGINT/SIGHUP to the launcher unwind it, so its `finally` stops every task."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -351,7 +374,7 @@ def signals_stop_the_cluster():
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         yield
     finally:

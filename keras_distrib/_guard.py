@@ -1,0 +1,142 @@
+"""The guard between the launcher and one task: no process of the task outlives it.
+
+`python -I -S _guard.py LAUNCHER_PID ARGV...` (started by
+`keras_distrib.supervisor`, by file path so that nothing of the working
+directory is imported) starts the task `ARGV` in its own process group and
+waits. It is the task's "subreaper" (Linux `PR_SET_CHILD_SUBREAPER`): a
+daemon the task starts (double fork, `setsid`) is re-parented to the guard
+instead of to init, so the guard still sees it. The guard ends every
+descendant when
+
+- the task exits (a daemon it left behind gets SIGTERM, then SIGKILL),
+- the launcher dies, even by SIGKILL (`PR_SET_PDEATHSIG` sends the guard
+  SIGUSR2), or asks for it with SIGUSR2 before its final SIGKILL,
+
+and exits with the task's status (a task killed by signal N: the guard
+kills itself with N). SIGTERM/SIGINT reach the task through the process
+group (a preemption: the task saves and exits); the guard ignores them.
+
+Only the standard library, no keras_distrib import: it starts in ~20 ms.
+"""
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+# What the launcher's death (or its request) sends the guard.
+STOP_SIGNAL = signal.SIGUSR2
+# Seconds a leftover daemon gets between SIGTERM and SIGKILL.
+DAEMON_GRACE = 2.0
+
+
+def _prctl(option, value):
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(root):
+    """Pids of every live descendant of `root` (read from /proc)."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), ()):
+            found.append(pid)
+            todo.append(pid)
+    return found
+
+
+def _signal_all(signum):
+    pids = descendants(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def _reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def end_everything(grace):
+    """SIGTERM every descendant, SIGKILL what is left after `grace` seconds."""
+    if grace > 0 and _signal_all(signal.SIGTERM):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            _reap()
+            if not descendants(os.getpid()):
+                return
+            time.sleep(0.05)
+    for _ in range(50):  # new forks may appear while killing
+        _reap()
+        if not _signal_all(signal.SIGKILL):
+            return
+        time.sleep(0.02)
+
+
+def main(argv):
+    launcher = int(argv[0])
+    command = argv[1:]
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def stop(signum, frame):
+        end_everything(0)
+        os._exit(128 + STOP_SIGNAL)
+
+    signal.signal(STOP_SIGNAL, stop)
+    _prctl(_PR_SET_PDEATHSIG, int(STOP_SIGNAL))
+    if os.getppid() != launcher:  # the launcher died before the line above
+        os._exit(128 + STOP_SIGNAL)
+    # Passed on to the task through the process group; the guard waits on.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    task = os.fork()
+    if task == 0:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, STOP_SIGNAL):
+            signal.signal(signum, signal.SIG_DFL)
+        try:
+            os.execvp(command[0], command)
+        except OSError as error:
+            print(f"[launcher] cannot start {command[0]!r}: {error}", file=sys.stderr, flush=True)
+            os._exit(127)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == task:
+            break
+    end_everything(DAEMON_GRACE)
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)  # a signal that does not kill (e.g. SIGCHLD)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
