@@ -21,6 +21,7 @@ import pickle
 import shlex
 import socket
 import sys
+import time
 
 import portpicker
 
@@ -45,6 +46,11 @@ __all__ = [
 # Seconds the tasks get to save and exit when the launcher is told to stop
 # (a preemption); below Slurm's KillWait and Kubernetes' default grace (30 s).
 DEFAULT_GRACE_PERIOD = 25.0
+# Restarts wait RESTART_BACKOFF * 2**(n-1) seconds (at most RESTART_BACKOFF_MAX)
+# after an attempt that lasted under RESTART_BACKOFF_MAX; a longer attempt restarts at once.
+RESTART_BACKOFF = 1.0
+RESTART_BACKOFF_MAX = 60.0
+MAX_RESTARTS = 1000
 
 
 class LaunchError(ValueError):
@@ -152,8 +158,10 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
             "`chief` with `ps`: in a parameter-server cluster the script itself "
             "is the coordinator (chief); drop `chief`"
         )
-    if not _whole(max_restarts, 0):
-        problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number >= 0")
+    if not _whole(max_restarts, 0) or max_restarts > MAX_RESTARTS:
+        problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number in "
+                        f"0..{MAX_RESTARTS} (each restart waits up to {RESTART_BACKOFF_MAX:g}s "
+                        "after a quick failure)")
     if timeout is not None and not validation.is_seconds(timeout):
         problems.append(
             f"`timeout`={timeout!r}: expected a finite number of seconds > 0, or None for "
@@ -301,15 +309,27 @@ def _attempts(run, *, max_restarts, sink, what, values_dir=None):
     collected into the result, and the directory is removed in any case.
     """
     try:
-        attempt = 0
+        attempt, quick = 0, 0
         while True:
+            started = time.monotonic()
             with supervisor.signals_stop_the_cluster():
                 result = run(attempt)
             result.restarts = attempt
             if result.returncode == 0 or result.signalled or attempt >= max_restarts:
                 break
             attempt += 1
-            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})")
+            # A failure soon after the start would fail again at once: back off.
+            quick = quick + 1 if time.monotonic() - started < RESTART_BACKOFF_MAX else 0
+            wait = min(RESTART_BACKOFF * 2 ** (quick - 1), RESTART_BACKOFF_MAX) if quick else 0.0
+            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})"
+                 + (f" in {wait:g}s" if wait else ""))
+            with supervisor.signals_stop_the_cluster():
+                try:
+                    time.sleep(wait)
+                except SystemExit as stop:
+                    result.signalled = True
+                    result.returncode = stop.code
+                    break
         if values_dir is not None:
             result.values = _task_entry_values(values_dir)
         return result

@@ -145,3 +145,43 @@ def test_launcher_piped_into_head_ends():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
     assert len(out.splitlines()) == 3
+
+
+# Security: what other local users see, what the working directory can inject.
+
+
+def test_function_arguments_are_not_on_the_command_line(tmp_path, monkeypatch):
+    from tests import launch_targets
+
+    secret = "hunter2-" + "s" * 20
+    # A module of the working directory must not run inside the tasks (python -m put it first).
+    (tmp_path / "argparse.py").write_text(
+        f"open({str(tmp_path / 'INJECTED')!r}, 'w').write('ran')\nraise SystemExit(9)\n")
+    monkeypatch.chdir(tmp_path)
+    lines = []
+    result = kd_launch.launch(launch_targets.command_lines, workers=1, args=(secret,),
+                              env=_harness._env(), sink=lines.append, timeout=120)
+    assert result.returncode == 0, lines
+    value = result.values["worker 0"]
+    assert value["got"] == secret
+    assert "hunter2" not in value["own"] and "hunter2" not in value["parent"], value
+    assert "-P" in value["own"].split()
+    assert not (tmp_path / "INJECTED").exists()
+
+
+# Restarts.
+
+
+def test_quick_failures_back_off_before_restarting():
+    started = time.monotonic()
+    result, output = _harness.run_cluster("exit_code.py", workers=2, timeout=120, max_restarts=2)
+    assert result.returncode == 3 and result.restarts == 2
+    assert "restarting the cluster (1/2) in 1s" in output
+    assert "restarting the cluster (2/2) in 2s" in output
+    assert time.monotonic() - started >= 3.0
+
+
+@pytest.mark.parametrize("value", [10**20, 1e20, 1001])
+def test_absurd_max_restarts_is_refused(value):
+    with pytest.raises(kd_launch.LaunchError, match=r"`max_restarts`=.*expected a whole number in 0\.\.1000"):
+        kd_launch.launch(FAMILY, workers=1, max_restarts=value)
