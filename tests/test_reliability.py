@@ -185,3 +185,177 @@ def test_quick_failures_back_off_before_restarting():
 def test_absurd_max_restarts_is_refused(value):
     with pytest.raises(kd_launch.LaunchError, match=r"`max_restarts`=.*expected a whole number in 0\.\.1000"):
         kd_launch.launch(FAMILY, workers=1, max_restarts=value)
+
+
+# Data: the backup directory and its lock.
+
+
+def _model():
+    import keras
+
+    import keras_distrib as kd
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((2,))
+    model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _fit(model, backup, epochs=1, callbacks=(), **kwargs):
+    import numpy as np
+
+    import keras_distrib as kd
+
+    x = np.arange(16, dtype="float32").reshape(8, 2) / 16
+    y = x.sum(axis=1, keepdims=True)
+    return model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, shuffle=False,
+                     callbacks=[*callbacks, kd.callbacks.BackupAndRestore(str(backup), **kwargs)])
+
+
+@pytest.fixture
+def mount_point(tmp_path):
+    """A small tmpfs of our own (the Kubernetes recipe mounts a volume at backup_dir)."""
+    point = tmp_path / "volume"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(point)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"this test mounts a tmpfs and needs root: {done.stderr}"
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_a_mount_point_backup_dir_is_emptied_not_removed(mount_point):
+    model = _fit_and_return(mount_point)
+    assert os.path.ismount(mount_point) and os.listdir(mount_point) == []
+    assert model is not None
+
+
+def _fit_and_return(backup):
+    model = _model()
+    _fit(model, backup)  # must not raise: training finished
+    return model
+
+
+def test_a_symlinked_backup_dir_keeps_the_link_and_its_target(tmp_path):
+    target = tmp_path / "real"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    _fit_and_return(link)
+    assert link.is_symlink() and target.is_dir() and os.listdir(target) == []
+
+
+def test_a_failing_cleanup_does_not_fail_a_finished_run(tmp_path, caplog, monkeypatch):
+    backup = tmp_path / "made_by_kd"
+    real_rmdir = os.rmdir
+
+    def busy(path, *args, **kwargs):
+        if os.fspath(path) == str(backup):
+            raise OSError(16, "Device or resource busy")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        _fit_and_return(backup)
+    assert "Could not remove the empty directory" in caplog.text
+    monkeypatch.setattr(os, "rmdir", real_rmdir)
+    # Contrast: a directory kd created is removed once empty.
+    other = tmp_path / "also_by_kd"
+    _fit_and_return(other)
+    assert not other.exists()
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (backup / ".kd-lock.json").symlink_to(victim)
+    with pytest.raises(CheckpointError, match=r"\.kd-lock\.json' of the checkpoint directory is a "
+                                              r"symbolic link; .* Remove"):
+        _fit_and_return(backup)
+    assert victim.read_text() == "precious"
+    (backup / ".kd-lock.json").unlink()
+    (backup / ".kd-lock.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"\.kd-lock\.json' of the checkpoint directory is a directory"):
+        _fit_and_return(backup)
+
+
+@pytest.mark.parametrize("kind", ["dangling", "looping"])
+def test_a_broken_symlink_backup_dir_is_refused_at_once(kind, tmp_path):
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    link = tmp_path / "backup"
+    link.symlink_to(tmp_path / "gone" if kind == "dangling" else link)
+    with pytest.raises(CheckpointError, match=r"`backup_dir`=.*backup' is a symbolic link to .*which does "
+                                              r"not exist or loops"):
+        kd.callbacks.BackupAndRestore(str(link))
+
+
+def test_divergence_keeps_the_last_finite_backup(tmp_path, caplog):
+    import keras
+    import numpy as np
+
+    from keras_distrib import checkpoint
+
+    class Diverge(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                kernel = self.model.layers[-1].kernel
+                kernel.assign(np.full(kernel.shape, np.nan, "float32"))
+
+    backup = tmp_path / "backup"
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        _fit(_model(), backup, epochs=2, callbacks=[Diverge()])
+    assert "Training diverged" in caplog.text and "Kept the backup" in caplog.text
+    names = [n for n in os.listdir(backup) if n.startswith("ckpt-")]
+    assert len(names) == 1
+    progress = checkpoint.read_progress_file(str(backup / names[0]))
+    assert progress["epoch"] == 1  # the end of the first, finite epoch
+    import tensorflow as tf
+    reader = tf.train.load_checkpoint(str(backup / names[0] / "state"))
+    values = [np.asarray(reader.get_tensor(k)) for k in reader.get_variable_to_shape_map()]
+    weights = [v for v in values if v.dtype.kind == "f" and v.size == 2]  # the kernel, and its slot
+    assert weights and all(np.all(np.isfinite(v)) for v in weights), values
+
+
+def test_latest_naming_a_deleted_checkpoint_is_refused(tmp_path):
+    import shutil
+
+    import tensorflow as tf
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), tmp_path / "c")
+    manager.save(epoch=1)
+    manager.close()
+    shutil.rmtree(tmp_path / "c" / "ckpt-1")
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"latest' names the checkpoint 'ckpt-1', but .*ckpt-1' is "
+                                              r"missing .* delete the `latest` file to start from scratch"):
+        manager.restore_or_initialize()
+    manager.close()
+
+
+@pytest.mark.parametrize("free_pages,what", [(0, "lock file"), (3, "checkpoint")])
+def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, mount_point):
+    from keras_distrib.checkpoint import CheckpointError
+
+    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * 4096)
+    os.ftruncate(fd, os.fstat(fd).st_size - free_pages * 4096)
+    os.close(fd)
+    with pytest.raises(CheckpointError, match=rf"Could not write the {what} .*volume.*"
+                                              r"No space left on device.*Free space in"):
+        _fit_and_return(mount_point)
+    # Nothing half-written is left under a checkpoint's name.
+    assert not [n for n in os.listdir(mount_point) if n.startswith(("ckpt-", ".tmp-kd-"))]

@@ -59,6 +59,17 @@ def set_metric_state(model, values, source="The backup"):
             variable.assign(np.asarray(value, dtype=variable.dtype))
 
 
+def _non_finite_weights(model):
+    """Names of the model's weights holding NaN or Inf (empty when all are finite)."""
+    bad = []
+    for weight in model.weights:
+        if "float" in str(weight.dtype):
+            values = np.asarray(weight.numpy(), dtype=np.float64)
+            if not np.all(np.isfinite(values)):
+                bad.append(weight.path)
+    return bad
+
+
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training state so an interrupted `fit` resumes exactly.
 
@@ -110,6 +121,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._handler = None
         self._chunks = 0
         self._exit_after_training = False
+        self._diverged = False
 
     def set_model(self, model):
         """Sets the model; refuses a plain `keras.Model` (see below) before anything is written."""
@@ -156,6 +168,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._resume = progress
         self._chunks = 0
         self._exit_after_training = False
+        self._diverged = False
         if self.save_on_preemption:
             self._handler = preemption.PreemptionHandler(
                 strategy=model.distribute_strategy, **self._preemption_settings
@@ -170,6 +183,17 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Steps scheduled on the workers may still be running: the backup
             # must hold exactly the steps its position counts.
             parameter_server.coordinator_for(strategy).join()
+        bad = _non_finite_weights(self.model)
+        if bad:
+            # Diverged: the backup in place is the last good state; keep it.
+            self._diverged = True
+            logger.warning(
+                "Training diverged: %s hold NaN or Inf at epoch %d, step %d, so the backup was not "
+                "written; %s keeps the last finite state%s. Lower the learning rate (or clip "
+                "gradients) and resume from it.", ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""),
+                epoch, step, self.backup_dir,
+                f" ({self._manager.latest})" if self._manager.latest else " (none was written yet)")
+            return
         self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model))
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -219,8 +243,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._manager.close()
             self._handler.exit()
         self._handler = None
-        if self.delete_checkpoint:
-            self._manager.delete_all()
-        else:
-            self._manager.mark_finished()
+        if self._diverged:
+            logger.warning("Kept the backup in %s: training diverged, and it holds the last "
+                           "finite weights.", self.backup_dir)
+            self._manager.close()
+            return
+        try:
+            if self.delete_checkpoint:
+                self._manager.delete_all()
+            else:
+                self._manager.mark_finished()
+        except (OSError, checkpoint_lib.CheckpointError) as error:
+            # Training is complete: a failing clean-up must not fail it.
+            logger.warning("Training finished, but cleaning up the backup in %s failed (%s); "
+                           "remove it by hand.", self.backup_dir, error)
         self._manager.close()
