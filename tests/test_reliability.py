@@ -359,3 +359,49 @@ def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, m
         _fit_and_return(mount_point)
     # Nothing half-written is left under a checkpoint's name.
     assert not [n for n in os.listdir(mount_point) if n.startswith(("ckpt-", ".tmp-kd-"))]
+
+
+# Environment values a cluster manager (or a typo) hands over.
+
+_SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
+          "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+_K8S = {"KD_NUM_PODS": "2", "JOB_COMPLETION_INDEX": "0", "HOSTNAME": "train-0", "KD_SERVICE": "svc"}
+
+
+def test_a_malformed_node_list_from_scontrol_is_refused(tmp_path):
+    from keras_distrib import cluster, cluster_sources
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho \"$3\"\n")  # echoes the list back, as for a bad list
+    fake.chmod(0o755)
+    environ = dict(_SLURM, SLURM_STEP_NODELIST="n[1-", PATH=str(tmp_path))
+    with pytest.raises(cluster.ClusterConfigError, match=r"scontrol show hostnames n\[1-` gave \['n\[1-'\], "
+                                                         r"which are not host names"):
+        cluster_sources.detect(environ)
+
+
+@pytest.mark.parametrize("environ,match", [
+    (dict(_K8S, KD_SERVICE="my svc"), r"`KD_SERVICE`: 'my svc' is not a host name"),
+    (dict(_K8S, HOSTNAME="bad host-0"), r"`HOSTNAME`: 'bad host-0' is not a host name"),
+    (dict(_K8S, KD_HOSTS="a b:1,c:2"), r"`KD_HOSTS` has entries that are not 'host:port': \['a b:1'\]"),
+    (dict(_SLURM, **_K8S), r"an `srun` task .* also has Kubernetes' `KD_NUM_PODS`='2'.* Unset KD_NUM_PODS"),
+    ({"TF_CONFIG": '{"cluster": {"worker": ["my host:2222"]}, "task": {"type": "worker", "index": 0}}'},
+     r"cluster\['worker'\]\[0\]: 'my host' is not a host name"),
+])
+def test_cluster_environment_values_are_checked(environ, match):
+    from keras_distrib import cluster, cluster_sources
+
+    with pytest.raises(cluster.ClusterConfigError, match=match):
+        if "TF_CONFIG" in environ:
+            cluster.parse_tf_config(environ["TF_CONFIG"])
+        else:
+            cluster_sources.detect(environ)
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.001", "0.5"])
+def test_a_watchdog_shorter_than_a_second_is_refused(value):
+    from keras_distrib import watchdog
+
+    with pytest.raises(ValueError, match=rf"`KD_WATCHDOG`='{value}': .*a number >= 1"):
+        watchdog.from_environment(environ={"KD_WATCHDOG": value})
+    assert watchdog.from_environment(environ={"KD_WATCHDOG": "1"}).seconds == 1.0
