@@ -21,6 +21,7 @@ Only the standard library, no keras_distrib import: it starts in ~20 ms.
 
 import ctypes
 import os
+import resource
 import signal
 import sys
 import time
@@ -132,7 +133,12 @@ def main(argv):
     end_everything(DAEMON_GRACE)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        try:  # the task may have dumped core; the guard must not add its own
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        except (ValueError, OSError):
+            pass
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)  # a signal that does not kill (e.g. SIGCHLD)
     os._exit(os.waitstatus_to_exitcode(status))

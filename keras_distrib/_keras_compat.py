@@ -413,6 +413,16 @@ def epoch_iterator(**kwargs):
     return keras_tf_trainer.TFEpochIterator(**kwargs)
 
 
+def data_batch_size(epoch_iterator):
+    """The global batch size of a Keras epoch iterator's data, or None where not static."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    try:
+        size = getattr(adapter, "batch_size", None)
+    except Exception:  # noqa: BLE001 - an adapter may not know it
+        return None
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def dataset_element_spec(epoch_iterator):
     """The element spec of a Keras TFEpochIterator's dataset, without iterating.
 

@@ -405,3 +405,54 @@ def test_a_watchdog_shorter_than_a_second_is_refused(value):
     with pytest.raises(ValueError, match=rf"`KD_WATCHDOG`='{value}': .*a number >= 1"):
         watchdog.from_environment(environ={"KD_WATCHDOG": value})
     assert watchdog.from_environment(environ={"KD_WATCHDOG": "1"}).seconds == 1.0
+
+
+# Resuming: the backup's position must mean the same examples.
+
+
+def _xy(rows):
+    import numpy as np
+
+    x = np.arange(rows * 2, dtype="float32").reshape(rows, 2) / 16
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _backup_after_one_epoch(backup):
+    import keras_distrib as kd
+
+    x, y = _xy(8)
+    _model().fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False,
+                 callbacks=[kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+
+
+@pytest.mark.parametrize("rows,batch_size,step,match", [
+    (8, 2, None, r"the global batch size is 2, the backup's was 4; the batches per epoch is 4, "
+                 r"the backup's was 2"),
+    (4, 4, None, r"the batches per epoch is 1, the backup's was 2"),
+    (8, 4, 999, r"the backup's position, step 999 of epoch 1, is past the epoch's 2 batches"),
+])
+def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_path):
+    import json
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    _backup_after_one_epoch(backup)
+    if step is not None:
+        (ckpt,) = [p for p in backup.iterdir() if p.name.startswith("ckpt-")]
+        progress = json.loads((ckpt / "progress.json").read_text())
+        (ckpt / "progress.json").write_text(json.dumps(dict(progress, step=step)))
+    x, y = _xy(rows)
+    model = _model()
+    files_before = sorted(p.name for p in backup.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"does not match this run's data: " + match
+                       + r".*skip or repeat examples"):
+        model.fit(x, y, batch_size=batch_size, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert sorted(p.name for p in backup.rglob("*")) == files_before  # the backup is kept
+    # Contrast: the same data resumes (the refusal above is about the data).
+    if step is None:
+        history = model.fit(*_xy(8), batch_size=4, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+        assert history.epoch == [1]

@@ -163,6 +163,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "metric state: it was not written by kd.callbacks.BackupAndRestore (a "
                     "kd.CheckpointManager's, perhaps). Give the callback a directory of its own."
                 )
+            self._check_data_matches(progress)
             self.restored_position = DataPosition(progress["epoch"], progress["step"])
             if progress["step"] > 0:
                 self._resume = progress
@@ -194,7 +195,38 @@ class BackupAndRestore(keras.callbacks.Callback):
                 epoch, step, self.backup_dir,
                 f" ({self._manager.latest})" if self._manager.latest else " (none was written yet)")
             return
-        self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model))
+        self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model),
+                           **self._data_shape())
+
+    def _data_shape(self):
+        """What the backup's position counts in: batches per epoch and the global batch size."""
+        params = self.params or {}
+        return {key: params.get(name) for key, name in
+                (("batches_per_epoch", "steps"), ("global_batch_size", "batch_size"))
+                if isinstance(params.get(name), int)}
+
+    def _check_data_matches(self, progress):
+        """Refuses to resume a backup whose position no longer means the same examples."""
+        path = self._manager.restored_path
+        now = self._data_shape()
+        problems = []
+        for key, what in (("global_batch_size", "global batch size"),
+                          ("batches_per_epoch", "batches per epoch")):
+            saved = progress.get(key)
+            if isinstance(saved, int) and key in now and now[key] != saved:
+                problems.append(f"the {what} is {now[key]}, the backup's was {saved}")
+        batches = now.get("batches_per_epoch")
+        if batches is not None and progress["step"] > batches:
+            problems.append(f"the backup's position, step {progress['step']} of epoch "
+                            f"{progress['epoch']}, is past the epoch's {batches} batches")
+        if problems:
+            self._manager.close()
+            raise checkpoint_lib.CheckpointError(
+                f"The backup {path!r} does not match this run's data: " + "; ".join(problems)
+                + ". Resuming would skip or repeat examples. Resume with the data and "
+                "`batch_size` it was written with, or give `backup_dir` another directory "
+                "(or delete this backup) to start from scratch."
+            )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
