@@ -100,9 +100,72 @@ def end_everything(grace):
         time.sleep(0.02)
 
 
+# Private network namespace (`launch(private_network=True)`).
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def _libc_call(name, *args):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"{name}: {os.strerror(error)}")
+
+
+def _loopback_up():
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+        fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
+
+
+def hold_network_namespace():
+    """Creates a network namespace with only loopback, says READY, and keeps it until stdin closes.
+
+    Root (CAP_SYS_ADMIN) makes a plain one; another user a user namespace
+    too (mapped to the same uid), where the kernel allows it.
+    """
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        _libc_call("unshare", _CLONE_NEWNET)
+    except OSError:
+        _libc_call("unshare", _CLONE_NEWUSER | _CLONE_NEWNET)
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    _loopback_up()
+    print("READY", flush=True)
+    sys.stdin.read()  # until the launcher closes it (or dies)
+
+
+def join_network_namespace(holder):
+    """Moves this process into the network namespace `holder` keeps (its user namespace first)."""
+    for kind, flag in (("user", _CLONE_NEWUSER), ("net", _CLONE_NEWNET)):
+        target = f"/proc/{holder}/ns/{kind}"
+        if os.stat(target).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
+            continue
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            _libc_call("setns", fd, flag)
+        finally:
+            os.close(fd)
+
+
 def main(argv):
+    if argv[:1] == ["--hold-netns"]:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        return hold_network_namespace()
     launcher = int(argv[0])
     command = argv[1:]
+    if command[:1] == ["--netns"]:
+        join_network_namespace(int(command[1]))
+        command = command[2:]
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
     def stop(signum, frame):

@@ -246,7 +246,7 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             grace_period=None, verbose=False):
+             grace_period=None, verbose=False, private_network=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -257,7 +257,7 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
-                                grace_period=grace_period)
+                                grace_period=grace_period, private_network=private_network)
 
 
 def _script_argv(script, args):
@@ -345,6 +345,17 @@ def _script_target(target):
     return target, isinstance(target, str) and ":" not in target
 
 
+def _check_private_network(private_network):
+    if not isinstance(private_network, bool):
+        raise LaunchError(f"Invalid launch request:\n  - `private_network`={private_network!r}: "
+                          "expected True or False")
+    if private_network:
+        try:
+            supervisor.PrivateNetwork().close()
+        except OSError as error:
+            raise LaunchError(str(error)) from None
+
+
 def _check_grace_period(grace_period):
     problems = _grace_problems(grace_period)
     if problems:
@@ -353,7 +364,7 @@ def _check_grace_period(grace_period):
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -387,6 +398,12 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             and TensorFlow's start-up notices are dropped from their output
             (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
             `env` is kept either way. `log_dir` files keep every line.
+        private_network: Run the tasks in a network namespace of their own
+            with only loopback (`supervisor.PrivateNetwork`; root or
+            unprivileged user namespaces). TensorFlow's servers listen on
+            every interface and have no authentication: this keeps every
+            other host (and other network namespaces) off their ports. The
+            tasks then reach no network either (no downloads).
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -405,13 +422,14 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     _check_grace_period(grace_period)
+    _check_private_network(private_network)
     argv_for, values_dir = _resolve_target(target, args)
     return _attempts(
         lambda attempt: run_once(
             argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
             env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
             ports=ports if attempt == 0 else None, evaluator=evaluator,
-            grace_period=grace_period, verbose=verbose,
+            grace_period=grace_period, verbose=verbose, private_network=private_network,
         ),
         max_restarts=max_restarts, sink=sink, what="the cluster", values_dir=values_dir,
     )

@@ -25,6 +25,7 @@ from keras_distrib import tf_logs
 
 __all__ = [
     "ClusterResult",
+    "PrivateNetwork",
     "RESTART_EXIT_CODE",
     "TaskResult",
     "TaskSpec",
@@ -100,18 +101,58 @@ def split_gpus(gpus, tasks):
     return {task: ",".join(gpus[i * share:(i + 1) * share]) for i, task in enumerate(tasks)}
 
 
-def guarded(argv):
+def guarded(argv, netns=None):
     """`argv` started under `keras_distrib._guard`: none of the task's processes outlives it.
 
     The guard is run by file path with `-I -S` (isolated: neither the working
     directory nor PYTHONPATH is searched); it ends the task's children and
     daemons when the task exits and when this process dies, even by SIGKILL.
     """
-    return [sys.executable, "-I", "-S", _guard.__file__, str(os.getpid()), *argv]
+    extra = ["--netns", str(netns)] if netns else []
+    return [sys.executable, "-I", "-S", _guard.__file__, str(os.getpid()), *extra, *argv]
+
+
+class PrivateNetwork:
+    """A network namespace with only loopback, for one local cluster's tasks.
+
+    TensorFlow's gRPC server listens on every interface (`0.0.0.0` and
+    `[::]`) whatever TF_CONFIG names, and its distributed runtime has no
+    authentication: anyone who reaches a task's port runs TensorFlow ops as
+    the training user. Inside this namespace the tasks reach each other on
+    `localhost` and nothing outside reaches them (nor do they reach the
+    network). Needs root, or unprivileged user namespaces.
+    """
+
+    def __init__(self):
+        self.holder = subprocess.Popen(
+            [sys.executable, "-I", "-S", _guard.__file__, "--hold-netns"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        ready = self.holder.stdout.readline().strip()
+        if ready != "READY":
+            error = self.holder.stderr.read().strip().splitlines()
+            self.close()
+            raise OSError(
+                "`private_network`: could not create a network namespace for the tasks ("
+                + (error[-1] if error else "no reason given") + "). It needs root, or "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); or "
+                "launch without it and firewall the tasks' ports (README, Security)."
+            )
+
+    @property
+    def pid(self):
+        return self.holder.pid
+
+    def close(self):
+        if self.holder.poll() is None:
+            self.holder.kill()
+        self.holder.wait(timeout=10)
+        for stream in (self.holder.stdin, self.holder.stdout, self.holder.stderr):
+            stream.close()
 
 
 class _Task:
-    def __init__(self, task_type, task_index, argv, env, sink, log_path):
+    def __init__(self, task_type, task_index, argv, env, sink, log_path, netns=None):
         self.task_type = task_type
         self.task_index = task_index
         self.tail = []
@@ -121,7 +162,7 @@ class _Task:
         self._log = open(log_path, "a") if log_path else None
         self._sink_broken = None
         self.process = subprocess.Popen(
-            guarded(argv),
+            guarded(argv, netns),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -242,7 +283,8 @@ def _ps_lost_message(task, code):
             "job (--max-restarts; training resumes from its backup).")
 
 
-def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None):
+def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None,
+              private_network=False):
     """Starts every task, waits, and stops them all; returns a `ClusterResult`.
 
     The run ends when every watched task exited 0, when a watched task
@@ -256,7 +298,20 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
     the tasks get SIGTERM and `grace_period` seconds (default
     `GRACE_SECONDS`) to save and exit; the result's code is
     `RESTART_EXIT_CODE` if a task saved for a restart, else 128 + signal.
+
+    With `private_network`, the tasks run in one network namespace of their
+    own (`PrivateNetwork`): reachable from nowhere else.
     """
+    network = PrivateNetwork() if private_network else None
+    try:
+        return _run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                          grace_period=grace_period, netns=network and network.pid)
+    finally:
+        if network is not None:
+            network.close()
+
+
+def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     grace = GRACE_SECONDS if grace_period is None else grace_period
     tasks = []
     started = time.monotonic()
@@ -271,7 +326,8 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
                 log_path = os.path.join(log_dir, f"{spec.task_type}_{spec.task_index}.log")
-            tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path))
+            tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path,
+                               netns))
         watched = [t for t, spec in zip(tasks, specs) if spec.watched]
         followers = [t for t, spec in zip(tasks, specs) if spec.follower]
         leaders = [t for t in watched if t not in followers]

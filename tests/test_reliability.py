@@ -456,3 +456,45 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
         history = model.fit(*_xy(8), batch_size=4, epochs=2, verbose=0, shuffle=False,
                             callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
         assert history.epoch == [1]
+
+
+def _reachable(port):
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
+    """A task listening on 0.0.0.0 (as TF's gRPC server does) is unreachable from outside its namespace.
+
+    Contrast (private=False): the same listener is reachable from this host.
+    """
+    from tests import launch_targets
+
+    lines, seen = [], []
+
+    def sink(line):
+        lines.append(line)
+        if "LISTENING " in line:
+            seen.append(_reachable(int(line.rsplit(" ", 1)[1])))
+
+    result = kd_launch.launch(launch_targets.listen_everywhere, workers=1, args=(4,),
+                              env=_harness._env(), sink=sink, timeout=120,
+                              private_network=private)
+    assert result.returncode == 0, lines
+    assert seen == [not private], lines
+
+
+def test_a_two_worker_tensorflow_cluster_trains_in_a_private_network():
+    result, output = _harness.run_cluster("train_identical.py", workers=2, timeout=240,
+                                          private_network=True)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
+    assert len({r["digest"] for r in results}) == 1
