@@ -20,7 +20,6 @@ from keras_distrib import cluster
 from keras_distrib import data
 from keras_distrib import gradients
 from keras_distrib import losses
-from keras_distrib import testing
 from keras_distrib.checkpoint import CheckpointError
 from keras_distrib.checkpoint import CheckpointManager
 from keras_distrib.cluster import ClusterConfigError
@@ -42,6 +41,16 @@ from keras_distrib.models import Sequential
 from keras_distrib.strategies import make_strategy
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `kd.testing` (pytest fixtures, subprocess harness) loads on first use:
+    # training code never pays for it.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("keras_distrib.testing")
+    raise AttributeError(f"module 'keras_distrib' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointError",

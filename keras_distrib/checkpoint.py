@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from keras_distrib import cluster
 from keras_distrib import files
+from keras_distrib import validation
 
 logger = logging.getLogger("keras_distrib")
 
@@ -133,7 +134,7 @@ def read_progress_file(path):
         raise CheckpointError(f"{file!r} is corrupt: holds a {type(progress).__name__}, not an object.")
     for key in ("epoch", "step"):
         value = progress.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not validation.is_whole(value, 0):
             problems.append(f"`{key}`={value!r} is not a whole number >= 0")
     if problems:
         raise CheckpointError(f"{file!r} is corrupt: " + "; ".join(problems) + ".")
@@ -237,7 +238,7 @@ class CheckpointManager:
                 f"`checkpoint` must be a tf.train.Checkpoint, got {type(checkpoint).__name__}; "
                 "wrap what you save: tf.train.Checkpoint(model=model, optimizer=model.optimizer)"
             )
-        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+        if not validation.is_whole(max_to_keep, 1):
             problems.append(f"`max_to_keep`={max_to_keep!r} must be a whole number >= 1")
         try:
             directory = validate_directory(directory)
@@ -442,7 +443,7 @@ class CheckpointManager:
         problems = [
             f"`{key}`={value!r} must be a whole number >= 0"
             for key, value in (("epoch", epoch), ("step", step))
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0
+            if not validation.is_whole(value, 0)
         ]
         try:
             json.dumps(extra)

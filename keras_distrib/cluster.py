@@ -14,6 +14,8 @@ import os
 import types
 
 from keras_distrib import cluster_sources
+from keras_distrib import validation
+from keras_distrib.cluster_sources import ClusterConfigError
 from keras_distrib import files
 
 __all__ = [
@@ -34,10 +36,6 @@ SOURCES = ("tf_config", "slurm", "kubernetes", "tpu")
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TASK_TYPES = ("chief", "worker")
-
-
-class ClusterConfigError(ValueError):
-    """TF_CONFIG (or a cluster manager's environment) is malformed; the message lists every problem."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +206,7 @@ def parse_tf_config(tf_config):
             )
         elif task_type != "evaluator" and task_type not in cluster:
             problems.append(f"task type {task_type!r} is not in 'cluster'")
-        if isinstance(task_index, bool) or not isinstance(task_index, int) or task_index < 0:
+        if not validation.is_whole(task_index, 0):
             problems.append(f"task index {task_index!r} is not a whole number >= 0")
         elif task_type in cluster and isinstance(cluster[task_type], (list, tuple)):
             if task_index >= len(cluster[task_type]):

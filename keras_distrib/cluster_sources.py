@@ -48,6 +48,7 @@ import subprocess
 logger = logging.getLogger("keras_distrib")
 
 __all__ = [
+    "ClusterConfigError",
     "Placement",
     "detect",
     "expand_hostlist",
@@ -75,10 +76,12 @@ KUBERNETES_PORT = 2222
 TPU_PORT = 8470
 
 
-def _config_error(message):
-    from keras_distrib import cluster
+class ClusterConfigError(ValueError):
+    """TF_CONFIG (or a cluster manager's environment) is malformed; the message lists every problem."""
 
-    return cluster.ClusterConfigError(message)
+
+def _config_error(message):
+    return ClusterConfigError(message)
 
 
 @dataclasses.dataclass(frozen=True)

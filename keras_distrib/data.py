@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
+from keras_distrib import validation
 
 __all__ = [
     "describe_input",
@@ -90,7 +91,7 @@ def _check_flags(*, strategy=None, drop_remainder=False, shuffle=False, seed=0):
     for name, value in (("drop_remainder", drop_remainder), ("shuffle", shuffle)):
         if not isinstance(value, (bool, np.bool_)):
             problems.append(f"`{name}`={value!r}: expected True or False")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if not validation.is_whole(seed, 0):
         problems.append(f"`seed`={seed!r}: expected a whole number >= 0")
     if problems:
         raise ValueError("Invalid distribute_dataset arguments:\n  - " + "\n  - ".join(problems))
@@ -102,7 +103,7 @@ def _check_batch(global_batch_size, replicas, drop_remainder):
             "`global_batch_size` is required to batch `data`: the number of "
             f"examples per step over all {replicas} replicas."
         )
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+    if not validation.is_whole(global_batch_size, 1):
         raise ValueError(f"`global_batch_size`={global_batch_size!r} must be a whole number >= 1.")
     if global_batch_size % replicas:
         lower = global_batch_size - global_batch_size % replicas

@@ -9,6 +9,7 @@ error that says what to do.
 import tensorflow as tf
 
 from keras_distrib import tf_logs
+from keras_distrib import validation
 
 __all__ = [
     "virtual_devices",
@@ -42,7 +43,7 @@ def virtual_devices(n, device_type="CPU", *, memory_limit_mb=1024):
         >>> kd.virtual_devices(2)  # doctest: +SKIP
         ['/device:CPU:0', '/device:CPU:1']
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not validation.is_whole(n, 1):
         raise ValueError(
             f"`n`={n!r} is not a valid device count. Pass a whole number "
             "of logical devices, 1 or more."

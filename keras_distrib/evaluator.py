@@ -92,7 +92,7 @@ class SidecarEvaluator:
         if best_model_path is not None and not str(best_model_path).endswith((".keras", ".weights.h5")):
             problems.append(f"`best_model_path`={best_model_path!r} must end with '.keras' or '.weights.h5'")
         for name, value in (("max_evaluations", max_evaluations), ("steps", steps)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and not validation.is_whole(value, 0):
                 problems.append(f"`{name}`={value!r} must be a whole number >= 0, or None")
         for name, value in (("poll_seconds", poll_seconds), ("timeout", timeout)):
             if value is None and name == "timeout":

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_distrib import launcher
 from keras_distrib import tf_logs
+from keras_distrib import validation
 
 __all__ = ["local_cluster"]
 
@@ -40,12 +41,12 @@ def local_cluster(workers=2, ps=1, *, worker_threads=None):
         >>> resolver = kd.local_cluster(workers=2, ps=1)  # doctest: +SKIP
         >>> strategy = kd.make_strategy("parameter_server", cluster_resolver=resolver)  # doctest: +SKIP
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    if not validation.is_whole(workers, 1):
         raise launcher.LaunchError(f"`workers`={workers!r}: expected a whole number >= 1")
-    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1:
+    if not validation.is_whole(ps, 1):
         raise launcher.LaunchError(f"`ps`={ps!r}: a parameter-server cluster needs at least 1 ps")
     if worker_threads is not None and (
-        isinstance(worker_threads, bool) or not isinstance(worker_threads, int) or worker_threads < 1
+        not validation.is_whole(worker_threads, 1)
     ):
         raise launcher.LaunchError(
             f"`worker_threads`={worker_threads!r}: expected a whole number >= 1, or None for "

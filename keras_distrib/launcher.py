@@ -93,15 +93,11 @@ def tf_config(spec, task_type, task_index):
     return json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_index}})
 
 
-def _whole(value, minimum):
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
 def _port_problems(ports):
     if isinstance(ports, (str, bytes)) or not isinstance(ports, (list, tuple)):
         return [f"`ports`={ports!r}: expected a list of port numbers, one per task"]
     problems = []
-    bad = [p for p in ports if not _whole(p, 1) or p > 65535]
+    bad = [p for p in ports if not validation.is_whole(p, 1) or p > 65535]
     if bad:
         problems.append(f"`ports` {bad}: expected whole numbers in 1..65535")
     repeated = sorted({p for p in ports if ports.count(p) > 1 and p not in bad})
@@ -147,9 +143,9 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
              env=None, log_dir=None, sink=print, evaluator=False, verbose=False):
     """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
     problems = []
-    if not _whole(workers, 1):
+    if not validation.is_whole(workers, 1):
         problems.append(f"`workers`={workers!r}: expected a whole number >= 1")
-    if not _whole(ps, 0):
+    if not validation.is_whole(ps, 0):
         problems.append(f"`ps`={ps!r}: expected a whole number >= 0")
     if not isinstance(chief, bool):
         problems.append(f"`chief`={chief!r}: expected True or False")
@@ -158,7 +154,7 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
             "`chief` with `ps`: in a parameter-server cluster the script itself "
             "is the coordinator (chief); drop `chief`"
         )
-    if not _whole(max_restarts, 0) or max_restarts > MAX_RESTARTS:
+    if not validation.is_whole(max_restarts, 0) or max_restarts > MAX_RESTARTS:
         problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number in "
                         f"0..{MAX_RESTARTS} (each restart waits up to {RESTART_BACKOFF_MAX:g}s "
                         "after a quick failure)")
@@ -191,7 +187,8 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
     if ports is not None:
         port_problems = _port_problems(ports)
         problems.extend(port_problems)
-        counts_valid = _whole(workers, 1) and _whole(ps, 0) and isinstance(chief, bool)
+        counts_valid = (validation.is_whole(workers, 1) and validation.is_whole(ps, 0)
+                        and isinstance(chief, bool))
         if not port_problems and counts_valid:
             needed = workers + ps + (1 if (chief or ps) else 0)
             if len(ports) != needed:
@@ -455,7 +452,7 @@ def _per_node_count(per_node, environ):
                 "(e.g. `#SBATCH --gpus-per-node=4`, or `nvidia.com/gpu` in the pod's limits)."
             )
         return len(gpus)
-    if not _whole(per_node, 1):
+    if not validation.is_whole(per_node, 1):
         raise LaunchError(f"`per_node`={per_node!r}: expected a whole number >= 1, or 'gpu' "
                           "(one task per visible GPU).")
     return per_node
@@ -476,7 +473,7 @@ def node_tasks(per_node=1, ps=None, environ=None):
     """
     environ = dict(os.environ if environ is None else environ)
     count = _per_node_count(per_node, environ)
-    if ps is not None and not _whole(ps, 0):
+    if ps is not None and not validation.is_whole(ps, 0):
         raise LaunchError(f"`ps`={ps!r}: expected a whole number >= 0")
     if environ.get("TF_CONFIG", "").strip():
         info = cluster_lib.parse_tf_config(environ["TF_CONFIG"])

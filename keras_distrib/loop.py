@@ -28,6 +28,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import step as step_lib
+from keras_distrib import validation
 from keras_distrib import watchdog
 
 __all__ = [
@@ -372,7 +373,7 @@ def predict(model, steps, x, *, batch_size=None, verbose="auto", steps_count=Non
 
 
 def _check_steps_per_loop(steps_per_loop):
-    if isinstance(steps_per_loop, bool) or not isinstance(steps_per_loop, int) or steps_per_loop < 1:
+    if not validation.is_whole(steps_per_loop, 1):
         raise ValueError(
             f"`steps_per_loop`={steps_per_loop!r} must be a whole number >= 1 "
             "(the number of steps run inside one compiled call)."

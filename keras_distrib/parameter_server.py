@@ -27,6 +27,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib import loop
 from keras_distrib import step as step_lib
+from keras_distrib import validation
 
 __all__ = [
     "WorkerEpochs",
@@ -164,7 +165,7 @@ def _check_steps(steps_per_epoch):
             "worker repeats its dataset and workers run at their own pace, so an "
             "epoch is a number of steps. Pass e.g. steps_per_epoch=len(x) // batch_size."
         )
-    if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
+    if not validation.is_whole(steps_per_epoch, 1):
         raise ValueError(f"`steps_per_epoch`={steps_per_epoch!r} must be a whole number >= 1.")
 
 
@@ -318,7 +319,7 @@ def evaluation_shards(model, shards=None):
         shards = getattr(model, "pss_evaluation_shards", 0) or 0
     if shards == "auto":
         return 4 * _worker_count(model.distribute_strategy)
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 0:
+    if not validation.is_whole(shards, 0):
         raise ValueError(
             f"`pss_evaluation_shards`={shards!r}: expected a whole number >= 0 (0: the "
             "coordinator evaluates alone) or 'auto' (4 shards per worker)."

@@ -37,6 +37,7 @@ import time
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
+from keras_distrib import strategies
 from keras_distrib import validation
 from keras_distrib.supervisor import RESTART_EXIT_CODE
 
@@ -130,8 +131,8 @@ class PreemptionHandler:
         self._save_seconds = 0.0
         self._last_check = None
         info = cluster_lib.cluster_info()
-        self._multi = self.strategy is not None and _keras_compat.is_multi_worker(self.strategy) \
-            and info.num_workers > 1
+        self._multi = (self.strategy is not None and strategies.traits(self.strategy).is_multi_worker
+                       and info.num_workers > 1)
         self._workers = info.num_workers
         self._me = f"{info.task_type}-{info.task_index}"
         self._prefix = f"kd/preemption/{next(_GENERATIONS)}"

@@ -22,6 +22,8 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib import replica
+from keras_distrib import strategies
+from keras_distrib import validation
 
 __all__ = [
     "SparseGradientInLoop",
@@ -72,7 +74,7 @@ def metric_names(model):
 
 def reduce_mean(strategy, value):
     """Mean over replicas of a per-replica value (what Keras calls "auto")."""
-    if isinstance(value, tf.distribute.DistributedValues) or _keras_compat.is_multi_worker(strategy):
+    if isinstance(value, tf.distribute.DistributedValues) or strategies.traits(strategy).is_multi_worker:
         return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
     return value
 
@@ -99,11 +101,11 @@ def whole_step_xla(strategy):
     into XLA for one replica, TPUs, or mirrored replicas that are all GPUs;
     elsewhere a synchronization inside a compiled function fails.
     """
-    if strategy.num_replicas_in_sync == 1 or isinstance(strategy, tf.distribute.TPUStrategy):
+    traits = strategies.traits(strategy)
+    if traits.replicas == 1 or traits.is_tpu:
         return True
     devices = tuple(getattr(strategy.extended, "worker_devices", ()))
-    return (bool(devices) and all("GPU" in d.upper() for d in devices)
-            and not _keras_compat.is_multi_worker(strategy))
+    return bool(devices) and all("GPU" in d.upper() for d in devices) and not traits.is_multi_worker
 
 
 def on_replica_device(function):
@@ -127,7 +129,7 @@ def plan_for(model, *, looped=False):
     replicas = strategy.num_replicas_in_sync
     jit = bool(model.jit_compile) and not model.run_eagerly
     return replica.StepPlan(
-        pad_empty=replicas > 1 and not isinstance(strategy, tf.distribute.TPUStrategy),
+        pad_empty=replicas > 1 and not strategies.traits(strategy).is_tpu,
         xla_forward=jit and not whole_step_xla(strategy),
         looped=looped,
     )
@@ -176,7 +178,7 @@ class Step:
     def __init__(self, model, kind, *, steps=1):
         if kind not in KINDS:
             raise ValueError(f"`kind`={kind!r}: expected one of {list(KINDS)}.")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if not validation.is_whole(steps, 1):
             raise ValueError(f"`steps`={steps!r}: expected a whole number >= 1.")
         self.model = model
         self.kind = kind
@@ -187,7 +189,7 @@ class Step:
         # Collectives inside a compiled loop keep their first iteration's
         # shape; gathering predictions across workers (or sparse gradients,
         # see SparseGradientInLoop) changes shape with the batch.
-        self._looping = not (kind == "predict" and _keras_compat.is_multi_worker(self.strategy))
+        self._looping = not (kind == "predict" and strategies.traits(self.strategy).is_multi_worker)
         self._compile()
 
     # Compiled functions.

@@ -6,19 +6,24 @@ stack traces (NCCL without GPUs, a TPU that is not there, a multi-worker
 strategy without TF_CONFIG).
 """
 
+import dataclasses
 import os
+import weakref
 
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import tf_logs
+from keras_distrib import validation
 
 __all__ = [
+    "StrategyTraits",
     "check_devices",
     "gpu_share",
     "make_strategy",
     "resolve_auto_kind",
+    "traits",
 ]
 
 KINDS = (
@@ -358,7 +363,7 @@ def make_strategy(
             f"Accepted: {sorted(_KIND_OPTIONS[kind]) or 'none'}."
         )
     num_packs = options.get("num_packs", 1)
-    if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 1:
+    if not validation.is_whole(num_packs, 1):
         raise ValueError(f"`num_packs`={num_packs!r} must be a whole number >= 1.")
     if kind not in ("multi_worker", "parameter_server", "tpu"):
         devices = check_devices(devices)
@@ -419,3 +424,114 @@ def make_strategy(
             cluster_resolver, options.get("variable_partitioner")
         )
     return _make_tpu(options.get("tpu"), cluster_resolver)
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyTraits:
+    """What kd needs to know about a strategy, asked once.
+
+    Every module compares these fields instead of asking `isinstance` (or a
+    private attribute) again, so a question about the strategy has one
+    answer in one place.
+
+    Attributes:
+        kind: One of `KINDS` except `"auto"`: `"default"`, `"one_device"`,
+            `"mirrored"`, `"central_storage"`, `"multi_worker"`,
+            `"parameter_server"` or `"tpu"`.
+        replicas: Replicas in sync (1 under a parameter server: each
+            worker's step runs alone).
+        workers: Worker processes that train (the chief included).
+    """
+
+    kind: str
+    replicas: int
+    workers: int
+
+    @property
+    def is_parameter_server(self):
+        """Steps are scheduled on remote workers by a coordinator."""
+        return self.kind == "parameter_server"
+
+    @property
+    def is_multi_worker(self):
+        """Several processes take part in each synchronous step."""
+        return self.kind == "multi_worker" and self.workers > 1
+
+    @property
+    def is_tpu(self):
+        return self.kind == "tpu"
+
+    @property
+    def is_central_storage(self):
+        """Variables live on one device; replicas update AggregatingVariables."""
+        return self.kind == "central_storage"
+
+    @property
+    def replica_threads(self):
+        """Replica functions run in Python threads (one per local device)."""
+        return self.kind in ("mirrored", "central_storage", "multi_worker")
+
+
+_TRAITS = weakref.WeakKeyDictionary()
+
+
+def _kind_of(strategy):
+    for kind, cls in (
+        ("parameter_server", tf.distribute.experimental.ParameterServerStrategy),
+        ("tpu", tf.distribute.TPUStrategy),
+        ("central_storage", tf.distribute.experimental.CentralStorageStrategy),
+        ("multi_worker", tf.distribute.MultiWorkerMirroredStrategy),
+        ("mirrored", tf.distribute.MirroredStrategy),
+        ("one_device", tf.distribute.OneDeviceStrategy),
+    ):
+        if isinstance(strategy, cls):
+            return kind
+    if strategy is _keras_compat.default_strategy():
+        return "default"
+    raise TypeError(
+        f"`strategy`={strategy!r} is not a strategy kd supports. Expected one of "
+        f"tf.distribute's MirroredStrategy, MultiWorkerMirroredStrategy, "
+        f"CentralStorageStrategy, ParameterServerStrategy, TPUStrategy, "
+        f"OneDeviceStrategy or the default strategy (see kd.make_strategy)."
+    )
+
+
+def _workers_of(kind, strategy):
+    if kind == "parameter_server":
+        return _keras_compat.parameter_server_workers(strategy)
+    if kind == "multi_worker" and _keras_compat.is_multi_worker(strategy):
+        spec = strategy.cluster_resolver.cluster_spec()
+        return sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs)
+    return 1
+
+
+def traits(strategy=None):
+    """The `StrategyTraits` of `strategy` (the current strategy by default).
+
+    Computed on first use and kept as long as the strategy lives.
+
+    Args:
+        strategy: A `tf.distribute.Strategy`, or None for
+            `tf.distribute.get_strategy()`.
+
+    Returns:
+        A frozen `StrategyTraits`.
+
+    Raises:
+        TypeError: `strategy` is not a strategy kd supports.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> from keras_distrib import strategies
+        >>> strategies.traits(kd.make_strategy("default")).kind
+        'default'
+    """
+    strategy = tf.distribute.get_strategy() if strategy is None else strategy
+    cached = _TRAITS.get(strategy) if isinstance(strategy, tf.distribute.Strategy) else None
+    if cached is not None:
+        return cached
+    kind = _kind_of(strategy)
+    replicas = 1 if kind == "parameter_server" else strategy.num_replicas_in_sync
+    found = StrategyTraits(kind=kind, replicas=replicas, workers=_workers_of(kind, strategy))
+    _TRAITS[strategy] = found
+    return found

@@ -61,6 +61,7 @@ from keras_distrib import launcher
 from keras_distrib import models
 from keras_distrib import report
 from keras_distrib import strategies
+from keras_distrib import validation
 
 __all__ = [
     "ClusterError",
@@ -144,7 +145,7 @@ def local_strategy(kind, *, replicas=DEFAULT_DEVICES):
             f"`kind`={kind!r} does not run in this process. Expected one of "
             f"{list(IN_PROCESS)}; for {list(IN_CLUSTER)} use run_in_cluster()."
         )
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+    if not validation.is_whole(replicas, 1):
         raise ValueError(f"`replicas`={replicas!r}: expected a whole number >= 1.")
     if kind == "one_device":
         return strategies.make_strategy("one_device", devices=_cpu_devices(1)[:1])
@@ -539,11 +540,11 @@ def _check_arguments(model_fn, data, strategies_, steps, path, batch_size, repli
         if not isinstance(kind, tf.distribute.Strategy) and kind not in STRATEGIES:
             problems.append(f"`strategies` item {kind!r}: expected one of {list(STRATEGIES)} or a "
                             "tf.distribute.Strategy")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and not validation.is_whole(steps, 1):
         problems.append(f"`steps`={steps!r}: expected a whole number >= 1, or None (one epoch)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not validation.is_whole(batch_size, 1):
         problems.append(f"`batch_size`={batch_size!r}: expected a whole number >= 1 (the global batch)")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+    if not validation.is_whole(replicas, 1):
         problems.append(f"`replicas`={replicas!r}: expected a whole number >= 1")
     if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
         problems.append(f"`data` is a {type(data).__name__}: expected (x, y) or (x, y, sample_weight) "

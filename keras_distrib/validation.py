@@ -20,6 +20,7 @@ __all__ = [
     "InputError",
     "check_fit_arguments",
     "is_seconds",
+    "is_whole",
     "validate_inputs",
 ]
 
@@ -30,8 +31,10 @@ class InputError(ValueError):
     """An argument to `fit`, `evaluate` or `predict` is invalid (nothing ran)."""
 
 
-def _whole(value, minimum):
-    return not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral) and value >= minimum
+def is_whole(value, minimum=0):
+    """Whether `value` is a whole number (not a bool) >= `minimum`; NumPy integers count."""
+    return (not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Integral)
+            and value >= minimum)
 
 
 def is_seconds(value, *, zero=False):
@@ -46,14 +49,14 @@ def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per
                         callbacks=None):
     """The problems with `fit`'s scalar arguments, as a list of messages."""
     problems = []
-    if not _whole(epochs, 0):
+    if not is_whole(epochs, 0):
         problems.append(f"`epochs`={epochs!r}: expected a whole number >= 0")
-    if not _whole(initial_epoch, 0):
+    if not is_whole(initial_epoch, 0):
         problems.append(f"`initial_epoch`={initial_epoch!r}: expected a whole number >= 0")
     for name, value in (("batch_size", batch_size), ("steps_per_epoch", steps_per_epoch),
                         ("validation_steps", validation_steps),
                         ("validation_batch_size", validation_batch_size)):
-        if value is not None and not _whole(value, 1):
+        if value is not None and not is_whole(value, 1):
             problems.append(f"`{name}`={value!r}: expected a whole number >= 1, or None")
     if (isinstance(validation_split, bool) or not isinstance(validation_split, numbers.Real)
             or not 0 <= validation_split < 1):  # NaN fails both comparisons
@@ -62,12 +65,12 @@ def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per
             "e.g. 0.2 to hold out the last 20% of the rows"
         )
     if isinstance(validation_freq, collections.abc.Container) and not isinstance(validation_freq, str):
-        bad = [v for v in validation_freq if not _whole(v, 1)]
+        bad = [v for v in validation_freq if not is_whole(v, 1)]
         if bad or not len(validation_freq):
             problems.append(
                 f"`validation_freq`={validation_freq!r}: expected epoch numbers >= 1 (e.g. [1, 5])"
             )
-    elif not _whole(validation_freq, 1):
+    elif not is_whole(validation_freq, 1):
         problems.append(
             f"`validation_freq`={validation_freq!r}: expected a whole number of epochs >= 1, "
             "or a list of epoch numbers"
@@ -83,7 +86,7 @@ def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per
             )
         else:
             bad = {k: v for k, v in class_weight.items()
-                   if not _whole(k, 0) or isinstance(v, bool) or not isinstance(v, numbers.Real)
+                   if not is_whole(k, 0) or isinstance(v, bool) or not isinstance(v, numbers.Real)
                    or not math.isfinite(v) or v < 0}
             if bad:
                 problems.append(
@@ -357,7 +360,7 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
     else:
         for name in ("batch_size", "steps"):
             value = arguments.get(name)
-            if value is not None and not _whole(value, 1):
+            if value is not None and not is_whole(value, 1):
                 problems.append(f"`{name}`={value!r}: expected a whole number >= 1, or None")
     if x is None:
         problems.append(

@@ -32,6 +32,7 @@ import time
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster as cluster_lib
+from keras_distrib import strategies
 from keras_distrib import validation
 
 __all__ = [
@@ -237,7 +238,7 @@ class Watchdog:
     def start(self):
         """Starts the heartbeat thread."""
         info = cluster_lib.cluster_info()
-        self._multi = (self.strategy is not None and _keras_compat.is_multi_worker(self.strategy)
+        self._multi = (self.strategy is not None and strategies.traits(self.strategy).is_multi_worker
                        and info.num_workers > 1)
         self._me = info.label
         self._tasks = [f"{t} {i}" for t in ("chief", "worker") for i in range(len(info.cluster.get(t, ())))]

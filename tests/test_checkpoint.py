@@ -28,6 +28,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode", ["fit", "loop", "manual"])
 def test_sigkill_mid_epoch_then_resume_is_exact(mode, reference, tmp_path):
     backup, out = tmp_path / "backup", str(tmp_path / "out.npz")
@@ -41,6 +42,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(mode, reference, tmp_path):
         assert not backup.exists()  # delete_checkpoint=True after success
 
 
+@pytest.mark.cluster
 def test_sigterm_saves_then_restart_resumes_at_the_saved_step(reference, tmp_path):
     backup, out = tmp_path / "backup", str(tmp_path / "out.npz")
     code, output = _harness.run_script("resume.py", "fit", backup, out, 9, "TERM")
@@ -54,6 +56,7 @@ def test_sigterm_saves_then_restart_resumes_at_the_saved_step(reference, tmp_pat
     assert _harness.saved_weights_diff(reference, out) <= 1e-6
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode", ["fit", "manual"])
 def test_two_workers_killed_and_restarted_resume_exactly(mode, reference, tmp_path):
     backup, out = tmp_path / "backup", str(tmp_path / "out.npz")
@@ -67,6 +70,7 @@ def test_two_workers_killed_and_restarted_resume_exactly(mode, reference, tmp_pa
     assert sorted(os.listdir(tmp_path)) == sorted(["out.npz", "out.npz.killed"] + (["backup"] if mode == "manual" else []))
 
 
+@pytest.mark.cluster
 def test_callbacks_on_two_workers_leave_only_the_chiefs_files(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -88,6 +92,7 @@ def test_callbacks_on_two_workers_leave_only_the_chiefs_files(tmp_path):
     assert loaded.count_params() == 6
 
 
+@pytest.mark.cluster
 def test_checkpoint_restores_without_strategy_and_into_other_replica_counts(tmp_path):
     directory = tmp_path / "ckpt"
     code, output = _harness.run_script("ckpt_replicas.py", 2, "write", directory)
@@ -156,6 +161,7 @@ def test_bad_directories_are_refused_before_writing(tmp_path):
         assert part in str(error.value)
 
 
+@pytest.mark.cluster
 def test_manager_keeps_max_and_never_exposes_partial_saves(tmp_path):
     step = tf.Variable(0)
     manager = kd.CheckpointManager(tf.train.Checkpoint(step=step), tmp_path, max_to_keep=2)
@@ -310,6 +316,7 @@ def _hold_lock(directory):
     return process
 
 
+@pytest.mark.cluster
 def test_a_second_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
     backup = tmp_path / "backup"
     holder = _hold_lock(backup)

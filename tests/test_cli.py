@@ -15,6 +15,7 @@ from keras_distrib import selftest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.cluster
 def test_self_test_passes_on_this_machine():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the command's own default: TensorFlow's notices hidden

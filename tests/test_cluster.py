@@ -155,6 +155,7 @@ def test_slurm_cyclic_distribution_and_default_ports(environ):
     assert info.task_index == 1 and info.local_index == 0
 
 
+@pytest.mark.cluster
 def test_slurm_uses_scontrol_when_on_path(environ, tmp_path):
     (tmp_path / "bin").mkdir()
     fake = tmp_path / "bin" / "scontrol"
@@ -297,6 +298,7 @@ def _task_results(output):
     ))
 
 
+@pytest.mark.cluster
 def test_slurm_step_runs_the_per_node_agent_and_trains_exactly(tmp_path, one_device_run):
     # `srun -N1 -n1 keras-distrib launch --per-node 2 script.py`: one agent
     # on one node starts two workers. scontrol is faked on PATH.
@@ -319,6 +321,7 @@ def test_slurm_step_runs_the_per_node_agent_and_trains_exactly(tmp_path, one_dev
     _check_exact(results, one_device_run, "tf_config")
 
 
+@pytest.mark.cluster
 def test_kubernetes_indexed_job_pods_train_exactly(one_device_run):
     # Two pods of an Indexed Job run the script directly; on localhost the
     # pods' names are given in KD_HOSTS (in a cluster: <job>-<i>.<KD_SERVICE>).

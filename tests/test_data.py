@@ -27,10 +27,13 @@ def _ids_across_workers(*args):
     results = _harness.results_of("\n".join(lines))
     assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
     assert {r["replicas"] for r in results} == {4}
+    # The traits record kd's modules compare (strategies.traits), asked of a real cluster.
+    assert {tuple(r["traits"]) for r in results} == {("multi_worker", 4, 2)}
     ids = [i for r in results for replica in r["ids"] for i in replica]
     return ids, results
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("rows", [64, 37])
 def test_data_sharding_sees_every_example_once(rows, tmp_path):
     ids, results = _ids_across_workers("data", rows, tmp_path)
@@ -41,6 +44,7 @@ def test_data_sharding_sees_every_example_once(rows, tmp_path):
         assert result["last_batch"] == result["described"][2 * worker: 2 * worker + 2], result
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("files", [4, 1])
 def test_file_sharding_sees_every_example_once(files, tmp_path):
     folder = _write_files(tmp_path / "files", 37, files)
@@ -56,12 +60,14 @@ def test_file_sharding_sees_every_example_once(files, tmp_path):
         assert sorted(per_worker) == sorted([chunks[0] + chunks[2], chunks[1] + chunks[3]])
 
 
+@pytest.mark.cluster
 def test_dataset_fn_with_shard_files(tmp_path):
     folder = _write_files(tmp_path / "files", 30, 4)
     ids, _ = _ids_across_workers("fn", 30, folder)
     assert sorted(ids) == list(range(30))
 
 
+@pytest.mark.cluster
 def test_training_on_distributed_pipeline_matches_one_device(tmp_path):
     result, output = _harness.run_cluster("shard_ids.py", 2, "train", 37, tmp_path, workers=2, timeout=180)
     assert result.returncode == 0, output[-4000:]

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import numpy as np
 
 from keras_distrib import demo
@@ -21,6 +23,7 @@ def _one_device_reference(epochs, rows):
     return model.get_weights()
 
 
+@pytest.mark.cluster
 def test_demo_quick(tmp_path):
     out = tmp_path / "demo"
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -11,6 +11,7 @@ def test_bad_arguments_are_explained():
         kd.virtual_devices(2, "TPU")
 
 
+@pytest.mark.cluster
 def test_split_then_late_call_errors():
     code, output = _harness.run_script("late_devices.py")
     assert code == 0, output[-4000:]

@@ -89,6 +89,7 @@ def test_bad_arguments_are_refused(tmp_path, kwargs, match):
         kd.SidecarEvaluator(_model(keras.Model), (x, y), str(tmp_path), **kwargs)
 
 
+@pytest.mark.cluster
 def test_evaluator_task_beside_two_workers(tmp_path):
     directory, best = str(tmp_path / "backup"), str(tmp_path / "best.keras")
     result, output = _harness.run_cluster(

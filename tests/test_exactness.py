@@ -96,6 +96,7 @@ def _cluster_results(path, features):
     return by_task
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("path", sorted(MATRIX))
 def test_feature_matches_one_device(path):
     features = MATRIX[path]
@@ -104,6 +105,7 @@ def test_feature_matches_one_device(path):
     _check(path, _harness.results_of(output), features)
 
 
+@pytest.mark.cluster
 def test_features_on_two_worker_processes():
     # 2 processes x 2 virtual devices: 4 replicas, exact on both workers.
     for task_results in _cluster_results("multi_worker", MULTI_WORKER).values():
@@ -111,6 +113,7 @@ def test_features_on_two_worker_processes():
         _check("multi_worker", task_results, MULTI_WORKER)
 
 
+@pytest.mark.cluster
 def test_train_loop_on_two_worker_processes():
     # kd.TrainLoop, 3 steps per compiled call, on 2 processes x 2 devices.
     for task_results in _cluster_results("loop_multi_worker", LOOP_MULTI_WORKER).values():
@@ -118,6 +121,7 @@ def test_train_loop_on_two_worker_processes():
         _check("loop_multi_worker", task_results, LOOP_MULTI_WORKER)
 
 
+@pytest.mark.cluster
 def test_plain_keras_contrast_fails_the_same_comparison():
     """The comparison can fail: plain Keras 3 under mirrored is far off."""
     features = ["base", "clipnorm", "global_clipnorm", "nonfinite_on_one_replica"]

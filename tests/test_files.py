@@ -38,6 +38,7 @@ def temp_root(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.cluster
 def test_scratch_of_a_killed_process_is_removed_by_the_next_one(temp_root):
     killed, killed_path = _standalone(temp_root, "kill")
     killed.wait(timeout=30)
@@ -54,6 +55,7 @@ def test_scratch_of_a_killed_process_is_removed_by_the_next_one(temp_root):
         live.wait(timeout=30)
 
 
+@pytest.mark.cluster
 def test_scratch_is_removed_at_exit(temp_root):
     code = (
         "import importlib.util, sys\n"
@@ -81,6 +83,7 @@ def test_lock_is_shared_in_a_process_and_released_for_all(tmp_path):
     first.release()
 
 
+@pytest.mark.cluster
 def test_process_alive_tells_dead_reused_and_live_pids():
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait(timeout=30)

@@ -9,6 +9,8 @@ the result is compared with the same code on one device.
 
 import tempfile
 
+import pytest
+
 from tests import _harness
 
 TOLERANCE = 1e-5
@@ -19,6 +21,7 @@ def _worker_results(output):
     return {r["task"]: r for r in _harness.results_of("\n".join(lines))}
 
 
+@pytest.mark.cluster
 def test_migrate_multi_worker_training_parameter_server_section():
     code, output = _harness.run_script("guide_migrate.py", "ps", timeout=400)
     assert code == 0, output[-4000:]
@@ -33,6 +36,7 @@ def test_migrate_multi_worker_training_parameter_server_section():
         assert abs(run["evaluate"]["loss"] - run["reference_evaluate"]["loss"]) <= 1e-6, (name, run)
 
 
+@pytest.mark.cluster
 def test_migrate_multi_worker_training_multi_worker_section():
     result, output = _harness.run_cluster("guide_migrate.py", "multi_worker", workers=2, timeout=400)
     assert result.returncode == 0, output[-4000:]
@@ -42,6 +46,7 @@ def test_migrate_multi_worker_training_multi_worker_section():
         assert run["weights"] <= TOLERANCE and run["losses"] <= TOLERANCE and run["evaluate"] <= TOLERANCE, run
 
 
+@pytest.mark.cluster
 def test_multi_worker_custom_training_loop():
     checkpoints = tempfile.mkdtemp()
     result, output = _harness.run_cluster("guide_multi_worker_loop.py", checkpoints, workers=2, timeout=400)
@@ -53,6 +58,7 @@ def test_multi_worker_custom_training_loop():
         assert run["weights"] <= TOLERANCE and run["losses"] <= TOLERANCE, run
 
 
+@pytest.mark.cluster
 def test_distributed_training_overview():
     code, output = _harness.run_script("guide_overview.py", timeout=300)
     assert code == 0, output[-4000:]
@@ -64,6 +70,7 @@ def test_distributed_training_overview():
     assert result["fit"]["evaluate"] <= TOLERANCE
 
 
+@pytest.mark.cluster
 def test_custom_training_with_tf_distribute():
     code, output = _harness.run_script("guide_custom_training.py", timeout=300)
     assert code == 0, output[-4000:]

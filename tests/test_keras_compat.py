@@ -178,6 +178,7 @@ print("CHANGED " + json.dumps(changed))
 """
 
 
+@pytest.mark.cluster
 def test_importing_kd_patches_no_keras_or_tensorflow_class():
     process = subprocess.run(
         [sys.executable, "-c", _SNAPSHOT], capture_output=True, text=True, timeout=300,

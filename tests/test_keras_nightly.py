@@ -13,6 +13,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.cluster
 @pytest.mark.nightly
 @pytest.mark.timeout(3600)
 def test_compat_and_parity_on_keras_nightly():

@@ -27,6 +27,7 @@ def _alive(pid):
         return f.read().split(")")[1].split()[0] != "Z"
 
 
+@pytest.mark.cluster
 def test_first_failure_stops_everyone_with_its_code():
     started = time.monotonic()
     result, output = _harness.run_cluster("exit_code.py", workers=3, timeout=120)
@@ -41,6 +42,7 @@ def test_first_failure_stops_everyone_with_its_code():
     assert not [pid for pid in pids if _alive(pid)]
 
 
+@pytest.mark.cluster
 def test_timeout_stops_a_hung_cluster():
     result, output = _harness.run_cluster("hang.py", workers=2, timeout=3)
     assert result.returncode == 124 and result.timed_out
@@ -48,6 +50,7 @@ def test_timeout_stops_a_hung_cluster():
     assert not [pid for pid in _pids(output) if _alive(pid)]
 
 
+@pytest.mark.cluster
 def test_function_target_returns_values():
     lines = []
     result = kd_launch.launch(launch_targets.whoami, workers=2, args=("x",), sink=lines.append, timeout=120)
@@ -58,6 +61,7 @@ def test_function_target_returns_values():
     assert {v["tag"] for v in result.values.values()} == {"x"}
 
 
+@pytest.mark.cluster
 def test_restarts_the_cluster_after_a_failure():
     result, output = _harness.run_cluster("exit_code.py", workers=2, timeout=120, max_restarts=1)
     assert result.returncode == 3 and result.restarts == 1
@@ -96,6 +100,7 @@ def test_missing_script_is_explained():
         kd_launch.launch("/no/such/script.py", workers=2)
 
 
+@pytest.mark.cluster
 def test_cli_reports_bad_arguments():
     process = subprocess.run(
         [sys.executable, "-m", "keras_distrib", "launch", "--workers", "0", "--timeout", "nan", "x.py"],
@@ -106,25 +111,30 @@ def test_cli_reports_bad_arguments():
     assert "`timeout`=nan: expected a finite number of seconds > 0" in process.stderr
 
 
+@pytest.mark.cluster
 def test_parameter_server_cluster_runs_the_script_as_coordinator():
     result, output = _harness.run_cluster("ps_coordinator.py", "launched", workers=2, ps=1, timeout=180)
     assert result.returncode == 0, output[-4000:]
     lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
     (value,) = _harness.results_of("\n".join(lines))
-    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2}
+    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2,
+                     "kind": "parameter_server"}
     assert "[worker 1] worker 1 server listening" in output
     assert "[ps 0] ps 0 server listening" in output
     # The servers never exit by themselves: the launcher stopped them.
     assert {r.label for r in result.tasks} == {"chief 0", "worker 0", "worker 1", "ps 0"}
 
 
+@pytest.mark.cluster
 def test_local_cluster_in_process():
     code, output = _harness.run_script("local_ps.py")
     assert code == 0, output[-4000:]
     (value,) = _harness.results_of(output)
-    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2}
+    assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2,
+                     "kind": "parameter_server"}
 
 
+@pytest.mark.cluster
 def test_log_dir_tees_each_task(tmp_path):
     result, output = _harness.run_cluster("exit_code.py", workers=2, timeout=60, log_dir=str(tmp_path))
     assert result.returncode == 3
@@ -151,6 +161,7 @@ def test_taken_port_is_refused_before_starting(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.cluster
 def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "keras_distrib", "launch", "--workers", "2",
@@ -183,6 +194,7 @@ def test_gpus_are_split_between_training_tasks():
     assert supervisor.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("workers", [3])  # 2 workers: test_models, test_loop, test_checkpoint
 def test_workers_train_to_identical_weights(workers):
     code, output = _harness.run_script("train_identical.py")
@@ -236,6 +248,7 @@ def test_agent_refusals_say_why(per_node, environ, match):
         kd_launch.node_tasks(per_node, environ=environ)
 
 
+@pytest.mark.cluster
 def test_tf_config_command_prints_the_cluster_and_its_source():
     env = {**_harness._env(), "JOB_COMPLETION_INDEX": "1", "KD_NUM_PODS": "2", "KD_SERVICE": "svc",
            "HOSTNAME": "train-1"}
@@ -253,6 +266,7 @@ def test_tf_config_command_prints_the_cluster_and_its_source():
     assert "`JOB_COMPLETION_INDEX`=2 is not below `KD_NUM_PODS`=2" in process.stderr
 
 
+@pytest.mark.cluster
 def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_killed():
     # Three Kubernetes pods, each running the per-node agent, KD_PS=1: pod 0
     # the coordinator, pod 1 a ps task, pod 2 a worker. The coordinator's

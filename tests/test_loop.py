@@ -13,6 +13,7 @@ import pytest
 import keras_distrib as kd
 from tests import _harness
 
+@pytest.mark.cluster
 def test_tensorflow_tutorial_loop_gives_the_same_weights():
     code, output = _harness.run_script("tf_tutorial_loop.py")
     assert code == 0, output[-4000:]

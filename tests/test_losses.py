@@ -24,6 +24,7 @@ def test_scale_regularization_single_device():
     assert float(kd.losses.scale_regularization([])) == 0.0
 
 
+@pytest.mark.cluster
 def test_two_replicas_and_the_cross_replica_refusal():
     code, output = _harness.run_script("losses_replicas.py")
     assert code == 0, output[-4000:]

@@ -5,6 +5,7 @@ Exactness under every strategy is tested by tests/test_exactness.py.
 
 import keras
 import numpy as np
+import pytest
 
 import keras_distrib as kd
 from tests import _harness
@@ -48,6 +49,7 @@ def test_mixin_on_user_subclass():
     assert len(history.history["loss"]) == 2
 
 
+@pytest.mark.cluster
 def test_model_created_outside_scope_is_refused():
     code, output = _harness.run_script("outside_scope.py")
     assert code == 0, output[-4000:]

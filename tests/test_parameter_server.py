@@ -21,6 +21,7 @@ def _check(result):
     assert result["kernel_devices"] == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("how", ["fit", "loop"])
 def test_in_process_cluster(how):
     code, output = _harness.run_script("ps_fit.py", "local", how, timeout=300)
@@ -29,6 +30,7 @@ def test_in_process_cluster(how):
     _check(result)
 
 
+@pytest.mark.cluster
 def test_launched_cluster_survives_a_killed_worker():
     pids, lines = {}, []
 
@@ -53,6 +55,7 @@ def test_launched_cluster_survives_a_killed_worker():
     _check(value)
 
 
+@pytest.mark.cluster
 def test_missing_steps_per_epoch_is_explained():
     code, output = _harness.run_script("ps_errors.py", timeout=300)
     assert code == 0, output[-4000:]
@@ -60,6 +63,7 @@ def test_missing_steps_per_epoch_is_explained():
     assert "`steps_per_epoch` is required under ParameterServerStrategy" in result["error"]
 
 
+@pytest.mark.cluster
 def test_inputs_evaluation_and_resume_as_tensorflow_guides_write_them():
     code, output = _harness.run_script("ps_inputs.py", timeout=400)
     assert code == 0, output[-4000:]

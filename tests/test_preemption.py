@@ -27,6 +27,7 @@ def _saves(output):
                   if "): backed up epoch" in line and not line.startswith("[launcher]"))
 
 
+@pytest.mark.cluster
 def test_multi_worker_trainloop_saves_at_one_agreed_step_and_resumes_exactly(one_device, tmp_path):
     # Worker 1 gets SIGTERM after chunk 4 (of 2 steps); both back up the
     # same later chunk, exit 42, and the launcher restarts the cluster.
@@ -48,6 +49,7 @@ def test_multi_worker_trainloop_saves_at_one_agreed_step_and_resumes_exactly(one
     assert _harness.saved_weights_diff(one_device, out) <= 1e-6
 
 
+@pytest.mark.cluster
 def test_parameter_server_coordinator_preempted_resumes_exactly(one_device, tmp_path):
     # One worker: a parameter server's asynchronous training is then
     # deterministic, and equal to one device's.
@@ -65,6 +67,7 @@ def test_parameter_server_coordinator_preempted_resumes_exactly(one_device, tmp_
 # The handler alone, in this process (one process decides alone).
 
 
+@pytest.mark.cluster
 def test_signal_saves_at_the_next_check_then_exits():
     handler = preemption.PreemptionHandler()
     with handler:

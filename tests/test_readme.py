@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,6 +18,7 @@ def quick_start():
     return match.group(1)
 
 
+@pytest.mark.cluster
 def test_quick_start_runs(tmp_path):
     script = tmp_path / "quick_start.py"
     script.write_text(quick_start())

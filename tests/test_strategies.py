@@ -58,6 +58,7 @@ def test_default_and_one_device():
     assert isinstance(one, tf.distribute.OneDeviceStrategy)
 
 
+@pytest.mark.cluster
 def test_auto_picks_by_environment():
     code, output = _harness.run_script("strategy_kinds.py")
     assert code == 0, output[-4000:]
@@ -68,6 +69,35 @@ def test_auto_picks_by_environment():
         "central_storage": 2,
         "reduce_to_one_device": 2,
         "ring_multi_worker": [True, "RING"],
+        "traits": {
+            "default": ["default", 1, 1],
+            "one_device": ["one_device", 1, 1],
+            "mirrored": ["mirrored", 2, 1],
+            "central_storage": ["central_storage", 2, 1],
+            "multi_worker": ["multi_worker", 2, 1],
+        },
         "auto_with_tf_config": "multi_worker",
         "auto_with_ps": "parameter_server",
     }
+
+
+def test_traits_are_asked_once_and_frozen():
+    import dataclasses
+
+    from keras_distrib import strategies
+
+    strategy = kd.make_strategy("one_device")
+    found = strategies.traits(strategy)
+    assert found is strategies.traits(strategy)
+    assert (found.kind, found.replicas, found.workers) == ("one_device", 1, 1)
+    assert not (found.is_parameter_server or found.is_multi_worker or found.replica_threads)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found.kind = "mirrored"
+    assert strategies.traits().kind == "default"
+
+
+def test_traits_of_an_unknown_strategy_are_refused():
+    from keras_distrib import strategies
+
+    with pytest.raises(TypeError, match=r"`strategy`=.* is not a strategy kd supports"):
+        strategies.traits(object())

@@ -164,6 +164,7 @@ def test_other_processes():
 '''
 
 
+@pytest.mark.cluster
 def test_plugin_in_a_user_test_file(tmp_path):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["keras_distrib.testing"]\n')
     (tmp_path / "test_user_model.py").write_text(USER_TESTS)

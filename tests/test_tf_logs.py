@@ -60,6 +60,7 @@ def _relayed(env):
     return lines
 
 
+@pytest.mark.cluster
 def test_launched_tasks_hide_notices_unless_asked():
     base = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     assert _relayed(tf_logs.task_environment(base)) == ["[worker 0] epoch 1"]
@@ -95,6 +96,7 @@ def test_command_line_level(monkeypatch):
     assert env == {}  # a user's own program: only the notices are hidden, the level is theirs
 
 
+@pytest.mark.cluster
 def test_launched_task_entry_runs_without_runpy_warning():
     # Launched tasks run `python -m keras_distrib._task_entry`; if importing the
     # package imported that module too, every task would print runpy's

@@ -39,6 +39,7 @@ def run_notebook(name, parameters, report, workdir):
     raise AssertionError(f"{name} printed no report: {notebook.cells[-1].outputs}")
 
 
+@pytest.mark.cluster
 def test_overview(tmp_path):
     result = run_notebook(
         "distributed_training_overview", {"DATA": "digits", "EPOCHS": 3, "LIMIT": 2000},
@@ -50,6 +51,7 @@ def test_overview(tmp_path):
     assert result["accuracy"] > 0.7, result
 
 
+@pytest.mark.cluster
 def test_custom_training_loop(tmp_path):
     result = run_notebook(
         "custom_training_loop", {"DATA": "digits", "EPOCHS": 2, "LIMIT": 2000},
@@ -66,6 +68,7 @@ def test_custom_training_loop(tmp_path):
     assert result["total"] == pytest.approx(3.0)
 
 
+@pytest.mark.cluster
 def test_multi_worker_custom_loop(tmp_path):
     result = run_notebook(
         "multi_worker_custom_loop", {"DATA": "digits", "EPOCHS": 3, "LIMIT": 2000, "KILL_AT_EPOCH": 2},
@@ -78,6 +81,7 @@ def test_multi_worker_custom_loop(tmp_path):
     assert result["files"] == ["ckpt-3", "latest"]
 
 
+@pytest.mark.cluster
 def test_migrate_multi_worker_training(tmp_path):
     result = run_notebook(
         "migrate_multi_worker_training", {"STEPS": 60},

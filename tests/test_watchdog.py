@@ -44,6 +44,7 @@ def _launch(workers, ps, act_on, signum, args=(), watchdog_seconds=None, timeout
     return result, output, ended - sent.get("at", started), pids
 
 
+@pytest.mark.cluster
 def test_stopped_worker_is_named_by_the_coordination_service_with_what_to_do():
     # SIGSTOP: the process lives on but answers nothing; TensorFlow's
     # coordination service ends the job once its heartbeats are missed.
@@ -56,6 +57,7 @@ def test_stopped_worker_is_named_by_the_coordination_service_with_what_to_do():
     print(f"stopped worker 1: survivor ended {seconds:.1f}s later")
 
 
+@pytest.mark.cluster
 def test_watchdog_names_a_worker_stuck_between_steps():
     # Worker 1's process stays healthy (heartbeats, coordination service
     # happy) but never starts step 10: without the watchdog this hangs forever.
@@ -67,6 +69,7 @@ def test_watchdog_names_a_worker_stuck_between_steps():
     assert "What to do: Restart the job: keras-distrib launch --max-restarts K" in output
 
 
+@pytest.mark.cluster
 def test_watchdog_names_the_worker_whose_batches_differ():
     # Worker 1 feeds labels of shape (n,) where worker 0 feeds (n, 1): the
     # workers compare their batches before the first step and stop with an
@@ -83,6 +86,7 @@ def test_watchdog_names_the_worker_whose_batches_differ():
     (1, "ps 0", "one of ps 0, worker 0"),
     (2, "worker 1", "one of ps 0, worker 0, worker 1"),
 ])
+@pytest.mark.cluster
 def test_watchdog_on_a_parameter_server_coordinator_names_the_stall(workers, stopped, candidates):
     # A stopped ps task or worker: the coordinator's steps stop finishing
     # (a stopped worker raises no error either), nothing errors.
@@ -99,6 +103,7 @@ def test_bad_watchdog_setting_is_refused(value):
         watchdog.from_environment(environ={"KD_WATCHDOG": value})
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("victim,signum", [(1, signal.SIGKILL), (0, signal.SIGSTOP)])
 def test_pod_survivor_names_the_lost_task_without_a_launcher(victim, signum):
     # Two Kubernetes pods run the script directly (no kd launcher watches

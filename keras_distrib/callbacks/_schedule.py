@@ -5,11 +5,13 @@ Keras reports the index of the last batch of each `steps_per_execution`
 chunk, so the counter adds the batches since the last report.
 """
 
+from keras_distrib import validation
+
 
 def check_save_freq(save_freq):
     if save_freq == "epoch":
         return save_freq
-    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+    if not validation.is_whole(save_freq, 1):
         raise ValueError(
             f"`save_freq`={save_freq!r} must be 'epoch' or a whole number of "
             "batches >= 1."

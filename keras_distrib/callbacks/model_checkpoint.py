@@ -40,6 +40,7 @@ import numpy as np
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import files
+from keras_distrib import validation
 from keras_distrib.callbacks import _schedule
 
 __all__ = [
@@ -95,7 +96,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
                 f"`monitor`={monitor!r} must be the name of a log key (a str such as "
                 "'val_loss' or 'accuracy')"
             )
-        if isinstance(verbose, bool) or not isinstance(verbose, int) or verbose < 0:
+        if not validation.is_whole(verbose, 0):
             problems.append(f"`verbose`={verbose!r} must be 0 (silent) or 1 (a line per save)")
         if not isinstance(mode, str) or mode not in _MODES:
             problems.append(f"`mode`={mode!r} must be one of {list(_MODES)}")

@@ -7,6 +7,7 @@ import json
 import sys
 
 import keras_distrib as kd
+from keras_distrib import strategies
 
 if sys.argv[1] == "local":
     resolver = kd.local_cluster(workers=2, ps=1)
@@ -34,5 +35,6 @@ for _ in range(10):
 coordinator.join()
 devices = sorted({total.device.split("/task")[0]})
 print("RESULT " + json.dumps({"total": float(total.numpy()), "devices": devices,
-                              "workers": strategy._num_workers}),
+                              "workers": strategies.traits(strategy).workers,
+                              "kind": strategies.traits(strategy).kind}),
       flush=True)

@@ -5,6 +5,7 @@ MODE: data | file | fn | train. Prints 'RESULT {...}' with this worker's ids
 per local replica (and, for train, the weight difference to one device).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ if devices > 1:
     kd.virtual_devices(devices)
 info = kd.cluster_info()
 strategy = kd.make_strategy("multi_worker" if info.num_workers > 1 else "mirrored")
+from keras_distrib import strategies  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -80,6 +82,7 @@ described = kd.describe_input(np.arange(rows), strategy=strategy, global_batch_s
                               print_fn=lambda line: None)["last_batch_per_replica"]
 print("RESULT " + json.dumps({
     "task": info.label, "ids": per_replica, "replicas": strategy.num_replicas_in_sync,
+    "traits": dataclasses.astuple(strategies.traits(strategy)),
     "last_batch": last, "described": described,
     "warnings": [str(w.message) for w in caught if "sharding by DATA" in str(w.message)],
 }), flush=True)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 
@@ -25,6 +26,10 @@ result["ring_multi_worker"] = [
 os.environ["TF_CONFIG"] = json.dumps(
     {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}
 )
+result["traits"] = {
+    kind: dataclasses.astuple(strategies.traits(ring if kind == "multi_worker" else kd.make_strategy(kind)))
+    for kind in ("default", "one_device", "mirrored", "central_storage", "multi_worker")
+}
 result["auto_with_tf_config"] = strategies.resolve_auto_kind()
 os.environ["TF_CONFIG"] = json.dumps(
     {"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]},
