@@ -74,6 +74,7 @@ def _read_families(launcher, count, timeout=60):
     return families, lines
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM])
 def test_no_task_child_or_daemon_outlives_the_launcher(how):
     """SIGKILL, SIGHUP or SIGTERM of the launcher: tasks, their children and daemons all end."""
@@ -94,6 +95,7 @@ def test_no_task_child_or_daemon_outlives_the_launcher(how):
         assert launcher.returncode == 128 + signal.SIGHUP
 
 
+@pytest.mark.cluster
 def test_daemons_left_by_a_finished_task_are_ended():
     lines = []
     pids = []
@@ -108,6 +110,7 @@ def test_daemons_left_by_a_finished_task_are_ended():
         _kill_all(pids)
 
 
+@pytest.mark.cluster
 def test_bytes_that_are_not_utf8_and_a_closed_output_do_not_hang_the_launcher():
     """A task prints invalid UTF-8 and 2000 long lines; the launcher's sink breaks (`| head`)."""
     seen = []
@@ -133,6 +136,7 @@ def test_bytes_that_are_not_utf8_and_a_closed_output_do_not_hang_the_launcher():
     assert any(r"bytes \xff\xfe not utf-8" in line for line in lines), lines
 
 
+@pytest.mark.cluster
 def test_launcher_piped_into_head_ends():
     launcher = subprocess.Popen(
         f"{sys.executable} -m keras_distrib launch --workers 2 {FAMILY} exit 3000 | head -3",
@@ -150,6 +154,7 @@ def test_launcher_piped_into_head_ends():
 # Security: what other local users see, what the working directory can inject.
 
 
+@pytest.mark.cluster
 def test_function_arguments_are_not_on_the_command_line(tmp_path, monkeypatch):
     from tests import launch_targets
 
@@ -172,6 +177,7 @@ def test_function_arguments_are_not_on_the_command_line(tmp_path, monkeypatch):
 # Restarts.
 
 
+@pytest.mark.cluster
 def test_quick_failures_back_off_before_restarting():
     started = time.monotonic()
     result, output = _harness.run_cluster("exit_code.py", workers=2, timeout=120, max_restarts=2)
@@ -227,6 +233,7 @@ def mount_point(tmp_path):
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+@pytest.mark.cluster
 def test_a_mount_point_backup_dir_is_emptied_not_removed(mount_point):
     model = _fit_and_return(mount_point)
     assert os.path.ismount(mount_point) and os.listdir(mount_point) == []
@@ -344,6 +351,7 @@ def test_latest_naming_a_deleted_checkpoint_is_refused(tmp_path):
     manager.close()
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("free_pages,what", [(0, "lock file"), (3, "checkpoint")])
 def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, mount_point):
     from keras_distrib.checkpoint import CheckpointError
@@ -368,6 +376,7 @@ _SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"
 _K8S = {"KD_NUM_PODS": "2", "JOB_COMPLETION_INDEX": "0", "HOSTNAME": "train-0", "KD_SERVICE": "svc"}
 
 
+@pytest.mark.cluster
 def test_a_malformed_node_list_from_scontrol_is_refused(tmp_path):
     from keras_distrib import cluster, cluster_sources
 
@@ -468,6 +477,7 @@ def _reachable(port):
         return False
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("private", [True, False])
 def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
     """A task listening on 0.0.0.0 (as TF's gRPC server does) is unreachable from outside its namespace.
@@ -490,6 +500,7 @@ def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
     assert seen == [not private], lines
 
 
+@pytest.mark.cluster
 def test_a_two_worker_tensorflow_cluster_trains_in_a_private_network():
     result, output = _harness.run_cluster("train_identical.py", workers=2, timeout=240,
                                           private_network=True)
