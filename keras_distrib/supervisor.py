@@ -1,9 +1,10 @@
 """Process supervision: start tasks, relay their output, stop them all.
 
-`run_tasks` starts one process per task (each in its own process group, and
-killed if this process dies), prefixes every output line with the task
+`run_tasks` starts one process per task (each in its own process group, under
+a guard, `keras_distrib._guard`, that ends the task's children and daemons when
+the task exits and when this process dies, even by SIGKILL), prefixes every output line with the task
 (`[worker 1] ...`), and stops everything at the first failure, at the
-timeout, or when this process gets SIGTERM/SIGINT. No process outlives it.
+timeout, or when this process gets SIGTERM/SIGINT/SIGHUP. No process outlives it.
 A SIGTERM to this process (a preemption: Slurm or Kubernetes stopping the
 node) is passed on to the tasks, which get `grace_period` seconds to save a
 backup and exit (kd's tasks exit with `RESTART_EXIT_CODE`, 42) before they
@@ -141,9 +142,11 @@ class PrivateNetwork:
 
     @property
     def pid(self):
+        """The holder process's pid: the tasks join `/proc/<pid>/ns/net`."""
         return self.holder.pid
 
     def close(self):
+        """Ends the holder; the namespace goes away with its last process."""
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait(timeout=10)
