@@ -499,6 +499,14 @@ def set_epoch_batches(epoch_iterator, count):
 
     object.__setattr__(epoch_iterator, "reset", counted_reset)
     epoch_iterator._num_batches = count
+def data_batch_size(epoch_iterator):
+    """The global batch size of a Keras epoch iterator's data, or None where not static."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    try:
+        size = getattr(adapter, "batch_size", None)
+    except Exception:  # noqa: BLE001 - an adapter may not know it
+        return None
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def dataset_element_spec(epoch_iterator):

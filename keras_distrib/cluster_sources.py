@@ -58,6 +58,7 @@ __all__ = [
     "detect",
     "expand_hostlist",
     "expand_tasks_per_node",
+    "host_problem",
     "in_slurm_step",
     "kubernetes_placement",
     "resolve",
@@ -137,6 +138,19 @@ def roles(count, ps=0):
             + [("worker", i) for i in range(count - 1 - ps)])
 
 
+# Host names: letters, digits, '-', '_' and '.' (RFC 1123, with Slurm's '_'), or
+# an IP address; an IPv6 address in brackets.
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+
+
+def host_problem(host, where):
+    """A message if `host` is not a host name or address, else None."""
+    if isinstance(host, str) and _HOST.fullmatch(host):
+        return None
+    return (f"{where}: {host!r} is not a host name (letters, digits, '-', '_' and '.', e.g. "
+            "'node01' or 'w-0.svc'), nor an IP address")
+
+
 # Slurm.
 
 
@@ -204,6 +218,13 @@ def slurm_hostnames(nodelist, environ=None):
         else:
             hosts = result.stdout.split()
             if result.returncode == 0 and hosts:
+                bad = [h for h in hosts if host_problem(h, "") is not None]
+                if bad:
+                    raise _config_error(
+                        f"`scontrol show hostnames {nodelist}` gave {bad}, which are not host "
+                        f"names: the node list {nodelist!r} is malformed. Check the job's "
+                        "SLURM_*NODELIST (e.g. 'node[01-04]'), or write TF_CONFIG."
+                    )
                 return hosts
             logger.warning(
                 "`scontrol show hostnames %s` exited with %s (%s); kd expands the list itself.",
@@ -443,7 +464,8 @@ def _host_port_list(text, name, default_port):
         host, sep, port = item.rpartition(":")
         if not sep:
             host, port = item, str(default_port)
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        if (not host or host_problem(host, "") or not port.isdigit()
+                or not 1 <= int(port) <= 65535):
             bad.append(item)
         else:
             addresses.append(f"{host}:{int(port)}")
@@ -494,6 +516,11 @@ def kubernetes_placement(environ):
                 f"`HOSTNAME`={hostname!r} does not end with '-{index}' (`JOB_COMPLETION_INDEX`), as "
                 "an Indexed Job's pods do; list the pods in `KD_HOSTS` instead"
             )
+        elif host_problem(service, ""):
+            problems.append(host_problem(service, f"`{service_name}`") + "; give the headless "
+                            "Service's name (the pod template's `subdomain`)")
+        if not problems and host_problem(hostname, ""):
+            problems.append(host_problem(hostname, "`HOSTNAME`"))
         if problems:
             raise _config_error("kd cannot name this Job's pods:\n  - " + "\n  - ".join(problems))
         prefix = hostname[: -len(suffix)]
@@ -533,6 +560,13 @@ def detect(environ=None):
     if environ.get("TF_CONFIG", "").strip():
         return None
     if in_slurm_step(environ):
+        if environ.get("KD_NUM_PODS", "").strip():
+            raise _config_error(
+                f"This process is an `srun` task (SLURM_PROCID={environ.get('SLURM_PROCID')}) and "
+                f"also has Kubernetes' `KD_NUM_PODS`={environ['KD_NUM_PODS']!r}: kd cannot tell "
+                "which cluster it is in. Unset KD_NUM_PODS (on Slurm), or do not start the pod's "
+                "command under srun (on Kubernetes)."
+            )
         return slurm_placement(environ)
     if environ.get("SLURM_PROCID", "").strip() and environ.get("SLURM_NTASKS", "1").strip() not in ("", "1"):
         logger.warning(

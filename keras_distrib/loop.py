@@ -112,14 +112,18 @@ def epoch_interrupted(callbacks):
                for c in getattr(callbacks, "callbacks", ()))
 
 
-def callback_list(callbacks, model, *, verbose, epochs, steps, history=False):
-    """A Keras `CallbackList`, with a progress bar on the chief only."""
+def callback_list(callbacks, model, *, verbose, epochs, steps, history=False, **params):
+    """A Keras `CallbackList`, with a progress bar on the chief only.
+
+    `params` go to the callbacks' `params` too (e.g. `batch_size`, the
+    global batch size, which a backup checks on resume).
+    """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     verbose = cluster.chief_verbose(verbose)
     return keras.callbacks.CallbackList(
         callbacks, add_history=history, add_progbar=verbose != 0, verbose=verbose,
-        epochs=epochs, steps=steps, model=model,
+        epochs=epochs, steps=steps, model=model, **params,
     )
 
 
@@ -473,7 +477,8 @@ def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="aut
     build(model, source)
     source.reset()
     callbacks = callback_list(
-        callbacks, model, verbose=verbose, epochs=epochs, steps=source.num_batches, history=True
+        callbacks, model, verbose=verbose, epochs=epochs, steps=source.num_batches, history=True,
+        batch_size=_keras_compat.data_batch_size(source),
     )
     validate = None
     if validation_data is not None:
