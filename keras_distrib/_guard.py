@@ -13,8 +13,9 @@ descendant when
   SIGUSR2), or asks for it with SIGUSR2 before its final SIGKILL,
 
 and exits with the task's status (a task killed by signal N: the guard
-kills itself with N). SIGTERM/SIGINT reach the task through the process
-group (a preemption: the task saves and exits); the guard ignores them.
+kills itself with N). SIGTERM/SIGINT/SIGHUP/SIGUSR1 reach the task (through
+the process group, or from Slurm) and the task saves and exits; the guard
+ignores them.
 
 Only the standard library, no keras_distrib import: it starts in ~20 ms.
 """
@@ -30,6 +31,9 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 # What the launcher's death (or its request) sends the guard.
 STOP_SIGNAL = signal.SIGUSR2
+# Signals the guard ignores: they reach the task itself (its process group,
+# or Slurm signalling every process of the step), which saves and exits.
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # Seconds a leftover daemon gets between SIGTERM and SIGKILL.
 DAEMON_GRACE = 2.0
 
@@ -177,12 +181,13 @@ def main(argv):
     if os.getppid() != launcher:  # the launcher died before the line above
         os._exit(128 + STOP_SIGNAL)
     # Passed on to the task through the process group; the guard waits on.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # SIGUSR1: Slurm's warning before a time limit (`--signal=USR1@<s>`) goes
+    # to every process of the job step, the guard included; the task saves.
+    for signum in PASSED_ON:
+        signal.signal(signum, signal.SIG_IGN)
     task = os.fork()
     if task == 0:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, STOP_SIGNAL):
+        for signum in (*PASSED_ON, STOP_SIGNAL):
             signal.signal(signum, signal.SIG_DFL)
         try:
             os.execvp(command[0], command)
