@@ -35,16 +35,10 @@ __all__ = [
     "coordinator_for",
     "evaluate",
     "fit",
-    "is_parameter_server",
     "predict",
 ]
 
 _COORDINATORS = weakref.WeakKeyDictionary()
-
-
-def is_parameter_server(strategy):
-    """Whether `strategy` is a (TF2) ParameterServerStrategy."""
-    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
 
 def coordinator_for(strategy):
@@ -252,9 +246,13 @@ class WorkerRunner:
         self.coordinator.schedule(self._skip, args=(iterator, tf.constant(count)))
         return count
 
+    def wait(self):
+        """Returns once every step scheduled on the workers has finished."""
+        self.coordinator.join()
+
     def epoch_logs(self, logs):
         """Waits for every scheduled step; returns the metrics' global values."""
-        self.coordinator.join()
+        self.wait()
         self.in_flight.clear()
         with self.model.distribute_strategy.scope():
             return _keras_compat.pythonify_logs(step_lib.metric_results(self.model))
