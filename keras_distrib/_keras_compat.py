@@ -23,8 +23,9 @@ What kd corrects here, at the narrowest point it can reach:
   workers read-modify-write the same variable concurrently and lose
   increments. `fix_variables` routes both to the variable's own atomic
   update, and makes partitioned weights readable as NumPy (saving).
-- The forward pass: `add_loss` terms recorded per replica, synchronized
-  batch normalization with exact global moments.
+- The forward pass: `add_loss` terms recorded per replica, batch
+  normalization with exact global moments, random layers drawing for the
+  global batch (their `call` replaced per layer).
 
 Importing keras_distrib patches no Keras or TensorFlow class.
 """
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
@@ -49,6 +51,7 @@ from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.callbacks import tensorboard as keras_tensorboard
 from keras.src.losses import loss as keras_loss
 from keras.src.models import functional as keras_functional
 from keras.src.models import model as keras_model
@@ -95,6 +98,7 @@ PRIVATE_NAMES = (
     ("keras.src.backend.common.symbolic_scope", "in_symbolic_scope", "function()"),
     ("keras.src.backend.tensorflow.trainer", "TFEpochIterator", "class: (begin, end, iterator) chunks"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset", "attribute set in __init__"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_num_batches", "attribute: steps per epoch, None until the data ends"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
     ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat", "function(tensors)"),
     ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged", "function(x)"),
@@ -135,9 +139,17 @@ PRIVATE_NAMES = (
     ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
+    ("tensorflow.python.distribute.ps_values.AggregatingVariable", "get", "method(): the one variable it wraps"),
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
+    ("keras.src.callbacks.tensorboard", "keras_model_summary", "function(name, data, step)"),
+    ("keras.callbacks.TensorBoard", "_train_writer", "property: the train summary writer"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_cross_device_ops",
+     "attribute: the cross-device ops given, or None"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_inferred_cross_device_ops",
+     "attribute: the cross-device ops inferred from the devices"),
+    ("tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce", "class"),
     ("tf.distribute.experimental.coordinator.ClusterCoordinator", "_cluster", "attribute: its workers"),
     ("tensorflow.python.distribute.coordinator.cluster_coordinator.Worker", "create_resource", "method(function, args=None, kwargs=None)"),
     ("tensorflow.python.distribute.coordinator.values.RemoteValueImpl", "_type_spec", "attribute set for resources"),
@@ -342,6 +354,30 @@ def epoch_iterator(**kwargs):
     return keras_tf_trainer.TFEpochIterator(**kwargs)
 
 
+def set_epoch_batches(epoch_iterator, count):
+    """Makes a Keras epoch iterator run `count` steps per epoch (None: until the data ends).
+
+    Unlike `steps_per_epoch`, a fresh iterator over the data still starts
+    every epoch; the count survives `reset()`.
+    """
+    reset = type(epoch_iterator).reset.__get__(epoch_iterator)
+
+    def counted_reset():
+        reset()
+        epoch_iterator._num_batches = count
+
+    object.__setattr__(epoch_iterator, "reset", counted_reset)
+    epoch_iterator._num_batches = count
+def data_batch_size(epoch_iterator):
+    """The global batch size of a Keras epoch iterator's data, or None where not static."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    try:
+        size = getattr(adapter, "batch_size", None)
+    except Exception:  # noqa: BLE001 - an adapter may not know it
+        return None
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def dataset_element_spec(epoch_iterator):
     """The element spec of a Keras TFEpochIterator's dataset, without iterating.
 
@@ -515,7 +551,7 @@ def default_strategy():
 _COLLECTIVE_KEY_BASES = iter(range(100_000, 2**30, 100_000))
 
 
-def isolated_mirrored_strategy(devices):
+def isolated_mirrored_strategy(devices, cross_device_ops=None):
     """A `MirroredStrategy` whose collectives no other strategy here can collide with.
 
     TensorFlow caches each collective's parameters (shape included) by
@@ -529,7 +565,23 @@ def isolated_mirrored_strategy(devices):
     """
     isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
                     {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
-    return isolated(devices=devices)
+    return isolated(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def collective_key_base(strategy):
+    """The base of a `MirroredStrategy`'s collective keys; None if it runs no collectives.
+
+    Only a MirroredStrategy whose replicas all-reduce with collective ops
+    (`tf.distribute` picks them for CPUs and for GPUs without NCCL) has
+    keys that can collide; one reducing to one device or with NCCL has none.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return None
+    extended = strategy.extended
+    ops = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
+    if not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+        return None
+    return strategy._collective_key_base
 
 
 def optimizer_strategy(optimizer, default):
@@ -609,6 +661,45 @@ def fix_variables(variables):
                 object.__setattr__(variable, name, _sharded_readable(inner, name))
 
 
+def write_from_first_replica(variables):
+    """Central storage: replica 0's `assign` to `variables` updates the one copy.
+
+    Under CentralStorageStrategy a variable created without an aggregation
+    (Keras's default; BatchNormalization's moving statistics) is an
+    `AggregatingVariable` that TensorFlow refuses to update in a replica
+    ("You must specify an aggregation method"). Its moving statistics are
+    the same on every replica when kd computes the moments over the global
+    batch (synchronized BatchNormalization), so replica 0 writes them and the
+    others skip the write: what MirroredStrategy's saved (first) copy holds.
+    No `merge_call`, so it also runs inside kd's compiled multi-step loops.
+    Other variables and strategies are left alone. Idempotent.
+    """
+    for variable in variables:
+        inner = getattr(variable, "_value", None)
+        if not isinstance(inner, ps_values.AggregatingVariable) or "assign" in vars(variable):
+            continue
+        if inner.aggregation != tf.VariableAggregation.NONE:
+            continue
+        object.__setattr__(variable, "assign", _first_replica_assign(variable, inner))
+
+
+def _first_replica_assign(variable, inner):
+    keras_assign = type(variable).assign.__get__(variable)
+
+    def assign(value):
+        context = tf.distribute.get_replica_context()
+        if _in_stateless_scope() or context is None or context.num_replicas_in_sync == 1:
+            return keras_assign(value)
+        stored = inner.get()
+        value = tf.cast(value, stored.dtype)
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        tf.cond(first, lambda: stored.assign(value).op, tf.no_op)
+        return value
+
+    assign.__name__ = "assign"
+    return assign
+
+
 def model_variables(model):
     """Every variable of a kd model: weights, metrics, optimizer (and shards)."""
     found = list(model.variables) + list(model.metrics_variables)
@@ -678,17 +769,20 @@ def has_gradient_pipeline(optimizer):
     return optimizer in _PIPELINE_OPTIMIZERS
 
 
-def install_gradient_pipeline(optimizer, aggregate):
+def install_gradient_pipeline(optimizer, aggregate, prepare):
     """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
 
-    `aggregate` all-reduces the replicas' gradients; after it every replica
-    holds the global gradient, and the optimizer's own reduction is skipped.
+    `prepare(optimizer, trainable_variables)` runs first (kd builds an
+    unbuilt optimizer there); `aggregate` all-reduces the replicas'
+    gradients; after it every replica holds the global gradient, and the
+    optimizer's own reduction is skipped.
     """
     if optimizer in _PIPELINE_OPTIMIZERS:
         return
     outer_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
+        prepare(optimizer, trainable_variables)
         return outer_apply(aggregate(list(grads)), trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)
@@ -771,7 +865,7 @@ def _apply_in_cross_replica(optimizer, distribution, grads, variables):
 # Per-replica forward-pass bookkeeping (see keras_distrib/models.py).
 
 _LOSS_RECORDING_LAYERS = weakref.WeakSet()
-_SYNC_BATCH_NORM_LAYERS = weakref.WeakSet()
+_BATCH_NORM_LAYERS = weakref.WeakSet()
 
 
 def flatten_layers(model):
@@ -805,18 +899,50 @@ def is_sync_batch_norm(layer):
     )
 
 
+def owned_seed_generators(layer):
+    """The `keras.random.SeedGenerator`s `layer` itself holds (not its sublayers')."""
+    return [v for v in vars(layer).values() if isinstance(v, keras.random.SeedGenerator)]
+
+
+def replace_variable_updates(variable, make_updates):
+    """Replaces `variable`'s `assign`, `assign_add`, `assign_sub` (idempotent).
+
+    `make_updates(current, keras_assign)` gets the variable's current
+    methods (a dict by name) and Keras's own `assign`, and returns the new
+    methods by name.
+    """
+    if getattr(variable.assign, "replaced_by_kd", False):  # variables are unhashable
+        return
+    current = {name: getattr(variable, name) for name in ("assign", "assign_add", "assign_sub")}
+    keras_assign = type(variable).assign.__get__(variable)
+    for name, method in make_updates(current, keras_assign).items():
+        method.replaced_by_kd = True
+        object.__setattr__(variable, name, method)
+
+
+_CALL_REPLACED_LAYERS = weakref.WeakSet()
+
+
+def replace_call(layer, make_call):
+    """Makes `layer` run `make_call(layer, original_call)` instead of its `call` (idempotent)."""
+    if layer in _CALL_REPLACED_LAYERS:
+        return
+    object.__setattr__(layer, "call", make_call(layer, layer.call))
+    _CALL_REPLACED_LAYERS.add(layer)
+
+
 def replace_batch_norm_moments(layer, moments):
-    """Makes a synchronized BatchNormalization use `moments(layer, x, mask, original)`.
+    """Makes a BatchNormalization use `moments(layer, x, mask, original)`.
 
     `original` is Keras's `_moments`; `layer_axes(layer)` gives the axes.
     """
-    if layer in _SYNC_BATCH_NORM_LAYERS:
+    if layer in _BATCH_NORM_LAYERS:
         return
     original = layer._moments
     object.__setattr__(
         layer, "_moments", lambda inputs, mask: moments(layer, inputs, mask, original)
     )
-    _SYNC_BATCH_NORM_LAYERS.add(layer)
+    _BATCH_NORM_LAYERS.add(layer)
 
 
 def batch_norm_axes(layer):
@@ -832,3 +958,31 @@ def set_keras_mask(tensor, mask):
     keras_masking.set_keras_mask(tensor, mask)
 
 
+# ---------------------------------------------------------------------------
+# TensorBoard's model graphs.
+
+# The class names Keras's TensorBoard callback writes a `keras` summary for.
+_KERAS_GRAPH_CLASSES = ("Functional", "Sequential")
+
+
+def write_model_config(callback, model):
+    """Writes the `keras` summary (TensorBoard's conceptual graph) Keras skips for `model`.
+
+    Keras writes it only for models whose class is named `Functional` or
+    `Sequential`; kd's functional class is `FunctionalModel`, and a user's
+    subclass of a functional model has a name of its own. Any functional or
+    sequential model whose config lists its layers gets it here; Keras's
+    own ones already have it.
+    """
+    if type(model).__name__ in _KERAS_GRAPH_CLASSES:
+        return False
+    if not isinstance(model, (keras_functional.Functional, keras.Sequential)):
+        return False
+    try:
+        layers = "layers" in model.get_config()
+    except Exception:  # noqa: BLE001 - a model without a config has no conceptual graph
+        return False
+    if not layers:
+        return False
+    with callback._train_writer.as_default():
+        return keras_tensorboard.keras_model_summary("keras", model, step=0)

@@ -1,13 +1,16 @@
 """What a launched task runs: a user function, or a parameter-server server.
 
-`python -m keras_distrib._task_entry --function mod:fn --values DIR ARGS`
-calls `mod.fn(*ARGS)` (ARGS pickled) and stores the return value for the
-launcher; `--server` starts a `tf.distribute.Server` for this task's
-TF_CONFIG and blocks.
+`python -P -m keras_distrib._task_entry --function mod:fn --values DIR`
+calls `mod.fn(*ARGS)`, ARGS read from the pickle `DIR/args.pickle` (in the
+launch's private scratch directory, mode 0700: never on the command line,
+where any local user reads it with `ps`), and stores the return value for
+the launcher; `--server` starts a `tf.distribute.Server` for this task's
+TF_CONFIG and blocks. `-P` keeps the task's working directory off `sys.path`
+(a `tensorflow.py` there must not run in the tasks); the launcher's own
+`sys.path` is put first, so the function resolves as it did there.
 """
 
 import argparse
-import base64
 import importlib
 import os
 import pickle
@@ -47,15 +50,21 @@ def function_spec(target):
     return f"{module}:{name}"
 
 
+ARGS_FILE = "args.pickle"
+# `python -P -m`: the working directory is not put first on sys.path.
+PYTHON_MODULE = [sys.executable, "-u", "-P", "-m"]
+
+
 def argv_factory(spec, args, values_dir):
-    payload = base64.b64encode(pickle.dumps(tuple(args))).decode()
+    fd = os.open(os.path.join(values_dir, ARGS_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(tuple(args), f)
     path_entries = os.pathsep.join(p for p in sys.path if p)
 
     def argv_for(task_type, task_index):
         return [
-            sys.executable, "-u", "-m", "keras_distrib._task_entry",
-            "--function", spec, "--values", values_dir,
-            "--args", payload, "--path", path_entries,
+            *PYTHON_MODULE, "keras_distrib._task_entry",
+            "--function", spec, "--values", values_dir, "--path", path_entries,
         ]
 
     return argv_for
@@ -64,6 +73,8 @@ def argv_factory(spec, args, values_dir):
 def collect_values(values_dir):
     values = {}
     for name in sorted(os.listdir(values_dir)):
+        if name == ARGS_FILE or name.startswith("."):
+            continue
         with open(os.path.join(values_dir, name), "rb") as f:
             values[name.replace("_", " ")] = pickle.load(f)
     return values
@@ -77,8 +88,9 @@ def _resolve(spec):
     return obj
 
 
-def _run_function(spec, values_dir, payload):
-    args = pickle.loads(base64.b64decode(payload))
+def _run_function(spec, values_dir):
+    with open(os.path.join(values_dir, ARGS_FILE), "rb") as f:
+        args = pickle.load(f)
     value = _resolve(spec)(*args)
     task = os.environ.get("KD_TASK", "worker 0").replace(" ", "_")
     tmp = os.path.join(values_dir, f".{task}.tmp")
@@ -161,15 +173,15 @@ def main(argv=None):
     parser.add_argument("--server", action="store_true")
     parser.add_argument("--function")
     parser.add_argument("--values")
-    parser.add_argument("--args", default="")
     parser.add_argument("--path", default="")
     options = parser.parse_args(argv)
     if options.server:
         return _run_server()
+    # The launcher's sys.path, in its order: the function resolves as it did there.
     for entry in reversed(options.path.split(os.pathsep)):
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)
-    _run_function(options.function, options.values, options.args)
+    _run_function(options.function, options.values)
 
 
 if __name__ == "__main__":

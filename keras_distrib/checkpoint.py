@@ -5,6 +5,8 @@ Layout of `directory`:
     ckpt-<n>/            one complete checkpoint: TF files + progress.json
     latest               the name of the newest checkpoint written (a hint)
     .kd-lock.json        the run that owns the directory (pid, host, start)
+    .kd-created          present when kd created the directory: only then may
+                         `delete_all` remove it (never a mount point or link)
 
 A checkpoint is written into a hidden staging directory and renamed into
 place, then `latest` is replaced (temp name, rename): a crash at any moment
@@ -44,6 +46,8 @@ __all__ = [
 ]
 
 _LATEST = "latest"
+# Left in a directory kd created, so that a later run (a restart) knows it may remove it.
+CREATED_MARKER = ".kd-created"
 _PROGRESS = "progress.json"
 _STATE = "state"
 _PREFIX = "ckpt"
@@ -68,6 +72,15 @@ def validate_directory(directory, argument="directory"):
     directory = os.fspath(directory)
     if isinstance(directory, bytes):
         directory = os.fsdecode(directory)
+    if os.path.islink(directory) and not os.path.exists(directory):
+        try:
+            target = os.readlink(directory)
+        except OSError:
+            target = "?"
+        raise CheckpointError(
+            f"`{argument}`={directory!r} is a symbolic link to {target!r}, which does not exist "
+            "or loops back on itself. Create the target directory, or pass a real directory path."
+        )
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(
             f"`{argument}`={directory!r} is a file, not a directory. Pass a "
@@ -239,6 +252,9 @@ class CheckpointManager:
         self.progress = None
         self.skipped = []  # (path, reason) of checkpoints the last restore passed over
         self.restored_path = None
+        # Only a directory kd created (marked CREATED_MARKER) is ever removed
+        # (`delete_all`): never a mount point, a symbolic link or the user's.
+        self._created = not os.path.lexists(directory)
         self._lock = files.DirectoryLock(directory, "checkpoint")
 
     # Ownership.
@@ -249,8 +265,18 @@ class CheckpointManager:
             return
         try:
             self._lock.acquire()
-        except files.DirectoryInUseError as error:
+        except (files.DirectoryInUseError, files.UnsafeLockError) as error:
             raise CheckpointError(str(error)) from None
+        except OSError as error:
+            raise CheckpointError(
+                f"Could not write the lock file {self._lock.path!r} ({error.strerror}); nothing "
+                f"was restored or written. Free space in (or fix the permissions of) "
+                f"{self.directory!r}, or give another directory."
+            ) from None
+        if self._created:
+            marker = os.path.join(self.directory, CREATED_MARKER)
+            if not os.path.lexists(marker):
+                files.atomic_write_text(marker, "")
 
     def close(self):
         """Releases the directory's lock (if this manager took it)."""
@@ -387,6 +413,15 @@ class CheckpointManager:
         """
         self._own()
         if not self._names():
+            marker = self._marker()
+            if marker is not None:
+                raise CheckpointError(
+                    f"{os.path.join(self.directory, _LATEST)!r} names the checkpoint {marker!r}, "
+                    f"but {os.path.join(self.directory, marker)!r} is missing and no other "
+                    "checkpoint is there: it was deleted or moved, so training would start "
+                    "from scratch. Put the checkpoint back, or delete the `latest` file to start "
+                    "from scratch on purpose."
+                )
             self.progress = None
             self.skipped = []
             return None
@@ -431,6 +466,13 @@ class CheckpointManager:
                 with open(os.path.join(staging, _PROGRESS), "w") as f:
                     json.dump(progress, f)
                 files.publish(staging, final)
+            except (OSError, tf.errors.OpError) as error:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointError(
+                    f"Could not write the checkpoint {final!r} ({_first_line(error)}); nothing "
+                    f"was replaced, the older checkpoints were kept. Free space in (or fix the "
+                    f"permissions of) {directory!r}, or give another directory."
+                ) from error
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -474,19 +516,35 @@ class CheckpointManager:
             files.atomic_write_text(os.path.join(self.directory, FINISHED_FILE), "finished\n")
 
     def delete_all(self):
-        """Removes the directory's checkpoints and lock (chief only), e.g. after success."""
+        """Removes the directory's checkpoints and lock (chief only), e.g. after success.
+
+        The directory itself is removed only if kd created it and it is then
+        empty; never a symbolic link or a mount point (e.g. a Kubernetes volume).
+        """
         if cluster.is_chief() and os.path.isdir(self.directory):
             self._own()
-            for name in self._names() + [_LATEST, FINISHED_FILE]:
+            # `latest` first: a crash half-way leaves checkpoints without a
+            # marker (restorable), never a marker naming deleted ones.
+            for name in [_LATEST] + self._names() + [FINISHED_FILE]:
                 path = os.path.join(self.directory, name)
-                if os.path.isdir(path):
+                if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path, ignore_errors=True)
-                elif os.path.exists(path):
+                elif os.path.lexists(path):
                     os.remove(path)
             files.remove_dead_staging(self.directory)
             self.close()
-            if not os.listdir(self.directory):
-                os.rmdir(self.directory)
+            marker = os.path.join(self.directory, CREATED_MARKER)
+            created = os.path.isfile(marker) and not os.path.islink(marker)
+            if created:
+                os.remove(marker)
+            removable = (created and not os.path.islink(self.directory)
+                         and not os.path.ismount(self.directory))
+            if removable and not os.listdir(self.directory):
+                try:
+                    os.rmdir(self.directory)
+                except OSError as error:
+                    logger.warning("Could not remove the empty directory %s (%s); left in place.",
+                                   self.directory, error.strerror)
 
 
 class _Damaged(Exception):

@@ -13,6 +13,7 @@ import sys
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import cluster_sources
+from keras_distrib import supervisor
 from keras_distrib import launcher as launch_lib
 
 __all__ = [
@@ -42,9 +43,9 @@ def _launch(options):
     agent = options.workers is None and _in_cluster_manager()
     try:
         if agent:
-            if options.chief or options.evaluator:
+            if options.chief or options.evaluator or options.private_network:
                 raise launch_lib.LaunchError(
-                    "`--chief` and `--evaluator` describe a local cluster; the per-node agent "
+                    "`--chief`, `--evaluator` and `--private-network` describe a local cluster; the per-node agent "
                     "takes its cluster from Slurm or Kubernetes (use `--ps M` for parameter servers)."
                 )
             result = launch_lib.launch_node(
@@ -71,10 +72,12 @@ def _launch(options):
                 evaluator=options.evaluator,
                 grace_period=options.grace_period,
                 verbose=options.verbose,
+                private_network=options.private_network,
             )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
         return 2
+    supervisor.ignore_stop_signals()
     return result.returncode
 
 
@@ -143,7 +146,8 @@ def build_parser():
                         help="agent: tasks on this node, a number or 'gpu' (one per GPU; default 1)")
     launch.add_argument("--ps", type=int, default=None, help="parameter-server tasks")
     launch.add_argument("--chief", action="store_true", help="add a separate chief task")
-    launch.add_argument("--max-restarts", type=int, default=0, help="restart the cluster up to K times")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the cluster up to K times (0..1000; quick failures back off)")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
     launch.add_argument("--grace-period", type=float, default=launch_lib.DEFAULT_GRACE_PERIOD,
@@ -153,6 +157,10 @@ def build_parser():
                         help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
     launch.add_argument("--verbose", action="store_true",
                         help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
+    launch.add_argument("--private-network", action="store_true",
+                        help="local cluster: run the tasks in a network namespace of their own, "
+                        "so no other host reaches TensorFlow's unauthenticated ports (needs root "
+                        "or user namespaces; the tasks reach no network either)")
     launch.add_argument("script", help="the Python script every task runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     launch.set_defaults(run=_launch)
@@ -195,7 +203,7 @@ def build_parser():
 
     commands.add_parser(
         "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "
-        "([--model mlp|cnn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
+        "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
     )
     return parser
 

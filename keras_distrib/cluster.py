@@ -119,6 +119,8 @@ def _address_problems(task_type, addresses):
                 f"cluster[{task_type!r}][{i}]={address!r}: port {int(port)} is out of "
                 "range (expected 1..65535)"
             )
+        elif cluster_sources.host_problem(host, "") is not None:
+            problems.append(cluster_sources.host_problem(host, f"cluster[{task_type!r}][{i}]"))
     return problems
 
 

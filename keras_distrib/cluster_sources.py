@@ -12,9 +12,14 @@ Slurm (a task started by `srun`; the batch script itself is not a task):
     parser where `scontrol` is missing), `SLURM_STEP_TASKS_PER_NODE` (else
     `SLURM_TASKS_PER_NODE`), `SLURM_DISTRIBUTION` (block, the default, or
     cyclic), and, to cross-check, `SLURM_LOCALID` and `SLURMD_NODENAME`.
-    Ports: `KD_PORT` (the first port on each node; task j on a node uses
-    `KD_PORT + j`), by default derived from `SLURM_JOB_ID` so that two jobs
-    sharing a node rarely collide.
+    Addresses: each node's `NodeAddr` (`scontrol show node`; the node name
+    where Slurm has none), resolved at once: a name that does not resolve is
+    an error naming it, not a worker waiting forever. Ports: `KD_PORT` (the
+    first port on each machine; the j-th task on a machine uses `KD_PORT +
+    j`, counting the tasks of every node whose address resolves to that
+    machine, so two Slurm nodes on one host get different ports), by
+    default derived from `SLURM_JOB_ID` (8 ports per job) so that two jobs
+    sharing a node do not collide.
 
 Kubernetes (an Indexed Job, or a JobSet's replicated Job), opted in by
 `KD_NUM_PODS`:
@@ -53,11 +58,15 @@ __all__ = [
     "detect",
     "expand_hostlist",
     "expand_tasks_per_node",
+    "host_problem",
     "in_slurm_step",
     "kubernetes_placement",
+    "resolve",
     "roles",
     "slurm_hostnames",
+    "slurm_node_addresses",
     "slurm_placement",
+    "task_ports",
     "tpu_placement",
 ]
 
@@ -95,6 +104,10 @@ class Placement:
         local_tasks: How many tasks share its host.
         ps: Parameter-server tasks (`KD_PS`).
         detail: What was read, for messages (`keras-distrib tf-config`).
+        machines: The machine each task runs on, by rank (tasks on one
+            machine need different ports); empty when the ports are given.
+        base_port: The first port on each machine (see `task_ports`), or
+            None when every address names its own port (`KD_HOSTS`).
     """
 
     source: str
@@ -104,6 +117,8 @@ class Placement:
     local_tasks: int = 1
     ps: int = 0
     detail: str = ""
+    machines: tuple = ()
+    base_port: object = None
 
 
 def roles(count, ps=0):
@@ -121,6 +136,19 @@ def roles(count, ps=0):
         return [("worker", i) for i in range(count)]
     return ([("chief", 0)] + [("ps", i) for i in range(ps)]
             + [("worker", i) for i in range(count - 1 - ps)])
+
+
+# Host names: letters, digits, '-', '_' and '.' (RFC 1123, with Slurm's '_'), or
+# an IP address; an IPv6 address in brackets.
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+
+
+def host_problem(host, where):
+    """A message if `host` is not a host name or address, else None."""
+    if isinstance(host, str) and _HOST.fullmatch(host):
+        return None
+    return (f"{where}: {host!r} is not a host name (letters, digits, '-', '_' and '.', e.g. "
+            "'node01' or 'w-0.svc'), nor an IP address")
 
 
 # Slurm.
@@ -190,6 +218,13 @@ def slurm_hostnames(nodelist, environ=None):
         else:
             hosts = result.stdout.split()
             if result.returncode == 0 and hosts:
+                bad = [h for h in hosts if host_problem(h, "") is not None]
+                if bad:
+                    raise _config_error(
+                        f"`scontrol show hostnames {nodelist}` gave {bad}, which are not host "
+                        f"names: the node list {nodelist!r} is malformed. Check the job's "
+                        "SLURM_*NODELIST (e.g. 'node[01-04]'), or write TF_CONFIG."
+                    )
                 return hosts
             logger.warning(
                 "`scontrol show hostnames %s` exited with %s (%s); kd expands the list itself.",
@@ -242,6 +277,76 @@ def _port(environ, default):
     if port > 65535:
         raise _config_error(f"`KD_PORT`={port}: expected a port in 1..65535.")
     return port
+
+
+def task_ports(machines, base):
+    """Each task's port: `base` + its index among the tasks on the same machine.
+
+    Example:
+        >>> task_ports(["10.0.0.1", "10.0.0.1", "10.0.0.2"], 15000)
+        [15000, 15001, 15000]
+    """
+    seen, ports = {}, []
+    for machine in machines:
+        ports.append(base + seen.get(machine, 0))
+        seen[machine] = seen.get(machine, 0) + 1
+    if ports and max(ports) > 65535:
+        raise _config_error(
+            f"The ports from {base} run past 65535 ({max(seen.values())} tasks on one machine); "
+            "set `KD_PORT` lower."
+        )
+    return ports
+
+
+RESOLVE_SECONDS = 10.0
+
+
+def resolve(host, what, timeout=RESOLVE_SECONDS):
+    """The IP address `host` resolves to, or a `ClusterConfigError` naming it within `timeout`."""
+    import socket
+    import threading
+
+    result = {}
+
+    def lookup():
+        try:
+            result["address"] = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        except (OSError, UnicodeError) as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=lookup, name="kd-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "address" in result:
+        return result["address"]
+    reason = result.get("error") or f"no answer in {timeout:g}s"
+    raise _config_error(
+        f"{what} {host!r} does not resolve ({reason}): the workers could not reach each other "
+        "there. Check the name (`getent hosts " + host + "`), the nodes' DNS or /etc/hosts, or "
+        "write TF_CONFIG with addresses that resolve."
+    )
+
+
+def slurm_node_addresses(hosts, environ=None):
+    """Each node's `NodeAddr` from `scontrol show node` (the name itself where unknown)."""
+    environ = os.environ if environ is None else environ
+    scontrol = shutil.which("scontrol", path=environ.get("PATH"))
+    found = {}
+    if scontrol:
+        try:
+            result = subprocess.run(
+                [scontrol, "show", "node", "--oneliner", ",".join(hosts)], capture_output=True,
+                text=True, timeout=30, env=dict(environ),
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            logger.debug("`scontrol show node` failed (%s); using the node names.", error)
+        else:
+            for line in result.stdout.splitlines():
+                name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
+                address = re.search(r"(?:^|\s)NodeAddr=(\S+)", line)
+                if name and address and address.group(1) not in ("(null)", ""):
+                    found[name.group(1)] = address.group(1)
+    return [found.get(host, host) for host in hosts]
 
 
 def _slurm_default_port(environ):
@@ -335,10 +440,15 @@ def slurm_placement(environ):
             + "\nStart the tasks with `srun` (block or cyclic distribution), or write TF_CONFIG."
         )
     base = _port(environ, _slurm_default_port(environ))
-    addresses = tuple(f"{hosts[n]}:{base + j}" for n, j in placed)
+    node_addresses = slurm_node_addresses(hosts, environ)
+    machines = [resolve(address, "The Slurm node" if address == host else
+                        f"The address of Slurm node {host!r} (NodeAddr)")
+                for host, address in zip(hosts, node_addresses)]
+    ports = task_ports([machines[n] for n, _ in placed], base)
+    addresses = tuple(f"{node_addresses[n]}:{port}" for (n, _), port in zip(placed, ports))
     return Placement(
         "slurm", addresses, rank, local_index=local, local_tasks=counts[node],
-        ps=_ps_count(environ),
+        ps=_ps_count(environ), machines=tuple(machines[n] for n, _ in placed), base_port=base,
         detail=(f"SLURM_PROCID={rank} of {count_name}={tasks} on {len(hosts)} node(s) from "
                 f"{nodes_name}={nodelist} ({per_node_name or 'even split'}, {distribution} "
                 f"distribution), ports from {'KD_PORT' if environ.get('KD_PORT') else 'SLURM_JOB_ID'}"),
@@ -354,7 +464,8 @@ def _host_port_list(text, name, default_port):
         host, sep, port = item.rpartition(":")
         if not sep:
             host, port = item, str(default_port)
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        if (not host or host_problem(host, "") or not port.isdigit()
+                or not 1 <= int(port) <= 65535):
             bad.append(item)
         else:
             addresses.append(f"{host}:{int(port)}")
@@ -405,13 +516,22 @@ def kubernetes_placement(environ):
                 f"`HOSTNAME`={hostname!r} does not end with '-{index}' (`JOB_COMPLETION_INDEX`), as "
                 "an Indexed Job's pods do; list the pods in `KD_HOSTS` instead"
             )
+        elif host_problem(service, ""):
+            problems.append(host_problem(service, f"`{service_name}`") + "; give the headless "
+                            "Service's name (the pod template's `subdomain`)")
+        if not problems and host_problem(hostname, ""):
+            problems.append(host_problem(hostname, "`HOSTNAME`"))
         if problems:
             raise _config_error("kd cannot name this Job's pods:\n  - " + "\n  - ".join(problems))
         prefix = hostname[: -len(suffix)]
         addresses = [f"{prefix}-{i}.{service}:{port}" for i in range(pods)]
         detail = f"{prefix}-<index>.{service} from HOSTNAME and {service_name}"
+    # Pods' names resolve once the pods run, so they are not resolved here;
+    # each pod is its own machine.
+    machines = () if detail == "KD_HOSTS" else tuple(a.rpartition(":")[0] for a in addresses)
     return Placement(
-        "kubernetes", tuple(addresses), index, ps=_ps_count(environ),
+        "kubernetes", tuple(addresses), index, ps=_ps_count(environ), machines=machines,
+        base_port=None if detail == "KD_HOSTS" else port,
         detail=f"JOB_COMPLETION_INDEX={index} of KD_NUM_PODS={pods}; pods {detail}, port {port}",
     )
 
@@ -440,6 +560,13 @@ def detect(environ=None):
     if environ.get("TF_CONFIG", "").strip():
         return None
     if in_slurm_step(environ):
+        if environ.get("KD_NUM_PODS", "").strip():
+            raise _config_error(
+                f"This process is an `srun` task (SLURM_PROCID={environ.get('SLURM_PROCID')}) and "
+                f"also has Kubernetes' `KD_NUM_PODS`={environ['KD_NUM_PODS']!r}: kd cannot tell "
+                "which cluster it is in. Unset KD_NUM_PODS (on Slurm), or do not start the pod's "
+                "command under srun (on Kubernetes)."
+            )
         return slurm_placement(environ)
     if environ.get("SLURM_PROCID", "").strip() and environ.get("SLURM_NTASKS", "1").strip() not in ("", "1"):
         logger.warning(

@@ -25,12 +25,14 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 
 __all__ = [
     "DirectoryInUseError",
     "DirectoryLock",
+    "UnsafeLockError",
     "atomic_write_text",
     "host_tag",
     "make_scratch",
@@ -270,6 +272,10 @@ class DirectoryInUseError(RuntimeError):
     """Another live run holds the directory's lock."""
 
 
+class UnsafeLockError(RuntimeError):
+    """The lock file's path holds something kd did not write (a symbolic link, a directory)."""
+
+
 _held_lock = threading.Lock()
 _held = {}  # real path of a lock file -> its open, flock-ed file descriptor
 
@@ -339,9 +345,34 @@ class DirectoryLock:
                 _held[self._key] = self._take()
         return self
 
+    def _check_regular(self):
+        """Refuses a lock path that is a symbolic link, a directory or a device: never followed."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(mode):
+            return
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise UnsafeLockError(
+            f"The lock file {self.path!r} of the {self.what} directory is {kind}; kd writes its "
+            f"lock there and follows nothing (writing through a link would overwrite its "
+            f"target). Remove {self.path!r} (it is not kd's), then run again."
+        )
+
+    def _open(self):
+        self._check_regular()
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.EISDIR):
+                self._check_regular()  # replaced since the check: name it
+            raise
+
     def _take(self):
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -356,7 +387,11 @@ class DirectoryLock:
             except FileNotFoundError:
                 same = False
             if same:
-                self._write_owner(fd, _read_owner(self.path))
+                try:
+                    self._write_owner(fd, _read_owner(self.path))
+                except OSError:
+                    os.close(fd)  # e.g. a full disk: the caller names it
+                    raise
                 return fd
             os.close(fd)
         raise DirectoryInUseError(f"Could not lock {self.path!r}: it keeps being replaced.")
@@ -366,7 +401,7 @@ class DirectoryLock:
         owner = _read_owner(self.path)
         if owner and _owner_alive(owner) and not self._is_me(owner):
             self._refuse(owner)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = self._open()
         logger.debug("flock unavailable on %s (%s); using the owner file alone.", self.path, error)
         self._write_owner(fd, owner)
         return fd

@@ -21,6 +21,7 @@ import pickle
 import shlex
 import socket
 import sys
+import time
 
 import portpicker
 
@@ -45,6 +46,11 @@ __all__ = [
 # Seconds the tasks get to save and exit when the launcher is told to stop
 # (a preemption); below Slurm's KillWait and Kubernetes' default grace (30 s).
 DEFAULT_GRACE_PERIOD = 25.0
+# Restarts wait RESTART_BACKOFF * 2**(n-1) seconds (at most RESTART_BACKOFF_MAX)
+# after an attempt that lasted under RESTART_BACKOFF_MAX; a longer attempt restarts at once.
+RESTART_BACKOFF = 1.0
+RESTART_BACKOFF_MAX = 60.0
+MAX_RESTARTS = 1000
 
 
 class LaunchError(ValueError):
@@ -148,8 +154,10 @@ def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), 
             "`chief` with `ps`: in a parameter-server cluster the script itself "
             "is the coordinator (chief); drop `chief`"
         )
-    if not validation.is_whole(max_restarts, 0):
-        problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number >= 0")
+    if not validation.is_whole(max_restarts, 0) or max_restarts > MAX_RESTARTS:
+        problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number in "
+                        f"0..{MAX_RESTARTS} (each restart waits up to {RESTART_BACKOFF_MAX:g}s "
+                        "after a quick failure)")
     if timeout is not None and not validation.is_seconds(timeout):
         problems.append(
             f"`timeout`={timeout!r}: expected a finite number of seconds > 0, or None for "
@@ -235,7 +243,7 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             grace_period=None, verbose=False):
+             grace_period=None, verbose=False, private_network=False):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -246,7 +254,7 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
-                                grace_period=grace_period)
+                                grace_period=grace_period, private_network=private_network)
 
 
 def _script_argv(script, args):
@@ -288,7 +296,7 @@ def _resolve_target(target, args):
     return _task_entry.argv_factory(spec, args, values_dir), values_dir
 
 
-_SERVER_ARGV = [sys.executable, "-u", "-m", "keras_distrib._task_entry", "--server"]
+_SERVER_ARGV = [sys.executable, "-u", "-P", "-m", "keras_distrib._task_entry", "--server"]
 
 
 def _attempts(run, *, max_restarts, sink, what, values_dir=None):
@@ -298,15 +306,27 @@ def _attempts(run, *, max_restarts, sink, what, values_dir=None):
     collected into the result, and the directory is removed in any case.
     """
     try:
-        attempt = 0
+        attempt, quick = 0, 0
         while True:
+            started = time.monotonic()
             with supervisor.signals_stop_the_cluster():
                 result = run(attempt)
             result.restarts = attempt
             if result.returncode == 0 or result.signalled or attempt >= max_restarts:
                 break
             attempt += 1
-            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})")
+            # A failure soon after the start would fail again at once: back off.
+            quick = quick + 1 if time.monotonic() - started < RESTART_BACKOFF_MAX else 0
+            wait = min(RESTART_BACKOFF * 2 ** (quick - 1), RESTART_BACKOFF_MAX) if quick else 0.0
+            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})"
+                 + (f" in {wait:g}s" if wait else ""))
+            with supervisor.signals_stop_the_cluster():
+                try:
+                    time.sleep(wait)
+                except SystemExit as stop:
+                    result.signalled = True
+                    result.returncode = stop.code
+                    break
         if values_dir is not None:
             result.values = _task_entry_values(values_dir)
         return result
@@ -322,6 +342,17 @@ def _script_target(target):
     return target, isinstance(target, str) and ":" not in target
 
 
+def _check_private_network(private_network):
+    if not isinstance(private_network, bool):
+        raise LaunchError(f"Invalid launch request:\n  - `private_network`={private_network!r}: "
+                          "expected True or False")
+    if private_network:
+        try:
+            supervisor.PrivateNetwork().close()
+        except OSError as error:
+            raise LaunchError(str(error)) from None
+
+
 def _check_grace_period(grace_period):
     problems = _grace_problems(grace_period)
     if problems:
@@ -330,7 +361,7 @@ def _check_grace_period(grace_period):
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=False):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -364,6 +395,12 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             and TensorFlow's start-up notices are dropped from their output
             (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
             `env` is kept either way. `log_dir` files keep every line.
+        private_network: Run the tasks in a network namespace of their own
+            with only loopback (`supervisor.PrivateNetwork`; root or
+            unprivileged user namespaces). TensorFlow's servers listen on
+            every interface and have no authentication: this keeps every
+            other host (and other network namespaces) off their ports. The
+            tasks then reach no network either (no downloads).
 
     Returns:
         A `ClusterResult`; for a function target, `.values` maps each task
@@ -382,13 +419,14 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     _check_grace_period(grace_period)
+    _check_private_network(private_network)
     argv_for, values_dir = _resolve_target(target, args)
     return _attempts(
         lambda attempt: run_once(
             argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
             env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
             ports=ports if attempt == 0 else None, evaluator=evaluator,
-            grace_period=grace_period, verbose=verbose,
+            grace_period=grace_period, verbose=verbose, private_network=private_network,
         ),
         max_restarts=max_restarts, sink=sink, what="the cluster", values_dir=values_dir,
     )
@@ -407,10 +445,13 @@ def _per_node_count(per_node, environ):
     if per_node == "gpu":
         gpus = supervisor.visible_gpus(environ)
         if not gpus:
+            listed = environ.get("CUDA_VISIBLE_DEVICES")
+            shown = ("nvidia-smi lists none" if listed is None else
+                     f"CUDA_VISIBLE_DEVICES={listed!r} hides every GPU" if listed.strip() else
+                     "CUDA_VISIBLE_DEVICES is empty")
             raise LaunchError(
-                "`per_node`='gpu': this node shows no GPU (CUDA_VISIBLE_DEVICES is empty or "
-                "unset and nvidia-smi lists none), so there is no task to start. Use "
-                "`--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
+                f"`per_node`='gpu': this node shows no GPU ({shown}), so there is no task to "
+                "start. Use `--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
                 "(e.g. `#SBATCH --gpus-per-node=4`, or `nvidia.com/gpu` in the pod's limits)."
             )
         return len(gpus)
@@ -474,15 +515,40 @@ def node_tasks(per_node=1, ps=None, environ=None):
             "tasks and at least one worker."
         )
     layout = cluster_sources.roles(total, ps)
+    hosts = [address.rpartition(":")[0] for address in placement.addresses for _ in range(count)]
+    if placement.base_port is not None:
+        # Distinct on every machine, also for several nodes on one host.
+        machines = [machine for machine in placement.machines for _ in range(count)]
+        ports = cluster_sources.task_ports(machines, placement.base_port)
+    else:
+        ports = [int(address.rpartition(":")[2]) + j
+                 for address in placement.addresses for j in range(count)]
     spec, local = {}, []
-    for agent, address in enumerate(placement.addresses):
-        host, _, port = address.rpartition(":")
-        for j in range(count):
-            task_type, index = layout[agent * count + j]
-            spec.setdefault(task_type, []).append(f"{host}:{int(port) + j}")
-            if agent == placement.rank:
-                local.append(f"{task_type} {index}")
+    for rank, ((task_type, index), host, port) in enumerate(zip(layout, hosts, ports)):
+        spec.setdefault(task_type, []).append(f"{host}:{port}")
+        if rank // count == placement.rank:
+            local.append(f"{task_type} {index}")
     return placement.source, spec, local
+
+
+def _check_local_ports(spec, local):
+    """Refuses to start when a port of this node's tasks is taken, naming it."""
+    taken = []
+    for label in local:
+        task_type, index = label.split()
+        port = int(spec[task_type][int(index)].rpartition(":")[2])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", port))
+            except OSError as error:
+                taken.append(f"{port} ({label}: {error.strerror})")
+    if taken:
+        raise LaunchError(
+            f"Port {', '.join(taken)} cannot be bound on this node: another job or process "
+            "listens there (`ss -ltnp`). kd derives the ports from the job (SLURM_JOB_ID) "
+            "unless `KD_PORT` fixes them: unset KD_PORT, or choose another first port."
+        )
 
 
 def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout=None,
@@ -510,6 +576,8 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
              log_dir=log_dir, sink=sink, verbose=verbose)
     _check_grace_period(grace_period)
     source, spec, local = node_tasks(per_node, ps, env)
+    _check_local_ports(spec, local)
+    sink = supervisor.whole_lines(sink)
     argv_for, values_dir = _resolve_target(target, args)
     has_ps = bool(spec.get("ps"))
     sink(f"[launcher] {source} node: starting {', '.join(local)} of "

@@ -32,6 +32,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
 from keras_distrib import step as step_lib
+from keras_distrib import strategies
 from keras_distrib import validation
 from keras_distrib import watchdog
 
@@ -43,6 +44,7 @@ __all__ = [
     "build_model",
     "callback_list",
     "chunk_end_hooks",
+    "epoch_interrupted",
     "epoch_source",
     "evaluate",
     "evaluate_pass",
@@ -83,7 +85,13 @@ class LocalRunner:
         return self.step.skip(iterator, count)
 
     def epoch_logs(self, logs):
-        """The epoch's logs: the metrics' global values (or the last step's logs)."""
+        """The epoch's logs: the metrics' global values (or the last step's logs).
+
+        With no step run in this process (a resume from a backup taken at the
+        epoch's last step), the metrics' values restored from the backup.
+        """
+        if not logs:
+            return dict(self.model.get_metrics_result())
         return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
 
     def wait(self):
@@ -99,14 +107,29 @@ def resume_position(callbacks):
     return None
 
 
-def callback_list(callbacks, model, *, verbose, epochs, steps, history=False):
-    """A Keras `CallbackList`, with a progress bar on the chief only."""
+def epoch_interrupted(callbacks):
+    """Whether a callback stopped the epoch part-way for a restart (a preemption's backup).
+
+    Such an epoch did not finish: it is not ended (no `on_epoch_end`, so no
+    checkpoint, log line or History entry counts it); the restarted run
+    finishes it and ends it once.
+    """
+    return any(getattr(c, "epoch_interrupted", False) is True
+               for c in getattr(callbacks, "callbacks", ()))
+
+
+def callback_list(callbacks, model, *, verbose, epochs, steps, history=False, **params):
+    """A Keras `CallbackList`, with a progress bar on the chief only.
+
+    `params` go to the callbacks' `params` too (e.g. `batch_size`, the
+    global batch size, which a backup checks on resume).
+    """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     verbose = cluster.chief_verbose(verbose)
     return keras.callbacks.CallbackList(
         callbacks, add_history=history, add_progbar=verbose != 0, verbose=verbose,
-        epochs=epochs, steps=steps, model=model,
+        epochs=epochs, steps=steps, model=model, **params,
     )
 
 
@@ -199,6 +222,8 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     watch.step(epoch, end)
                 if model.stop_training:
                     break
+        if epoch_interrupted(callbacks):
+            break
         if not ran:
             raise EmptyDataError(
                 f"`x` gave no batch in epoch {epoch + 1}: the data is empty (e.g. a dataset "
@@ -214,7 +239,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
         callbacks.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
-    if epochs > 0 and model.optimizer is not None:
+    if epochs > 0 and model.optimizer is not None and not epoch_interrupted(callbacks):
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=epoch_logs)
     return model.history
@@ -340,14 +365,57 @@ def epoch_source(model, *, x, y=None, sample_weight=None, batch_size=None, steps
     """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`).
 
     Batches from Python (PyDataset, generators, `from_generator`) are
-    copied before TensorFlow sees them (`owned_batches`).
+    copied before TensorFlow sees them (`owned_batches`). Workers whose
+    datasets hold different numbers of batches all take every step
+    (`join_workers`).
     """
-    return _keras_compat.epoch_iterator(
-        x=owned_batches(x), y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-        shuffle=shuffle, class_weight=class_weight,
-        distribute_strategy=strategy or model.distribute_strategy,
+    strategy = strategy or model.distribute_strategy
+    source = _keras_compat.epoch_iterator(
+        x=owned_batches(x), y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps_per_epoch=steps, shuffle=shuffle, class_weight=class_weight,
+        distribute_strategy=strategy,
         steps_per_execution=steps_per_call,
     )
+    if (steps is None and isinstance(x, tf.distribute.DistributedDataset)
+            and strategies.traits(strategy).is_multi_worker):
+        join_workers(source, strategy)
+    return source
+
+
+def worker_batch_counts(strategy, local_count):
+    """Every worker's batch count per epoch (-1: unknown), by worker index."""
+    replicas = strategy.num_replicas_in_sync
+    workers = max(cluster.cluster_info().num_workers, 1)
+    local = replicas // workers
+    index = cluster.cluster_info().task_index if workers > 1 else 0
+
+    def own_count():
+        context = tf.distribute.get_replica_context()
+        first = tf.equal(context.replica_id_in_sync_group % local, 0)
+        counts = tf.one_hot(index, workers, dtype=tf.int64) * tf.constant(local_count + 1, tf.int64)
+        return tf.where(first, counts, tf.zeros_like(counts))
+
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(own_count), axis=None)
+    return [int(count) - 1 for count in np.asarray(total)]
+
+
+def join_workers(source, strategy):
+    """Runs every worker's epoch for as many steps as the longest worker's.
+
+    Workers whose datasets (a `dataset_fn`'s shards) hold different numbers
+    of batches would stop at different steps, and the collectives of the
+    next step would pair with something else. TensorFlow hands a worker
+    that has run out empty batches while any worker still has data; kd
+    steps on them (an empty replica adds nothing), so every worker takes
+    every step: what one device computes on the same global data. So when
+    the counts differ, every worker runs until the data ends everywhere
+    (TensorFlow ends it on every worker at the same step).
+    """
+    local = source.num_batches
+    counts = worker_batch_counts(strategy, -1 if local is None else int(local))
+    if len(set(counts)) == 1:
+        return
+    _keras_compat.set_epoch_batches(source, None)
 
 
 def build(model, source):
@@ -418,7 +486,8 @@ def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="aut
     build(model, source)
     source.reset()
     callbacks = callback_list(
-        callbacks, model, verbose=verbose, epochs=epochs, steps=source.num_batches, history=True
+        callbacks, model, verbose=verbose, epochs=epochs, steps=source.num_batches, history=True,
+        batch_size=_keras_compat.data_batch_size(source),
     )
     validate = None
     if validation_data is not None:

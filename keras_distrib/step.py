@@ -188,6 +188,7 @@ class Step:
         self.kind = kind
         self.steps = steps
         self.strategy = model.distribute_strategy
+        strategies.check_collective_keys(self.strategy)
         self._single = replica_function(model, kind)
         self._looped = replica_function(model, kind, looped=True)
         # Collectives inside a compiled loop keep their first iteration's

@@ -1,9 +1,10 @@
 """Process supervision: start tasks, relay their output, stop them all.
 
-`run_tasks` starts one process per task (each in its own process group, and
-killed if this process dies), prefixes every output line with the task
+`run_tasks` starts one process per task (each in its own process group, under
+a guard, `keras_distrib._guard`, that ends the task's children and daemons when
+the task exits and when this process dies, even by SIGKILL), prefixes every output line with the task
 (`[worker 1] ...`), and stops everything at the first failure, at the
-timeout, or when this process gets SIGTERM/SIGINT. No process outlives it.
+timeout, or when this process gets SIGTERM/SIGINT/SIGHUP. No process outlives it.
 A SIGTERM to this process (a preemption: Slurm or Kubernetes stopping the
 node) is passed on to the tasks, which get `grace_period` seconds to save a
 backup and exit (kd's tasks exit with `RESTART_EXIT_CODE`, 42) before they
@@ -11,33 +12,45 @@ are killed. `keras_distrib.launcher` builds clusters on top of it.
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
+from keras_distrib import _guard
 from keras_distrib import tf_logs
 
 __all__ = [
     "ClusterResult",
+    "PrivateNetwork",
     "RESTART_EXIT_CODE",
+    "STOP_SIGNALS",
     "TaskResult",
     "TaskSpec",
+    "ignore_stop_signals",
     "run_tasks",
     "signals_stop_the_cluster",
     "split_gpus",
     "visible_gpus",
+    "whole_lines",
 ]
 
 GRACE_SECONDS = 5.0
+# Signals to the launcher that stop the cluster, the tasks getting SIGTERM and
+# the grace period to save: SIGTERM (a preemption, `scancel`), SIGINT
+# (Ctrl-C) and SIGUSR1 (Slurm's `--signal=USR1@<seconds>` before a time limit).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # What a task exits with after saving a backup on preemption: restart me.
 # (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
 # platforms too.) `keras_distrib.preemption` uses the same value.
 RESTART_EXIT_CODE = 42
+# What a task logs once its backup is written, just before it exits 42; the
+# launcher reads it when the task is killed on its way out.
+SAVED_MESSAGE = "Backed up for the preemption"
 # How long a parameter-server cluster's coordinator gets to report a lost
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0
@@ -70,6 +83,30 @@ class ClusterResult:
     signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
 
 
+def whole_lines(sink):
+    """`sink`, called by one thread at a time; `print` becomes a whole-line write and flush.
+
+    The tasks' reader threads share the sink: each line reaches the
+    launcher's output in one write, never merged with another task's (nor,
+    through `srun`, with another node's agent: stdout is flushed per line).
+    """
+    if getattr(sink, "whole_lines", False):
+        return sink
+    lock = threading.Lock()
+
+    def write(line):
+        with lock:
+            if sink is print:
+                stream = sys.stdout
+                stream.write(f"{line}\n")
+                stream.flush()
+            else:
+                sink(line)
+
+    write.whole_lines = True
+    return write
+
+
 def visible_gpus(env=None):
     """GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES, else nvidia-smi."""
     env = os.environ if env is None else env
@@ -99,17 +136,60 @@ def split_gpus(gpus, tasks):
     return {task: ",".join(gpus[i * share:(i + 1) * share]) for i, task in enumerate(tasks)}
 
 
-def _die_with_parent():
-    """In the child: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def guarded(argv, netns=None):
+    """`argv` started under `keras_distrib._guard`: none of the task's processes outlives it.
+
+    The guard is run by file path with `-I -S` (isolated: neither the working
+    directory nor PYTHONPATH is searched); it ends the task's children and
+    daemons when the task exits and when this process dies, even by SIGKILL.
+    """
+    extra = ["--netns", str(netns)] if netns else []
+    return [sys.executable, "-I", "-S", _guard.__file__, str(os.getpid()), *extra, *argv]
+
+
+class PrivateNetwork:
+    """A network namespace with only loopback, for one local cluster's tasks.
+
+    TensorFlow's gRPC server listens on every interface (`0.0.0.0` and
+    `[::]`) whatever TF_CONFIG names, and its distributed runtime has no
+    authentication: anyone who reaches a task's port runs TensorFlow ops as
+    the training user. Inside this namespace the tasks reach each other on
+    `localhost` and nothing outside reaches them (nor do they reach the
+    network). Needs root, or unprivileged user namespaces.
+    """
+
+    def __init__(self):
+        self.holder = subprocess.Popen(
+            [sys.executable, "-I", "-S", _guard.__file__, "--hold-netns"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        ready = self.holder.stdout.readline().strip()
+        if ready != "READY":
+            error = self.holder.stderr.read().strip().splitlines()
+            self.close()
+            raise OSError(
+                "`private_network`: could not create a network namespace for the tasks ("
+                + (error[-1] if error else "no reason given") + "). It needs root, or "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); or "
+                "launch without it and firewall the tasks' ports (README, Security)."
+            )
+
+    @property
+    def pid(self):
+        """The holder process's pid: the tasks join `/proc/<pid>/ns/net`."""
+        return self.holder.pid
+
+    def close(self):
+        """Ends the holder; the namespace goes away with its last process."""
+        if self.holder.poll() is None:
+            self.holder.kill()
+        self.holder.wait(timeout=10)
+        for stream in (self.holder.stdin, self.holder.stdout, self.holder.stderr):
+            stream.close()
 
 
 class _Task:
-    def __init__(self, task_type, task_index, argv, env, sink, log_path):
+    def __init__(self, task_type, task_index, argv, env, sink, log_path, netns=None):
         self.task_type = task_type
         self.task_index = task_index
         self.tail = []
@@ -117,15 +197,17 @@ class _Task:
         # TensorFlow's start-up notices, repeated by every task (see tf_logs).
         self._hide_notices = tf_logs.hides_notices(env)
         self._log = open(log_path, "a") if log_path else None
+        self._sink_broken = None
         self.process = subprocess.Popen(
-            argv,
+            guarded(argv, netns),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
-            text=True,
+            # Bytes that are not UTF-8 are shown escaped (`\xff`), never stop the reader.
+            encoding="utf-8",
+            errors="backslashreplace",
             bufsize=1,
         )
         self._reader = threading.Thread(target=self._pump, daemon=True)
@@ -145,8 +227,21 @@ class _Task:
             if self._hide_notices and tf_logs.is_startup_notice(line):
                 continue
             self.tail = (self.tail + [line])[-_TAIL_LINES:]
-            self._sink(prefix + line)
+            if self._sink_broken is None:
+                try:
+                    self._sink(prefix + line)
+                except Exception as error:  # noqa: BLE001 - e.g. BrokenPipeError under `| head`
+                    # Keep reading: a task blocked on a full pipe would never end.
+                    self._sink_broken = error
         self.process.stdout.close()
+
+    def stop_guard(self):
+        """Asks the guard to end every process of the task (daemons included)."""
+        if self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, _guard.STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
 
     def signal_group(self, signum):
         try:
@@ -180,6 +275,12 @@ def _stop(tasks, grace=GRACE_SECONDS, servers=()):
         except subprocess.TimeoutExpired:
             pass
     for task in tasks:
+        task.stop_guard()
+    for task in tasks:
+        try:
+            task.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
         # The group may hold grandchildren even after the leader exited.
         task.signal_group(signal.SIGKILL)
         try:
@@ -205,6 +306,10 @@ class TaskSpec:
         return f"{self.task_type} {self.task_index}"
 
 
+def _said_saved(result):
+    return any(SAVED_MESSAGE in line for line in result.tail[-5:])
+
+
 def _lost_peer_message(result, own_label, service_task):
     """kd's explanation when a task ended because the cluster lost another task, else None."""
     from keras_distrib import watchdog
@@ -219,7 +324,8 @@ def _ps_lost_message(task, code):
             "job (--max-restarts; training resumes from its backup).")
 
 
-def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None):
+def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None,
+              private_network=False):
     """Starts every task, waits, and stops them all; returns a `ClusterResult`.
 
     The run ends when every watched task exited 0, when a watched task
@@ -233,8 +339,22 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
     the tasks get SIGTERM and `grace_period` seconds (default
     `GRACE_SECONDS`) to save and exit; the result's code is
     `RESTART_EXIT_CODE` if a task saved for a restart, else 128 + signal.
+
+    With `private_network`, the tasks run in one network namespace of their
+    own (`PrivateNetwork`): reachable from nowhere else.
     """
+    network = PrivateNetwork() if private_network else None
+    try:
+        return _run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                          grace_period=grace_period, netns=network and network.pid)
+    finally:
+        if network is not None:
+            network.close()
+
+
+def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     grace = GRACE_SECONDS if grace_period is None else grace_period
+    sink = whole_lines(sink)
     tasks = []
     started = time.monotonic()
     timed_out = False
@@ -248,7 +368,8 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
                 log_path = os.path.join(log_dir, f"{spec.task_type}_{spec.task_index}.log")
-            tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path))
+            tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path,
+                               netns))
         watched = [t for t, spec in zip(tasks, specs) if spec.watched]
         followers = [t for t, spec in zip(tasks, specs) if spec.follower]
         leaders = [t for t in watched if t not in followers]
@@ -306,14 +427,19 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
         # it on, and give the tasks time to save (a preemption's grace).
         signalled = stop.code
         stop_grace = grace
-        sink(f"[launcher] got signal {signalled - 128}; passing it on, the tasks have "
-             f"{grace:g}s to save and exit")
+        sink(f"[launcher] got {signal.Signals(signalled - 128).name}; passing SIGTERM on, the "
+             f"tasks have {grace:g}s to save and exit")
     finally:
-        _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
+        with _signals_ignored():
+            # The tasks are being stopped (and given the grace period to save):
+            # a second signal must not cut that short.
+            _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
     results = [t.finish() for t in tasks]
     if signalled is not None:
         codes = [r.returncode for r in results]
-        saved = RESTART_EXIT_CODE in codes
+        # A task that saved may still be killed on its way out (Slurm ends the
+        # step once another node's task exited 42): its last words count.
+        saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
         code = RESTART_EXIT_CODE if saved else signalled
         sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
         return ClusterResult(code, results, signalled=True)
@@ -342,8 +468,36 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
 
 
 @contextlib.contextmanager
+def _signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ignore_stop_signals():
+    """After the run: the exit code is decided, a late signal must not change it.
+
+    Under `srun --kill-on-bad-exit=1`, the first node's agent to exit 42
+    makes Slurm send SIGTERM to the others, which are then exiting 42 too.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
 def signals_stop_the_cluster():
-    """SIGTERM/SIGINT to the launcher unwind it, so its `finally` stops every task."""
+    """A signal of `STOP_SIGNALS` to the launcher unwinds it, so its `finally` stops every task.
+
+    The tasks then get SIGTERM and the grace period to save (SIGUSR1 is
+    Slurm's warning before a time limit, `--signal=USR1@<seconds>`).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -351,7 +505,7 @@ def signals_stop_the_cluster():
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 ENV = "KD_WATCHDOG"
+# The shortest stall `KD_WATCHDOG` may name: the first step traces and compiles.
+MIN_SECONDS = 1.0
 # EX_TEMPFAIL: a temporary failure, worth a restart.
 STALL_EXIT_CODE = 75
 _GENERATIONS = itertools.count()
@@ -106,7 +108,7 @@ def from_environment(strategy=None, environ=None):
     """A `Watchdog` if `KD_WATCHDOG` is set (seconds), else None.
 
     Raises:
-        ValueError: `KD_WATCHDOG` is not a number of seconds > 0.
+        ValueError: `KD_WATCHDOG` is not a number of seconds >= `MIN_SECONDS`.
 
     Example:
         >>> from keras_distrib import watchdog
@@ -123,11 +125,11 @@ def from_environment(strategy=None, environ=None):
         seconds = float(value)
     except ValueError:
         seconds = None
-    if seconds is None or not 0 < seconds < float("inf"):
+    if seconds is None or not MIN_SECONDS <= seconds < float("inf"):
         raise ValueError(
             f"`{ENV}`={value!r}: expected the seconds a training step may take before the "
-            f"watchdog reports a stall (a number > 0, e.g. {ENV}=120). Unset it to turn the "
-            "watchdog off."
+            f"watchdog reports a stall (a number >= {MIN_SECONDS:g}, e.g. {ENV}=120; less would "
+            "stop a healthy job while its first step compiles). Unset it to turn the watchdog off."
         )
     return Watchdog(seconds, strategy=strategy)
 

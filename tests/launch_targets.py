@@ -8,3 +8,26 @@ def whoami(tag):
 
     info = cluster.cluster_info()
     return {"tag": tag, "task": info.label, "chief": info.is_chief, "workers": info.num_workers, "pid": os.getpid()}
+
+
+def command_lines(secret):
+    """The task's command line and its parent's (the guard's), to check what `ps` shows."""
+    def read(pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+
+    return {"own": read(os.getpid()), "parent": read(os.getppid()), "got": secret}
+
+
+def listen_everywhere(seconds):
+    """Listens on every interface (as TensorFlow's gRPC server does); returns the port after `seconds`."""
+    import socket
+    import time
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("0.0.0.0", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        print(f"LISTENING {port}", flush=True)
+        time.sleep(seconds)
+    return port

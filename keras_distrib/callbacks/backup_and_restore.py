@@ -8,7 +8,8 @@ so the run continues with exactly the batch it would have trained next
 (exact for input pipelines whose order does not depend on the run's history:
 `shuffle=False`, or a dataset shuffled from a fixed seed per epoch).
 
-On SIGTERM (a preemption, or the launcher stopping a cluster) every worker
+On SIGTERM or SIGUSR1 (a preemption, Slurm's warning before a time limit, or
+the launcher stopping a cluster) every worker
 saves at the same agreed step and the process exits with
 `kd.preemption.RESTART_EXIT_CODE` (42) to be restarted
 (`keras_distrib.preemption`: the agreement goes through the coordination
@@ -60,6 +61,17 @@ def set_metric_state(model, values, source="The backup"):
             variable.assign(np.asarray(value, dtype=variable.dtype))
 
 
+def _non_finite_weights(model):
+    """Names of the model's weights holding NaN or Inf (empty when all are finite)."""
+    bad = []
+    for weight in model.weights:
+        if "float" in str(weight.dtype):
+            values = np.asarray(weight.numpy(), dtype=np.float64)
+            if not np.all(np.isfinite(values)):
+                bad.append(weight.path)
+    return bad
+
+
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training state so an interrupted `fit` resumes exactly.
 
@@ -68,7 +80,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             workers write to scratch space that is removed).
         save_freq: `"epoch"`, or a number of batches between backups.
         delete_checkpoint: Remove the backup after training completes.
-        save_on_preemption: On SIGTERM (or when `termination_watcher`
+        save_on_preemption: On SIGTERM or SIGUSR1 (or when `termination_watcher`
             fires), every worker backs up at the same agreed step, then the
             process exits with code 42 (`kd.preemption.RESTART_EXIT_CODE`)
             so that `keras-distrib launch --max-restarts`, Slurm's requeue
@@ -112,6 +124,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._runner = None
         self._chunks = 0
         self._exit_after_training = False
+        self._diverged = False
+
+    @property
+    def epoch_interrupted(self):
+        """True once a preemption's backup stopped the epoch part-way (kd's loop then
+        ends training without ending that epoch: the restart finishes it)."""
+        return self._exit_after_training
 
     def set_model(self, model):
         """Sets the model; refuses a plain `keras.Model` (see below) before anything is written."""
@@ -151,11 +170,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "metric state: it was not written by kd.callbacks.BackupAndRestore (a "
                     "kd.CheckpointManager's, perhaps). Give the callback a directory of its own."
                 )
+            self._check_data_matches(progress)
             self.restored_position = DataPosition(progress["epoch"], progress["step"])
             if progress["step"] > 0:
                 self._resume = progress
         self._chunks = 0
         self._exit_after_training = False
+        self._diverged = False
         if self.save_on_preemption:
             self._handler = preemption.PreemptionHandler(
                 strategy=model.distribute_strategy, **self._preemption_settings
@@ -171,7 +192,49 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Steps scheduled on parameter-server workers may still be running:
             # the backup must hold exactly the steps its position counts.
             self._runner.wait()
-        self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model))
+        bad = _non_finite_weights(self.model)
+        if bad:
+            # Diverged: the backup in place is the last good state; keep it.
+            self._diverged = True
+            logger.warning(
+                "Training diverged: %s hold NaN or Inf at epoch %d, step %d, so the backup was not "
+                "written; %s keeps the last finite state%s. Lower the learning rate (or clip "
+                "gradients) and resume from it.", ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""),
+                epoch, step, self.backup_dir,
+                f" ({self._manager.latest})" if self._manager.latest else " (none was written yet)")
+            return
+        self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model),
+                           **self._data_shape())
+
+    def _data_shape(self):
+        """What the backup's position counts in: batches per epoch and the global batch size."""
+        params = self.params or {}
+        return {key: params.get(name) for key, name in
+                (("batches_per_epoch", "steps"), ("global_batch_size", "batch_size"))
+                if isinstance(params.get(name), int)}
+
+    def _check_data_matches(self, progress):
+        """Refuses to resume a backup whose position no longer means the same examples."""
+        path = self._manager.restored_path
+        now = self._data_shape()
+        problems = []
+        for key, what in (("global_batch_size", "global batch size"),
+                          ("batches_per_epoch", "batches per epoch")):
+            saved = progress.get(key)
+            if isinstance(saved, int) and key in now and now[key] != saved:
+                problems.append(f"the {what} is {now[key]}, the backup's was {saved}")
+        batches = now.get("batches_per_epoch")
+        if batches is not None and progress["step"] > batches:
+            problems.append(f"the backup's position, step {progress['step']} of epoch "
+                            f"{progress['epoch']}, is past the epoch's {batches} batches")
+        if problems:
+            self._manager.close()
+            raise checkpoint_lib.CheckpointError(
+                f"The backup {path!r} does not match this run's data: " + "; ".join(problems)
+                + ". Resuming would skip or repeat examples. Resume with the data and "
+                "`batch_size` it was written with, or give `backup_dir` another directory "
+                "(or delete this backup) to start from scratch."
+            )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -220,8 +283,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._manager.close()
             self._handler.exit()
         self._handler = None
-        if self.delete_checkpoint:
-            self._manager.delete_all()
-        else:
-            self._manager.mark_finished()
+        if self._diverged:
+            logger.warning("Kept the backup in %s: training diverged, and it holds the last "
+                           "finite weights.", self.backup_dir)
+            self._manager.close()
+            return
+        try:
+            if self.delete_checkpoint:
+                self._manager.delete_all()
+            else:
+                self._manager.mark_finished()
+        except (OSError, checkpoint_lib.CheckpointError) as error:
+            # Training is complete: a failing clean-up must not fail it.
+            logger.warning("Training finished, but cleaning up the backup in %s failed (%s); "
+                           "remove it by hand.", self.backup_dir, error)
         self._manager.close()

@@ -1,0 +1,511 @@
+"""Round 3 of the hostile user: process faults (orphans, hangs), data safety, security.
+
+Every process test has a timeout and kills what it started by pid.
+"""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import keras_distrib.launcher as kd_launch
+from tests import _harness
+
+FAMILY = os.path.join(_harness.SCRIPTS, "family.py")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _families(text):
+    return [[int(p) for p in line.split("FAMILY ", 1)[1].split()[:3]]
+            for line in text.splitlines() if "FAMILY " in line]
+
+
+def _kill_all(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _survivors(pids, wait=5.0):
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        left = [pid for pid in pids if _alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def _start_launcher(*args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "keras_distrib", "launch", "--workers", "2", "--grace-period", "2",
+         FAMILY, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_harness._env(),
+        start_new_session=True,
+    )
+
+
+def _read_families(launcher, count, timeout=60):
+    lines, families = [], []
+    deadline = time.monotonic() + timeout
+    while len(families) < count and time.monotonic() < deadline:
+        line = launcher.stdout.readline().decode("utf-8", "replace")
+        if not line:
+            break
+        lines.append(line)
+        families += _families(line)
+    return families, lines
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM])
+def test_no_task_child_or_daemon_outlives_the_launcher(how):
+    """SIGKILL, SIGHUP or SIGTERM of the launcher: tasks, their children and daemons all end."""
+    launcher = _start_launcher("ignore" if how == signal.SIGTERM else "hang")
+    pids = []
+    try:
+        families, lines = _read_families(launcher, 2)
+        assert len(families) == 2, lines
+        pids = [pid for family in families for pid in family]
+        os.kill(launcher.pid, how)
+        launcher.wait(timeout=30)
+        assert _survivors(pids) == [], (how, families)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+        _kill_all(pids)
+    if how == signal.SIGHUP:
+        assert launcher.returncode == 128 + signal.SIGHUP
+
+
+@pytest.mark.cluster
+def test_daemons_left_by_a_finished_task_are_ended():
+    lines = []
+    pids = []
+    try:
+        result = kd_launch.launch(FAMILY, workers=2, args=["exit"], env=_harness._env(),
+                                  sink=lines.append, timeout=60)
+        pids = [pid for family in _families("\n".join(lines)) for pid in family]
+        assert result.returncode == 0, lines
+        assert len(pids) == 6, lines
+        assert _survivors(pids) == []
+    finally:
+        _kill_all(pids)
+
+
+@pytest.mark.cluster
+def test_bytes_that_are_not_utf8_and_a_closed_output_do_not_hang_the_launcher():
+    """A task prints invalid UTF-8 and 2000 long lines; the launcher's sink breaks (`| head`)."""
+    seen = []
+
+    def closed_after_three(line):
+        seen.append(line)
+        if len(seen) > 3:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    pids = []
+    try:
+        started = time.monotonic()
+        result = kd_launch.launch(FAMILY, workers=2, args=["exit", "2000"], env=_harness._env(),
+                                  sink=closed_after_three, timeout=90)
+        assert result.returncode == 0 and not result.timed_out
+        assert time.monotonic() - started < 60
+    finally:
+        _kill_all(pids)
+    lines = []
+    result = kd_launch.launch(FAMILY, workers=1, args=["exit"], env=_harness._env(),
+                              sink=lines.append, timeout=60)
+    assert result.returncode == 0
+    assert any(r"bytes \xff\xfe not utf-8" in line for line in lines), lines
+
+
+@pytest.mark.cluster
+def test_launcher_piped_into_head_ends():
+    launcher = subprocess.Popen(
+        f"{sys.executable} -m keras_distrib launch --workers 2 {FAMILY} exit 3000 | head -3",
+        shell=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_harness._env(),
+        start_new_session=True,
+    )
+    try:
+        out, _ = launcher.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert len(out.splitlines()) == 3
+
+
+# Security: what other local users see, what the working directory can inject.
+
+
+@pytest.mark.cluster
+def test_function_arguments_are_not_on_the_command_line(tmp_path, monkeypatch):
+    from tests import launch_targets
+
+    secret = "hunter2-" + "s" * 20
+    # A module of the working directory must not run inside the tasks (python -m put it first).
+    (tmp_path / "argparse.py").write_text(
+        f"open({str(tmp_path / 'INJECTED')!r}, 'w').write('ran')\nraise SystemExit(9)\n")
+    monkeypatch.chdir(tmp_path)
+    lines = []
+    result = kd_launch.launch(launch_targets.command_lines, workers=1, args=(secret,),
+                              env=_harness._env(), sink=lines.append, timeout=120)
+    assert result.returncode == 0, lines
+    value = result.values["worker 0"]
+    assert value["got"] == secret
+    assert "hunter2" not in value["own"] and "hunter2" not in value["parent"], value
+    assert "-P" in value["own"].split()
+    assert not (tmp_path / "INJECTED").exists()
+
+
+# Restarts.
+
+
+@pytest.mark.cluster
+def test_quick_failures_back_off_before_restarting():
+    started = time.monotonic()
+    result, output = _harness.run_cluster("exit_code.py", workers=2, timeout=120, max_restarts=2)
+    assert result.returncode == 3 and result.restarts == 2
+    assert "restarting the cluster (1/2) in 1s" in output
+    assert "restarting the cluster (2/2) in 2s" in output
+    assert time.monotonic() - started >= 3.0
+
+
+@pytest.mark.parametrize("value", [10**20, 1e20, 1001])
+def test_absurd_max_restarts_is_refused(value):
+    with pytest.raises(kd_launch.LaunchError, match=r"`max_restarts`=.*expected a whole number in 0\.\.1000"):
+        kd_launch.launch(FAMILY, workers=1, max_restarts=value)
+
+
+# Data: the backup directory and its lock.
+
+
+def _model():
+    import keras
+
+    import keras_distrib as kd
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((2,))
+    model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _fit(model, backup, epochs=1, callbacks=(), **kwargs):
+    import numpy as np
+
+    import keras_distrib as kd
+
+    x = np.arange(16, dtype="float32").reshape(8, 2) / 16
+    y = x.sum(axis=1, keepdims=True)
+    return model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, shuffle=False,
+                     callbacks=[*callbacks, kd.callbacks.BackupAndRestore(str(backup), **kwargs)])
+
+
+@pytest.fixture
+def mount_point(tmp_path):
+    """A small tmpfs of our own (the Kubernetes recipe mounts a volume at backup_dir)."""
+    point = tmp_path / "volume"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(point)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"this test mounts a tmpfs and needs root: {done.stderr}"
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.mark.cluster
+def test_a_mount_point_backup_dir_is_emptied_not_removed(mount_point):
+    model = _fit_and_return(mount_point)
+    assert os.path.ismount(mount_point) and os.listdir(mount_point) == []
+    assert model is not None
+
+
+def _fit_and_return(backup):
+    model = _model()
+    _fit(model, backup)  # must not raise: training finished
+    return model
+
+
+def test_a_symlinked_backup_dir_keeps_the_link_and_its_target(tmp_path):
+    target = tmp_path / "real"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    _fit_and_return(link)
+    assert link.is_symlink() and target.is_dir() and os.listdir(target) == []
+
+
+def test_a_failing_cleanup_does_not_fail_a_finished_run(tmp_path, caplog, monkeypatch):
+    backup = tmp_path / "made_by_kd"
+    real_rmdir = os.rmdir
+
+    def busy(path, *args, **kwargs):
+        if os.fspath(path) == str(backup):
+            raise OSError(16, "Device or resource busy")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        _fit_and_return(backup)
+    assert "Could not remove the empty directory" in caplog.text
+    monkeypatch.setattr(os, "rmdir", real_rmdir)
+    # Contrast: a directory kd created is removed once empty.
+    other = tmp_path / "also_by_kd"
+    _fit_and_return(other)
+    assert not other.exists()
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (backup / ".kd-lock.json").symlink_to(victim)
+    with pytest.raises(CheckpointError, match=r"\.kd-lock\.json' of the checkpoint directory is a "
+                                              r"symbolic link; .* Remove"):
+        _fit_and_return(backup)
+    assert victim.read_text() == "precious"
+    (backup / ".kd-lock.json").unlink()
+    (backup / ".kd-lock.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"\.kd-lock\.json' of the checkpoint directory is a directory"):
+        _fit_and_return(backup)
+
+
+@pytest.mark.parametrize("kind", ["dangling", "looping"])
+def test_a_broken_symlink_backup_dir_is_refused_at_once(kind, tmp_path):
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    link = tmp_path / "backup"
+    link.symlink_to(tmp_path / "gone" if kind == "dangling" else link)
+    with pytest.raises(CheckpointError, match=r"`backup_dir`=.*backup' is a symbolic link to .*which does "
+                                              r"not exist or loops"):
+        kd.callbacks.BackupAndRestore(str(link))
+
+
+def test_divergence_keeps_the_last_finite_backup(tmp_path, caplog):
+    import keras
+    import numpy as np
+
+    from keras_distrib import checkpoint
+
+    class Diverge(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                kernel = self.model.layers[-1].kernel
+                kernel.assign(np.full(kernel.shape, np.nan, "float32"))
+
+    backup = tmp_path / "backup"
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        _fit(_model(), backup, epochs=2, callbacks=[Diverge()])
+    assert "Training diverged" in caplog.text and "Kept the backup" in caplog.text
+    names = [n for n in os.listdir(backup) if n.startswith("ckpt-")]
+    assert len(names) == 1
+    progress = checkpoint.read_progress_file(str(backup / names[0]))
+    assert progress["epoch"] == 1  # the end of the first, finite epoch
+    import tensorflow as tf
+    reader = tf.train.load_checkpoint(str(backup / names[0] / "state"))
+    values = [np.asarray(reader.get_tensor(k)) for k in reader.get_variable_to_shape_map()]
+    weights = [v for v in values if v.dtype.kind == "f" and v.size == 2]  # the kernel, and its slot
+    assert weights and all(np.all(np.isfinite(v)) for v in weights), values
+
+
+def test_latest_naming_a_deleted_checkpoint_is_refused(tmp_path):
+    import shutil
+
+    import tensorflow as tf
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), tmp_path / "c")
+    manager.save(epoch=1)
+    manager.close()
+    shutil.rmtree(tmp_path / "c" / "ckpt-1")
+    manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"latest' names the checkpoint 'ckpt-1', but .*ckpt-1' is "
+                                              r"missing .* delete the `latest` file to start from scratch"):
+        manager.restore_or_initialize()
+    manager.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("free_pages,what", [(0, "lock file"), (3, "checkpoint")])
+def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, mount_point):
+    from keras_distrib.checkpoint import CheckpointError
+
+    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * 4096)
+    os.ftruncate(fd, os.fstat(fd).st_size - free_pages * 4096)
+    os.close(fd)
+    with pytest.raises(CheckpointError, match=rf"Could not write the {what} .*volume.*"
+                                              r"No space left on device.*Free space in"):
+        _fit_and_return(mount_point)
+    # Nothing half-written is left under a checkpoint's name.
+    assert not [n for n in os.listdir(mount_point) if n.startswith(("ckpt-", ".tmp-kd-"))]
+
+
+# Environment values a cluster manager (or a typo) hands over.
+
+_SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
+          "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+_K8S = {"KD_NUM_PODS": "2", "JOB_COMPLETION_INDEX": "0", "HOSTNAME": "train-0", "KD_SERVICE": "svc"}
+
+
+@pytest.mark.cluster
+def test_a_malformed_node_list_from_scontrol_is_refused(tmp_path):
+    from keras_distrib import cluster, cluster_sources
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho \"$3\"\n")  # echoes the list back, as for a bad list
+    fake.chmod(0o755)
+    environ = dict(_SLURM, SLURM_STEP_NODELIST="n[1-", PATH=str(tmp_path))
+    with pytest.raises(cluster.ClusterConfigError, match=r"scontrol show hostnames n\[1-` gave \['n\[1-'\], "
+                                                         r"which are not host names"):
+        cluster_sources.detect(environ)
+
+
+@pytest.mark.parametrize("environ,match", [
+    (dict(_K8S, KD_SERVICE="my svc"), r"`KD_SERVICE`: 'my svc' is not a host name"),
+    (dict(_K8S, HOSTNAME="bad host-0"), r"`HOSTNAME`: 'bad host-0' is not a host name"),
+    (dict(_K8S, KD_HOSTS="a b:1,c:2"), r"`KD_HOSTS` has entries that are not 'host:port': \['a b:1'\]"),
+    (dict(_SLURM, **_K8S), r"an `srun` task .* also has Kubernetes' `KD_NUM_PODS`='2'.* Unset KD_NUM_PODS"),
+    ({"TF_CONFIG": '{"cluster": {"worker": ["my host:2222"]}, "task": {"type": "worker", "index": 0}}'},
+     r"cluster\['worker'\]\[0\]: 'my host' is not a host name"),
+])
+def test_cluster_environment_values_are_checked(environ, match):
+    from keras_distrib import cluster, cluster_sources
+
+    with pytest.raises(cluster.ClusterConfigError, match=match):
+        if "TF_CONFIG" in environ:
+            cluster.parse_tf_config(environ["TF_CONFIG"])
+        else:
+            cluster_sources.detect(environ)
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.001", "0.5"])
+def test_a_watchdog_shorter_than_a_second_is_refused(value):
+    from keras_distrib import watchdog
+
+    with pytest.raises(ValueError, match=rf"`KD_WATCHDOG`='{value}': .*a number >= 1"):
+        watchdog.from_environment(environ={"KD_WATCHDOG": value})
+    assert watchdog.from_environment(environ={"KD_WATCHDOG": "1"}).seconds == 1.0
+
+
+# Resuming: the backup's position must mean the same examples.
+
+
+def _xy(rows):
+    import numpy as np
+
+    x = np.arange(rows * 2, dtype="float32").reshape(rows, 2) / 16
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _backup_after_one_epoch(backup):
+    import keras_distrib as kd
+
+    x, y = _xy(8)
+    _model().fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False,
+                 callbacks=[kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+
+
+@pytest.mark.parametrize("rows,batch_size,step,match", [
+    (8, 2, None, r"the global batch size is 2, the backup's was 4; the batches per epoch is 4, "
+                 r"the backup's was 2"),
+    (4, 4, None, r"the batches per epoch is 1, the backup's was 2"),
+    (8, 4, 999, r"the backup's position, step 999 of epoch 1, is past the epoch's 2 batches"),
+])
+def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_path):
+    import json
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    _backup_after_one_epoch(backup)
+    if step is not None:
+        (ckpt,) = [p for p in backup.iterdir() if p.name.startswith("ckpt-")]
+        progress = json.loads((ckpt / "progress.json").read_text())
+        (ckpt / "progress.json").write_text(json.dumps(dict(progress, step=step)))
+    x, y = _xy(rows)
+    model = _model()
+    files_before = sorted(p.name for p in backup.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"does not match this run's data: " + match
+                       + r".*skip or repeat examples"):
+        model.fit(x, y, batch_size=batch_size, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert sorted(p.name for p in backup.rglob("*")) == files_before  # the backup is kept
+    # Contrast: the same data resumes (the refusal above is about the data).
+    if step is None:
+        history = model.fit(*_xy(8), batch_size=4, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+        assert history.epoch == [1]
+
+
+def _reachable(port):
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("private", [True, False])
+def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
+    """A task listening on 0.0.0.0 (as TF's gRPC server does) is unreachable from outside its namespace.
+
+    Contrast (private=False): the same listener is reachable from this host.
+    """
+    from tests import launch_targets
+
+    lines, seen = [], []
+
+    def sink(line):
+        lines.append(line)
+        if "LISTENING " in line:
+            seen.append(_reachable(int(line.rsplit(" ", 1)[1])))
+
+    result = kd_launch.launch(launch_targets.listen_everywhere, workers=1, args=(4,),
+                              env=_harness._env(), sink=sink, timeout=120,
+                              private_network=private)
+    assert result.returncode == 0, lines
+    assert seen == [not private], lines
+
+
+@pytest.mark.cluster
+def test_a_two_worker_tensorflow_cluster_trains_in_a_private_network():
+    result, output = _harness.run_cluster("train_identical.py", workers=2, timeout=240,
+                                          private_network=True)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
+    assert len({r["digest"] for r in results}) == 1
