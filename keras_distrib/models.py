@@ -325,8 +325,8 @@ def global_moments(layer, inputs, mask, keras_moments):
 
 
 def _spreads_strategy(strategy):
-    return strategy.num_replicas_in_sync > 1 and not isinstance(
-        strategy, tf.distribute.experimental.ParameterServerStrategy)
+    traits = strategies.traits(strategy)
+    return traits.replicas > 1 and not traits.is_parameter_server
 
 
 def _global_batch_norm(layer):
