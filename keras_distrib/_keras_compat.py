@@ -23,8 +23,9 @@ What kd corrects here, at the narrowest point it can reach:
   workers read-modify-write the same variable concurrently and lose
   increments. `fix_variables` routes both to the variable's own atomic
   update, and makes partitioned weights readable as NumPy (saving).
-- The forward pass: `add_loss` terms recorded per replica, synchronized
-  batch normalization with exact global moments.
+- The forward pass: `add_loss` terms recorded per replica, batch
+  normalization with exact global moments, random layers drawing for the
+  global batch (their `call` replaced per layer).
 
 Importing keras_distrib patches no Keras or TensorFlow class.
 """
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
@@ -49,6 +51,7 @@ from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.callbacks import tensorboard as keras_tensorboard
 from keras.src.losses import loss as keras_loss
 from keras.src.models import functional as keras_functional
 from keras.src.models import model as keras_model
@@ -97,7 +100,10 @@ PRIVATE_NAMES = (
     ("keras.src.backend.common.symbolic_scope", "in_symbolic_scope", "function()"),
     ("keras.src.backend.tensorflow.trainer", "TFEpochIterator", "class: (begin, end, iterator) chunks"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset", "attribute set in __init__"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_num_batches", "attribute: steps per epoch, None until the data ends"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
+    ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat", "function(tensors)"),
+    ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged", "function(x)"),
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "function(arrays, validation_split)"),
     ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
     ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
@@ -135,9 +141,17 @@ PRIVATE_NAMES = (
     ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
+    ("tensorflow.python.distribute.ps_values.AggregatingVariable", "get", "method(): the one variable it wraps"),
     ("tensorflow.python.distribute.sharded_variable", "ShardedVariable", "class"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy", "function()"),
+    ("keras.src.callbacks.tensorboard", "keras_model_summary", "function(name, data, step)"),
+    ("keras.callbacks.TensorBoard", "_train_writer", "property: the train summary writer"),
     ("tf.distribute.MirroredStrategy", "_collective_key_base", "class attribute: base of its collective keys"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_cross_device_ops",
+     "attribute: the cross-device ops given, or None"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_inferred_cross_device_ops",
+     "attribute: the cross-device ops inferred from the devices"),
+    ("tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce", "class"),
     ("tf.distribute.experimental.coordinator.ClusterCoordinator", "_cluster", "attribute: its workers"),
     ("tensorflow.python.distribute.coordinator.cluster_coordinator.Worker", "create_resource", "method(function, args=None, kwargs=None)"),
     ("tensorflow.python.distribute.coordinator.values.RemoteValueImpl", "_type_spec", "attribute set for resources"),
@@ -150,6 +164,8 @@ PRIVATE_NAMES = (
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
+    ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
+    ("tf.data.Dataset", "_functions", "method(): StructuredFunctionWrappers (.function.graph)"),
     # The coordination service's key-value store (no public API): preemption
     # agreement and the watchdog's heartbeats.
     ("tensorflow.python.eager.context", "context", "function(): the eager Context"),
@@ -247,6 +263,10 @@ class GlobalShareMean(keras.metrics.Mean):
     - `weighting="steps"` (per-output `<name>_loss`, which Keras weights by the
       static batch size, unknown in a `fit` pipeline, so 1 per batch):
       sum_b(loss_b) / batches, each replica adding its share and 1/R.
+
+    A loss with `reduction="none"` gives per-example values instead of a
+    share; they are tracked as Keras tracks them on one device (see
+    `_update_per_example`).
     """
 
     def __init__(self, name="loss", dtype=None, weighting="rows"):
@@ -266,12 +286,30 @@ class GlobalShareMean(keras.metrics.Mean):
             return super().update_state(values, sample_weight=sample_weight)
         replicas = num_replicas()
         share = tf.cast(values, self.dtype) / replicas
+        if share.shape.rank != 0:
+            return self._update_per_example(share, batch)
         if self.weighting == "rows":
             self.total.assign_add(share * tf.cast(batch.global_rows, self.dtype))
             self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
         else:
             self.total.assign_add(share)
             self.count.assign_add(tf.constant(1.0 / replicas, self.dtype))
+
+
+    def _update_per_example(self, values, batch):
+        # A loss with reduction="none" returns this replica's per-example
+        # values (unscaled, kd's loss wrapper leaves them as they are). On one
+        # device Keras's tracker adds mean(values) * rows and counts the rows
+        # (the model's loss), or adds sum(values) and counts the leading
+        # dimension (a per-output loss); each replica adds its own part.
+        if self.weighting == "rows":
+            rows = tf.cast(batch.local_rows, self.dtype)
+            mean = tf.math.divide_no_nan(tf.reduce_sum(values), tf.cast(tf.size(values), self.dtype))
+            self.total.assign_add(mean * rows)
+            self.count.assign_add(rows)
+        else:
+            self.total.assign_add(tf.reduce_sum(values))
+            self.count.assign_add(tf.cast(tf.shape(values)[0], self.dtype))
 
 
 class GlobalCompileLoss(compile_utils.CompileLoss):
@@ -335,6 +373,41 @@ Functional = keras_functional.Functional
 
 def functional_init_arguments(args, kwargs):
     return keras_model.functional_init_arguments(args, kwargs)
+
+
+def make_functional(cls, kd_model, kd_functional):
+    """Makes the user's class `cls` functional, as `keras.Model.__init__` does.
+
+    Keras's "subclass a functional model" pattern
+    (`super().__init__(inputs=..., outputs=...)` in a subclass's `__init__`)
+    rewrites the bases of every class between `cls` and `keras.Model`,
+    putting `Functional` in place of `keras.Model`. Done on a kd model, that
+    rewrite would reach `kd.Model` itself, and every later `kd.Model`
+    subclass would become functional. Here the rewrite stops at kd's class:
+    `kd_model` is replaced by `kd_functional` (its fixed functional
+    subclass) in the user's classes, and kd's classes are left untouched.
+    """
+
+    def inject(klass):
+        if klass is kd_model:
+            return kd_functional
+        if klass is keras.Model:
+            return keras_functional.Functional
+        if (klass is object or not issubclass(klass, keras.Model)
+                or issubclass(klass, keras_functional.Functional)
+                or klass.__module__.startswith("keras_distrib.")):
+            return klass
+        bases = tuple(inject(base) for base in klass.__bases__)
+        if bases != klass.__bases__:
+            klass.__bases__ = bases
+        return klass
+
+    inject(cls)
+
+
+def functional_init(model, args, kwargs):
+    """`keras.Model.__init__` for functional arguments, on an already functional class."""
+    keras_functional.Functional.__init__(model, *args, **kwargs)
 
 
 class ModelHooks:
@@ -413,6 +486,20 @@ def epoch_iterator(**kwargs):
     return keras_tf_trainer.TFEpochIterator(**kwargs)
 
 
+def set_epoch_batches(epoch_iterator, count):
+    """Makes a Keras epoch iterator run `count` steps per epoch (None: until the data ends).
+
+    Unlike `steps_per_epoch`, a fresh iterator over the data still starts
+    every epoch; the count survives `reset()`.
+    """
+    reset = type(epoch_iterator).reset.__get__(epoch_iterator)
+
+    def counted_reset():
+        reset()
+        epoch_iterator._num_batches = count
+
+    object.__setattr__(epoch_iterator, "reset", counted_reset)
+    epoch_iterator._num_batches = count
 def data_batch_size(epoch_iterator):
     """The global batch size of a Keras epoch iterator's data, or None where not static."""
     adapter = getattr(epoch_iterator, "data_adapter", None)
@@ -447,6 +534,20 @@ def autoconvert_optionals(data):
 def concat_replicas(outputs, strategy):
     """Per-replica outputs concatenated in replica (input) order, over workers too."""
     return keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="concat")
+
+
+def concat_predictions(batches):
+    """Keras's `predict` result from each call's outputs, in order.
+
+    NumPy arrays, or a RaggedTensor (or SparseTensor) where the outputs are
+    ragged, or their shapes differ from batch to batch, as Keras returns.
+    """
+    first = batches[0]
+    lists = tree.map_structure(lambda _: [], first)
+    for batch in batches:
+        tree.map_structure_up_to(first, lambda parts, value: parts.append(value), lists, batch)
+    joined = tree.map_structure_up_to(first, keras_tf_trainer.potentially_ragged_concat, lists)
+    return tree.map_structure(keras_tf_trainer.convert_to_np_if_not_ragged, joined)
 
 
 def pythonify_logs(logs):
@@ -550,6 +651,30 @@ def dataset_ops_used(dataset):
     return ops
 
 
+def dataset_calls_python(dataset, op_types):
+    """Whether a dataset's functions (map, flat_map, from_generator's) use any of `op_types`.
+
+    Walks the dataset's inputs and the graphs of their functions, without
+    serializing the dataset (which would copy every constant it holds, e.g.
+    the arrays of `from_tensor_slices`).
+    """
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in current._functions():
+            graphs = [wrapper.function.graph]
+            while graphs:
+                graph = graphs.pop()
+                if any(op.type in op_types for op in graph.get_operations()):
+                    return True
+                graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
+        pending.extend(current._inputs())
+    return False
+
+
 def default_strategy():
     """TensorFlow's default (no-op) strategy, even inside another's scope."""
     return distribute_lib._get_default_strategy()
@@ -558,7 +683,7 @@ def default_strategy():
 _COLLECTIVE_KEY_BASES = iter(range(100_000, 2**30, 100_000))
 
 
-def isolated_mirrored_strategy(devices):
+def isolated_mirrored_strategy(devices, cross_device_ops=None):
     """A `MirroredStrategy` whose collectives no other strategy here can collide with.
 
     TensorFlow caches each collective's parameters (shape included) by
@@ -572,7 +697,23 @@ def isolated_mirrored_strategy(devices):
     """
     isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
                     {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
-    return isolated(devices=devices)
+    return isolated(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def collective_key_base(strategy):
+    """The base of a `MirroredStrategy`'s collective keys; None if it runs no collectives.
+
+    Only a MirroredStrategy whose replicas all-reduce with collective ops
+    (`tf.distribute` picks them for CPUs and for GPUs without NCCL) has
+    keys that can collide; one reducing to one device or with NCCL has none.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return None
+    extended = strategy.extended
+    ops = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
+    if not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+        return None
+    return strategy._collective_key_base
 
 
 def optimizer_strategy(optimizer, default):
@@ -652,6 +793,45 @@ def fix_variables(variables):
                 object.__setattr__(variable, name, _sharded_readable(inner, name))
 
 
+def write_from_first_replica(variables):
+    """Central storage: replica 0's `assign` to `variables` updates the one copy.
+
+    Under CentralStorageStrategy a variable created without an aggregation
+    (Keras's default; BatchNormalization's moving statistics) is an
+    `AggregatingVariable` that TensorFlow refuses to update in a replica
+    ("You must specify an aggregation method"). Its moving statistics are
+    the same on every replica when kd computes the moments over the global
+    batch (synchronized BatchNormalization), so replica 0 writes them and the
+    others skip the write: what MirroredStrategy's saved (first) copy holds.
+    No `merge_call`, so it also runs inside kd's compiled multi-step loops.
+    Other variables and strategies are left alone. Idempotent.
+    """
+    for variable in variables:
+        inner = getattr(variable, "_value", None)
+        if not isinstance(inner, ps_values.AggregatingVariable) or "assign" in vars(variable):
+            continue
+        if inner.aggregation != tf.VariableAggregation.NONE:
+            continue
+        object.__setattr__(variable, "assign", _first_replica_assign(variable, inner))
+
+
+def _first_replica_assign(variable, inner):
+    keras_assign = type(variable).assign.__get__(variable)
+
+    def assign(value):
+        context = tf.distribute.get_replica_context()
+        if _in_stateless_scope() or context is None or context.num_replicas_in_sync == 1:
+            return keras_assign(value)
+        stored = inner.get()
+        value = tf.cast(value, stored.dtype)
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        tf.cond(first, lambda: stored.assign(value).op, tf.no_op)
+        return value
+
+    assign.__name__ = "assign"
+    return assign
+
+
 def model_variables(model):
     """Every variable of a kd model: weights, metrics, optimizer (and shards)."""
     found = list(model.variables) + list(model.metrics_variables)
@@ -721,17 +901,20 @@ def has_gradient_pipeline(optimizer):
     return optimizer in _PIPELINE_OPTIMIZERS
 
 
-def install_gradient_pipeline(optimizer, aggregate):
+def install_gradient_pipeline(optimizer, aggregate, prepare):
     """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
 
-    `aggregate` all-reduces the replicas' gradients; after it every replica
-    holds the global gradient, and the optimizer's own reduction is skipped.
+    `prepare(optimizer, trainable_variables)` runs first (kd builds an
+    unbuilt optimizer there); `aggregate` all-reduces the replicas'
+    gradients; after it every replica holds the global gradient, and the
+    optimizer's own reduction is skipped.
     """
     if optimizer in _PIPELINE_OPTIMIZERS:
         return
     outer_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
+        prepare(optimizer, trainable_variables)
         return outer_apply(aggregate(list(grads)), trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)
@@ -814,7 +997,7 @@ def _apply_in_cross_replica(optimizer, distribution, grads, variables):
 # Per-replica forward-pass bookkeeping (see keras_distrib/models.py).
 
 _LOSS_RECORDING_LAYERS = weakref.WeakSet()
-_SYNC_BATCH_NORM_LAYERS = weakref.WeakSet()
+_BATCH_NORM_LAYERS = weakref.WeakSet()
 
 
 def flatten_layers(model):
@@ -848,18 +1031,50 @@ def is_sync_batch_norm(layer):
     )
 
 
+def owned_seed_generators(layer):
+    """The `keras.random.SeedGenerator`s `layer` itself holds (not its sublayers')."""
+    return [v for v in vars(layer).values() if isinstance(v, keras.random.SeedGenerator)]
+
+
+def replace_variable_updates(variable, make_updates):
+    """Replaces `variable`'s `assign`, `assign_add`, `assign_sub` (idempotent).
+
+    `make_updates(current, keras_assign)` gets the variable's current
+    methods (a dict by name) and Keras's own `assign`, and returns the new
+    methods by name.
+    """
+    if getattr(variable.assign, "replaced_by_kd", False):  # variables are unhashable
+        return
+    current = {name: getattr(variable, name) for name in ("assign", "assign_add", "assign_sub")}
+    keras_assign = type(variable).assign.__get__(variable)
+    for name, method in make_updates(current, keras_assign).items():
+        method.replaced_by_kd = True
+        object.__setattr__(variable, name, method)
+
+
+_CALL_REPLACED_LAYERS = weakref.WeakSet()
+
+
+def replace_call(layer, make_call):
+    """Makes `layer` run `make_call(layer, original_call)` instead of its `call` (idempotent)."""
+    if layer in _CALL_REPLACED_LAYERS:
+        return
+    object.__setattr__(layer, "call", make_call(layer, layer.call))
+    _CALL_REPLACED_LAYERS.add(layer)
+
+
 def replace_batch_norm_moments(layer, moments):
-    """Makes a synchronized BatchNormalization use `moments(layer, x, mask, original)`.
+    """Makes a BatchNormalization use `moments(layer, x, mask, original)`.
 
     `original` is Keras's `_moments`; `layer_axes(layer)` gives the axes.
     """
-    if layer in _SYNC_BATCH_NORM_LAYERS:
+    if layer in _BATCH_NORM_LAYERS:
         return
     original = layer._moments
     object.__setattr__(
         layer, "_moments", lambda inputs, mask: moments(layer, inputs, mask, original)
     )
-    _SYNC_BATCH_NORM_LAYERS.add(layer)
+    _BATCH_NORM_LAYERS.add(layer)
 
 
 def batch_norm_axes(layer):
@@ -875,3 +1090,31 @@ def set_keras_mask(tensor, mask):
     keras_masking.set_keras_mask(tensor, mask)
 
 
+# ---------------------------------------------------------------------------
+# TensorBoard's model graphs.
+
+# The class names Keras's TensorBoard callback writes a `keras` summary for.
+_KERAS_GRAPH_CLASSES = ("Functional", "Sequential")
+
+
+def write_model_config(callback, model):
+    """Writes the `keras` summary (TensorBoard's conceptual graph) Keras skips for `model`.
+
+    Keras writes it only for models whose class is named `Functional` or
+    `Sequential`; kd's functional class is `FunctionalModel`, and a user's
+    subclass of a functional model has a name of its own. Any functional or
+    sequential model whose config lists its layers gets it here; Keras's
+    own ones already have it.
+    """
+    if type(model).__name__ in _KERAS_GRAPH_CLASSES:
+        return False
+    if not isinstance(model, (keras_functional.Functional, keras.Sequential)):
+        return False
+    try:
+        layers = "layers" in model.get_config()
+    except Exception:  # noqa: BLE001 - a model without a config has no conceptual graph
+        return False
+    if not layers:
+        return False
+    with callback._train_writer.as_default():
+        return keras_tensorboard.keras_model_summary("keras", model, step=0)

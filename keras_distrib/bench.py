@@ -32,6 +32,7 @@ VARIANTS = (
     "kd_loop_1",
     "kd_loop_50",
     "kd_resume_skip",
+    "kd_fit_mirrored_bn_per_replica",
 )
 # Ratio name -> (numerator, denominator): the comparisons the targets use.
 RATIOS = {
@@ -45,6 +46,9 @@ RATIOS = {
     # Skipping a batch when resuming, as a fraction of training it: the
     # inverse of the speed ratio (lower is better).
     "resume: skip time / train time": ("kd_fit_mirrored", "kd_resume_skip"),
+    # --model cnn_bn: global BatchNormalization statistics (kd's default,
+    # exact) against per-replica ones (compile(batch_norm="per_replica")).
+    "kd_fit BN global / BN per_replica": ("kd_fit_mirrored", "kd_fit_mirrored_bn_per_replica"),
 }
 TARGETS = {  # name -> (comparison, bound)
     "kd_fit / Keras 3 fit (mirrored)": (">=", 0.99),
@@ -65,6 +69,14 @@ def _model(kind, model_class):
         x = keras.layers.Conv2D(32, 3, activation="relu")(x)
         x = keras.layers.MaxPooling2D()(x)
         x = keras.layers.Flatten()(x)
+    elif kind == "cnn_bn":
+        inputs = keras.Input((28, 28, 1))
+        x = inputs
+        for filters in (16, 32):
+            x = keras.layers.Conv2D(filters, 3, use_bias=False)(x)
+            x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+            x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Flatten()(x)
     else:
         inputs = keras.Input((28, 28, 1))
         x = keras.layers.Flatten()(inputs)
@@ -73,13 +85,13 @@ def _model(kind, model_class):
     return model_class(inputs, outputs)
 
 
-def _compile(model, steps_per_execution=1):
+def _compile(model, steps_per_execution=1, **kd_options):
     import keras
 
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        steps_per_execution=steps_per_execution,
+        steps_per_execution=steps_per_execution, **kd_options,
     )
 
 
@@ -96,10 +108,10 @@ def _runners(kind, steps, strategy):
     y = rng.integers(0, 10, size=(GLOBAL_BATCH * steps,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).cache()
 
-    def fit_runner(model_class, scope, steps_per_execution=1):
+    def fit_runner(model_class, scope, steps_per_execution=1, **kd_options):
         with scope:
             model = _model(kind, model_class)
-            _compile(model, steps_per_execution)
+            _compile(model, steps_per_execution, **kd_options)
         return lambda: model.fit(dataset, epochs=1, verbose=0)
 
     def loop_runner(steps_per_loop):
@@ -153,6 +165,8 @@ def _runners(kind, steps, strategy):
             import tf_keras
         except ImportError:
             return None
+        if kind == "cnn_bn":
+            return None
         with strategy.scope():
             tf_keras.utils.set_random_seed(0)
             inputs = tf_keras.Input((28, 28, 1))
@@ -194,6 +208,9 @@ def _runners(kind, steps, strategy):
         "kd_loop_50": loop_runner(50),
         "kd_resume_skip": resume_runner(),
     }
+    if kind == "cnn_bn":
+        runners["kd_fit_mirrored_bn_per_replica"] = fit_runner(
+            kd.Model, strategy.scope(), batch_norm="per_replica")
     tf_keras_fit = tf_keras_runner()
     if tf_keras_fit is not None:
         runners["tf_keras_fit_mirrored"] = tf_keras_fit
@@ -286,6 +303,8 @@ def run(model="cnn", replicas=2, steps=100, repeats=3, json_path=None, print_fn=
     print_fn(f"model={model} replicas={replicas} global_batch={GLOBAL_BATCH} steps={steps} repeats={repeats}")
     print_fn(f"{'variant':28s} {'steps/s (median)':>17s}")
     for name in VARIANTS:
+        if name not in medians and name == "kd_fit_mirrored_bn_per_replica":
+            continue  # --model cnn_bn only
         shown = f"{medians[name]:17.1f}" if name in medians else f"{'(not installed)':>17s}"
         print_fn(f"{name:28s} {shown}")
     print_fn(f"{'ratio':44s} {'value':>7s} {'target':>9s}")
@@ -313,7 +332,7 @@ def _worker_main(options):
 def main(argv=None):
     """Runs `keras-distrib bench ARGS`; returns the exit code."""
     parser = argparse.ArgumentParser(prog="keras-distrib bench")
-    parser.add_argument("--model", choices=("mlp", "cnn"), default="cnn")
+    parser.add_argument("--model", choices=("mlp", "cnn", "cnn_bn"), default="cnn")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)

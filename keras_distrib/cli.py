@@ -13,6 +13,7 @@ import sys
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import cluster_sources
+from keras_distrib import supervisor
 from keras_distrib import launcher as launch_lib
 
 __all__ = [
@@ -76,6 +77,7 @@ def _launch(options):
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
         return 2
+    supervisor.ignore_stop_signals()
     return result.returncode
 
 
@@ -201,7 +203,7 @@ def build_parser():
 
     commands.add_parser(
         "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "
-        "([--model mlp|cnn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
+        "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
     )
     return parser
 

@@ -12,9 +12,14 @@ Slurm (a task started by `srun`; the batch script itself is not a task):
     parser where `scontrol` is missing), `SLURM_STEP_TASKS_PER_NODE` (else
     `SLURM_TASKS_PER_NODE`), `SLURM_DISTRIBUTION` (block, the default, or
     cyclic), and, to cross-check, `SLURM_LOCALID` and `SLURMD_NODENAME`.
-    Ports: `KD_PORT` (the first port on each node; task j on a node uses
-    `KD_PORT + j`), by default derived from `SLURM_JOB_ID` so that two jobs
-    sharing a node rarely collide.
+    Addresses: each node's `NodeAddr` (`scontrol show node`; the node name
+    where Slurm has none), resolved at once: a name that does not resolve is
+    an error naming it, not a worker waiting forever. Ports: `KD_PORT` (the
+    first port on each machine; the j-th task on a machine uses `KD_PORT +
+    j`, counting the tasks of every node whose address resolves to that
+    machine, so two Slurm nodes on one host get different ports), by
+    default derived from `SLURM_JOB_ID` (8 ports per job) so that two jobs
+    sharing a node do not collide.
 
 Kubernetes (an Indexed Job, or a JobSet's replicated Job), opted in by
 `KD_NUM_PODS`:
@@ -56,9 +61,12 @@ __all__ = [
     "host_problem",
     "in_slurm_step",
     "kubernetes_placement",
+    "resolve",
     "roles",
     "slurm_hostnames",
+    "slurm_node_addresses",
     "slurm_placement",
+    "task_ports",
     "tpu_placement",
 ]
 
@@ -96,6 +104,10 @@ class Placement:
         local_tasks: How many tasks share its host.
         ps: Parameter-server tasks (`KD_PS`).
         detail: What was read, for messages (`keras-distrib tf-config`).
+        machines: The machine each task runs on, by rank (tasks on one
+            machine need different ports); empty when the ports are given.
+        base_port: The first port on each machine (see `task_ports`), or
+            None when every address names its own port (`KD_HOSTS`).
     """
 
     source: str
@@ -105,6 +117,8 @@ class Placement:
     local_tasks: int = 1
     ps: int = 0
     detail: str = ""
+    machines: tuple = ()
+    base_port: object = None
 
 
 def roles(count, ps=0):
@@ -265,6 +279,76 @@ def _port(environ, default):
     return port
 
 
+def task_ports(machines, base):
+    """Each task's port: `base` + its index among the tasks on the same machine.
+
+    Example:
+        >>> task_ports(["10.0.0.1", "10.0.0.1", "10.0.0.2"], 15000)
+        [15000, 15001, 15000]
+    """
+    seen, ports = {}, []
+    for machine in machines:
+        ports.append(base + seen.get(machine, 0))
+        seen[machine] = seen.get(machine, 0) + 1
+    if ports and max(ports) > 65535:
+        raise _config_error(
+            f"The ports from {base} run past 65535 ({max(seen.values())} tasks on one machine); "
+            "set `KD_PORT` lower."
+        )
+    return ports
+
+
+RESOLVE_SECONDS = 10.0
+
+
+def resolve(host, what, timeout=RESOLVE_SECONDS):
+    """The IP address `host` resolves to, or a `ClusterConfigError` naming it within `timeout`."""
+    import socket
+    import threading
+
+    result = {}
+
+    def lookup():
+        try:
+            result["address"] = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        except (OSError, UnicodeError) as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=lookup, name="kd-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "address" in result:
+        return result["address"]
+    reason = result.get("error") or f"no answer in {timeout:g}s"
+    raise _config_error(
+        f"{what} {host!r} does not resolve ({reason}): the workers could not reach each other "
+        "there. Check the name (`getent hosts " + host + "`), the nodes' DNS or /etc/hosts, or "
+        "write TF_CONFIG with addresses that resolve."
+    )
+
+
+def slurm_node_addresses(hosts, environ=None):
+    """Each node's `NodeAddr` from `scontrol show node` (the name itself where unknown)."""
+    environ = os.environ if environ is None else environ
+    scontrol = shutil.which("scontrol", path=environ.get("PATH"))
+    found = {}
+    if scontrol:
+        try:
+            result = subprocess.run(
+                [scontrol, "show", "node", "--oneliner", ",".join(hosts)], capture_output=True,
+                text=True, timeout=30, env=dict(environ),
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            logger.debug("`scontrol show node` failed (%s); using the node names.", error)
+        else:
+            for line in result.stdout.splitlines():
+                name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
+                address = re.search(r"(?:^|\s)NodeAddr=(\S+)", line)
+                if name and address and address.group(1) not in ("(null)", ""):
+                    found[name.group(1)] = address.group(1)
+    return [found.get(host, host) for host in hosts]
+
+
 def _slurm_default_port(environ):
     # Distinct per job, with room for 8 tasks per node below 65536.
     job = environ.get("SLURM_JOB_ID", "0")
@@ -356,10 +440,15 @@ def slurm_placement(environ):
             + "\nStart the tasks with `srun` (block or cyclic distribution), or write TF_CONFIG."
         )
     base = _port(environ, _slurm_default_port(environ))
-    addresses = tuple(f"{hosts[n]}:{base + j}" for n, j in placed)
+    node_addresses = slurm_node_addresses(hosts, environ)
+    machines = [resolve(address, "The Slurm node" if address == host else
+                        f"The address of Slurm node {host!r} (NodeAddr)")
+                for host, address in zip(hosts, node_addresses)]
+    ports = task_ports([machines[n] for n, _ in placed], base)
+    addresses = tuple(f"{node_addresses[n]}:{port}" for (n, _), port in zip(placed, ports))
     return Placement(
         "slurm", addresses, rank, local_index=local, local_tasks=counts[node],
-        ps=_ps_count(environ),
+        ps=_ps_count(environ), machines=tuple(machines[n] for n, _ in placed), base_port=base,
         detail=(f"SLURM_PROCID={rank} of {count_name}={tasks} on {len(hosts)} node(s) from "
                 f"{nodes_name}={nodelist} ({per_node_name or 'even split'}, {distribution} "
                 f"distribution), ports from {'KD_PORT' if environ.get('KD_PORT') else 'SLURM_JOB_ID'}"),
@@ -437,8 +526,12 @@ def kubernetes_placement(environ):
         prefix = hostname[: -len(suffix)]
         addresses = [f"{prefix}-{i}.{service}:{port}" for i in range(pods)]
         detail = f"{prefix}-<index>.{service} from HOSTNAME and {service_name}"
+    # Pods' names resolve once the pods run, so they are not resolved here;
+    # each pod is its own machine.
+    machines = () if detail == "KD_HOSTS" else tuple(a.rpartition(":")[0] for a in addresses)
     return Placement(
-        "kubernetes", tuple(addresses), index, ps=_ps_count(environ),
+        "kubernetes", tuple(addresses), index, ps=_ps_count(environ), machines=machines,
+        base_port=None if detail == "KD_HOSTS" else port,
         detail=f"JOB_COMPLETION_INDEX={index} of KD_NUM_PODS={pods}; pods {detail}, port {port}",
     )
 

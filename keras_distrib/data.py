@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
+from keras_distrib import replica
 from keras_distrib import validation
 
 __all__ = [
@@ -289,8 +290,7 @@ def _piece_of_replica(replica_id, workers, local):
     and takes every W-th piece: worker w's local replica r (global replica
     w * local + r) gets piece r * W + w.
     """
-    worker, index = divmod(replica_id, local)
-    return index * workers + worker
+    return replica.piece_order(workers * local, workers)[replica_id]
 
 
 def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy="auto",

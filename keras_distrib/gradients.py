@@ -64,13 +64,44 @@ def all_reduce(gradients):
     return [None if g is None else next(summed) for g in gradients]
 
 
+def _build_outside_replicas(optimizer, variables):
+    """Builds an unbuilt `optimizer` on `variables` once, for every replica.
+
+    Keras builds an optimizer at its first `apply`. In a hand-written loop
+    that is inside `strategy.run`, on a replica's thread while a function is
+    traced: the slot variables (Adagrad's accumulators, Adam's moments) then
+    take their initial values from that replica's graph, and the first step
+    fails with "You must feed a value for placeholder tensor". kd builds the
+    optimizer in cross-replica context instead (one `merge_call`), lifted out
+    of the function under the strategy's scope, as `optimizer.build` in the
+    scope before the loop would. Nothing happens when the optimizer is built,
+    outside a replica context, or without a strategy.
+    """
+    if optimizer.built or variables is None or not tf.distribute.has_strategy():
+        return
+    if tf.distribute.in_cross_replica_context():
+        return
+    variables = list(variables)
+
+    def build(strategy):
+        if optimizer.built:
+            return
+        with tf.init_scope(), strategy.scope():
+            optimizer.build(variables)
+            optimizer.built = True
+
+    tf.distribute.get_replica_context().merge_call(build)
+
+
 def exact_optimizer(optimizer):
     """Gives a Keras optimizer kd's gradient pipeline; returns the optimizer.
 
     kd models do this when they compile. Call it yourself for the optimizer
     of a hand-written loop: its `apply_gradients` then sums the replicas'
     gradients first and clips, accumulates and unscales the global gradient,
-    as one device does. Idempotent; other optimizers are not affected.
+    as one device does. It needs no `optimizer.build` first: an unbuilt
+    optimizer builds its slots once, for every replica, at the first step.
+    Idempotent; other optimizers are not affected.
 
     Args:
         optimizer: A `keras.optimizers.Optimizer` (a `LossScaleOptimizer`
@@ -93,7 +124,7 @@ def exact_optimizer(optimizer):
             f"`optimizer` must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}. "
             "Create it with keras.optimizers (e.g. keras.optimizers.Adam(1e-3))."
         )
-    _keras_compat.install_gradient_pipeline(optimizer, all_reduce)
+    _keras_compat.install_gradient_pipeline(optimizer, all_reduce, _build_outside_replicas)
     return optimizer
 
 

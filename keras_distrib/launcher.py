@@ -445,10 +445,13 @@ def _per_node_count(per_node, environ):
     if per_node == "gpu":
         gpus = supervisor.visible_gpus(environ)
         if not gpus:
+            listed = environ.get("CUDA_VISIBLE_DEVICES")
+            shown = ("nvidia-smi lists none" if listed is None else
+                     f"CUDA_VISIBLE_DEVICES={listed!r} hides every GPU" if listed.strip() else
+                     "CUDA_VISIBLE_DEVICES is empty")
             raise LaunchError(
-                "`per_node`='gpu': this node shows no GPU (CUDA_VISIBLE_DEVICES is empty or "
-                "unset and nvidia-smi lists none), so there is no task to start. Use "
-                "`--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
+                f"`per_node`='gpu': this node shows no GPU ({shown}), so there is no task to "
+                "start. Use `--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
                 "(e.g. `#SBATCH --gpus-per-node=4`, or `nvidia.com/gpu` in the pod's limits)."
             )
         return len(gpus)
@@ -512,15 +515,40 @@ def node_tasks(per_node=1, ps=None, environ=None):
             "tasks and at least one worker."
         )
     layout = cluster_sources.roles(total, ps)
+    hosts = [address.rpartition(":")[0] for address in placement.addresses for _ in range(count)]
+    if placement.base_port is not None:
+        # Distinct on every machine, also for several nodes on one host.
+        machines = [machine for machine in placement.machines for _ in range(count)]
+        ports = cluster_sources.task_ports(machines, placement.base_port)
+    else:
+        ports = [int(address.rpartition(":")[2]) + j
+                 for address in placement.addresses for j in range(count)]
     spec, local = {}, []
-    for agent, address in enumerate(placement.addresses):
-        host, _, port = address.rpartition(":")
-        for j in range(count):
-            task_type, index = layout[agent * count + j]
-            spec.setdefault(task_type, []).append(f"{host}:{int(port) + j}")
-            if agent == placement.rank:
-                local.append(f"{task_type} {index}")
+    for rank, ((task_type, index), host, port) in enumerate(zip(layout, hosts, ports)):
+        spec.setdefault(task_type, []).append(f"{host}:{port}")
+        if rank // count == placement.rank:
+            local.append(f"{task_type} {index}")
     return placement.source, spec, local
+
+
+def _check_local_ports(spec, local):
+    """Refuses to start when a port of this node's tasks is taken, naming it."""
+    taken = []
+    for label in local:
+        task_type, index = label.split()
+        port = int(spec[task_type][int(index)].rpartition(":")[2])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", port))
+            except OSError as error:
+                taken.append(f"{port} ({label}: {error.strerror})")
+    if taken:
+        raise LaunchError(
+            f"Port {', '.join(taken)} cannot be bound on this node: another job or process "
+            "listens there (`ss -ltnp`). kd derives the ports from the job (SLURM_JOB_ID) "
+            "unless `KD_PORT` fixes them: unset KD_PORT, or choose another first port."
+        )
 
 
 def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout=None,
@@ -548,6 +576,8 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
              log_dir=log_dir, sink=sink, verbose=verbose)
     _check_grace_period(grace_period)
     source, spec, local = node_tasks(per_node, ps, env)
+    _check_local_ports(spec, local)
+    sink = supervisor.whole_lines(sink)
     argv_for, values_dir = _resolve_target(target, args)
     has_ps = bool(spec.get("ps"))
     sink(f"[launcher] {source} node: starting {', '.join(local)} of "

@@ -18,6 +18,7 @@ moves the data past the batches the backup already holds, without training
 them.
 """
 
+import collections.abc
 import dataclasses
 
 import keras
@@ -33,21 +34,28 @@ from keras_distrib import watchdog
 
 __all__ = [
     "DataPosition",
+    "EmptyDataError",
     "LocalRunner",
     "TrainLoop",
     "build",
     "build_model",
     "callback_list",
     "chunk_end_hooks",
+    "epoch_interrupted",
     "epoch_source",
     "evaluate",
     "evaluate_pass",
     "fit",
     "fit_epochs",
+    "owned_batches",
     "predict",
     "predict_pass",
     "resume_position",
 ]
+
+
+class EmptyDataError(ValueError):
+    """`fit` got no batch at all in an epoch (nothing was trained)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +82,13 @@ class LocalRunner:
         return self.step.skip(iterator, count)
 
     def epoch_logs(self, logs):
-        """The epoch's logs: the metrics' global values (or the last step's logs)."""
+        """The epoch's logs: the metrics' global values (or the last step's logs).
+
+        With no step run in this process (a resume from a backup taken at the
+        epoch's last step), the metrics' values restored from the backup.
+        """
+        if not logs:
+            return dict(self.model.get_metrics_result())
         return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
 
 
@@ -85,6 +99,17 @@ def resume_position(callbacks):
         if position is not None:
             return position
     return None
+
+
+def epoch_interrupted(callbacks):
+    """Whether a callback stopped the epoch part-way for a restart (a preemption's backup).
+
+    Such an epoch did not finish: it is not ended (no `on_epoch_end`, so no
+    checkpoint, log line or History entry counts it); the restarted run
+    finishes it and ends it once.
+    """
+    return any(getattr(c, "epoch_interrupted", False) is True
+               for c in getattr(callbacks, "callbacks", ()))
 
 
 def callback_list(callbacks, model, *, verbose, epochs, steps, history=False, **params):
@@ -158,10 +183,12 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
         done = position.batch if epoch == position.epoch else 0
+        ran = False  # a step ran, or the backup held the batches
         with source.catch_stop_iteration():
             for begin, end, iterator in source:
                 if end < done:  # the backup holds this whole chunk
                     runner.skip(iterator, end - begin + 1)
+                    ran = True
                     continue
                 if begin < done:
                     runner.skip(iterator, done - begin)
@@ -178,6 +205,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     if explained is None:
                         raise
                     raise explained from error
+                ran = True
                 callbacks.on_train_batch_end(end, logs)
                 for hook in chunk_hooks:
                     hook(end, logs)
@@ -185,6 +213,15 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     watch.step(epoch, end)
                 if model.stop_training:
                     break
+        if epoch_interrupted(callbacks):
+            break
+        if not ran:
+            raise EmptyDataError(
+                f"`x` gave no batch in epoch {epoch + 1}: the data is empty (e.g. a dataset "
+                "filtered to nothing, or a generator that is exhausted). Nothing was trained. "
+                "Pass data with at least one row (a generator must yield batches for every "
+                "epoch, or set `steps_per_epoch`)."
+            )
         epoch_logs = runner.epoch_logs(logs)
         if validate is not None:
             validation_logs = validate(epoch)
@@ -193,7 +230,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
         callbacks.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
-    if epochs > 0 and model.optimizer is not None:
+    if epochs > 0 and model.optimizer is not None and not epoch_interrupted(callbacks):
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=epoch_logs)
     return model.history
@@ -220,7 +257,11 @@ def evaluate_pass(model, source, runner, *, callbacks, return_dict):
 
 
 def predict_pass(model, source, runner, *, callbacks):
-    """One pass of prediction; returns every row's outputs, in order, as NumPy."""
+    """One pass of prediction; returns every row's outputs, in order, as NumPy.
+
+    Ragged outputs (or outputs whose shapes vary by batch) come back as a
+    RaggedTensor, as Keras returns them.
+    """
     model.stop_predicting = False
     callbacks.on_predict_begin()
     outputs = []
@@ -228,7 +269,7 @@ def predict_pass(model, source, runner, *, callbacks):
         for begin, end, iterator in source:
             callbacks.on_predict_batch_begin(begin)
             batch_outputs = runner.run(iterator, end - begin + 1)
-            outputs.append(tree.map_structure(np.asarray, batch_outputs))
+            outputs.append(batch_outputs)
             callbacks.on_predict_batch_end(end, {"outputs": batch_outputs})
             if model.stop_predicting:
                 break
@@ -238,21 +279,134 @@ def predict_pass(model, source, runner, *, callbacks):
             "`predict` got no batch from `x`: it is empty, or `steps`=0. Pass data "
             "with at least one row."
         )
-    return tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
+    return _keras_compat.concat_predictions(outputs)
 
 
 # Front ends over local or distributed data (everything but parameter servers).
 
 
+_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
+
+
+def _copy_batch(batch):
+    """A batch whose arrays are new NumPy arrays that nothing else holds."""
+    return tree.map_structure(
+        lambda v: np.array(v, copy=True) if isinstance(v, np.ndarray) else v, batch
+    )
+
+
+class _CopiedBatches(keras.utils.PyDataset):
+    """A PyDataset that hands out copies of another's batches (see `owned_batches`)."""
+
+    def __init__(self, inner):
+        super().__init__(workers=inner.workers, use_multiprocessing=inner.use_multiprocessing,
+                         max_queue_size=inner.max_queue_size)
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    @property
+    def num_batches(self):
+        return self.inner.num_batches
+
+    def __getitem__(self, index):
+        return _copy_batch(self.inner[index])
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+
+def _copy_element(*element):
+    def copy(value):
+        return tf.raw_ops.DeepCopy(x=value) if isinstance(value, tf.Tensor) else value
+
+    return tree.map_structure(copy, element if len(element) > 1 else element[0])
+
+
+def owned_batches(x):
+    """`x`, with every batch a Python side hands to TensorFlow copied first.
+
+    `Dataset.from_generator` (and so Keras's PyDataset and generator
+    adapters) gives TensorFlow the generator's NumPy arrays without a copy;
+    TensorFlow then treats their memory as its own and may write a step's
+    intermediate result into it (an op reusing its input's buffer). The
+    user's arrays change: under MirroredStrategy the labels were rewritten
+    in place during epoch 1, so epoch 2 trained on different labels, in
+    some runs (it depends on TensorFlow's scheduling). Copying each batch
+    first leaves the user's arrays alone; one device gives the same values
+    either way.
+    """
+    if isinstance(x, keras.utils.PyDataset):
+        return _CopiedBatches(x)
+    if isinstance(x, tf.data.Dataset):
+        if _keras_compat.dataset_calls_python(x, _PYTHON_OPS):
+            return x.map(_copy_element)
+        return x
+    if isinstance(x, collections.abc.Iterator) and not hasattr(x, "shape"):
+        return (_copy_batch(batch) for batch in x)
+    return x
+
+
 def epoch_source(model, *, x, y=None, sample_weight=None, batch_size=None, steps=None,
                  shuffle=False, class_weight=None, steps_per_call=1, strategy=None):
-    """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`)."""
-    return _keras_compat.epoch_iterator(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-        shuffle=shuffle, class_weight=class_weight,
-        distribute_strategy=strategy or model.distribute_strategy,
+    """Keras's epoch iterator over `x` for `model`'s strategy (or `strategy`).
+
+    Batches from Python (PyDataset, generators, `from_generator`) are
+    copied before TensorFlow sees them (`owned_batches`). Workers whose
+    datasets hold different numbers of batches all take every step
+    (`join_workers`).
+    """
+    strategy = strategy or model.distribute_strategy
+    source = _keras_compat.epoch_iterator(
+        x=owned_batches(x), y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps_per_epoch=steps, shuffle=shuffle, class_weight=class_weight,
+        distribute_strategy=strategy,
         steps_per_execution=steps_per_call,
     )
+    if (steps is None and isinstance(x, tf.distribute.DistributedDataset)
+            and _keras_compat.is_multi_worker(strategy)):
+        join_workers(source, strategy)
+    return source
+
+
+def worker_batch_counts(strategy, local_count):
+    """Every worker's batch count per epoch (-1: unknown), by worker index."""
+    replicas = strategy.num_replicas_in_sync
+    workers = max(cluster.cluster_info().num_workers, 1)
+    local = replicas // workers
+    index = cluster.cluster_info().task_index if workers > 1 else 0
+
+    def own_count():
+        context = tf.distribute.get_replica_context()
+        first = tf.equal(context.replica_id_in_sync_group % local, 0)
+        counts = tf.one_hot(index, workers, dtype=tf.int64) * tf.constant(local_count + 1, tf.int64)
+        return tf.where(first, counts, tf.zeros_like(counts))
+
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(own_count), axis=None)
+    return [int(count) - 1 for count in np.asarray(total)]
+
+
+def join_workers(source, strategy):
+    """Runs every worker's epoch for as many steps as the longest worker's.
+
+    Workers whose datasets (a `dataset_fn`'s shards) hold different numbers
+    of batches would stop at different steps, and the collectives of the
+    next step would pair with something else. TensorFlow hands a worker
+    that has run out empty batches while any worker still has data; kd
+    steps on them (an empty replica adds nothing), so every worker takes
+    every step: what one device computes on the same global data. So when
+    the counts differ, every worker runs until the data ends everywhere
+    (TensorFlow ends it on every worker at the same step).
+    """
+    local = source.num_batches
+    counts = worker_batch_counts(strategy, -1 if local is None else int(local))
+    if len(set(counts)) == 1:
+        return
+    _keras_compat.set_epoch_batches(source, None)
 
 
 def build(model, source):
@@ -290,9 +444,16 @@ def build_model(model, data_batch):
 
 
 def _first_replica_spec(spec):
-    """A TensorSpec from a (possibly per-replica) element spec."""
+    """A TensorSpec from a (possibly per-replica) element spec.
+
+    An absent optional input (`keras.Input(optional=True)` fed None) is
+    None, as Keras builds it.
+    """
     values = _keras_compat.per_replica_specs(spec)
-    return values[0] if values else spec
+    spec = values[0] if values else spec
+    if isinstance(spec, (tf.NoneTensorSpec, tf.OptionalSpec)):
+        return None
+    return spec
 
 
 def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
@@ -459,8 +620,13 @@ class TrainLoop:
     # Compiled steps for hand-written loops.
 
     def distribute(self, dataset):
-        """`strategy.experimental_distribute_dataset(dataset)`."""
-        return self.strategy.experimental_distribute_dataset(dataset)
+        """`strategy.experimental_distribute_dataset(dataset)`, Python-fed batches copied first.
+
+        A `Dataset.from_generator` (or `py_function`) pipeline gets a copy of
+        each batch (`owned_batches`), so training cannot write into the
+        generator's arrays.
+        """
+        return self.strategy.experimental_distribute_dataset(owned_batches(dataset))
 
     def build(self, data_batch):
         """Creates the model, metric and optimizer variables in the scope.
@@ -514,66 +680,47 @@ class TrainLoop:
     # Model.fit-like entry points.
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+            callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+            class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1,
             backup_dir=None, backup_freq="epoch"):
         """Trains like `Model.fit` and returns its `keras.callbacks.History`.
 
-        With `backup_dir`, a `kd.callbacks.BackupAndRestore(backup_dir,
-        save_freq=backup_freq)` is added: a restarted run resumes at the
-        saved epoch and step.
+        The same front door as `Model.fit` (`keras_distrib.front`): the same
+        arguments and checks. With `backup_dir`, a
+        `kd.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq)` is
+        added: a restarted run resumes at the saved epoch and step.
         """
-        from keras_distrib import parameter_server
-        from keras_distrib import validation
+        from keras_distrib import front
 
-        validation.validate_inputs(
-            self.model, x, y, sample_weight, method="fit", validation_data=validation_data,
-            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
-            verbose=verbose, shuffle=shuffle, class_weight=class_weight, callbacks=callbacks,
-        )
         if backup_dir is not None:
             from keras_distrib.callbacks import BackupAndRestore
 
-            callbacks = list(callbacks or []) + [BackupAndRestore(backup_dir, save_freq=backup_freq)]
-        arguments = dict(
-            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            if callbacks is None or isinstance(callbacks, (list, tuple)):
+                callbacks = list(callbacks or []) + [BackupAndRestore(backup_dir, save_freq=backup_freq)]
+        return front.fit(
+            self.model, self._step, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
             validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
             sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )
-        if parameter_server.is_parameter_server(self.strategy):
-            return parameter_server.fit(self.model, x, y, steps_per_call=self.steps_per_loop, **arguments)
-        return fit(self.model, self._step("train"), x, y, evaluate_steps=self._step("test"), **arguments)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
-                 sample_weight=None, steps=None, callbacks=None):
-        """Evaluates like `Model.evaluate(return_dict=True)`."""
-        from keras_distrib import parameter_server
+                 sample_weight=None, steps=None, callbacks=None, shards=None):
+        """Evaluates like `Model.evaluate(return_dict=True)` (the same front door)."""
+        from keras_distrib import front
 
-        if parameter_server.is_parameter_server(self.strategy):
-            return parameter_server.evaluate(
-                self.model, x, y, batch_size=batch_size, verbose=verbose,
-                sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
-            )
-        return evaluate(
-            self.model, self._step("test"), x, y, batch_size=batch_size, verbose=verbose,
-            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks, return_dict=True,
+        return front.evaluate(
+            self.model, self._step, x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
+            shards=shards,
         )
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """Predicts like `Model.predict`: every row once, in input order."""
-        from keras_distrib import parameter_server
+        """Predicts like `Model.predict`: every row once, in input order (the same front door)."""
+        from keras_distrib import front
 
-        if parameter_server.is_parameter_server(self.strategy):
-            return parameter_server.predict(
-                self.model, x, batch_size=batch_size, verbose=verbose, steps=steps,
-                callbacks=callbacks,
-            )
-        return predict(
-            self.model, self._step("predict"), x, batch_size=batch_size, verbose=verbose,
-            steps_count=steps, callbacks=callbacks,
-        )
+        return front.predict(self.model, self._step, x, batch_size=batch_size, verbose=verbose,
+                             steps=steps, callbacks=callbacks)

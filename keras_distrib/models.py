@@ -7,19 +7,22 @@ wrapping (`strategy.run`, reductions, several steps per call) is
 training.
 """
 
+import json
+import os
 import warnings
+import weakref
 
+import h5py
 import keras
 import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib import front
 from keras_distrib import gradients
 from keras_distrib import loop
-from keras_distrib import parameter_server
 from keras_distrib import replica
 from keras_distrib import step as step_lib
-from keras_distrib import validation
 
 __all__ = [
     "DistributedModelMixin",
@@ -27,14 +30,69 @@ __all__ = [
     "Model",
     "Sequential",
     "global_moments",
+    "layer_state",
+    "unregistered_class_warning",
     "unsupported_settings",
 ]
+
+BATCH_NORM_MODES = ("global", "per_replica")
+
+# Keras's random layers whose output rows depend only on their own input row
+# and the draws: run on the global batch, each replica keeps its rows.
+_GLOBAL_BATCH_RANDOM_LAYERS = tuple(
+    getattr(keras.layers, name) for name in dir(keras.layers)
+    if name.startswith("Random") or name.endswith("Dropout") or name == "GaussianNoise"
+    if isinstance(getattr(keras.layers, name), type)
+)
+# BatchNormalization layers (not synchronized) of models compiled with
+# batch_norm="per_replica": they keep Keras's per-replica statistics.
+_PER_REPLICA_BATCH_NORM = weakref.WeakSet()
 
 
 def _record_loss(loss):
     batch = replica.current_batch()
     if batch is not None:
         batch.record_loss(loss)
+
+
+def _static_rows(x):
+    """Rows in a batch of arrays or eager tensors (its first input's), or None."""
+    for value in tree.flatten(x):
+        if value is None:
+            continue
+        if isinstance(value, tf.RaggedTensor):
+            return int(value.nrows())
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] is None:
+            return None
+        return int(shape[0])
+    return None
+
+
+def _file_stamp(path):
+    try:
+        status = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return status.st_mtime_ns, status.st_size, status.st_ino
+
+
+def _record_registered_class(path, cls):
+    """Names `cls` by its registered name in a legacy `.h5` file's model config."""
+    name = keras.saving.get_registered_name(cls)
+    if name == cls.__name__:  # not registered: Keras's bare name is all there is
+        return
+    with h5py.File(path, "r+") as file:
+        config = file.attrs.get("model_config")
+        if config is None:
+            return
+        if isinstance(config, bytes):
+            config = config.decode("utf-8")
+        config = json.loads(config)
+        if config.get("class_name") != cls.__name__:
+            return
+        config["class_name"] = name
+        file.attrs["model_config"] = json.dumps(config).encode("utf-8")
 
 
 def _pad_empty_batch(x, batch):
@@ -66,8 +124,154 @@ def _drop_padding(outputs, batch):
     return tree.map_structure(cut, outputs)
 
 
+def _spreads_over_replicas():
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.num_replicas_in_sync > 1
+
+
+def _place_in_global_batch(value, batch):
+    """`value` (this replica's rows) at its rows of a zero global batch."""
+    rows = tf.shape(value)[0]
+    offset = tf.cast(batch.offset, tf.int32)
+    after = tf.maximum(tf.cast(batch.global_rows, tf.int32) - offset - rows, 0)
+    zeros = lambda count: tf.zeros(tf.concat([[count], tf.shape(value)[1:]], 0), value.dtype)
+    return tf.concat([zeros(offset), value, zeros(after)], 0)
+
+
+def _global_batch_call(layer, call):
+    """`call` of a random layer, drawing for the global batch.
+
+    Keras draws random numbers statelessly from the layer's seed state, the
+    same on every replica; one device draws them for every row of the
+    global batch. So each replica runs the layer on the global batch (its
+    own rows in place, zeros elsewhere) and keeps its rows: the same draws
+    one device makes for them, whatever the replica layout.
+    """
+
+    def laid_out(inputs, *args, **kwargs):
+        batch = replica.current_batch()
+        if batch is None or kwargs.get("training") in (None, False) or not _spreads_over_replicas():
+            return call(inputs, *args, **kwargs)
+        if not isinstance(inputs, tf.Tensor):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) received "
+                f"{type(inputs).__name__} inputs in a step on several replicas: kd lays out its "
+                "random draws over the global batch only for a single tensor input. Pass a "
+                "tensor, or apply the layer in the input pipeline instead."
+            )
+        mask = kwargs.get("mask")
+        if isinstance(mask, tf.Tensor) and mask.shape.rank:
+            kwargs["mask"] = _place_in_global_batch(mask, batch)
+        outputs = call(_place_in_global_batch(inputs, batch), *args, **kwargs)
+        offset = tf.cast(batch.offset, tf.int32)
+        mine = outputs[offset:offset + tf.shape(inputs)[0]]
+        mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
+        return mine
+
+    return laid_out
+
+
+def _random_layer_problem(layer):
+    """Why kd cannot lay out `layer`'s random draws over the global batch, or None."""
+    if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS) or not _keras_compat.owned_seed_generators(layer):
+        return None
+    rates = [getattr(layer, name, None) for name in ("dropout", "recurrent_dropout")]
+    if any(rate is not None for rate in rates) and not any(rates):
+        return None  # an RNN cell without dropout: its generator is never used
+    return (
+        f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers in a way kd "
+        "cannot lay out over the global batch, so each replica's draws would differ from "
+        "one device's. Use Keras's random layers (Dropout, GaussianNoise, GaussianDropout, "
+        "SpatialDropout, Random* augmentation), which kd lays out exactly, set its dropout "
+        "rates to 0, or train on one replica."
+    )
+
+
+def layer_state(model):
+    """(layer, variable) for each non-trainable variable a layer may assign in `call`.
+
+    BatchNormalization's moving statistics (kd makes them global) and the
+    random layers' seed states (the same on every replica) are not
+    included; each variable is named with the innermost layer holding it.
+    """
+    owners = {}
+    skipped = set()
+    for layer in _keras_compat.flatten_layers(model):
+        skipped.update(id(g.state) for g in _keras_compat.owned_seed_generators(layer))
+        for variable in layer.non_trainable_weights:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                skipped.add(id(variable))
+            owners[id(variable)] = (layer, variable)
+    return [pair for key, pair in owners.items() if key not in skipped]
+
+
+def _replica_state_updates(layer, variable):
+    """Updates of a layer's variable that mean on many replicas what they mean on one.
+
+    In a step on several replicas, `assign_add`/`assign_sub` of a value that
+    depends on the data add the sum over replicas (counts and sums of rows:
+    what one device adds for the global batch; an empty replica adds
+    nothing), and of a constant add it once (a step counter). `assign` has
+    no such meaning: each replica's value comes from its own rows; it is
+    refused at the first step, naming the layer and the variable.
+    """
+
+    def make(current, keras_assign):
+        def assign(value, *args, **kwargs):
+            if _in_replica_step():
+                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                raise ValueError(
+                    f"layer {layer.name!r} ({type(layer).__name__}) assigns its variable "
+                    f"{variable.path!r} with `assign` in a step on {replicas} replicas: each "
+                    "replica computes the value from its own rows, and what one device computes "
+                    "from the global batch cannot be rebuilt from them. kd sums `assign_add`/"
+                    "`assign_sub` increments over the replicas (exact for counts and sums of "
+                    "rows): update the variable that way, or outside the training step (e.g. in "
+                    "a callback), or train on one replica."
+                )
+            return current["assign"](value, *args, **kwargs)
+
+        def adding(name, sign):
+            def update(value, *args, **kwargs):
+                if not _in_replica_step():
+                    return current[name](value, *args, **kwargs)
+                value = tf.convert_to_tensor(value, variable.dtype)
+                if tf.get_static_value(value) is None:
+                    batch = replica.current_batch()
+                    value = replica.replica_sum(value * tf.cast(batch.has_rows, value.dtype))
+                return keras_assign(variable.value + sign * value)
+
+            return update
+
+        return {"assign": assign, "assign_add": adding("assign_add", 1),
+                "assign_sub": adding("assign_sub", -1)}
+
+    return make
+
+
+def _in_replica_step():
+    return replica.current_batch() is not None and _spreads_over_replicas()
+
+
+def _moments_token(value, dtype):
+    """A zero that carries a gradient path from `value`.
+
+    Added to the next all-reduced sum, it orders the backward pass: the
+    tape processes independent branches (two BatchNormalizations on one
+    input) in an order that can differ between replicas, and collectives
+    pair up by the order in which each replica creates them. With every
+    all-reduce of the forward pass chained, their gradients are created in
+    one order on every replica.
+    """
+    return tf.math.multiply_no_nan(tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
+
+
 def global_moments(layer, inputs, mask, keras_moments):
-    """Mean and variance of a synchronized BatchNormalization over every replica.
+    """Mean and variance of a BatchNormalization over every replica.
+
+    Every BatchNormalization of a kd model on several replicas uses it
+    (unless compiled with `batch_norm="per_replica"`, and then still the
+    synchronized ones), so statistics are those of the global batch.
 
     One device computes `mean = sum(x) / n` and then
     `variance = sum((x - mean)^2) / n`; so does this, with each sum
@@ -79,6 +283,8 @@ def global_moments(layer, inputs, mask, keras_moments):
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()
     if context is None or context.num_replicas_in_sync == 1 or batch is None:
+        return keras_moments(inputs, mask)
+    if layer in _PER_REPLICA_BATCH_NORM and not layer.synchronized:
         return keras_moments(inputs, mask)
     axes = _keras_compat.batch_norm_axes(layer)
     dtype = inputs.dtype
@@ -93,9 +299,10 @@ def global_moments(layer, inputs, mask, keras_moments):
         count = tf.reduce_sum(weights, axes, keepdims=True)
         epsilon = keras.backend.epsilon()
     values = inputs if weights is None else tf.where(weights > 0, inputs, tf.zeros_like(inputs))
-    total, count = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, [tf.reduce_sum(values, axes, keepdims=True) * live, count * live]
-    )
+    local_total = tf.reduce_sum(values, axes, keepdims=True) * live
+    if batch.moments_token is not None:
+        local_total += tf.cast(batch.moments_token, dtype)
+    total, count = context.all_reduce(tf.distribute.ReduceOp.SUM, [local_total, count * live])
     if weights is None:
         mean = tf.math.divide_no_nan(total, count)
     else:
@@ -103,14 +310,52 @@ def global_moments(layer, inputs, mask, keras_moments):
     centred = tf.math.squared_difference(inputs, tf.stop_gradient(mean))
     if weights is not None:
         centred = tf.where(weights > 0, centred, tf.zeros_like(centred))
+    local_spread = tf.reduce_sum(centred, axes, keepdims=True) * live
     spread = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, tf.reduce_sum(centred, axes, keepdims=True) * live
+        tf.distribute.ReduceOp.SUM, local_spread + _moments_token(total, dtype)
     )
+    batch.moments_token = _moments_token(spread, dtype)
     if weights is None:
         variance = tf.math.divide_no_nan(spread, count)
     else:
         variance = spread / (count + epsilon)
     return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+
+def _spreads_strategy(strategy):
+    return strategy.num_replicas_in_sync > 1 and not isinstance(
+        strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
+def _global_batch_norm(layer):
+    """Whether `layer` is a BatchNormalization computing global statistics."""
+    return isinstance(layer, keras.layers.BatchNormalization) and (
+        _keras_compat.is_sync_batch_norm(layer) or layer not in _PER_REPLICA_BATCH_NORM
+    )
+def unregistered_class_warning(model):
+    """Warns when `keras.saving.load_model` will not find `model`'s class.
+
+    A `.keras` file names the model's class; a subclass such as
+    `class MyTask(kd.DistributedModelMixin, keras_hub.models.BertTextClassifier)`
+    reloads only if Keras can look its name up: registered with
+    `@keras.saving.register_keras_serializable()`, or passed to
+    `load_model(..., custom_objects={"MyTask": MyTask})`. Said when saving,
+    while the class is at hand, rather than when loading fails.
+
+    Returns:
+        True if it warned.
+    """
+    cls = type(model)
+    if keras.saving.get_registered_object(keras.saving.get_registered_name(cls)) is cls:
+        return False
+    warnings.warn(
+        f"{cls.__name__} is not registered with Keras, so keras.saving.load_model will not "
+        f"find it in this file (\"Could not locate class '{cls.__name__}'\"). Decorate the class "
+        "with @keras.saving.register_keras_serializable(), or load with "
+        f"keras.saving.load_model(path, custom_objects={{'{cls.__name__}': {cls.__name__}}}).",
+        stacklevel=3,
+    )
+    return True
 
 
 def unsupported_settings(model, *, training):
@@ -121,7 +366,7 @@ def unsupported_settings(model, *, training):
     strategy = model.distribute_strategy
     problems = []
     layers = _keras_compat.flatten_layers(model)
-    optimizer = model.optimizer
+    optimizer = getattr(model, "optimizer", None)  # None: never compiled
     base = _keras_compat.base_optimizer(optimizer) if optimizer is not None else None
     if training and isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
         fix = "Use kd.make_strategy('mirrored') on the same devices, which is exact with it."
@@ -133,18 +378,18 @@ def unsupported_settings(model, *, training):
             problems.append(f"`use_ema`=True: {why}. {fix}")
         if optimizer is not base:
             problems.append(f"LossScaleOptimizer (mixed precision): {why}. {fix}")
-        for layer in layers:
-            if isinstance(layer, keras.layers.BatchNormalization):
-                problems.append(f"layer {layer.name!r} (BatchNormalization, moving statistics): {why}. {fix}")
+    if training and _spreads_strategy(strategy):
+        problems.extend(filter(None, map(_random_layer_problem, layers)))
     plan = step_lib.plan_for(model)
     if training and plan.xla_forward:
         why = ("`jit_compile=True` with several CPU replicas (or workers) compiles only the "
                "forward pass with XLA, because TensorFlow cannot synchronize replicas inside XLA here")
         fix = "Use jit_compile=False (or GPUs, where XLA compiles the whole step)."
         for layer in layers:
-            if _keras_compat.is_sync_batch_norm(layer):
-                problems.append(f"layer {layer.name!r} (BatchNormalization(synchronized=True)) all-reduces "
-                                f"inside the forward pass: {why}. {fix}")
+            if _global_batch_norm(layer):
+                problems.append(f"layer {layer.name!r} (BatchNormalization) all-reduces its global "
+                                f"statistics inside the forward pass: {why}. {fix} Or compile with "
+                                "batch_norm=\"per_replica\" (per-replica statistics, not exact).")
             elif isinstance(layer, keras.layers.RNN):
                 problems.append(f"layer {layer.name!r} ({type(layer).__name__}) keeps TensorLists that "
                                 f"cannot leave an XLA forward pass: {why}. {fix}")
@@ -190,14 +435,27 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         >>> model.compile(optimizer="sgd", loss="mse")
     """
 
-    def compile(self, *args, pss_evaluation_shards=0, **kwargs):
+    def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
         `pss_evaluation_shards` (parameter-server training only): split
         evaluation over the workers in that many shards ("auto": 4 per
         worker), instead of evaluating on the coordinator; both are exact.
+
+        `batch_norm`: `"global"` (default): every BatchNormalization
+        normalizes over the global batch on several replicas, as one device
+        does; `"per_replica"`: layers without `synchronized=True` normalize
+        each replica's rows separately (Keras's behaviour: no all-reduce in
+        the forward pass, but not what one device computes).
         """
+        if batch_norm not in BATCH_NORM_MODES:
+            raise ValueError(
+                f"`batch_norm`={batch_norm!r}: expected one of {list(BATCH_NORM_MODES)}. "
+                "\"global\" computes BatchNormalization statistics over the global batch "
+                "(exact); \"per_replica\" over each replica's rows."
+            )
         self.pss_evaluation_shards = pss_evaluation_shards
+        self.batch_norm = batch_norm
         super().compile(*args, **kwargs)
         _keras_compat.install_global_losses(self)
         gradients.install(self.optimizer)
@@ -214,10 +472,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         `.keras` file would reload uncompiled, without its optimizer state.
         Here it compiles through kd's `compile` and builds the optimizer on
         the variables it updates, so the saved optimizer variables load into
-        it.
+        it. A subclass with a `compile` of its own loads uncompiled, with
+        Keras's warning, as with Keras.
         """
         if not config:
             return
+        if type(self).compile is not DistributedModelMixin.compile:
+            # The subclass's own compile (e.g. a GAN's compile(d_optimizer,
+            # g_optimizer, loss_fn)) cannot take these arguments: Keras warns
+            # and loads the model uncompiled; so does this.
+            return super().compile_from_config(config)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if self.built and self.optimizer is not None:
@@ -226,11 +490,31 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def _prepare_layers(self):
         """Per-replica bookkeeping on every layer and variable (idempotent)."""
+        per_replica = getattr(self, "batch_norm", "global") == "per_replica"
         for layer in _keras_compat.flatten_layers(self):
             _keras_compat.record_add_loss(layer, _record_loss)
-            if _keras_compat.is_sync_batch_norm(layer):
+            if isinstance(layer, keras.layers.BatchNormalization):
                 _keras_compat.replace_batch_norm_moments(layer, global_moments)
+                if per_replica:
+                    _PER_REPLICA_BATCH_NORM.add(layer)
+                else:
+                    _PER_REPLICA_BATCH_NORM.discard(layer)
+            if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS):
+                _keras_compat.replace_call(layer, _global_batch_call)
+        for layer, variable in layer_state(self):
+            _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
+        self._prepare_replica_writes()
         _keras_compat.fix_variables(_keras_compat.model_variables(self))
+
+    def _prepare_replica_writes(self):
+        # Under central storage, BatchNormalization's moving statistics are
+        # written by replica 0 (see _keras_compat.write_from_first_replica).
+        for layer in _keras_compat.flatten_layers(self):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                _keras_compat.write_from_first_replica(layer.non_trainable_variables)
+        object.__setattr__(self, "_kd_replica_writes", self.built)
+
+    _kd_replica_writes = False
 
     def replica_batch(self, x):
         """Context for one replica's batch (row counts for loss scaling).
@@ -270,6 +554,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return list(batch.losses) + penalties
 
     def __call__(self, *args, **kwargs):
+        if not self._kd_replica_writes and tf.distribute.has_strategy() \
+                and not tf.distribute.in_cross_replica_context():
+            # A hand-written loop may call the model in a replica without
+            # compiling it: its BatchNormalization updates need kd's
+            # central-storage writes all the same.
+            self._prepare_replica_writes()
         batch = replica.current_batch()
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)
@@ -401,6 +691,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     # fit, evaluate and predict run kd's loop (keras_distrib.loop).
 
+    def _step_of(self, kind):
+        return {"train": self.make_train_function, "test": self.make_test_function,
+                "predict": self.make_predict_function}[kind]()
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
@@ -408,29 +702,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy()
-        validation.validate_inputs(
-            self, x, y, sample_weight, method="fit", validation_data=validation_data,
-            epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_split=validation_split,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
-            class_weight=class_weight, callbacks=callbacks,
-        )
-        arguments = dict(
-            batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            validation_split=validation_split, validation_data=validation_data,
-            shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-        )
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.fit(
-                self, x, y, steps_per_call=int(self.steps_per_execution or 1), **arguments
-            )
-        return loop.fit(
-            self, self.make_train_function(), x, y, evaluate_steps=self.make_test_function(),
-            **arguments,
+        return front.fit(
+            self, self._step_of, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, validation_split=validation_split,
+            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+            sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
         )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -442,37 +720,56 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         shards = kwargs.pop("shards", None)
         if kwargs:
             raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
-        validation.validate_inputs(self, x, y, sample_weight, method="evaluate",
-                                   batch_size=batch_size, steps=steps)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.evaluate(
-                self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
-                steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
-            )
-        if shards:
-            raise ValueError(
-                f"`shards`={shards!r}: sharded evaluation is for ParameterServerStrategy; "
-                f"under {type(self.distribute_strategy).__name__} evaluation is already "
-                "distributed over the replicas."
-            )
-        return loop.evaluate(
-            self, self.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
-            sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
-            return_dict=return_dict,
+        return front.evaluate(
+            self, self._step_of, x, y, batch_size=batch_size, verbose=verbose,
+            sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+            return_dict=return_dict, shards=shards,
         )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """`keras.Model.predict`: every row once, in input order, under any strategy."""
+        """`keras.Model.predict`: every row once, in input order, under any strategy.
+
+        Works on a model that was never compiled (inference), as Keras's.
+        """
         self._check_strategy()
-        validation.validate_inputs(self, x, method="predict", batch_size=batch_size, steps=steps)
-        if parameter_server.is_parameter_server(self.distribute_strategy):
-            return parameter_server.predict(
-                self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        return front.predict(self, self._step_of, x, batch_size=batch_size, verbose=verbose,
+                             steps=steps, callbacks=callbacks)
+
+    def predict_on_batch(self, x):
+        """`keras.Model.predict_on_batch`: `x` as one batch, every row once, in order.
+
+        Under a strategy the batch is split over the replicas as `predict`
+        splits a batch (plain Keras gives every replica the whole batch and
+        returns each row once per replica).
+        """
+        rows = _static_rows(x)
+        if rows is None:
+            raise ValueError(
+                f"`x` ({type(x).__name__}) has no leading batch dimension to predict on; "
+                "pass an array, a tensor, or a list/dict of them."
             )
-        return loop.predict(
-            self, self.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
-            steps_count=steps, callbacks=callbacks,
-        )
+        return self.predict(x, batch_size=max(rows, 1), verbose=0)
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """`keras.Model.save`; a legacy `.h5` file reloads as this model's class.
+
+        Keras's legacy HDF5 format records the class by its bare Python name
+        (`Sequential`, `FunctionalModel`), which `load_model` resolves to
+        Keras's own class (a kd model would silently lose its exact steps) or
+        not at all. Here the file names the class by its registered name
+        (`keras_distrib>Sequential`), which `load_model` resolves to kd's.
+
+        A subclass of your own (or of a KerasHub task) reloads only if
+        registered (`@keras.saving.register_keras_serializable()`) or passed
+        as `custom_objects`; saving one that is neither warns
+        (`unregistered_class_warning`).
+        """
+        unregistered_class_warning(self)
+        before = _file_stamp(filepath)
+        result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:
+            _record_registered_class(filepath, type(self))
+        return result
 
     def build_from_data(self, iterator=None, data_batch=None):
         """Builds every variable from an epoch iterator's spec, or a batch.
@@ -505,6 +802,17 @@ class Model(DistributedModelMixin, keras.Model):
             return keras.Model.__new__(FunctionalModel)
         return super().__new__(cls, *args, **kwargs)
 
+    def __init__(self, *args, **kwargs):
+        # A subclass calling `super().__init__(inputs=..., outputs=...)`
+        # becomes functional as with Keras, but through FunctionalModel:
+        # kd.Model's own bases never change.
+        if not _keras_compat.functional_init_arguments(args, kwargs):
+            super().__init__(*args, **kwargs)
+            return
+        if not isinstance(self, _keras_compat.Functional):
+            _keras_compat.make_functional(type(self), Model, FunctionalModel)
+        _keras_compat.functional_init(self, args, kwargs)
+
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
 class FunctionalModel(Model, _keras_compat.Functional):
@@ -520,3 +828,8 @@ class Sequential(DistributedModelMixin, keras.Sequential):
         >>> model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")
     """
+
+
+# Keras's legacy `.h5` format names a model's class by its bare Python name;
+# kd's functional class has a name of its own, so a saved file resolves to it.
+keras.saving.get_custom_objects().setdefault("FunctionalModel", FunctionalModel)

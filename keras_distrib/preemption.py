@@ -2,8 +2,12 @@
 
 A cluster manager preempts a job by sending SIGTERM (Slurm before its
 KillWait, Kubernetes before `terminationGracePeriodSeconds`), often to one
-node first. Workers of a multi-worker job must all save at the same step (a
-checkpoint of different steps would not restore), and the agreement must
+node first. kd handles SIGTERM and SIGUSR1 alike (`SIGNALS`): SIGUSR1 is the
+early warning a Slurm job asks for before its time limit
+(`#SBATCH --signal=USR1@120`); its default action would kill the process.
+
+Workers of a multi-worker job must all save at the same step (a checkpoint
+of different steps would not restore), and the agreement must
 cost nothing while no preemption comes: kd, like TensorFlow's
 `PreemptionCheckpointHandler`, agrees through the coordination service's
 key-value store, from background threads, instead of a collective per step.
@@ -48,8 +52,15 @@ __all__ = [
     "PreemptionHandler",
     "RESTART_EXIT_CODE",
     "SAVE",
+    "SIGNALS",
 ]
 
+# The signals that mean "save and exit": a preemption (SIGTERM) and Slurm's
+# early warning before a time limit (`--signal=USR1@<seconds>`).
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What a task logs once its backup is written, just before it exits 42; the
+# launcher reads it when the task is killed on its way out (see supervisor).
+SAVED_MESSAGE = "Backed up for the preemption"
 SAVE = "save"  # save now and keep training (first save of a grace period)
 EXIT = "exit"  # save now, then exit with RESTART_EXIT_CODE
 _ACK_TIMEOUT = 60.0
@@ -82,7 +93,8 @@ class PreemptionHandler:
         watcher: Optional `callable() -> bool`, polled every
             `poll_interval` seconds, True when termination is imminent
             (e.g. a cloud's maintenance notice): acts like the signal.
-        signals: Signals that mean preemption (default SIGTERM). Handlers are
+        signals: Signals that mean preemption (default `SIGNALS`: SIGTERM,
+            and SIGUSR1 for Slurm's `--signal=USR1@<seconds>`). Handlers are
             installed only from the main thread, and restored by `stop()`.
         poll_interval: Seconds between `watcher` calls.
         strategy: The training strategy; a multi-worker one agrees through
@@ -98,7 +110,7 @@ class PreemptionHandler:
         >>> handler.stop()
     """
 
-    def __init__(self, *, grace_period=0.0, watcher=None, signals=(signal.SIGTERM,),
+    def __init__(self, *, grace_period=0.0, watcher=None, signals=SIGNALS,
                  poll_interval=1.0, strategy=None):
         self.grace_period = _check_seconds("grace_period", grace_period)
         self.poll_interval = _check_seconds("poll_interval", poll_interval)
@@ -298,8 +310,36 @@ class PreemptionHandler:
         self._round += 1
         return EXIT if self.grace_period <= 0 or round_ == 1 else SAVE
 
+    def _wait_for_every_save(self):
+        """Multi-worker: announce this worker's save and wait for every other worker's.
+
+        No worker exits before the chief's backup is complete: under
+        `srun --kill-on-bad-exit=1` the first task to exit 42 ends the
+        others' processes.
+        """
+        try:
+            _keras_compat.key_value_insert(f"{self._prefix}/saved/{self._me}", "1")
+        except Exception as error:  # noqa: BLE001 - the cluster may be going down
+            logger.warning("Could not announce this worker's backup: %s", error)
+            return
+        deadline = time.monotonic() + _ACK_TIMEOUT
+        info = cluster_lib.cluster_info()
+        peers = [f"{t}-{i}" for t in ("chief", "worker") for i in range(len(info.cluster.get(t, ())))]
+        for peer in peers:
+            while time.monotonic() < deadline:
+                try:
+                    _keras_compat.key_value_get(f"{self._prefix}/saved/{peer}", _POLL_MS)
+                    break
+                except _keras_compat.KeyMissing:
+                    continue
+                except Exception:  # noqa: BLE001 - the service is gone: nothing left to wait for
+                    return
+
     def exit(self):
-        """Exits the process with `RESTART_EXIT_CODE` (after the final save)."""
-        logger.warning("Backed up for the preemption; exiting with code %d so that the job is "
-                       "restarted and resumes from the backup.", RESTART_EXIT_CODE)
+        """Exits the process with `RESTART_EXIT_CODE` (after the final save; every
+        worker of a multi-worker cluster waits until all have saved)."""
+        logger.warning("%s; exiting with code %d so that the job is restarted and resumes from "
+                       "the backup.", SAVED_MESSAGE, RESTART_EXIT_CODE)
+        if getattr(self, "_multi", False):
+            self._wait_for_every_save()
         raise SystemExit(RESTART_EXIT_CODE)

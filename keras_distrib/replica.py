@@ -19,6 +19,7 @@ __all__ = [
     "StepPlan",
     "batch_rows",
     "current_batch",
+    "piece_order",
     "replica_batch",
     "replica_sum",
 ]
@@ -58,6 +59,9 @@ class ReplicaBatch:
     Attributes:
         local_rows: Rows on this replica, n_r (a float32 scalar tensor).
         global_rows: Rows over all replicas, N = sum(n_r) (all-reduced).
+        offset: Where this replica's rows start in the global batch (a
+            float32 scalar tensor): the rows of the replicas whose pieces
+            come before its own in TensorFlow's split (see `piece_order`).
         plan: The `StepPlan` of the step.
         losses: The `add_loss` terms of this replica's latest forward pass
             (recorded per replica; `None` before the first one).
@@ -65,13 +69,15 @@ class ReplicaBatch:
         in_forward: Whether a kd model's forward pass is running.
     """
 
-    def __init__(self, local_rows, global_rows, plan=None):
+    def __init__(self, local_rows, global_rows, plan=None, offset=None):
         self.local_rows = local_rows
         self.global_rows = global_rows
+        self.offset = tf.zeros_like(local_rows) if offset is None else offset
         self.plan = plan or StepPlan()
         self.losses = None
         self.owner = None
         self.in_forward = False
+        self.moments_token = None
 
     @property
     def fraction(self):
@@ -127,6 +133,41 @@ def _in_symbolic_build():
     return _keras_compat.in_symbolic_scope()
 
 
+def piece_order(replicas, workers):
+    """The piece of each global batch that each replica receives, by replica id.
+
+    TensorFlow cuts a global batch into `replicas` pieces in order; worker w
+    takes every W-th piece, so its local replica r (global replica id
+    w * local + r) gets piece r * W + w (`kd.describe_input` prints it).
+    """
+    local = replicas // workers
+    return [(g % local) * workers + g // local for g in range(replicas)]
+
+
+def _global_rows_and_offset(local_rows):
+    # One all-reduce of every replica's row count (a one-hot vector) gives
+    # both the global count and this replica's first row in the global batch.
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return replica_sum(local_rows), tf.zeros_like(local_rows)
+    replicas = context.num_replicas_in_sync
+    devices = getattr(tf.distribute.get_strategy().extended, "worker_devices", None) or ()
+    workers = max(replicas // max(len(devices), 1), 1)
+    if replicas % workers:
+        workers = 1
+    order = piece_order(replicas, workers)
+    before = tf.constant(
+        [[1.0 if order[other] < order[mine] else 0.0 for other in range(replicas)]
+         for mine in range(replicas)]
+    )
+    replica_id = context.replica_id_in_sync_group
+    counts = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.one_hot(replica_id, replicas) * local_rows
+    )
+    offset = tf.reduce_sum(tf.gather(before, replica_id) * counts)
+    return tf.reduce_sum(counts), offset
+
+
 @contextlib.contextmanager
 def replica_batch(local_rows, plan=None):
     """Opens this replica's `ReplicaBatch` (all-reducing the row count once).
@@ -139,7 +180,8 @@ def replica_batch(local_rows, plan=None):
         yield current
         return
     local_rows = tf.cast(local_rows, tf.float32)
-    batch = ReplicaBatch(local_rows, replica_sum(local_rows), plan)
+    global_rows, offset = _global_rows_and_offset(local_rows)
+    batch = ReplicaBatch(local_rows, global_rows, plan, offset)
     _STATE.batch = batch
     try:
         yield batch

@@ -10,12 +10,16 @@ import re
 
 __all__ = [
     "error_line",
+    "error_text",
     "table",
 ]
 
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
 _RAISED = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt)(: |$)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Keras's first line around an error raised in a layer's call; the real one follows.
+_KERAS_CALL = re.compile(r"^Exception encountered when calling .*\.$")
 
 
 def _unbalanced(text):
@@ -28,8 +32,33 @@ def _unbalanced(text):
     return depth > 0
 
 
+def _message_lines(message):
+    """The non-blank lines of an error message, what went wrong first.
+
+    TensorFlow's "Graph execution error:" lists where each failing node was
+    defined ("Detected at node ... defined at", then `File` lines) before
+    the message itself; Keras wraps an error raised in a layer's `call` in
+    "Exception encountered when calling ...", then the message, then the
+    arguments. Both hide the message from anyone who reads the first line.
+    """
+    lines = [line.strip() for line in _ANSI.sub("", message).splitlines() if line.strip()]
+    if lines and lines[0] == "Graph execution error:":
+        kept = [line for line in lines[1:]
+                if not line.startswith(("Detected at node", "File ", "[["))]
+        lines = kept or lines
+    if len(lines) > 1 and re.match(r"^\d+ root error\(s\) found\.$", lines[0]):
+        lines = lines[1:] + [lines[0]]  # "(0) INVALID_ARGUMENT: ..." says what
+    if len(lines) > 1 and _KERAS_CALL.match(lines[0]):
+        lines = lines[1:] + [lines[0]]
+    return lines
+
+
 def error_line(error, width=120):
     """`Type: first line` of an exception (or of a `"Type: message"` string).
+
+    The line that says what went wrong: TensorFlow's "Graph execution
+    error:" and Keras's "Exception encountered when calling ..." give way
+    to the message they wrap (`error_text` has all of it).
 
     A first line that opens a bracket it does not close (TensorFlow prints
     whole tensors inside its messages) is joined to the message's last line,
@@ -46,7 +75,7 @@ def error_line(error, width=120):
         kind, message = type(error).__name__, str(error)
     else:
         kind, _, message = str(error).partition(": ")
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    lines = _message_lines(message)
     if lines and lines[0] == "in user code:":
         # tf.function's wrapper: the traceback, then the original `Type: message`.
         raised = [i for i, line in enumerate(lines) if _RAISED.match(line)]
@@ -59,6 +88,28 @@ def error_line(error, width=120):
     text = _CLASS.sub(r"\1", text)
     line = f"{kind}: {text}" if text else kind
     return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def error_text(error):
+    """`Type: message` of an exception, whole, without TensorFlow's lists of frames.
+
+    For a report with room for more than one line: TensorFlow's "Graph
+    execution error:" keeps its message and node, not where each node was
+    defined (the traceback says that); Keras's wrapper around a layer's
+    error puts the message first.
+
+    Example:
+        >>> print(error_text(ValueError("Exception encountered when calling Add.call().\\n\\n"
+        ...                             "Incompatible shapes: [8,4] vs. [16,4]\\n\\n"
+        ...                             "Arguments received by Add.call():\\n  t=(8, 4)")))
+        ValueError: Incompatible shapes: [8,4] vs. [16,4]
+          Arguments received by Add.call():
+          t=(8, 4)
+          Exception encountered when calling Add.call().
+    """
+    lines = _message_lines(str(error))
+    head = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return "\n".join([head] + [f"  {line}" for line in lines[1:]])
 
 
 def table(rows, headers, *, align=None):

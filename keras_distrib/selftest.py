@@ -340,6 +340,10 @@ def print_table(checks, seconds, print_fn=print):
     print_fn(f"\n{verdict} in {seconds:.1f} s (TensorFlow's start-up included).")
 
 
+# How `keras-distrib test` names where the cluster came from (`ClusterInfo.source`).
+_SOURCE_NAMES = {"tf_config": "TF_CONFIG", "slurm": "Slurm", "kubernetes": "Kubernetes"}
+
+
 def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None):
     """Runs the checks and prints the table; returns the exit code (0: all passed)."""
     import keras_distrib as kd
@@ -358,7 +362,8 @@ def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None):
     if info.num_workers > 1:
         from keras_distrib import strategies
 
-        say(f"in the cluster of TF_CONFIG: {info.num_workers} workers; this is {info.label}")
+        where = _SOURCE_NAMES.get(info.source, info.source)
+        say(f"in the cluster of {where}: {info.num_workers} workers; this is {info.label}")
         own_directory = directory is None
         directory = directory or tempfile.mkdtemp(prefix="kd_selftest_")
         try:

@@ -51,6 +51,10 @@ class SparseGradientInLoop(Exception):
     """
 
 
+class _CompositeInLoop(Exception):
+    """Ragged or sparse predictions, which a compiled loop cannot stack (one step per call then)."""
+
+
 def metric_results(model):
     """Every model metric's value; global when read in cross-replica context."""
     results = {}
@@ -184,6 +188,7 @@ class Step:
         self.kind = kind
         self.steps = steps
         self.strategy = model.distribute_strategy
+        strategies.check_collective_keys(self.strategy)
         self._single = replica_function(model, kind)
         self._looped = replica_function(model, kind, looped=True)
         # Collectives inside a compiled loop keep their first iteration's
@@ -232,6 +237,8 @@ class Step:
 
     def _many_predictions(self, iterator, count, first):
         flat = tree.flatten(first)
+        if not all(isinstance(t, tf.Tensor) for t in flat):
+            raise _CompositeInLoop()
         arrays = [
             tf.TensorArray(t.dtype, size=0, dynamic_size=True, infer_shape=False).write(0, t)
             for t in flat
@@ -275,6 +282,8 @@ class Step:
                 except SparseGradientInLoop:
                     self._looping = False
                     _warn_stepwise(self.model, count)
+                except _CompositeInLoop:  # ragged or sparse predictions
+                    self._looping = False
             return self._stepwise(iterator, count)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None

@@ -19,6 +19,7 @@ from keras_distrib import validation
 
 __all__ = [
     "StrategyTraits",
+    "check_collective_keys",
     "check_devices",
     "gpu_share",
     "make_strategy",
@@ -307,6 +308,29 @@ def _make_parameter_server(cluster_resolver, variable_partitioner):
     )
 
 
+def _server_error(error, cluster_resolver):
+    """TensorFlow's bare `Could not start gRPC server`, with the address that is taken."""
+    if "Could not start gRPC server" not in str(error):
+        return error
+    try:
+        if cluster_resolver is not None:
+            spec = cluster_resolver.cluster_spec().as_dict()
+            task_type, index = cluster_resolver.task_type, int(cluster_resolver.task_id)
+        else:  # TensorFlow read TF_CONFIG itself
+            info = cluster_lib.cluster_info()
+            spec, task_type, index = info.cluster, info.task_type, info.task_index
+        label, own = f"{task_type} {index}", spec[task_type][index]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError,
+            cluster_lib.ClusterConfigError):
+        label, own = "this task", "its address in TF_CONFIG"
+    return cluster_lib.ClusterConfigError(
+        f"This task ({label}) could not listen on {own}: the port is taken (another job or "
+        "process listens there; `ss -ltnp`), or the address is not this machine's. Under Slurm "
+        "unset KD_PORT (kd then derives the ports from the job) or choose another; elsewhere "
+        "give a free port in TF_CONFIG."
+    )
+
+
 def make_strategy(
     kind="auto",
     *,
@@ -393,9 +417,9 @@ def make_strategy(
         )
         if devices is None and not _local_devices("GPU"):
             devices = _local_devices("CPU")
-        return tf.distribute.MirroredStrategy(
-            devices=devices, cross_device_ops=cross_ops
-        )
+        # Collective keys of its own: a second strategy in this process (a
+        # notebook cell run again) must not meet the first one's collectives.
+        return _keras_compat.isolated_mirrored_strategy(devices, cross_ops)
     if kind == "central_storage":
         if devices is None and not _local_devices("GPU"):
             devices = _local_devices("CPU")
@@ -415,15 +439,56 @@ def make_strategy(
                 "or every virtual CPU device (kd.virtual_devices); it takes no list."
             )
         with _keras_compat.cpu_replicas_per_worker(_configured_cpu_count()):
-            return tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=cluster_resolver,
-                communication_options=_communication_options(communication),
-            )
+            try:
+                return tf.distribute.MultiWorkerMirroredStrategy(
+                    cluster_resolver=cluster_resolver,
+                    communication_options=_communication_options(communication),
+                )
+            except tf.errors.UnknownError as error:
+                raise _server_error(error, cluster_resolver) from error
     if kind == "parameter_server":
         return _make_parameter_server(
             cluster_resolver, options.get("variable_partitioner")
         )
     return _make_tpu(options.get("tpu"), cluster_resolver)
+
+
+# The first MirroredStrategy whose collectives ran, for each key base.
+_COLLECTIVE_OWNERS = {}
+
+
+def check_collective_keys(strategy):
+    """Refuses a second `tf.distribute.MirroredStrategy` that would reuse the first one's keys.
+
+    TensorFlow caches each collective by its keys for the life of the
+    process, and every `tf.distribute.MirroredStrategy` numbers its
+    collectives from the same start: once one strategy's steps ran, another
+    one's first all-reduce meets the cached shapes and aborts ("Shape
+    mismatch in the collective instance"), and so does every collective
+    after it, plain Keras's too. Strategies from `make_strategy("mirrored")`
+    have keys of their own and never collide.
+
+    Raises:
+        RuntimeError: `strategy` is a second MirroredStrategy of several
+            replicas with the same key base as one whose steps already ran.
+    """
+    base = _keras_compat.collective_key_base(strategy)
+    if base is None or strategy.num_replicas_in_sync < 2:
+        return
+    owner = _COLLECTIVE_OWNERS.get(base)
+    if owner is None:
+        _COLLECTIVE_OWNERS[base] = weakref.ref(strategy)
+        return
+    if owner() is strategy:
+        return
+    raise RuntimeError(
+        "This is the second tf.distribute.MirroredStrategy in this process to run steps, "
+        "and TensorFlow numbers every MirroredStrategy's collectives from the same start: "
+        "its first all-reduce would abort on the first strategy's cached shapes (\"Shape "
+        "mismatch in the collective instance\"). Reuse the first strategy (create it once, "
+        "e.g. in the notebook's first cell), or create each one with "
+        "kd.make_strategy(\"mirrored\"), which gives every strategy collective keys of its own."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,15 +28,22 @@ __all__ = [
     "ClusterResult",
     "PrivateNetwork",
     "RESTART_EXIT_CODE",
+    "STOP_SIGNALS",
     "TaskResult",
     "TaskSpec",
+    "ignore_stop_signals",
     "run_tasks",
     "signals_stop_the_cluster",
     "split_gpus",
     "visible_gpus",
+    "whole_lines",
 ]
 
 GRACE_SECONDS = 5.0
+# Signals to the launcher that stop the cluster, the tasks getting SIGTERM and
+# the grace period to save: SIGTERM (a preemption, `scancel`), SIGINT
+# (Ctrl-C) and SIGUSR1 (Slurm's `--signal=USR1@<seconds>` before a time limit).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # What a task exits with after saving a backup on preemption: restart me.
 # (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
 # platforms too.) `keras_distrib.preemption` uses the same value.
@@ -71,6 +78,30 @@ class ClusterResult:
     timed_out: bool = False
     restarts: int = 0
     signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
+
+
+def whole_lines(sink):
+    """`sink`, called by one thread at a time; `print` becomes a whole-line write and flush.
+
+    The tasks' reader threads share the sink: each line reaches the
+    launcher's output in one write, never merged with another task's (nor,
+    through `srun`, with another node's agent: stdout is flushed per line).
+    """
+    if getattr(sink, "whole_lines", False):
+        return sink
+    lock = threading.Lock()
+
+    def write(line):
+        with lock:
+            if sink is print:
+                stream = sys.stdout
+                stream.write(f"{line}\n")
+                stream.flush()
+            else:
+                sink(line)
+
+    write.whole_lines = True
+    return write
 
 
 def visible_gpus(env=None):
@@ -272,6 +303,12 @@ class TaskSpec:
         return f"{self.task_type} {self.task_index}"
 
 
+def _said_saved(result):
+    from keras_distrib import preemption
+
+    return any(preemption.SAVED_MESSAGE in line for line in result.tail[-5:])
+
+
 def _lost_peer_message(result, own_label, service_task):
     """kd's explanation when a task ended because the cluster lost another task, else None."""
     from keras_distrib import watchdog
@@ -316,6 +353,7 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
 
 def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     grace = GRACE_SECONDS if grace_period is None else grace_period
+    sink = whole_lines(sink)
     tasks = []
     started = time.monotonic()
     timed_out = False
@@ -388,14 +426,19 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         # it on, and give the tasks time to save (a preemption's grace).
         signalled = stop.code
         stop_grace = grace
-        sink(f"[launcher] got signal {signalled - 128}; passing it on, the tasks have "
-             f"{grace:g}s to save and exit")
+        sink(f"[launcher] got {signal.Signals(signalled - 128).name}; passing SIGTERM on, the "
+             f"tasks have {grace:g}s to save and exit")
     finally:
-        _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
+        with _signals_ignored():
+            # The tasks are being stopped (and given the grace period to save):
+            # a second signal must not cut that short.
+            _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
     results = [t.finish() for t in tasks]
     if signalled is not None:
         codes = [r.returncode for r in results]
-        saved = RESTART_EXIT_CODE in codes
+        # A task that saved may still be killed on its way out (Slurm ends the
+        # step once another node's task exited 42): its last words count.
+        saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
         code = RESTART_EXIT_CODE if saved else signalled
         sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
         return ClusterResult(code, results, signalled=True)
@@ -424,8 +467,36 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
 
 
 @contextlib.contextmanager
+def _signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ignore_stop_signals():
+    """After the run: the exit code is decided, a late signal must not change it.
+
+    Under `srun --kill-on-bad-exit=1`, the first node's agent to exit 42
+    makes Slurm send SIGTERM to the others, which are then exiting 42 too.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
 def signals_stop_the_cluster():
-    """SIGTERM/SIGINT/SIGHUP to the launcher unwind it, so its `finally` stops every task."""
+    """A signal of `STOP_SIGNALS` to the launcher unwinds it, so its `finally` stops every task.
+
+    The tasks then get SIGTERM and the grace period to save (SIGUSR1 is
+    Slurm's warning before a time limit, `--signal=USR1@<seconds>`).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -433,7 +504,7 @@ def signals_stop_the_cluster():
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

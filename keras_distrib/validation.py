@@ -10,6 +10,7 @@ problem found, not the first.
 import collections.abc
 import math
 import numbers
+import warnings
 
 import keras
 import numpy as np
@@ -18,6 +19,7 @@ from keras import tree
 
 __all__ = [
     "InputError",
+    "NonFiniteDataWarning",
     "check_fit_arguments",
     "is_seconds",
     "is_whole",
@@ -29,6 +31,10 @@ _VERBOSE = ("auto", 0, 1, 2)
 
 class InputError(ValueError):
     """An argument to `fit`, `evaluate` or `predict` is invalid (nothing ran)."""
+
+
+class NonFiniteDataWarning(UserWarning):
+    """The data holds NaN or inf (Keras trains on it, as does kd; `TerminateOnNaN` stops it)."""
 
 
 def is_whole(value, minimum=0):
@@ -280,7 +286,7 @@ def _dataset_problems(model, dataset, y, label):
 
 
 def _array_problems(model, x, y, sample_weight, labels=("x", "y", "sample_weight"), *,
-                    check_finite):
+                    check_finite, method="fit"):
     problems = []
     label = labels[0]
     leaves = {"x": _leaves(labels[0], x), "y": _leaves(labels[1], y),
@@ -301,13 +307,21 @@ def _array_problems(model, x, y, sample_weight, labels=("x", "y", "sample_weight
                 "to integer class indices (e.g. np.unique(y, return_inverse=True), or "
                 "keras.layers.StringLookup)"
             )
+    for group in leaves.values():
+        for name, array in group:
+            if _rows(array) == 0:
+                problems.append(
+                    f"`{name}` has 0 rows; `{method}` needs at least one example. Pass data "
+                    "with rows (an empty array usually means a filter or split removed everything)"
+                )
+                break
     if check_finite:
         for group in leaves.values():
             for name, array in group:
                 if _is_array(array):
                     problem = _non_finite(name, _as_numpy(array))
                     if problem:
-                        problems.append(problem)
+                        warnings.warn(problem + ".", NonFiniteDataWarning, stacklevel=4)
     for sub_label, data, expected in _pair_inputs(model, x, label):
         if _is_array(data):
             problem = _shape_problem(sub_label, tuple(data.shape), expected, batched=False)
@@ -316,10 +330,37 @@ def _array_problems(model, x, y, sample_weight, labels=("x", "y", "sample_weight
     return problems
 
 
-def _data_problems(model, x, y, sample_weight, *, check_finite):
+def _data_problems(model, x, y, sample_weight, *, check_finite, method):
     if isinstance(x, tf.data.Dataset):
         return _dataset_problems(model, x, y, "x")
-    return _array_problems(model, x, y, sample_weight, check_finite=check_finite)
+    return _array_problems(model, x, y, sample_weight, check_finite=check_finite, method=method)
+
+
+def _absent_inputs(name, data):
+    """Labels of the None entries inside a list, tuple or dict of inputs."""
+    if isinstance(data, collections.abc.Mapping):
+        items = [(f"{name}[{k!r}]", v) for k, v in data.items()]
+    elif isinstance(data, (list, tuple)):
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(data)]
+    else:
+        return []
+    found = []
+    for label, value in items:
+        found += [label] if value is None else _absent_inputs(label, value)
+    return found
+
+
+def _absent_input_problems(model, x):
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    absent = _absent_inputs("x", x) if replicas > 1 else []
+    if not absent:
+        return []
+    return [
+        f"{', '.join(f'`{label}`' for label in absent)} is None (an optional input left out), under "
+        f"{type(model.distribute_strategy).__name__} with {replicas} replicas: TensorFlow's "
+        "distributed input cannot split a missing input over replicas (plain Keras fails there "
+        "too). Pass the input (e.g. zeros the model ignores), or run on one device"
+    ]
 
 
 def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", validation_data=None,
@@ -327,11 +368,13 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
     """Raises `InputError` listing every problem with `method`'s arguments.
 
     Checks what can be checked before a step runs: scalar arguments (types,
-    ranges, NaN), arrays with different row counts, string labels, NaN or
-    inf in the data (fit and evaluate), data whose shape does not fit the
+    ranges, NaN), arrays with different or zero row counts, string labels,
+    data whose shape does not fit the
     model's inputs, and a dataset batched twice (or not at all). Inputs it
     cannot inspect (generators, `PyDataset`s, a subclassed model's inputs)
-    are passed through to Keras.
+    are passed through to Keras. NaN or inf in the data (fit and evaluate)
+    is warned about (`NonFiniteDataWarning`), not refused: Keras trains on
+    it (its `TerminateOnNaN` callback is for that case), and so does kd.
 
     Args:
         model: The kd model.
@@ -362,13 +405,19 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
             value = arguments.get(name)
             if value is not None and not is_whole(value, 1):
                 problems.append(f"`{name}`={value!r}: expected a whole number >= 1, or None")
+        verbose = arguments.get("verbose", "auto")
+        if not isinstance(verbose, (bool, np.bool_)) and verbose not in _VERBOSE:
+            problems.append(f"`verbose`={verbose!r}: expected one of {list(_VERBOSE)}")
+        problems.extend(_callback_problems(arguments.get("callbacks")))
     if x is None:
         problems.append(
             f"`x` is None; `{method}` needs data: arrays, a dict of arrays, or a tf.data.Dataset"
         )
     else:
+        problems.extend(_absent_input_problems(model, x))
         check_finite = method != "predict"
-        problems.extend(_data_problems(model, x, y, sample_weight, check_finite=check_finite))
+        problems.extend(_data_problems(model, x, y, sample_weight, check_finite=check_finite,
+                                       method=method))
     if validation_data is not None:
         if isinstance(validation_data, tf.data.Dataset):
             problems.extend(_dataset_problems(model, validation_data, None, "validation_data"))
@@ -376,7 +425,7 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
             val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
             labels = tuple(f"validation_data[{i}]" for i in range(3))
             problems.extend(_array_problems(model, val_x, val_y, val_weight, labels,
-                                            check_finite=True))
+                                            check_finite=True, method="fit"))
         elif not hasattr(validation_data, "__iter__"):
             problems.append(
                 f"`validation_data`={type(validation_data).__name__}: expected (x_val, y_val), "

@@ -1,9 +1,14 @@
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
-import sys
 
 import keras_distrib as kd
 from keras_distrib import cluster
@@ -116,10 +121,16 @@ _CLEAN = [name for name in cluster_sources.ENVIRONMENT if name != "PATH"]
 
 @pytest.fixture
 def environ(monkeypatch, tmp_path):
-    """A clean environment without scontrol on PATH; returns a setter."""
+    """A clean environment without scontrol on PATH; returns a setter.
+
+    The simulated nodes' names (n9, n10) do not resolve here: each stands for
+    a machine of its own (name resolution is tested on its own below, and for
+    real in tests/test_slurm.py).
+    """
     for name in _CLEAN:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: host)
 
     def set_env(**values):
         for name, value in values.items():
@@ -163,6 +174,28 @@ def test_slurm_uses_scontrol_when_on_path(environ, tmp_path):
     fake.chmod(0o755)
     environ(**_slurm(3, nodes="weird[list", KD_PORT=9000))
     assert kd.cluster_info().cluster["worker"][-1] == "beta:9001"
+
+
+def test_slurm_nodes_on_one_machine_get_different_ports(environ, monkeypatch):
+    # Two Slurm nodes on one host (the usual multi-node test set-up): their
+    # tasks share the machine, so each needs its own port.
+    monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: "127.0.0.1")
+    environ(**_slurm(2, KD_PORT=7000))
+    assert kd.cluster_info().cluster["worker"] == ("n9:7000", "n9:7001", "n10:7002", "n10:7003")
+
+
+def test_an_unresolvable_slurm_node_is_named_within_seconds(environ, monkeypatch):
+    monkeypatch.undo()  # the real resolution
+    for name in _CLEAN:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _slurm(0, nodes="kd-no-such-node[1-2].invalid", per_node="2(x2)").items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    started = time.monotonic()
+    with pytest.raises(kd.ClusterConfigError,
+                       match=r"The Slurm node 'kd-no-such-node1\.invalid' does not resolve"):
+        kd.cluster_info()
+    assert time.monotonic() - started < cluster_sources.RESOLVE_SECONDS + 1
 
 
 def test_slurm_parameter_servers(environ):
@@ -335,3 +368,115 @@ def test_kubernetes_indexed_job_pods_train_exactly(one_device_run):
         assert code == 0, output[-4000:]
     results = [r for _, output in outputs for r in _task_results(output)]
     _check_exact(results, one_device_run, "kubernetes")
+
+
+# The README's Kubernetes recipe: its environment, backup volume and restart policy.
+
+
+def _kubernetes_recipe():
+    import yaml
+
+    with open(os.path.join(_harness.REPO, "README.md")) as f:
+        text = f.read()
+    match = re.search(r"^### Kubernetes.*?^```yaml\n(.*?)^```", text, re.S | re.M)
+    assert match, "README.md has no ```yaml block under '### Kubernetes'"
+    service, job = yaml.safe_load_all(match.group(1))
+    return service, job
+
+
+def test_the_kubernetes_recipe_agrees_with_itself_and_with_kd():
+    service, job = _kubernetes_recipe()
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    # The pods' names: the headless Service is the pods' subdomain, its selector the Job.
+    assert service["spec"]["clusterIP"] == "None" and service["metadata"]["name"] == pod["subdomain"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    assert env["KD_SERVICE"] == pod["subdomain"]
+    assert int(env["KD_NUM_PODS"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    port = int(env.get("KD_PORT", cluster_sources.KUBERNETES_PORT))
+    assert service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"] == port
+    # The backup: on the volume every pod mounts, a claim shared by all (ReadWriteMany).
+    command = container["command"]
+    backup = command[command.index("--backup-dir") + 1]
+    (mount,) = container["volumeMounts"]
+    assert backup == mount["mountPath"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert "persistentVolumeClaim" in volume
+    # Restarts: a failed or preempted container (exit 42) is restarted in its pod, and the
+    # kill comes after the launcher's grace period.
+    assert pod["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] >= 1
+    grace = float(command[command.index("--grace-period") + 1])
+    assert pod["terminationGracePeriodSeconds"] > grace
+    assert command[:2] == ["keras-distrib", "launch"]
+    if command[command.index("--per-node") + 1] == "gpu":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+
+
+@pytest.mark.cluster
+def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volume(tmp_path):
+    # The container's command, as written, in 2 "pods" (processes) with the
+    # recipe's environment plus what Kubernetes sets (JOB_COMPLETION_INDEX,
+    # HOSTNAME, one GPU each in CUDA_VISIBLE_DEVICES: this machine has none,
+    # so TensorFlow runs on CPU) and KD_HOSTS (the pods' DNS names do not
+    # exist here). The backup volume is a directory both mount. A drain
+    # (SIGTERM to both) makes them save and exit 42; OnFailure restarts the
+    # containers, which resume from the volume and end as one device does.
+    service, job = _kubernetes_recipe()
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    volume = tmp_path / "volume"
+    command = [str(volume) if arg == container["volumeMounts"][0]["mountPath"] else arg
+               for arg in container["command"]]
+    shutil.copy(os.path.join(_harness.SCRIPTS, "slurm_train.py"), tmp_path / "train.py")
+    reference = str(tmp_path / "one_device.npz")
+    code, output = _harness.run_script("slurm_train.py", "--reference", "--backup-dir", "unused",
+                                       "--out", reference)
+    assert code == 0, output[-3000:]
+    port = _harness.free_port_block(2)
+    pods = int(env["KD_NUM_PODS"])
+    name = job["metadata"]["name"]
+
+    def start(slow):
+        processes = []
+        for index in range(pods):
+            pod_env = {**_harness._env(), **env, "JOB_COMPLETION_INDEX": str(index),
+                       "HOSTNAME": f"{name}-{index}", "CUDA_VISIBLE_DEVICES": "0",
+                       "KD_HOSTS": ",".join(f"localhost:{port + i}" for i in range(pods)),
+                       "KD_SLURM_OUT": str(volume / "weights.npz"), "KD_SLURM_SLOW": slow}
+            processes.append(subprocess.Popen(command, cwd=tmp_path, env=pod_env, text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        return processes
+
+    def finish(processes, timeout=180):
+        results = []
+        try:
+            for process in processes:
+                output, _ = process.communicate(timeout=timeout)
+                results.append((process.returncode, output))
+        finally:
+            for process in processes:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        return results
+
+    processes = start("0.5")
+    deadline = time.monotonic() + 120
+    while not (volume.is_dir() and any(n.startswith("ckpt") for n in os.listdir(volume))):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes), "no backup"
+        time.sleep(0.5)
+    for process in processes:
+        process.send_signal(signal.SIGTERM)  # the node drain's SIGTERM to each container
+    first = finish(processes)
+    assert [code for code, _ in first] == [42, 42], "\n".join(out[-2000:] for _, out in first)
+    assert not (volume / "weights.npz").exists()
+    second = finish(start("0"))  # restartPolicy: OnFailure
+    assert [code for code, _ in second] == [0, 0], "\n".join(out[-2000:] for _, out in second)
+    assert "[launcher] kubernetes node: starting worker 0 of 2 task(s)" in second[0][1]
+    assert _harness.saved_weights_diff(reference, str(volume / "weights.npz")) <= 1e-5

@@ -18,32 +18,36 @@ ALL = [
     "loss_scale_factor", "mixed_float16", "nonfinite_on_one_replica", "ema", "adamw_schedule",
     "regularizers", "frozen_layer", "sync_batch_norm", "weights", "class_weights",
     "multi_output", "dict_inputs", "masks", "lstm_auc", "cnn", "reshuffled_dataset",
-    "custom_train_step",
+    "custom_train_step", "dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics",
+    "running_mean", "custom_random_layer",
 ]
+# Randomness, batch statistics and layer state (issue 22).
+LAYERED = ["dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics"]
 # What each path must show; every path also runs under mirrored2 with ALL.
 CORE = ["base", "clipnorm", "accumulation", "nonfinite_on_one_replica", "sync_batch_norm",
         "masks", "cnn", "custom_train_step"]
 MATRIX = {
     "one_device": ALL,
-    "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step"],
+    "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step",
+                  "dropout_bn_noise", "running_mean"],
     "mirrored2": ALL,
-    "mirrored4": CORE,
+    "mirrored4": CORE + LAYERED,
     "mirrored2_reduce_to_one_device": ["base", "global_clipnorm", "weights", "multi_output"],
     "central_storage2": [
         "base", "clipnorm", "accumulation", "mixed_float16", "ema", "sync_batch_norm",
         "class_weights", "multi_output", "cnn", "custom_train_step",
     ],
-    "loop_mirrored2": CORE + ["reshuffled_dataset"],
+    "loop_mirrored2": CORE + ["reshuffled_dataset"] + LAYERED,
     "loop_one_device": ["base", "accumulation", "masks"],
-    "spe3_mirrored2": CORE + ["ema"],
+    "spe3_mirrored2": CORE + ["ema", "dropout_bn_noise"],
     "jit_mirrored2": ["base", "clipnorm", "accumulation", "mixed_float16", "regularizers",
-                      "sync_batch_norm", "masks", "cnn", "custom_train_step"],
+                      "sync_batch_norm", "masks", "cnn", "custom_train_step", "dropout_bn_noise"],
     "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc"],
     "multi_worker1": ["base", "clipnorm", "weights"],
     "parameter_server": ALL,
 }
-MULTI_WORKER = CORE + ["mixed_float16", "reshuffled_dataset"]
-LOOP_MULTI_WORKER = ["base", "accumulation", "masks"]
+MULTI_WORKER = CORE + ["mixed_float16", "reshuffled_dataset"] + LAYERED
+LOOP_MULTI_WORKER = ["base", "accumulation", "masks", "dropout_bn_noise"]
 
 # (path, feature) -> text the refusal must contain.
 _CENTRAL = "CentralStorageStrategy keeps one copy of each variable"
@@ -54,8 +58,10 @@ REFUSED = {
     ("central_storage2", "ema"): ("`use_ema`=True", _CENTRAL),
     ("central_storage2", "mixed_float16"): ("LossScaleOptimizer", _CENTRAL),
     ("central_storage2", "nonfinite_on_one_replica"): ("LossScaleOptimizer", _CENTRAL),
-    ("central_storage2", "sync_batch_norm"): ("BatchNormalization", _CENTRAL),
-    ("jit_mirrored2", "sync_batch_norm"): ("BatchNormalization(synchronized=True)", _JIT),
+    ("jit_mirrored2", "sync_batch_norm"): ("(BatchNormalization) all-reduces its global", _JIT),
+    ("jit_mirrored2", "dropout_bn_noise"): ("(BatchNormalization) all-reduces its global", _JIT),
+    ("mirrored2", "running_mean"): ("(RunningMean) assigns its variable", "`assign`"),
+    ("mirrored2", "custom_random_layer"): ("(NoisyScale) draws random numbers in a way kd cannot",),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
 }
 
@@ -139,3 +145,43 @@ def test_plain_keras_contrast_fails_the_same_comparison():
     overflow = results["nonfinite_on_one_replica"]
     assert overflow["iterations"][0] != overflow["iterations"][1], overflow
     assert overflow["weights"] == float("inf"), overflow
+
+
+@pytest.mark.cluster
+def test_per_replica_batch_norm_is_an_opt_out():
+    """compile(batch_norm="per_replica"): Keras's per-replica statistics, not one device's.
+
+    Synchronized layers stay exact; plain Keras 3 under mirrored is far off
+    on the random and batch-statistics models (the contrast).
+    """
+    features = ["dropout_bn_noise", "sync_batch_norm"]
+    code, output = _harness.run_script("exactness.py", "bn_per_replica_mirrored2", ",".join(features))
+    assert code == 0, output[-4000:]
+    results = {r["feature"]: r for r in _harness.results_of(output)}
+    assert results["dropout_bn_noise"]["weights"] > 1e-3, results["dropout_bn_noise"]
+    assert results["sync_batch_norm"]["weights"] <= 2e-5, results["sync_batch_norm"]
+    layered = ["dropout_bn_noise", "resnet_bn", "two_sync_bn", "row_statistics"]
+    code, output = _harness.run_script("exactness.py", "plain-mirrored2", ",".join(layered))
+    assert code == 0, output[-4000:]
+    for result in _harness.results_of(output):
+        assert "error" in result or result["weights"] > 1e-3, result
+
+
+@pytest.mark.cluster
+def test_workers_with_unequal_batch_counts_take_every_step():
+    """2 workers whose dataset_fn shards differ by a batch train as one device does.
+
+    The worker that runs out steps on empty batches until the other is done
+    (before: TensorFlow's raw "Collective instance ... data_type" error).
+    Plain Keras 3 under the same strategy fails on this input.
+    """
+    result, output = _harness.run_cluster("unequal_workers.py", workers=2, timeout=300)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert len(results) == 6, output[-4000:]
+    for item in results:
+        if item["mode"] == "plain":
+            assert "error" in item or item["difference"] > 1e-3, item
+        else:
+            assert item.get("difference", 1.0) <= 2e-5, item

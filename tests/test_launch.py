@@ -2,13 +2,17 @@
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 import keras_distrib.launcher as kd_launch
+from keras_distrib import cluster_sources
 from keras_distrib import supervisor
 from tests import _harness, launch_targets
 
@@ -219,7 +223,13 @@ _SLURM_TWO_NODES = dict(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_I
                         KD_PORT="7000", PATH="/nonexistent")
 
 
-def test_agent_places_its_tasks_after_the_other_nodes():
+@pytest.fixture
+def fake_names(monkeypatch):
+    """The simulated nodes n1, n2 stand for two machines (their names do not resolve here)."""
+    monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: host)
+
+
+def test_agent_places_its_tasks_after_the_other_nodes(fake_names):
     source, spec, local = kd_launch.node_tasks(2, environ=_SLURM_TWO_NODES)
     assert source == "slurm"
     assert spec == {"worker": ["n1:7000", "n1:7001", "n2:7000", "n2:7001"]}
@@ -232,7 +242,10 @@ def test_agent_places_its_tasks_after_the_other_nodes():
 @pytest.mark.parametrize(
     "per_node,environ,match",
     [
-        ("gpu", {**_SLURM_TWO_NODES, "CUDA_VISIBLE_DEVICES": ""}, r"`per_node`='gpu': this node shows no GPU"),
+        ("gpu", {**_SLURM_TWO_NODES, "CUDA_VISIBLE_DEVICES": ""},
+         r"`per_node`='gpu': this node shows no GPU \(CUDA_VISIBLE_DEVICES is empty\)"),
+        ("gpu", {**_SLURM_TWO_NODES, "CUDA_VISIBLE_DEVICES": "-1"},
+         r"shows no GPU \(CUDA_VISIBLE_DEVICES='-1' hides every GPU\).*Use `--per-node N`"),
         (0, _SLURM_TWO_NODES, r"`per_node`=0: expected a whole number >= 1, or 'gpu'"),
         (1, {"PATH": "/nonexistent"}, r"shows no cluster \(no `srun` task, no KD_NUM_PODS, no TF_CONFIG\)"),
         (1, {"TPU_NAME": "t"}, r"shows a TPU pod, which TensorFlow drives from one process"),
@@ -243,9 +256,67 @@ def test_agent_places_its_tasks_after_the_other_nodes():
         (1, {**_SLURM_TWO_NODES, "SLURM_PROCID": "5"}, r"`SLURM_PROCID`=5 is not below"),
     ],
 )
-def test_agent_refusals_say_why(per_node, environ, match):
+def test_agent_refusals_say_why(per_node, environ, match, fake_names):
     with pytest.raises(kd_launch.LaunchError, match=match):
         kd_launch.node_tasks(per_node, environ=environ)
+
+
+def test_agents_of_two_nodes_on_one_machine_get_different_ports(monkeypatch):
+    # Two Slurm nodes on one host (slurmd -N): every task needs its own port.
+    monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: "127.0.0.1")
+    _, spec, local = kd_launch.node_tasks(2, environ=_SLURM_TWO_NODES)
+    assert spec == {"worker": ["n1:7000", "n1:7001", "n2:7002", "n2:7003"]}
+    assert local == ["worker 2", "worker 3"]
+
+
+def test_a_taken_port_of_this_node_is_named(fake_names):
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        _, spec, local = kd_launch.node_tasks(1, environ={**_SLURM_TWO_NODES, "KD_PORT": str(port)})
+        assert spec == {"worker": [f"n1:{port}", f"n2:{port}"]} and local == ["worker 1"]
+        with pytest.raises(kd_launch.LaunchError,
+                           match=rf"Port {port} \(worker 1: Address already in use\) cannot be bound.*KD_PORT"):
+            kd_launch._check_local_ports(spec, local)
+    kd_launch._check_local_ports(spec, local)  # free again
+
+
+@pytest.mark.cluster
+def test_a_worker_whose_port_is_taken_names_it():
+    # `srun python train.py` (no agent to check first): TensorFlow says only
+    # "Could not start gRPC server"; kd names the address.
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = {"cluster": {"worker": [f"localhost:{port}", f"localhost:{_harness.free_port_block(1)}"]},
+                  "task": {"type": "worker", "index": 0}}
+        process = subprocess.run(
+            [sys.executable, "-c", "import keras_distrib as kd; kd.make_strategy('multi_worker')"],
+            capture_output=True, text=True, timeout=120,
+            env={**_harness._env(), "TF_CONFIG": json.dumps(config)})
+    assert process.returncode != 0
+    assert (f"ClusterConfigError: This task (worker 0) could not listen on localhost:{port}: "
+            "the port is taken") in process.stderr, process.stderr[-3000:]
+
+
+def test_lines_from_many_threads_are_never_merged(capfd):
+    sink = supervisor.whole_lines(print)
+    line = "x" * 5000  # longer than a pipe's atomic write (4096)
+
+    def write(tag):
+        for _ in range(50):
+            sink(f"[{tag}] {line}")
+
+    threads = [threading.Thread(target=write, args=(tag,)) for tag in "abcd"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    out = capfd.readouterr().out.splitlines()
+    assert len(out) == 200
+    assert all(re.fullmatch(r"\[[abcd]\] x{5000}", got) for got in out)
 
 
 @pytest.mark.cluster

@@ -55,3 +55,78 @@ def test_model_created_outside_scope_is_refused():
     assert code == 0, output[-4000:]
     (result,) = _harness.results_of(output)
     assert "Create (and compile) the model inside" in result["error"]
+
+
+@pytest.mark.cluster
+def test_batch_norm_in_a_hand_written_central_storage_loop():
+    code, output = _harness.run_script("hand_written_loops.py", "central_storage")
+    assert code == 0, output[-4000:]
+    results = {r["case"]: r for r in _harness.results_of(output)}
+    # A kd model with BatchNormalization(synchronized=True) and an unbuilt Adam,
+    # never compiled: weights and moving statistics match one device.
+    assert "error" not in results["kd_batch_norm_adam"], results["kd_batch_norm_adam"]
+    assert results["kd_batch_norm_adam"]["diff"] <= 2e-5
+    # Contrast: a plain Keras model cannot update its moving statistics there.
+    assert "You must specify an aggregation method" in results["keras_batch_norm_adam"]["error"]
+
+
+def test_batch_norm_option_is_checked():
+    inputs = keras.Input((3,))
+    model = kd.Model(inputs, keras.layers.BatchNormalization()(inputs))
+    with pytest.raises(ValueError, match=r"`batch_norm`='sync': expected one of \['global', 'per_replica'\]"):
+        model.compile(optimizer="sgd", loss="mse", batch_norm="sync")
+    model.compile(optimizer="sgd", loss="mse", batch_norm="per_replica")
+    assert model.batch_norm == "per_replica"
+
+
+class Unregistered(kd.DistributedModelMixin, keras.Model):
+    """A user's subclass of an existing keras.Model subclass, not registered."""
+
+    def __init__(self, units=2, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="test_models")
+class Registered(Unregistered):
+    pass
+
+
+def _saved(model_class, path):
+    model = model_class()
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype("float32")
+    model.fit(x, x[:, :2], batch_size=2, verbose=0)
+    model.save(path)
+    return model, x
+
+
+def test_a_mixin_subclass_reloads_registered_or_with_custom_objects_and_saving_says_so(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, x = _saved(Registered, tmp_path / "registered.keras")
+    assert not [w for w in caught if "registered" in str(w.message)]  # nothing to say
+    loaded = keras.saving.load_model(tmp_path / "registered.keras")
+    assert type(loaded) is Registered and loaded.units == 2
+    assert int(loaded.optimizer.iterations.numpy()) == 3
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+    with pytest.warns(UserWarning, match=r"Unregistered is not registered with Keras, so "
+                      r"keras.saving.load_model will not find it.*register_keras_serializable.*"
+                      r"custom_objects=\{'Unregistered': Unregistered\}"):
+        model, x = _saved(Unregistered, tmp_path / "plain.keras")
+    with pytest.raises(TypeError, match="Could not locate class 'Unregistered'"):
+        keras.saving.load_model(tmp_path / "plain.keras")
+    loaded = keras.saving.load_model(tmp_path / "plain.keras",
+                                     custom_objects={"Unregistered": Unregistered})
+    assert type(loaded) is Unregistered
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))

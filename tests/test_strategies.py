@@ -81,6 +81,24 @@ def test_auto_picks_by_environment():
     }
 
 
+@pytest.mark.cluster
+def test_second_mirrored_strategy_in_one_process():
+    """A notebook makes a second MirroredStrategy: kd's own ones train exactly,
+    a second tf.distribute.MirroredStrategy is refused before its first
+    collective, where plain Keras aborts in it."""
+    code, output = _harness.run_script("second_strategy.py")
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    # Three kd.make_strategy("mirrored") in turn, each checked against one device.
+    assert len(result["make_strategy"]) == 3 and max(result["make_strategy"]) <= 2e-5, result
+    # Reusing one strategy for models of other shapes is what the error advises.
+    assert len(result["reused"]) == 2 and max(result["reused"]) <= 2e-5, result
+    assert "second tf.distribute.MirroredStrategy" in result["kd_second"], result
+    assert "Reuse the first strategy" in result["kd_second"]
+    assert 'kd.make_strategy("mirrored")' in result["kd_second"]
+    assert "Shape mismatch in the collective instance" in result["keras_second"], result
+
+
 def test_traits_are_asked_once_and_frozen():
     import dataclasses
 

@@ -100,3 +100,19 @@ def test_migrate_multi_worker_training(tmp_path):
     assert result["evaluations"], result
     for key, value in result["final"].items():
         assert abs(result["evaluations"][-1][key] - value) <= 1e-5 * (1 + abs(value)), result
+
+
+@pytest.mark.cluster
+def test_fine_tune_ecosystem_models(tmp_path):
+    result = run_notebook(
+        "fine_tune_ecosystem_models", {"ROWS": 33, "BATCH": 16, "EPOCHS": 1},
+        "{'diff': MAX_DIFF, 'reloaded': RELOADED_SAME, 'plain': PLAIN_BERT, 'tags': GRAPH_TAGS}",
+        tmp_path,
+    )
+    # A KerasHub task and a keras.applications backbone: exact under the strategy.
+    assert sorted(result["diff"]) == ["BertTextClassifier", "MobileNetV2 head"]
+    assert max(result["diff"].values()) <= 2e-5, result
+    # The same task on plain Keras fails, and the report shows TensorFlow's message.
+    assert "failed (on one device it runs)" in result["plain"] and "bool" in result["plain"], result
+    assert result["reloaded"] is True
+    assert "keras" in result["tags"], result  # the model graph, for kd's FunctionalModel

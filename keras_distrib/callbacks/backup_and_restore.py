@@ -8,7 +8,8 @@ so the run continues with exactly the batch it would have trained next
 (exact for input pipelines whose order does not depend on the run's history:
 `shuffle=False`, or a dataset shuffled from a fixed seed per epoch).
 
-On SIGTERM (a preemption, or the launcher stopping a cluster) every worker
+On SIGTERM or SIGUSR1 (a preemption, Slurm's warning before a time limit, or
+the launcher stopping a cluster) every worker
 saves at the same agreed step and the process exits with
 `kd.preemption.RESTART_EXIT_CODE` (42) to be restarted
 (`keras_distrib.preemption`: the agreement goes through the coordination
@@ -78,7 +79,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             workers write to scratch space that is removed).
         save_freq: `"epoch"`, or a number of batches between backups.
         delete_checkpoint: Remove the backup after training completes.
-        save_on_preemption: On SIGTERM (or when `termination_watcher`
+        save_on_preemption: On SIGTERM or SIGUSR1 (or when `termination_watcher`
             fires), every worker backs up at the same agreed step, then the
             process exits with code 42 (`kd.preemption.RESTART_EXIT_CODE`)
             so that `keras-distrib launch --max-restarts`, Slurm's requeue
@@ -122,6 +123,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._chunks = 0
         self._exit_after_training = False
         self._diverged = False
+
+    @property
+    def epoch_interrupted(self):
+        """True once a preemption's backup stopped the epoch part-way (kd's loop then
+        ends training without ending that epoch: the restart finishes it)."""
+        return self._exit_after_training
 
     def set_model(self, model):
         """Sets the model; refuses a plain `keras.Model` (see below) before anything is written."""

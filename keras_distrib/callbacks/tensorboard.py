@@ -1,4 +1,4 @@
-"""`kd.callbacks.TensorBoard`: summaries from the chief only.
+"""`kd.callbacks.TensorBoard`: summaries from the chief only, and the model graph.
 
 Non-chief workers still run the callback (so every worker does the same
 work between collectives), but log into scratch space. That space is made
@@ -6,12 +6,18 @@ only when a model is set (the first moment Keras writes), removed at the end
 of training and at interpreter exit, and a worker killed outright (SIGKILL,
 out of memory) leaves nothing for long: making a new scratch directory
 removes those of dead processes (`keras_distrib.files.make_scratch`).
+
+With `write_graph=True` (the default) it writes the model's conceptual graph
+(the `keras` tag) as Keras's callback does for Keras's own models; Keras
+writes it only for classes named `Functional` or `Sequential`, so not for
+kd's `FunctionalModel`.
 """
 
 import os
 
 import keras
 
+from keras_distrib import _keras_compat
 from keras_distrib import checkpoint
 from keras_distrib import cluster
 from keras_distrib import files
@@ -24,7 +30,10 @@ __all__ = [
 class TensorBoard(keras.callbacks.TensorBoard):
     """`keras.callbacks.TensorBoard` whose files come from the chief alone.
 
-    Accepts the same arguments as `keras.callbacks.TensorBoard`.
+    Accepts the same arguments as `keras.callbacks.TensorBoard`. With
+    `write_graph=True` TensorBoard's Graphs tab shows a kd model as it shows
+    Keras's: the conceptual graph of a functional or sequential model (tag
+    `keras`), also for kd's functional class and functional subclasses.
 
     Raises:
         CheckpointError: `log_dir` is a file, lies under a file, or is not
@@ -49,6 +58,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
             self._scratch = files.make_scratch(f"tb{self._info.task_type}{self._info.task_index}")
             self.log_dir = self._scratch
         super().set_model(model)
+        if self.write_graph:
+            _keras_compat.write_model_config(self, model)
 
     def on_train_end(self, logs=None):
         """Closes the writers; a non-chief worker removes its scratch space."""

@@ -30,6 +30,7 @@ PATHS = {
     "loop_one_device": (1, "default", {}, 3, {}),
     "spe3_mirrored2": (2, "mirrored", {"steps_per_execution": 3}, None, {}),
     "jit_mirrored2": (2, "mirrored", {"jit_compile": True}, None, {}),
+    "bn_per_replica_mirrored2": (2, "mirrored", {"batch_norm": "per_replica"}, None, {}),
     "jit_one_device": (1, "default", {"jit_compile": True}, None, {}),
     "multi_worker1": (1, "multi_worker", {}, None, {}),
     "multi_worker": (2, "multi_worker", {}, None, {}),

@@ -370,6 +370,148 @@ def custom_train_step():
     )
 
 
+def _noisy_mlp(cls):
+    # Dropout, BatchNormalization (Keras's default: not synchronized),
+    # GaussianNoise and GaussianDropout: randomness and batch statistics.
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    x = keras.layers.Dense(8, activation="tanh")(inputs)
+    x = keras.layers.Dropout(0.3)(x)
+    x = keras.layers.BatchNormalization(momentum=0.8)(x)
+    x = keras.layers.GaussianNoise(0.2)(x)
+    x = keras.layers.Dense(6, activation="tanh")(x)
+    x = keras.layers.GaussianDropout(0.2)(x)
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def dropout_bn_noise():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01), build=_noisy_mlp)
+
+
+def _images(rows=ROWS, size=8, channels=3, classes=3, seed=7):
+    rng = _rng(seed)
+    images = rng.normal(size=(rows, size, size, channels)).astype("float32")
+    return images, rng.integers(0, classes, size=(rows,)).astype("int32")
+
+
+def _image_feature(build):
+    images, labels = _images()
+    return dict(
+        build=build,
+        optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        compile=dict(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        ),
+        fit=dict(x=images, y=labels),
+        evaluate=dict(x=images, y=labels),
+        predict=dict(x=images),
+    )
+
+
+def _resnet(cls):
+    # A residual block with BatchNormalization on both paths, inside a nested
+    # backbone (a plain keras.Model), behind random augmentation, with
+    # SpatialDropout2D on its output.
+    keras.utils.set_random_seed(1)
+    image = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(image)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(x)
+    x = keras.layers.BatchNormalization()(x)
+    shortcut = keras.layers.BatchNormalization()(keras.layers.Conv2D(4, 1, use_bias=False)(image))
+    backbone = keras.Model(image, keras.layers.ReLU()(keras.layers.Add()([x, shortcut])), name="backbone")
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.RandomFlip("horizontal")(inputs)
+    x = keras.layers.SpatialDropout2D(0.25)(backbone(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return cls(inputs, keras.layers.Dense(3)(x))
+
+
+def resnet_bn():
+    return _image_feature(_resnet)
+
+
+def _two_sync_bn(cls):
+    # tf-keras's image correctness model: two synchronized BatchNormalization
+    # layers on the same convolution output, summed.
+    keras.utils.set_random_seed(1)
+    image = keras.Input((8, 8, 3))
+    c1 = keras.layers.Conv2D(8, 3, strides=2, kernel_regularizer=keras.regularizers.L2(1e-4))(image)
+    bn1 = keras.layers.BatchNormalization(synchronized=True)(c1)
+    bn2 = keras.layers.BatchNormalization(synchronized=True)(c1)
+    x = keras.layers.MaxPooling2D()(keras.layers.Add()([bn1, bn2]))
+    return cls(image, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
+
+
+def two_sync_bn():
+    return _image_feature(_two_sync_bn)
+
+
+class RowStatistics(keras.layers.Layer):
+    """Counts the rows it sees and sums its inputs (state assigned in `call`)."""
+
+    def build(self, input_shape):
+        self.rows = self.add_weight(shape=(), initializer="zeros", trainable=False, name="rows")
+        self.total = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                     trainable=False, name="total")
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def call(self, x, training=None):
+        if training:
+            self.rows.assign_add(keras.ops.cast(keras.ops.shape(x)[0], self.rows.dtype))
+            self.total.assign_add(keras.ops.sum(x, axis=0))
+            self.calls.assign_add(1.0)  # once per step, whatever the batch
+        return x
+
+
+class RunningMean(keras.layers.Layer):
+    """Keeps a running mean of its inputs with `assign` (no replica-free meaning)."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                    trainable=False, name="running_mean")
+
+    def call(self, x, training=None):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * keras.ops.mean(x, axis=0))
+        return x
+
+
+class NoisyScale(keras.layers.Layer):
+    """A user's random layer: scales its input by noise from its own generator."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        return x * (1.0 + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed_generator))
+
+
+def custom_random_layer():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01),
+                               build=lambda cls: _stateful_mlp(cls, NoisyScale))
+
+
+def _stateful_mlp(cls, layer):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    x = layer()(keras.layers.Dense(8, activation="tanh")(inputs))
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def row_statistics():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01),
+                               build=lambda cls: _stateful_mlp(cls, RowStatistics))
+
+
+def running_mean():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01),
+                               build=lambda cls: _stateful_mlp(cls, RunningMean))
+
+
 FEATURES = {
     "base": base,
     "clipnorm": clipnorm,
@@ -394,6 +536,12 @@ FEATURES = {
     "cnn": cnn,
     "reshuffled_dataset": reshuffled_dataset,
     "custom_train_step": custom_train_step,
+    "dropout_bn_noise": dropout_bn_noise,
+    "resnet_bn": resnet_bn,
+    "two_sync_bn": two_sync_bn,
+    "row_statistics": row_statistics,
+    "running_mean": running_mean,
+    "custom_random_layer": custom_random_layer,
 }
 
 
@@ -502,6 +650,9 @@ def reference(name):
 def error_summary(error):
     """The informative line of an error (TensorFlow wraps it in a traceback)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for index, line in enumerate(lines[:-1]):
+        if "Exception encountered when calling" in line:  # Keras wraps a layer's error
+            return f"{line} {lines[index + 1]}"[:600]
     informative = [line for line in lines if "Error:" in line or "error" in line.lower()]
     return ((informative or lines or [""])[-1])[:600]
 
