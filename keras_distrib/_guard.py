@@ -14,7 +14,8 @@ descendant when
 
 and exits with the task's status (a task killed by signal N: the guard
 kills itself with N). SIGTERM/SIGINT reach the task through the process
-group (a preemption: the task saves and exits); the guard ignores them.
+group (a preemption: the task saves and exits); the guard ignores them, and
+SIGHUP and SIGUSR1 too.
 
 Only the standard library, no keras_distrib import: it starts in ~20 ms.
 """
@@ -180,9 +181,11 @@ def main(argv):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # Slurm's `--signal=USR1@<seconds>` may reach every process of the step.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     task = os.fork()
     if task == 0:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, STOP_SIGNAL):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, STOP_SIGNAL):
             signal.signal(signum, signal.SIG_DFL)
         try:
             os.execvp(command[0], command)
