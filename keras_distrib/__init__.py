@@ -34,11 +34,11 @@ from keras_distrib.gradients import exact_optimizer
 from keras_distrib.launcher import LaunchError
 from keras_distrib.launcher import launch
 from keras_distrib.inprocess_cluster import local_cluster
-from keras_distrib.loop import TrainLoop
 from keras_distrib.models import DistributedModelMixin
 from keras_distrib.models import Model
 from keras_distrib.models import Sequential
 from keras_distrib.strategies import make_strategy
+from keras_distrib.train_loop import TrainLoop
 
 __version__ = "0.1.0"
 

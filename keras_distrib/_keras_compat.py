@@ -60,8 +60,6 @@ from keras.src.trainers.data_adapters import array_slicing
 from keras.src.utils import python_utils
 from keras.src.utils import tracking
 
-from keras_distrib import losses as kd_losses
-from keras_distrib import replica
 
 TESTED_KERAS = ((3, 12), (3, 15))
 TESTED_TENSORFLOW = ((2, 20), (2, 21))
@@ -178,173 +176,51 @@ PRIVATE_NAMES = (
 # ---------------------------------------------------------------------------
 # Losses and loss trackers.
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+def squeeze_or_expand_to_same_rank(x1, x2):
+    """Keras's rank alignment of losses and weights (as `Loss.__call__` does it)."""
+    return keras_loss.squeeze_or_expand_to_same_rank(x1, x2)
 
 
-def num_replicas():
-    return tf.distribute.get_strategy().num_replicas_in_sync
+CompileLoss = compile_utils.CompileLoss
 
 
-class GlobalReductionLoss(keras.losses.Loss):
-    """Wraps a Keras loss so it returns this replica's share of the global loss.
+def replace_compile_losses(compile_loss, wrap_loss, make_tracker):
+    """After `CompileLoss.build`: wraps each loss and replaces each per-output tracker.
 
-    The per-element losses, masks and sample weights are combined exactly as
-    `keras.losses.Loss.__call__` does on one device; only the denominator
-    changes: it is all-reduced across replicas, so the shares add up to the
-    one-device value.
+    `wrap_loss(loss)` returns the loss to use; `make_tracker(name)` the
+    tracker for a per-output `<name>_loss`.
     """
-
-    def __init__(self, inner):
-        super().__init__(
-            name=inner.name, reduction=inner.reduction, dtype=inner.dtype
-        )
-        self.inner = inner
-
-    def call(self, y_true, y_pred):
-        return self.inner.call(y_true, y_pred)
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        reduction = self.inner.reduction
-        if reduction in (None, "none"):
-            return self.inner(y_true, y_pred, sample_weight)
-        dtype = self.inner.dtype
-        in_mask = keras_masking.get_keras_mask(y_pred)
-        with tf.name_scope(self.name):
-            y_pred = tree.map_structure(lambda x: tf.cast(x, dtype), y_pred)
-            y_true = tree.map_structure(lambda x: tf.cast(x, dtype), y_true)
-            values = tf.convert_to_tensor(self.inner.call(y_true, y_pred), dtype)
-            mask = _combine_masks(in_mask, keras_masking.get_keras_mask(values))
-            weights = None
-            if sample_weight is not None:
-                weights = tf.cast(tf.convert_to_tensor(sample_weight), dtype)
-            if mask is not None:
-                float_mask = tf.cast(mask, dtype)
-                if weights is None:
-                    weights = float_mask
-                else:
-                    float_mask, weights = keras_loss.squeeze_or_expand_to_same_rank(
-                        float_mask, weights
-                    )
-                    weights = weights * float_mask
-            if weights is not None:
-                values, weights = keras_loss.squeeze_or_expand_to_same_rank(
-                    values, weights
-                )
-                values = values * weights
-            numerator = tf.reduce_sum(values)
-            if reduction == "sum":
-                return numerator
-            if reduction == "mean_with_sample_weight" and weights is not None:
-                denominator = tf.reduce_sum(weights)
-            elif reduction in _MEAN_REDUCTIONS and mask is not None:
-                denominator = tf.reduce_sum(tf.cast(mask, dtype))
-            else:
-                denominator = tf.cast(tf.size(values), dtype)
-            return kd_losses.global_share(numerator, denominator)
+    compile_loss._flat_losses = [
+        entry._replace(loss=wrap_loss(entry.loss)) for entry in compile_loss._flat_losses
+    ]
+    trackers = [make_tracker(metric.name) for metric in compile_loss._metrics]
+    compile_loss._metrics.clear()
+    compile_loss._metrics.extend(trackers)
 
 
-def _combine_masks(first, second):
-    if first is not None and second is not None:
-        return tf.logical_and(tf.cast(first, tf.bool), tf.cast(second, tf.bool))
-    return first if first is not None else second
+def compiled_loss(model):
+    """The model's `CompileLoss` (None before compile or without a loss)."""
+    return getattr(model, "_compile_loss", None)
 
 
-class GlobalShareMean(keras.metrics.Mean):
-    """A loss tracker that sums replica shares into the true global mean.
-
-    Keras updates a loss tracker with `unscale_loss_for_distribution(share)`
-    (the share times R), weighted by the replica's rows: only right when
-    every replica holds the same number of rows. Here the share is recovered
-    and weighted so that summing the SyncOnRead variables over replicas
-    gives what one device records:
-
-    - `weighting="rows"` (the model's `loss`): sum_b(N_b * loss_b) / sum_b(N_b),
-      each replica adding share * N_b and counting its own rows;
-    - `weighting="steps"` (per-output `<name>_loss`, which Keras weights by the
-      static batch size, unknown in a `fit` pipeline, so 1 per batch):
-      sum_b(loss_b) / batches, each replica adding its share and 1/R.
-
-    A loss with `reduction="none"` gives per-example values instead of a
-    share; they are tracked as Keras tracks them on one device (see
-    `_update_per_example`).
-    """
-
-    def __init__(self, name="loss", dtype=None, weighting="rows"):
-        # Same leading arguments as keras.metrics.Mean, which Keras may use
-        # to re-create a metric from its class.
-        super().__init__(name=name, dtype=dtype)
-        if weighting not in ("rows", "steps"):
-            raise ValueError(f"`weighting`={weighting!r}: expected 'rows' or 'steps'.")
-        self.weighting = weighting
-
-    def get_config(self):
-        return {**super().get_config(), "weighting": self.weighting}
-
-    def update_state(self, values, sample_weight=None):
-        batch = replica.current_batch()
-        if batch is None:
-            return super().update_state(values, sample_weight=sample_weight)
-        replicas = num_replicas()
-        share = tf.cast(values, self.dtype) / replicas
-        if share.shape.rank != 0:
-            return self._update_per_example(share, batch)
-        if self.weighting == "rows":
-            self.total.assign_add(share * tf.cast(batch.global_rows, self.dtype))
-            self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
-        else:
-            self.total.assign_add(share)
-            self.count.assign_add(tf.constant(1.0 / replicas, self.dtype))
-
-
-    def _update_per_example(self, values, batch):
-        # A loss with reduction="none" returns this replica's per-example
-        # values (unscaled, kd's loss wrapper leaves them as they are). On one
-        # device Keras's tracker adds mean(values) * rows and counts the rows
-        # (the model's loss), or adds sum(values) and counts the leading
-        # dimension (a per-output loss); each replica adds its own part.
-        if self.weighting == "rows":
-            rows = tf.cast(batch.local_rows, self.dtype)
-            mean = tf.math.divide_no_nan(tf.reduce_sum(values), tf.cast(tf.size(values), self.dtype))
-            self.total.assign_add(mean * rows)
-            self.count.assign_add(rows)
-        else:
-            self.total.assign_add(tf.reduce_sum(values))
-            self.count.assign_add(tf.cast(tf.shape(values)[0], self.dtype))
-
-
-class GlobalCompileLoss(compile_utils.CompileLoss):
-    """`CompileLoss` whose losses and trackers are exact across replicas."""
-
-    def build(self, y_true, y_pred):
-        super().build(y_true, y_pred)
-        self._flat_losses = [
-            entry._replace(loss=_wrap_loss(entry.loss)) for entry in self._flat_losses
-        ]
-        trackers = [GlobalShareMean(m.name, weighting="steps") for m in self._metrics]
-        self._metrics.clear()
-        self._metrics.extend(trackers)
-
-
-def _wrap_loss(loss):
-    if isinstance(loss, GlobalReductionLoss):
-        return loss
-    return GlobalReductionLoss(loss)
+def compile_loss_arguments(compile_loss):
+    """What `compile` gave a `CompileLoss`: (loss, loss_weights, output_names)."""
+    return compile_loss._user_loss, compile_loss._user_loss_weights, compile_loss.output_names
 
 
 @tracking.no_automatic_dependency_tracking
-def install_global_losses(model):
-    """Swaps the model's compiled loss and loss tracker for exact ones."""
-    compiled = getattr(model, "_compile_loss", None)
-    if compiled is not None and not isinstance(compiled, GlobalCompileLoss):
-        model._compile_loss = GlobalCompileLoss(
-            compiled._user_loss,
-            compiled._user_loss_weights,
-            output_names=compiled.output_names,
-        )
-    if getattr(model, "_loss_tracker", None) is not None and not isinstance(
-        model._loss_tracker, GlobalShareMean
-    ):
-        model._loss_tracker = GlobalShareMean("loss", weighting="rows")
+def set_compiled_loss(model, compile_loss):
+    model._compile_loss = compile_loss
+
+
+def loss_tracker(model):
+    """The model's `loss` tracker (None before compile)."""
+    return getattr(model, "_loss_tracker", None)
+
+
+@tracking.no_automatic_dependency_tracking
+def set_loss_tracker(model, tracker):
+    model._loss_tracker = tracker
 
 
 def unscale_for_tracker(share):
@@ -352,17 +228,9 @@ def unscale_for_tracker(share):
     return keras_loss.unscale_loss_for_distribution(share)
 
 
-
-
 def compute_loss(model, **kwargs):
     """Keras's `_compute_loss` (compute_loss with its backward-compatible arguments)."""
     return model._compute_loss(**kwargs)
-
-
-def track_loss(model, share):
-    """Updates the model's loss tracker with a replica's loss share."""
-    if getattr(model, "_loss_tracker", None) is not None:
-        model._loss_tracker.update_state(unscale_for_tracker(share))
 
 
 # ---------------------------------------------------------------------------

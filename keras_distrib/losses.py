@@ -22,8 +22,12 @@ The classic mistakes this prevents:
   shares gives (2+3)/4 averaged with (4+5)/4 = 1.75.
 """
 
+import keras
 import tensorflow as tf
+from keras import tree
 
+from keras_distrib import _keras_compat
+from keras_distrib.replica import current_batch
 from keras_distrib.replica import replica_sum
 
 __all__ = [
@@ -103,3 +107,172 @@ def scale_regularization(losses, *, local_rows=None):
     local_rows = tf.cast(local_rows, total.dtype)
     fraction = tf.math.divide_no_nan(local_rows, replica_sum(local_rows))
     return tf.where(local_rows > 0, total * fraction, tf.zeros_like(total))
+
+
+# ---------------------------------------------------------------------------
+# Compiled losses: what kd models put in place of Keras's at compile time.
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class GlobalReductionLoss(keras.losses.Loss):
+    """Wraps a Keras loss so it returns this replica's share of the global loss.
+
+    The per-element losses, masks and sample weights are combined exactly as
+    `keras.losses.Loss.__call__` does on one device; only the denominator
+    changes: it is all-reduced across replicas, so the shares add up to the
+    one-device value.
+    """
+
+    def __init__(self, inner):
+        super().__init__(
+            name=inner.name, reduction=inner.reduction, dtype=inner.dtype
+        )
+        self.inner = inner
+
+    def call(self, y_true, y_pred):
+        return self.inner.call(y_true, y_pred)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        reduction = self.inner.reduction
+        if reduction in (None, "none"):
+            return self.inner(y_true, y_pred, sample_weight)
+        dtype = self.inner.dtype
+        in_mask = _keras_compat.get_keras_mask(y_pred)
+        with tf.name_scope(self.name):
+            y_pred = tree.map_structure(lambda x: tf.cast(x, dtype), y_pred)
+            y_true = tree.map_structure(lambda x: tf.cast(x, dtype), y_true)
+            values = tf.convert_to_tensor(self.inner.call(y_true, y_pred), dtype)
+            mask = _combine_masks(in_mask, _keras_compat.get_keras_mask(values))
+            weights = None
+            if sample_weight is not None:
+                weights = tf.cast(tf.convert_to_tensor(sample_weight), dtype)
+            if mask is not None:
+                float_mask = tf.cast(mask, dtype)
+                if weights is None:
+                    weights = float_mask
+                else:
+                    float_mask, weights = _keras_compat.squeeze_or_expand_to_same_rank(
+                        float_mask, weights
+                    )
+                    weights = weights * float_mask
+            if weights is not None:
+                values, weights = _keras_compat.squeeze_or_expand_to_same_rank(
+                    values, weights
+                )
+                values = values * weights
+            numerator = tf.reduce_sum(values)
+            if reduction == "sum":
+                return numerator
+            if reduction == "mean_with_sample_weight" and weights is not None:
+                denominator = tf.reduce_sum(weights)
+            elif reduction in _MEAN_REDUCTIONS and mask is not None:
+                denominator = tf.reduce_sum(tf.cast(mask, dtype))
+            else:
+                denominator = tf.cast(tf.size(values), dtype)
+            return global_share(numerator, denominator)
+
+
+def _combine_masks(first, second):
+    if first is not None and second is not None:
+        return tf.logical_and(tf.cast(first, tf.bool), tf.cast(second, tf.bool))
+    return first if first is not None else second
+
+
+class GlobalShareMean(keras.metrics.Mean):
+    """A loss tracker that sums replica shares into the true global mean.
+
+    Keras updates a loss tracker with `unscale_loss_for_distribution(share)`
+    (the share times R), weighted by the replica's rows: only right when
+    every replica holds the same number of rows. Here the share is recovered
+    and weighted so that summing the SyncOnRead variables over replicas
+    gives what one device records:
+
+    - `weighting="rows"` (the model's `loss`): sum_b(N_b * loss_b) / sum_b(N_b),
+      each replica adding share * N_b and counting its own rows;
+    - `weighting="steps"` (per-output `<name>_loss`, which Keras weights by the
+      static batch size, unknown in a `fit` pipeline, so 1 per batch):
+      sum_b(loss_b) / batches, each replica adding its share and 1/R.
+
+    A loss with `reduction="none"` gives per-example values instead of a
+    share; they are tracked as Keras tracks them on one device (see
+    `_update_per_example`).
+    """
+
+    def __init__(self, name="loss", dtype=None, weighting="rows"):
+        # Same leading arguments as keras.metrics.Mean, which Keras may use
+        # to re-create a metric from its class.
+        super().__init__(name=name, dtype=dtype)
+        if weighting not in ("rows", "steps"):
+            raise ValueError(f"`weighting`={weighting!r}: expected 'rows' or 'steps'.")
+        self.weighting = weighting
+
+    def get_config(self):
+        return {**super().get_config(), "weighting": self.weighting}
+
+    def update_state(self, values, sample_weight=None):
+        batch = current_batch()
+        if batch is None:
+            return super().update_state(values, sample_weight=sample_weight)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        share = tf.cast(values, self.dtype) / replicas
+        if share.shape.rank != 0:
+            return self._update_per_example(share, batch)
+        if self.weighting == "rows":
+            self.total.assign_add(share * tf.cast(batch.global_rows, self.dtype))
+            self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
+        else:
+            self.total.assign_add(share)
+            self.count.assign_add(tf.constant(1.0 / replicas, self.dtype))
+
+
+    def _update_per_example(self, values, batch):
+        # A loss with reduction="none" returns this replica's per-example
+        # values (unscaled, kd's loss wrapper leaves them as they are). On one
+        # device Keras's tracker adds mean(values) * rows and counts the rows
+        # (the model's loss), or adds sum(values) and counts the leading
+        # dimension (a per-output loss); each replica adds its own part.
+        if self.weighting == "rows":
+            rows = tf.cast(batch.local_rows, self.dtype)
+            mean = tf.math.divide_no_nan(tf.reduce_sum(values), tf.cast(tf.size(values), self.dtype))
+            self.total.assign_add(mean * rows)
+            self.count.assign_add(rows)
+        else:
+            self.total.assign_add(tf.reduce_sum(values))
+            self.count.assign_add(tf.cast(tf.shape(values)[0], self.dtype))
+
+
+class GlobalCompileLoss(_keras_compat.CompileLoss):
+    """Keras's `CompileLoss` whose losses and trackers are exact across replicas."""
+
+    def build(self, y_true, y_pred):
+        super().build(y_true, y_pred)
+        _keras_compat.replace_compile_losses(
+            self, _wrap_loss, lambda name: GlobalShareMean(name, weighting="steps")
+        )
+
+
+def _wrap_loss(loss):
+    if isinstance(loss, GlobalReductionLoss):
+        return loss
+    return GlobalReductionLoss(loss)
+
+
+def install_global_losses(model):
+    """Swaps the model's compiled loss and loss tracker for exact ones."""
+    compiled = _keras_compat.compiled_loss(model)
+    if compiled is not None and not isinstance(compiled, GlobalCompileLoss):
+        loss, loss_weights, output_names = _keras_compat.compile_loss_arguments(compiled)
+        _keras_compat.set_compiled_loss(
+            model, GlobalCompileLoss(loss, loss_weights, output_names=output_names)
+        )
+    tracker = _keras_compat.loss_tracker(model)
+    if tracker is not None and not isinstance(tracker, GlobalShareMean):
+        _keras_compat.set_loss_tracker(model, GlobalShareMean("loss", weighting="rows"))
+
+
+def track_loss(model, share):
+    """Updates the model's loss tracker with a replica's loss share."""
+    tracker = _keras_compat.loss_tracker(model)
+    if tracker is not None:
+        tracker.update_state(_keras_compat.unscale_for_tracker(share))

@@ -20,9 +20,11 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib import front
 from keras_distrib import gradients
+from keras_distrib import losses as kd_losses
 from keras_distrib import loop
 from keras_distrib import replica
 from keras_distrib import step as step_lib
+from keras_distrib import strategies
 
 __all__ = [
     "DistributedModelMixin",
@@ -323,8 +325,8 @@ def global_moments(layer, inputs, mask, keras_moments):
 
 
 def _spreads_strategy(strategy):
-    return strategy.num_replicas_in_sync > 1 and not isinstance(
-        strategy, tf.distribute.experimental.ParameterServerStrategy)
+    traits = strategies.traits(strategy)
+    return traits.replicas > 1 and not traits.is_parameter_server
 
 
 def _global_batch_norm(layer):
@@ -368,7 +370,7 @@ def unsupported_settings(model, *, training):
     layers = _keras_compat.flatten_layers(model)
     optimizer = getattr(model, "optimizer", None)  # None: never compiled
     base = _keras_compat.base_optimizer(optimizer) if optimizer is not None else None
-    if training and isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+    if training and strategies.traits(strategy).is_central_storage:
         fix = "Use kd.make_strategy('mirrored') on the same devices, which is exact with it."
         why = ("CentralStorageStrategy keeps one copy of each variable, and Keras updates "
                "this variable on every replica, which TensorFlow refuses to aggregate")
@@ -393,7 +395,7 @@ def unsupported_settings(model, *, training):
             elif isinstance(layer, keras.layers.RNN):
                 problems.append(f"layer {layer.name!r} ({type(layer).__name__}) keeps TensorLists that "
                                 f"cannot leave an XLA forward pass: {why}. {fix}")
-    if training and isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    if training and strategies.traits(strategy).is_parameter_server:
         if base is not None and base.gradient_accumulation_steps:
             problems.append(
                 f"`gradient_accumulation_steps`={base.gradient_accumulation_steps}: parameter-server "
@@ -457,7 +459,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         self.pss_evaluation_shards = pss_evaluation_shards
         self.batch_norm = batch_norm
         super().compile(*args, **kwargs)
-        _keras_compat.install_global_losses(self)
+        kd_losses.install_global_losses(self)
         gradients.install(self.optimizer)
         self._prepare_layers()
 
@@ -611,7 +613,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 loss = _keras_compat.compute_loss(
                     self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
                 )
-                _keras_compat.track_loss(self, loss)
+                kd_losses.track_loss(self, loss)
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
             if self.trainable_weights:
@@ -630,7 +632,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             loss = _keras_compat.compute_loss(
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
             )
-            _keras_compat.track_loss(self, loss)
+            kd_losses.track_loss(self, loss)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):

@@ -30,21 +30,16 @@ from keras_distrib import step as step_lib
 from keras_distrib import validation
 
 __all__ = [
+    "ShardRunner",
     "WorkerEpochs",
     "WorkerRunner",
     "coordinator_for",
     "evaluate",
     "fit",
-    "is_parameter_server",
     "predict",
 ]
 
 _COORDINATORS = weakref.WeakKeyDictionary()
-
-
-def is_parameter_server(strategy):
-    """Whether `strategy` is a (TF2) ParameterServerStrategy."""
-    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
 
 def coordinator_for(strategy):
@@ -252,9 +247,13 @@ class WorkerRunner:
         self.coordinator.schedule(self._skip, args=(iterator, tf.constant(count)))
         return count
 
+    def wait(self):
+        """Returns once every step scheduled on the workers has finished."""
+        self.coordinator.join()
+
     def epoch_logs(self, logs):
         """Waits for every scheduled step; returns the metrics' global values."""
-        self.coordinator.join()
+        self.wait()
         self.in_flight.clear()
         with self.model.distribute_strategy.scope():
             return _keras_compat.pythonify_logs(step_lib.metric_results(self.model))
@@ -374,6 +373,57 @@ def _shard_datasets(strategy, x, y, sample_weight, batch_size, steps, shards):
     return [dataset.shard(shards, i) for i in range(shards)]
 
 
+class _Shards:
+    """Each evaluation shard as one step of an evaluation pass (a loop source)."""
+
+    def __init__(self, iterators):
+        self.iterators = iterators
+        self.num_batches = len(iterators)
+
+    def __iter__(self):
+        return ((index, index, iterator) for index, iterator in enumerate(self.iterators))
+
+    def catch_stop_iteration(self):
+        return contextlib.nullcontext()
+
+
+class ShardRunner:
+    """Evaluates whole shards on the workers (a loop runner).
+
+    Each `run` schedules one shard, evaluated on a worker from fresh metric
+    state; `epoch_logs` waits for them all and sets the model's metric
+    variables to the sum of the shards' states.
+    """
+
+    def __init__(self, model, coordinator):
+        self.model = model
+        self.coordinator = coordinator
+        self.function = step_lib.shard_evaluator(model)
+        self.states = []
+
+    def run(self, iterator, count):
+        """Schedules the shard `iterator` reads; its logs come with the pass's end."""
+        self.states.append(self.coordinator.schedule(self.function, args=(iterator,)))
+        return {}
+
+    def skip(self, iterator, count):
+        """Evaluation never resumes part-way: nothing to skip."""
+        return 0
+
+    def wait(self):
+        """Returns once every scheduled shard has been evaluated."""
+        self.coordinator.join()
+
+    def epoch_logs(self, logs):
+        """The metrics' global values: the sum of every shard's metric state."""
+        self.wait()
+        totals = [sum(values) for values in zip(*(state.fetch() for state in self.states))]
+        with self.model.distribute_strategy.scope():
+            for variable, total in zip(self.model.metrics_variables, totals):
+                variable.assign(total)
+            return step_lib.metric_results(self.model)
+
+
 def _evaluate_sharded(model, x, y, *, sample_weight, batch_size, steps, shards, callbacks,
                       verbose, return_dict):
     strategy = model.distribute_strategy
@@ -381,26 +431,9 @@ def _evaluate_sharded(model, x, y, *, sample_weight, batch_size, steps, shards, 
     datasets = _shard_datasets(strategy, x, y, sample_weight, batch_size, steps, shards)
     loop.build_model(model, datasets[0].element_spec)
     iterators = [iter(coordinator.create_per_worker_dataset(d)) for d in datasets]
-    evaluate_shard = step_lib.shard_evaluator(model)
     callbacks = loop.callback_list(callbacks, model, verbose=verbose, epochs=1, steps=shards)
-    model.stop_evaluating = False
-    callbacks.on_test_begin()
-    states = []
-    for index, iterator in enumerate(iterators):
-        callbacks.on_test_batch_begin(index)
-        states.append(coordinator.schedule(evaluate_shard, args=(iterator,)))
-    coordinator.join()
-    totals = [sum(values) for values in zip(*(state.fetch() for state in states))]
-    for index in range(shards):
-        callbacks.on_test_batch_end(index, {})
-    with strategy.scope():
-        for variable, total in zip(model.metrics_variables, totals):
-            variable.assign(total)
-        logs = _keras_compat.pythonify_logs(step_lib.metric_results(model))
-    callbacks.on_test_end(logs)
-    if return_dict:
-        return logs
-    return _keras_compat.flatten_metrics_in_order(model, logs)
+    return loop.evaluate_pass(model, _Shards(iterators), ShardRunner(model, coordinator),
+                              callbacks=callbacks, return_dict=return_dict)
 
 
 def predict(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):

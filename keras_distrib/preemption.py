@@ -44,6 +44,7 @@ from keras_distrib import cluster as cluster_lib
 from keras_distrib import strategies
 from keras_distrib import validation
 from keras_distrib.supervisor import RESTART_EXIT_CODE
+from keras_distrib.supervisor import SAVED_MESSAGE
 
 logger = logging.getLogger("keras_distrib")
 
@@ -58,9 +59,6 @@ __all__ = [
 # The signals that mean "save and exit": a preemption (SIGTERM) and Slurm's
 # early warning before a time limit (`--signal=USR1@<seconds>`).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# What a task logs once its backup is written, just before it exits 42; the
-# launcher reads it when the task is killed on its way out (see supervisor).
-SAVED_MESSAGE = "Backed up for the preemption"
 SAVE = "save"  # save now and keep training (first save of a grace period)
 EXIT = "exit"  # save now, then exit with RESTART_EXIT_CODE
 _ACK_TIMEOUT = 60.0

@@ -9,6 +9,7 @@ MirroredStrategy each replica traces on its own thread.
 """
 
 import contextlib
+import dataclasses
 import threading
 
 import tensorflow as tf
@@ -27,8 +28,9 @@ __all__ = [
 _STATE = threading.local()
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepPlan:
-    """How a replica runs its step; decided once per compiled step function.
+    """How a replica runs its step; decided once per compiled step function (frozen).
 
     Attributes:
         pad_empty: Feed an empty replica batch to the model as one row of
@@ -43,14 +45,14 @@ class StepPlan:
             (`steps_per_execution` > 1, `steps_per_loop` > 1, a whole epoch).
     """
 
-    def __init__(self, *, pad_empty=False, xla_forward=False, looped=False):
-        self.pad_empty = bool(pad_empty)
-        self.xla_forward = bool(xla_forward)
-        self.looped = bool(looped)
+    pad_empty: bool = False
+    xla_forward: bool = False
+    looped: bool = False
 
-    def __repr__(self):
-        return (f"StepPlan(pad_empty={self.pad_empty}, xla_forward={self.xla_forward}, "
-                f"looped={self.looped})")
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if not isinstance(getattr(self, field.name), bool):
+                raise TypeError(f"`{field.name}`={getattr(self, field.name)!r}: expected True or False.")
 
 
 class ReplicaBatch:

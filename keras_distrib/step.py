@@ -135,7 +135,7 @@ def plan_for(model, *, looped=False):
     return replica.StepPlan(
         pad_empty=replicas > 1 and not strategies.traits(strategy).is_tpu,
         xla_forward=jit and not whole_step_xla(strategy),
-        looped=looped,
+        looped=bool(looped),
     )
 
 

@@ -48,6 +48,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
 # platforms too.) `keras_distrib.preemption` uses the same value.
 RESTART_EXIT_CODE = 42
+# What a task logs once its backup is written, just before it exits 42; the
+# launcher reads it when the task is killed on its way out.
+SAVED_MESSAGE = "Backed up for the preemption"
 # How long a parameter-server cluster's coordinator gets to report a lost
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0
@@ -304,9 +307,7 @@ class TaskSpec:
 
 
 def _said_saved(result):
-    from keras_distrib import preemption
-
-    return any(preemption.SAVED_MESSAGE in line for line in result.tail[-5:])
+    return any(SAVED_MESSAGE in line for line in result.tail[-5:])
 
 
 def _lost_peer_message(result, own_label, service_task):

@@ -364,9 +364,9 @@ def _train(model, arrays, *, batch_size, steps, path, per_epoch):
                           epochs=math.ceil(steps / steps_per_epoch), shuffle=False)
     fit = model.fit
     if path == "loop":
-        from keras_distrib import loop
+        from keras_distrib import train_loop
 
-        fit = loop.TrainLoop(model).fit
+        fit = train_loop.TrainLoop(model).fit
     history = fit(**kwargs, verbose=0, callbacks=[recorder])
     return {"weights": recorder.weights, "history": dict(history.history)}
 

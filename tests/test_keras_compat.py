@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
+from keras_distrib import losses as kd_losses
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
 
@@ -230,7 +231,7 @@ def test_global_reduction_loss_matches_keras_on_one_device():
         y_pred = rng.normal(size=shape).astype("float32")
         for reduction in ("sum_over_batch_size", "sum", "mean_with_sample_weight", "mean"):
             inner = keras.losses.MeanSquaredError(reduction=reduction)
-            wrapped = _keras_compat.GlobalReductionLoss(inner)
+            wrapped = kd_losses.GlobalReductionLoss(inner)
             for sample_weight in (None, weights):
                 expected = float(inner(y_true, y_pred, sample_weight))
                 actual = float(wrapped(y_true, y_pred, sample_weight))
@@ -244,5 +245,5 @@ def test_global_reduction_loss_matches_keras_with_mask():
     y_pred._keras_mask = mask
     inner = keras.losses.MeanAbsoluteError()
     expected = float(inner(y_true[..., None], y_pred[..., None]))
-    wrapped = _keras_compat.GlobalReductionLoss(inner)
+    wrapped = kd_losses.GlobalReductionLoss(inner)
     assert float(wrapped(y_true[..., None], y_pred[..., None])) == np.float32(expected)

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import checkpoint as checkpoint_lib
+from keras_distrib import models
 from keras_distrib import preemption
 from keras_distrib.loop import DataPosition
 from keras_distrib.callbacks import _schedule
@@ -120,6 +121,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume = None
         self.restored_position = None
         self._handler = None
+        self._runner = None
         self._chunks = 0
         self._exit_after_training = False
         self._diverged = False
@@ -135,8 +137,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         # A plain keras.Model divides each replica's loss by its own rows and
         # does not follow kd's resume position (it would train batches twice):
         # refuse it when the model becomes known, before anything is written.
-        from keras_distrib import models
-
         if not isinstance(model, models.DistributedModelMixin):
             raise ValueError(
                 f"`model` is a plain {type(model).__name__}, and kd.callbacks.BackupAndRestore "
@@ -183,14 +183,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
             self._handler.start()
 
-    def _save(self, epoch, step):
-        from keras_distrib import parameter_server
+    def set_runner(self, runner):
+        """The loop's runner (kd's loop calls this before training begins)."""
+        self._runner = runner
 
-        strategy = self.model.distribute_strategy
-        if parameter_server.is_parameter_server(strategy):
-            # Steps scheduled on the workers may still be running: the backup
-            # must hold exactly the steps its position counts.
-            parameter_server.coordinator_for(strategy).join()
+    def _save(self, epoch, step):
+        if self._runner is not None:
+            # Steps scheduled on parameter-server workers may still be running:
+            # the backup must hold exactly the steps its position counts.
+            self._runner.wait()
         bad = _non_finite_weights(self.model)
         if bad:
             # Diverged: the backup in place is the last good state; keep it.
