@@ -123,14 +123,14 @@ def test_bytes_that_are_not_utf8_and_a_closed_output_do_not_hang_the_launcher():
     pids = []
     try:
         started = time.monotonic()
-        result = kd_launch.launch(FAMILY, workers=2, args=["exit", "2000"], env=_harness._env(),
+        result = kd_launch.launch(FAMILY, workers=2, args=["exit", "2000", "binary"], env=_harness._env(),
                                   sink=closed_after_three, timeout=90)
         assert result.returncode == 0 and not result.timed_out
         assert time.monotonic() - started < 60
     finally:
         _kill_all(pids)
     lines = []
-    result = kd_launch.launch(FAMILY, workers=1, args=["exit"], env=_harness._env(),
+    result = kd_launch.launch(FAMILY, workers=1, args=["exit", "0", "binary"], env=_harness._env(),
                               sink=lines.append, timeout=60)
     assert result.returncode == 0
     assert any(r"bytes \xff\xfe not utf-8" in line for line in lines), lines
@@ -139,7 +139,7 @@ def test_bytes_that_are_not_utf8_and_a_closed_output_do_not_hang_the_launcher():
 @pytest.mark.cluster
 def test_launcher_piped_into_head_ends():
     launcher = subprocess.Popen(
-        f"{sys.executable} -m keras_distrib launch --workers 2 {FAMILY} exit 3000 | head -3",
+        f"{sys.executable} -m keras_distrib launch --workers 2 {FAMILY} exit 3000 binary | head -3",
         shell=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_harness._env(),
         start_new_session=True,
     )

@@ -2,7 +2,8 @@
 
 `mode`: "hang" (sleeps; the launcher must stop it), "exit" (exits 0 at
 once, leaving its child and daemon behind), "ignore" (ignores SIGTERM).
-Also prints a line of bytes that are not UTF-8, then `lines` more lines.
+With a third argument "binary", also prints a line of bytes that are not UTF-8;
+then `lines` more lines.
 """
 
 import os
@@ -23,7 +24,8 @@ if os.fork() == 0:
         time.sleep(600)
     os._exit(0)
 daemon = int(os.read(read, 64).decode().strip())
-os.write(1, b"bytes \xff\xfe not utf-8\n")
+if sys.argv[3:] == ["binary"]:
+    os.write(1, b"bytes \xff\xfe not utf-8\n")
 for i in range(lines):
     print(f"line {i} " + "x" * 200)
 print(f"FAMILY {os.getpid()} {child.pid} {daemon}", flush=True)
