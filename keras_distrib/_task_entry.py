@@ -59,7 +59,16 @@ def argv_factory(spec, args, values_dir):
     fd = os.open(os.path.join(values_dir, ARGS_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         pickle.dump(tuple(args), f)
-    path_entries = os.pathsep.join(p for p in sys.path if p)
+    entries = [p for p in sys.path if p]
+    if "" in sys.path:
+        # A notebook or `python -c` finds modules in its working directory
+        # (the '' entry). Tasks start with -P, so the working directory is not
+        # searched first; only the target's own module is found there, last.
+        top = spec.partition(":")[0].split(".")[0]
+        here = os.path.abspath(os.getcwd())
+        if os.path.isfile(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top)):
+            entries.append(here)
+    path_entries = os.pathsep.join(entries)
 
     def argv_for(task_type, task_index):
         return [

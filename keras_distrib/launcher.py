@@ -210,6 +210,11 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=
     """One `TaskSpec` per task of `spec` (or of `local` labels), with its TF_CONFIG and GPU share."""
     base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
+    if "PYTHONPATH" in base_env:
+        # An empty (or '.') entry means the working directory: a module there
+        # would be imported before the real one (what -P keeps out).
+        kept = [p for p in base_env["PYTHONPATH"].split(os.pathsep) if p not in ("", ".")]
+        base_env["PYTHONPATH"] = os.pathsep.join(kept)
     trainers = [
         f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
         if not (ps and t == "chief") and (local is None or f"{t} {i}" in local)

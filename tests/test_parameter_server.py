@@ -95,4 +95,4 @@ def test_inputs_evaluation_and_resume_as_tensorflow_guides_write_them():
     # epoch with the optimizer's step counter, then remove the backup.
     assert result["resumed_epochs"] == 2
     assert result["iterations_after_resume"] == result["iterations_at_stop"] + 2 * 3
-    assert result["backup_removed"]
+    assert result["backup_cleared"]

@@ -270,7 +270,7 @@ def test_plugin_in_a_user_test_file(tmp_path):
     )
     output = process.stdout + process.stderr
     assert process.returncode == 0, output[-6000:]
-    assert re.search(r"\b12 passed\b", output), output[-3000:]
+    assert re.search(r"\b14 passed\b", output), output[-3000:]
 
 
 # In this process: the parts that need no second device.
