@@ -126,7 +126,9 @@ def process_alive(pid, start_ticks=None):
         with open(f"/proc/{pid}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return False  # A zombie has finished.
-    except (OSError, IndexError):
+    except OSError:
+        return False  # It ended between the two looks (ENOENT or ESRCH).
+    except IndexError:
         pass
     if start_ticks is not None:
         ticks = process_start_ticks(pid)

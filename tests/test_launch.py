@@ -27,8 +27,11 @@ def _alive(pid):
     except ProcessLookupError:
         return False
     # A zombie is dead for our purposes.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # It ended between the two looks (ENOENT or ESRCH).
+        return False
 
 
 @pytest.mark.cluster

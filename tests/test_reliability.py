@@ -26,7 +26,7 @@ def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # It ended between the two looks (ENOENT or ESRCH).
         return False
 
 
