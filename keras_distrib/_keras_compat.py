@@ -958,6 +958,35 @@ def set_keras_mask(tensor, mask):
     keras_masking.set_keras_mask(tensor, mask)
 
 
+# Keras's TF backend computes cross-entropy from the logits when the
+# probabilities came straight out of a softmax or sigmoid: through the
+# `_keras_logits` its activations set on their output, or through the op's
+# type and input. Saturated probabilities are then not clipped to
+# [epsilon, 1 - epsilon] (the loss and its gradient differ greatly there).
+_LOGIT_OPS = ("Softmax", "Sigmoid")
+
+
+def keep_keras_logits(value, transform):
+    """`transform(value)`, still recognised by Keras's losses as probabilities of logits.
+
+    `transform` acts on rows alone (kd's dropping of a padded row). When
+    Keras would read `value`'s logits, the result carries `transform` of
+    them the same way: the attribute, or the same op on the transformed
+    logits (bit for bit the same probabilities). Otherwise it is plain
+    `transform(value)`.
+    """
+    logits = getattr(value, "_keras_logits", None)
+    if logits is not None:
+        result = transform(value)
+        result._keras_logits = transform(logits)
+        return result
+    op = getattr(value, "op", None)
+    if op is not None and op.type in _LOGIT_OPS and len(op.inputs) == 1:
+        logits = transform(op.inputs[0])
+        return tf.nn.softmax(logits) if op.type == "Softmax" else tf.math.sigmoid(logits)
+    return transform(value)
+
+
 # ---------------------------------------------------------------------------
 # TensorBoard's model graphs.
 

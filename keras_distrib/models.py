@@ -33,7 +33,6 @@ __all__ = [
     "Sequential",
     "global_moments",
     "layer_state",
-    "shared_input_batch_norms",
     "unregistered_class_warning",
     "unsupported_settings",
 ]
@@ -117,7 +116,12 @@ def _drop_padding(outputs, batch):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
         mask = _keras_compat.get_keras_mask(value)
-        result = tf.cond(batch.has_rows, lambda: value, lambda: value[:0])
+        # Keeps Keras's cross-entropy on the logits of a softmax/sigmoid
+        # output (without, saturated probabilities are clipped: a model
+        # whose outputs saturate trained far off one device).
+        result = _keras_compat.keep_keras_logits(
+            value, lambda v: tf.cond(batch.has_rows, lambda: v, lambda: v[:0])
+        )
         if mask is not None:
             _keras_compat.set_keras_mask(
                 result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
@@ -359,24 +363,6 @@ def unregistered_class_warning(model):
         stacklevel=3,
     )
     return True
-
-
-def shared_input_batch_norms(model):
-    """Names of BatchNormalization layers that normalize the same tensor, in groups.
-
-    Layers whose input cannot be told (subclassed models, shared layers)
-    are left out.
-    """
-    groups = {}
-    for layer in _keras_compat.flatten_layers(model):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            continue
-        try:
-            source = layer.input
-        except (AttributeError, ValueError):
-            continue
-        groups.setdefault(id(source), []).append(layer.name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 def unsupported_settings(model, *, training):
@@ -677,17 +663,6 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def _check_exactness(self, training):
         """Refuses settings kd cannot make exact here, naming each one."""
         problems = unsupported_settings(self, training=training)
-        if training and _spreads_strategy(self.distribute_strategy):
-            for names in shared_input_batch_norms(self):
-                # Open: exact alone and in most models, but not in every one.
-                warnings.warn(
-                    f"BatchNormalization layers {names} normalize the same tensor. kd's global "
-                    "statistics for such layers are not yet exact in every model (a CNN with "
-                    "two of them added before MaxPooling2D trained 0.13 off one device under "
-                    "MirroredStrategy, in float64 too). Check this model with "
-                    "kd.testing.assert_parity, or normalize the tensor once.",
-                    stacklevel=3,
-                )
         if problems:
             strategy = type(self.distribute_strategy).__name__
             raise ValueError(

@@ -247,3 +247,34 @@ def test_global_reduction_loss_matches_keras_with_mask():
     expected = float(inner(y_true[..., None], y_pred[..., None]))
     wrapped = kd_losses.GlobalReductionLoss(inner)
     assert float(wrapped(y_true[..., None], y_pred[..., None])) == np.float32(expected)
+
+
+@pytest.mark.parametrize("activation,loss", [
+    ("softmax", keras.losses.sparse_categorical_crossentropy),
+    ("sigmoid", keras.losses.binary_crossentropy),
+])
+def test_keras_cross_entropy_still_reads_the_logits_kd_keeps(activation, loss):
+    # Saturated probabilities: Keras's loss from the logits is ~40 per row;
+    # clipped probabilities give ~16. kd drops padded rows with a cond and
+    # must keep Keras's route to the logits (`_keras_logits` or the op).
+    logits = tf.constant([[40.0, -40.0, 0.0], [-40.0, 40.0, 0.0]])
+    labels = tf.constant([1, 0]) if activation == "softmax" else tf.constant([[0.0, 1.0, 0.0]] * 2)
+    keras_activation = getattr(keras.activations, activation)
+    tf_activation = tf.nn.softmax if activation == "softmax" else tf.math.sigmoid
+
+    @tf.function
+    def losses(has_rows):
+        def cut(value):
+            return tf.cond(has_rows, lambda: value, lambda: value[:0])
+
+        kept = [_keras_compat.keep_keras_logits(f(logits), cut) for f in (keras_activation, tf_activation)]
+        rows = cut(labels)
+        return ([loss(rows, p) for p in kept], loss(rows, cut(tf_activation(logits))),
+                loss(rows, cut(logits), from_logits=True))
+
+    kept, lost, exact = losses(tf.constant(True))
+    for value in kept:
+        np.testing.assert_allclose(value, exact, rtol=1e-6)
+    assert float(tf.reduce_max(tf.abs(lost - exact))) > 1.0
+    kept_empty, _, _ = losses(tf.constant(False))
+    assert [value.shape[0] for value in kept_empty] == [0, 0]

@@ -130,15 +130,3 @@ def test_a_mixin_subclass_reloads_registered_or_with_custom_objects_and_saving_s
                                      custom_objects={"Unregistered": Unregistered})
     assert type(loaded) is Unregistered
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
-
-
-def test_batch_norms_on_one_tensor_are_found():
-    inputs = keras.Input((6, 6, 3))
-    conv = keras.layers.Conv2D(4, 3, name="conv")(inputs)
-    pair = keras.layers.Add()([keras.layers.BatchNormalization(name="bn1")(conv),
-                               keras.layers.BatchNormalization(name="bn2")(conv)])
-    alone = keras.layers.BatchNormalization(name="bn3")(pair)
-    model = kd.Model(inputs, keras.layers.Flatten()(alone))
-    assert kd.models.shared_input_batch_norms(model) == [["bn1", "bn2"]]
-    one = kd.Model(inputs, keras.layers.Flatten()(keras.layers.BatchNormalization()(conv)))
-    assert kd.models.shared_input_batch_norms(one) == []
