@@ -674,26 +674,48 @@ def write_from_first_replica(variables):
     No `merge_call`, so it also runs inside kd's compiled multi-step loops.
     Other variables and strategies are left alone. Idempotent.
     """
+    _write_from_one_replica(variables, last=False)
+
+
+def write_seed_state_from_last_replica(generator, before_write):
+    """Central storage: a `SeedGenerator`'s state advances once per draw, on the last replica.
+
+    Every replica draws from the same state (kd lays the draws out over the
+    global batch) and computes the same next state; the one copy must keep
+    the state every replica read until all have read it. Replicas are traced
+    in order and TensorFlow runs the updates of a resource in the order they
+    were created, so the last replica's write comes after every replica's
+    read. `before_write(variable)` runs (at trace time) before each replica's
+    write, e.g. to refuse a second draw in one step, which would read the
+    state its own replica did not write. Idempotent.
+    """
+    _write_from_one_replica([generator.state], last=True, before_write=before_write)
+
+
+def _write_from_one_replica(variables, *, last, before_write=None):
     for variable in variables:
         inner = getattr(variable, "_value", None)
         if not isinstance(inner, ps_values.AggregatingVariable) or "assign" in vars(variable):
             continue
         if inner.aggregation != tf.VariableAggregation.NONE:
             continue
-        object.__setattr__(variable, "assign", _first_replica_assign(variable, inner))
+        object.__setattr__(variable, "assign", _one_replica_assign(variable, inner, last, before_write))
 
 
-def _first_replica_assign(variable, inner):
+def _one_replica_assign(variable, inner, last, before_write):
     keras_assign = type(variable).assign.__get__(variable)
 
     def assign(value):
         context = tf.distribute.get_replica_context()
         if _in_stateless_scope() or context is None or context.num_replicas_in_sync == 1:
             return keras_assign(value)
+        if before_write is not None:
+            before_write(variable)
         stored = inner.get()
         value = tf.cast(value, stored.dtype)
-        first = tf.equal(context.replica_id_in_sync_group, 0)
-        tf.cond(first, lambda: stored.assign(value).op, tf.no_op)
+        writer = context.num_replicas_in_sync - 1 if last else 0
+        writes = tf.equal(context.replica_id_in_sync_group, writer)
+        tf.cond(writes, lambda: stored.assign(value).op, tf.no_op)
         return value
 
     assign.__name__ = "assign"

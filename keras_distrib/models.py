@@ -178,6 +178,26 @@ def _global_batch_call(layer, call):
     return laid_out
 
 
+def _one_draw_per_step(layer):
+    """Refuses a second draw from `layer`'s seed state in one replica step (central storage)."""
+
+    def before_write(variable):
+        batch = replica.current_batch()
+        if batch is None:
+            return
+        if id(variable) in batch.seed_writes:
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers twice in "
+                "one training step under CentralStorageStrategy (the layer is called more than "
+                "once), and its one stored seed state cannot give each replica the draws one "
+                "device makes. Use kd.make_strategy('mirrored') on the same devices, which is "
+                "exact with it, or call the layer once per step."
+            )
+        batch.seed_writes.add(id(variable))
+
+    return before_write
+
+
 def _random_layer_problem(layer):
     """Why kd cannot lay out `layer`'s random draws over the global batch, or None."""
     if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS) or not _keras_compat.owned_seed_generators(layer):
@@ -516,9 +536,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def _prepare_replica_writes(self):
         # Under central storage, BatchNormalization's moving statistics are
         # written by replica 0 (see _keras_compat.write_from_first_replica).
+        # Random layers' seed states are written by the last replica, after
+        # every replica has read them.
         for layer in _keras_compat.flatten_layers(self):
             if isinstance(layer, keras.layers.BatchNormalization):
                 _keras_compat.write_from_first_replica(layer.non_trainable_variables)
+            for generator in _keras_compat.owned_seed_generators(layer):
+                _keras_compat.write_seed_state_from_last_replica(generator, _one_draw_per_step(layer))
         object.__setattr__(self, "_kd_replica_writes", self.built)
 
     _kd_replica_writes = False

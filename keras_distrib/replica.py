@@ -80,6 +80,7 @@ class ReplicaBatch:
         self.owner = None
         self.in_forward = False
         self.moments_token = None
+        self.seed_writes = set()  # ids of seed states drawn from (central storage)
 
     @property
     def fraction(self):

@@ -388,6 +388,25 @@ def dropout_bn_noise():
     return _regression_feature(lambda: keras.optimizers.Adam(0.01), build=_noisy_mlp)
 
 
+def dropout_bn_noise_loop():
+    # The same through kd.TrainLoop (3 steps per compiled call) on any kd path.
+    return dict(dropout_bn_noise(), steps_per_loop=3)
+
+
+def _shared_dropout(cls):
+    # One Dropout layer called twice in a step: two draws from one seed state.
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    dropout = keras.layers.Dropout(0.3)
+    x = dropout(keras.layers.Dense(8, activation="tanh")(inputs))
+    x = dropout(keras.layers.Dense(8, activation="tanh")(x))
+    return cls(inputs, keras.layers.Dense(1)(x))
+
+
+def shared_dropout():
+    return _regression_feature(lambda: keras.optimizers.Adam(0.01), build=_shared_dropout)
+
+
 def _images(rows=ROWS, size=8, channels=3, classes=3, seed=7):
     rng = _rng(seed)
     images = rng.normal(size=(rows, size, size, channels)).astype("float32")
@@ -546,6 +565,8 @@ FEATURES = {
     "reshuffled_dataset": reshuffled_dataset,
     "custom_train_step": custom_train_step,
     "dropout_bn_noise": dropout_bn_noise,
+    "dropout_bn_noise_loop": dropout_bn_noise_loop,
+    "shared_dropout": shared_dropout,
     "resnet_bn": resnet_bn,
     "two_sync_bn": two_sync_bn,
     "row_statistics": row_statistics,
@@ -562,6 +583,8 @@ def train(model_class, name, *, strategy=None, compile_extra=None, steps_per_loo
     `weights`, does not train: loads them, then evaluates and predicts.
     """
     spec = FEATURES[name]()
+    if steps_per_loop is None and model_class is not keras.Model:
+        steps_per_loop = spec.get("steps_per_loop")  # the reference trains with fit
     policy = spec.get("policy")
     previous = keras.config.dtype_policy()
     if policy:
