@@ -156,7 +156,12 @@ def replica_function(model, kind, *, looped=False):
     def replica_step(data):
         data = _keras_compat.autoconvert_optionals(data)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        with replica.replica_batch(replica.batch_rows(x), plan):
+        # Nothing of the step runs before its batch arrives: a step whose
+        # input ends (OutOfRangeError, the end of an epoch of unknown
+        # length) would otherwise still count itself in
+        # `optimizer.iterations`, which depends on no data.
+        arrived = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
+        with tf.control_dependencies(arrived), replica.replica_batch(replica.batch_rows(x), plan):
             return step_fn(data)
 
     if not model.jit_compile or model.run_eagerly or plan.xla_forward:

@@ -175,7 +175,9 @@ def test_workers_with_unequal_batch_counts_take_every_step():
     """2 workers whose dataset_fn shards differ by a batch train as one device does.
 
     The worker that runs out steps on empty batches until the other is done
-    (before: TensorFlow's raw "Collective instance ... data_type" error).
+    (before: TensorFlow's raw "Collective instance ... data_type" error),
+    and `optimizer.iterations` counts the steps one device takes (before:
+    one more per epoch, the step that found the data's end).
     Plain Keras 3 under the same strategy fails on this input.
     """
     result, output = _harness.run_cluster("unequal_workers.py", workers=2, timeout=300)
@@ -188,3 +190,5 @@ def test_workers_with_unequal_batch_counts_take_every_step():
             assert "error" in item or item["difference"] > 1e-3, item
         else:
             assert item.get("difference", 1.0) <= 2e-5, item
+            # No step counted past the end of the data (LR schedules).
+            assert item["iterations"][0] == item["iterations"][1], item

@@ -9,7 +9,8 @@ worker 1 has 2. The model (Dropout, BatchNormalization) trains with kd
 last: its failure may leave the collectives unusable), and is compared with plain Keras on one device trained on the
 same global batches: each step's batch is the replicas' pieces in
 TensorFlow's order (piece r * W + w), a worker that ran out giving none.
-Prints one 'RESULT {json}' per way: the largest difference, or the error.
+Prints one 'RESULT {json}' per way: the largest difference and both
+optimizer step counts (one device, this way), or the error.
 """
 
 import json
@@ -87,7 +88,9 @@ def main():
                 model.fit(data, epochs=1, verbose=0)
             gaps = [np.max(np.abs(a - b) / (1 + np.abs(a)))
                     for a, b in zip(reference.get_weights(), model.get_weights())]
-            result.update(difference=float(max(gaps)))
+            result.update(difference=float(max(gaps)),
+                          iterations=[int(reference.optimizer.iterations.numpy()),
+                                      int(model.optimizer.iterations.numpy())])
         except Exception as error:
             result.update(error=f"{type(error).__name__}: {str(error)[:300]}")
         print("RESULT " + json.dumps(result), flush=True)
