@@ -489,8 +489,17 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         self._prepare_layers()
 
     def get_compile_config(self):
-        """The arguments `compile` was called with, serialized (saved in `.keras` files)."""
-        return super().get_compile_config()
+        """The arguments `compile` was called with, serialized (saved in `.keras` files).
+
+        kd's own arguments are kept when not their defaults, so a reloaded
+        model compiles as the saved one was (e.g. `batch_norm="per_replica"`).
+        """
+        config = super().get_compile_config()
+        if config is None:
+            return config
+        own = {"batch_norm": (getattr(self, "batch_norm", "global"), "global"),
+               "pss_evaluation_shards": (getattr(self, "pss_evaluation_shards", 0), 0)}
+        return {**config, **{name: value for name, (value, default) in own.items() if value != default}}
 
     def compile_from_config(self, config):
         """Compiles from `get_compile_config()`'s output, as `keras.saving.load_model` does.

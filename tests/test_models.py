@@ -79,6 +79,20 @@ def test_batch_norm_option_is_checked():
     assert model.batch_norm == "per_replica"
 
 
+def test_kd_compile_arguments_survive_a_reload(tmp_path):
+    inputs = keras.Input((3,))
+    model = kd.Model(inputs, keras.layers.BatchNormalization()(inputs))
+    model.compile(optimizer="sgd", loss="mse", batch_norm="per_replica", pss_evaluation_shards=2)
+    model.save(tmp_path / "per_replica.keras")
+    loaded = keras.saving.load_model(tmp_path / "per_replica.keras")
+    assert (loaded.batch_norm, loaded.pss_evaluation_shards) == ("per_replica", 2)
+    # Defaults stay out of the config, which is then Keras's own.
+    model.compile(optimizer="sgd", loss="mse")
+    assert "batch_norm" not in model.get_compile_config()
+    model.save(tmp_path / "global.keras")
+    assert keras.saving.load_model(tmp_path / "global.keras").batch_norm == "global"
+
+
 class Unregistered(kd.DistributedModelMixin, keras.Model):
     """A user's subclass of an existing keras.Model subclass, not registered."""
 
