@@ -36,7 +36,7 @@ MATRIX = {
     "central_storage2": [
         "base", "clipnorm", "accumulation", "mixed_float16", "ema", "sync_batch_norm",
         "class_weights", "multi_output", "cnn", "custom_train_step",
-        "dropout_bn_noise", "dropout_bn_noise_loop", "resnet_bn", "shared_dropout",
+        "dropout_bn_noise", "dropout_bn_noise_loop", "resnet_bn", "two_sync_bn", "shared_dropout",
     ],
     "loop_mirrored2": CORE + ["reshuffled_dataset"] + LAYERED,
     "loop_one_device": ["base", "accumulation", "masks"],
