@@ -7,6 +7,8 @@ splits the CPU into the path's virtual devices, then trains each feature
 with kd and compares it with plain Keras on one device (cached across
 processes in $KD_REFERENCE_DIR). Prints one 'RESULT {json}' line per feature.
 A path named 'plain-...' trains plain Keras instead of kd (the contrast).
+A path named 'float64-...' trains kd and the reference in float64 (no cache):
+where float32 round-off is in doubt, exact code then matches to ~1e-12.
 """
 
 import json
@@ -43,10 +45,15 @@ PATHS = {
 
 
 def main(path, names):
-    devices, kind, compile_extra, steps_per_loop, options = PATHS[path]
+    float64 = path.startswith("float64-")
+    devices, kind, compile_extra, steps_per_loop, options = PATHS[path.removeprefix("float64-")]
     if devices > 1:
         kd.virtual_devices(devices)
     import keras
+
+    if float64:
+        keras.config.set_floatx("float64")
+        os.environ.pop("KD_REFERENCE_DIR", None)  # the cache holds float32 references
 
     import features
 
