@@ -251,6 +251,29 @@ def _scratch_error(parent, error):
     )
 
 
+_tmpdir_warned = set()
+
+
+def _warn_if_tmpdir_skipped(parent):
+    """Python quietly falls back to /tmp when TMPDIR is unusable: say so, once."""
+    named = os.environ.get("TMPDIR")
+    if not named or named in _tmpdir_warned or os.path.realpath(named) == os.path.realpath(parent):
+        return
+    _tmpdir_warned.add(named)
+    try:
+        probe = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}probe-", dir=named)
+        try:
+            with open(os.path.join(probe, ".probe"), "wb") as f:
+                f.write(b"kd")
+            reason = "unusable"
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as error:
+        reason = error.strerror or str(error)
+    logger.warning("TMPDIR=%r is not usable (%s); temporary files go to %s instead. Free "
+                   "space there or point TMPDIR at a writable directory.", named, reason, parent)
+
+
 def make_scratch(label):
     """A private temporary directory that does not outlive this process.
 
@@ -272,6 +295,7 @@ def make_scratch(label):
         parent = tempfile.gettempdir()
     except OSError as error:  # no usable temporary directory at all
         raise _scratch_error(os.environ.get("TMPDIR", "/tmp"), error) from None
+    _warn_if_tmpdir_skipped(parent)
     try:
         for name in os.listdir(parent):
             if name.startswith(SCRATCH_PREFIX) and _owned_by_dead_process(name, SCRATCH_PREFIX):
