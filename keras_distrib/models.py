@@ -25,6 +25,7 @@ from keras_distrib import loop
 from keras_distrib import replica
 from keras_distrib import step as step_lib
 from keras_distrib import strategies
+from keras_distrib import validation
 
 __all__ = [
     "DistributedModelMixin",
@@ -782,7 +783,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         kwargs.pop("_use_cached_eval_dataset", None)
         shards = kwargs.pop("shards", None)
         if kwargs:
-            raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
+            raise validation.InputError(
+                "Invalid `evaluate` arguments:\n  - "
+                + ", ".join(f"`{name}`" for name in sorted(kwargs))
+                + " not recognized; `evaluate` takes x, y, batch_size, verbose, sample_weight, "
+                "steps, callbacks, return_dict (and shards under a ParameterServerStrategy)"
+            )
         return front.evaluate(
             self, self._step_of, x, y, batch_size=batch_size, verbose=verbose,
             sample_weight=sample_weight, steps=steps, callbacks=callbacks,
