@@ -106,12 +106,30 @@ def run_together(commands, timeout=240):
             results.append((process.returncode, output))
         return results
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+        kill_groups(processes)
+
+
+def kill_groups(processes, timeout=30):
+    """SIGKILL each process's group (started with start_new_session=True) and reap it."""
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=timeout)
+
+
+def alive(pid):
+    """Whether `pid` runs; a zombie, or a process that ends while we look, is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # It ended between the two looks (ENOENT or ESRCH).
+        return False
 
 
 def saved_weights_diff(a, b):

@@ -458,12 +458,7 @@ def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volu
                 output, _ = process.communicate(timeout=timeout)
                 results.append((process.returncode, output))
         finally:
-            for process in processes:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                process.wait()
+            _harness.kill_groups(processes)
         return results
 
     processes = start("0.5")

@@ -21,19 +21,6 @@ def _pids(output):
     return [int(line.rsplit(" ", 1)[1]) for line in output.splitlines() if "] PID " in line]
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # It ended between the two looks (ENOENT or ESRCH).
-        return False
-
-
 @pytest.mark.cluster
 def test_first_failure_stops_everyone_with_its_code():
     started = time.monotonic()
@@ -46,7 +33,7 @@ def test_first_failure_stops_everyone_with_its_code():
     assert "[launcher] worker 1 exited with code 3" in output
     pids = _pids(output)
     assert len(pids) == 3
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if _harness.alive(pid)]
 
 
 @pytest.mark.cluster
@@ -54,7 +41,7 @@ def test_timeout_stops_a_hung_cluster():
     result, output = _harness.run_cluster("hang.py", workers=2, timeout=3)
     assert result.returncode == 124 and result.timed_out
     assert "timeout after 3s; still running: worker 0, worker 1" in output
-    assert not [pid for pid in _pids(output) if _alive(pid)]
+    assert not [pid for pid in _pids(output) if _harness.alive(pid)]
 
 
 @pytest.mark.cluster
@@ -190,7 +177,7 @@ def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
         launcher.kill()
     assert launcher.returncode == 128 + 15
     time.sleep(0.5)
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if _harness.alive(pid)]
 
 
 def test_gpus_are_split_between_training_tasks():
@@ -384,12 +371,7 @@ def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_kille
         codes = [process.wait(timeout=60) for process in processes]
         seconds = time.monotonic() - killed
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait(timeout=30)
+        _harness.kill_groups(processes)
     time.sleep(0.2)
     outputs = ["\n".join(found) for found in lines]
     assert codes[0] == 137, outputs[0][-3000:]

@@ -18,18 +18,6 @@ from tests import _harness
 FAMILY = os.path.join(_harness.SCRIPTS, "family.py")
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # It ended between the two looks (ENOENT or ESRCH).
-        return False
-
-
 def _families(text):
     return [[int(p) for p in line.split("FAMILY ", 1)[1].split()[:3]]
             for line in text.splitlines() if "FAMILY " in line]
@@ -46,7 +34,7 @@ def _kill_all(pids):
 def _survivors(pids, wait=5.0):
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        left = [pid for pid in pids if _alive(pid)]
+        left = [pid for pid in pids if _harness.alive(pid)]
         if not left:
             return []
         time.sleep(0.1)

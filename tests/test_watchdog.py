@@ -155,12 +155,7 @@ def test_pod_survivor_names_the_lost_task_without_a_launcher(victim, signum):
         survivor.wait(timeout=90)
         seconds = time.monotonic() - sent
     finally:
-        for process in processes:  # the stopped or surviving process and its group
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait(timeout=30)
+        _harness.kill_groups(processes)  # the stopped or surviving process and its group
     time.sleep(0.2)
     output = "\n".join(lines[1 - victim])
     assert survivor.returncode == 1, output[-4000:]
