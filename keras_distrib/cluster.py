@@ -354,7 +354,17 @@ def chief_verbose(verbose):
 
     `"auto"` becomes 0 on non-chief workers (their bars would repeat the
     chief's); an explicit value is kept.
+
+    Raises:
+        ValueError: `verbose` is not "auto", 0, 1, 2 or a bool.
     """
+    try:
+        valid = verbose == "auto" or (not isinstance(verbose, str) and int(verbose) == verbose
+                                      and int(verbose) in (0, 1, 2))
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise ValueError(f"`verbose`={verbose!r}: expected 'auto', 0, 1 or 2")
     if verbose == "auto" and not cluster_info().is_chief:
         return 0
     return verbose
@@ -374,6 +384,9 @@ def writer_directory(directory, info=None):
     """
     info = info or cluster_info()
     if info.is_chief:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"`directory`={os.fspath(directory)!r} is a file; give a directory "
+                             "(a new path is created)")
         os.makedirs(directory, exist_ok=True)
         yield directory
         return

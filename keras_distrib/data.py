@@ -171,7 +171,14 @@ def _checked_dataset_fn(dataset_fn, global_batch_size, drop_remainder):
 
 
 def file_count(dataset):
-    """Number of files a dataset reads, or None when it reads no file list."""
+    """Number of files a dataset reads, or None when it reads no file list.
+
+    Raises:
+        ValueError: `dataset` is not a `tf.data.Dataset`.
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(f"`dataset` is a {type(dataset).__name__}; expected a tf.data.Dataset "
+                         "(e.g. tf.data.TFRecordDataset(files))")
     graph = _keras_compat.serialized_graph(dataset)
     graph_def = tf.compat.v1.GraphDef()
     graph_def.ParseFromString(graph.numpy())
@@ -273,7 +280,17 @@ def replica_split(rows, replicas):
     Example:
         >>> replica_split(26, 4), replica_split(2, 4), replica_split(32, 4)
         ([7, 7, 7, 5], [1, 1, 0, 0], [8, 8, 8, 8])
+
+    Raises:
+        ValueError: `rows` is not a whole number >= 0, or `replicas` >= 1.
     """
+    problems = []
+    if not validation.is_whole(rows, 0):
+        problems.append(f"`rows`={rows!r}: expected a whole number >= 0")
+    if not validation.is_whole(replicas, 1):
+        problems.append(f"`replicas`={replicas!r}: expected a whole number >= 1")
+    if problems:
+        raise ValueError("; ".join(problems))
     size = -(-rows // replicas)
     counts = []
     for _ in range(replicas):
@@ -326,6 +343,9 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
     label = f"[{info.label}] " if info.label else ""
     policy = _policy(shard_policy)
     report = {"warnings": [], "policy": policy.name, "files": None}
+    if steps_per_epoch is not None and not validation.is_whole(steps_per_epoch, 1):
+        raise ValueError(f"`steps_per_epoch`={steps_per_epoch!r}: expected a whole number >= 1, "
+                         "or None")
     dataset = _as_dataset(data)
     _check_batch(global_batch_size, replicas, drop_remainder)
     files = file_count(dataset)

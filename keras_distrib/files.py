@@ -32,6 +32,7 @@ import threading
 __all__ = [
     "DirectoryInUseError",
     "DirectoryLock",
+    "ScratchError",
     "UnsafeLockError",
     "atomic_write_text",
     "host_tag",
@@ -231,6 +232,48 @@ def _remove_live_scratch():
 atexit.register(_remove_live_scratch)
 
 
+class ScratchError(OSError):
+    """The temporary directory (TMPDIR) cannot hold kd's scratch space."""
+
+
+def _scratch_error(parent, error):
+    reason = error.strerror or str(error)
+    named = os.environ.get("TMPDIR")
+    where = (f"TMPDIR={named!r}" if named else f"the temporary directory {parent!r} "
+             "(TMPDIR is not set)")
+    fix = ("Free space there" if error.errno in (errno.ENOSPC, errno.EDQUOT)
+           else "Make it writable")
+    return ScratchError(
+        error.errno,
+        f"kd cannot make its scratch space in {where}: {reason}. {fix}, or point TMPDIR at "
+        "a writable directory with space (e.g. `export TMPDIR=/scratch/$USER` before the "
+        "launch; each task inherits it).",
+    )
+
+
+_tmpdir_warned = set()
+
+
+def _warn_if_tmpdir_skipped(parent):
+    """Python quietly falls back to /tmp when TMPDIR is unusable: say so, once."""
+    named = os.environ.get("TMPDIR")
+    if not named or named in _tmpdir_warned or os.path.realpath(named) == os.path.realpath(parent):
+        return
+    _tmpdir_warned.add(named)
+    try:
+        probe = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}probe-", dir=named)
+        try:
+            with open(os.path.join(probe, ".probe"), "wb") as f:
+                f.write(b"kd")
+            reason = "unusable"
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as error:
+        reason = error.strerror or str(error)
+    logger.warning("TMPDIR=%r is not usable (%s); temporary files go to %s instead. Free "
+                   "space there or point TMPDIR at a writable directory.", named, reason, parent)
+
+
 def make_scratch(label):
     """A private temporary directory that does not outlive this process.
 
@@ -243,8 +286,16 @@ def make_scratch(label):
 
     Returns:
         The directory's path.
+
+    Raises:
+        ScratchError: (an `OSError`) the temporary directory is full, not
+            writable or missing; the message names TMPDIR and the fix.
     """
-    parent = tempfile.gettempdir()
+    try:
+        parent = tempfile.gettempdir()
+    except OSError as error:  # no usable temporary directory at all
+        raise _scratch_error(os.environ.get("TMPDIR", "/tmp"), error) from None
+    _warn_if_tmpdir_skipped(parent)
     try:
         for name in os.listdir(parent):
             if name.startswith(SCRATCH_PREFIX) and _owned_by_dead_process(name, SCRATCH_PREFIX):
@@ -254,7 +305,18 @@ def make_scratch(label):
     except OSError:
         pass
     safe = "".join(c for c in str(label) if c.isalnum()) or "kd"
-    path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{_owner_tag()}-{safe}-", dir=parent)
+    path = None
+    try:
+        path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{_owner_tag()}-{safe}-", dir=parent)
+        # A full disk still lets a directory be made; a first write fails.
+        probe = os.path.join(path, ".probe")
+        with open(probe, "wb") as f:
+            f.write(b"kd")
+        os.remove(probe)
+    except OSError as error:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        raise _scratch_error(parent, error) from None
     with _scratch_lock:
         _live_scratch.add(path)
     return path

@@ -56,7 +56,7 @@ def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto
     """`Model.evaluate` for `model`; `shards` splits it over parameter-server workers."""
     validation.validate_inputs(model, x, y, sample_weight, method="evaluate",
                                batch_size=batch_size, steps=steps, verbose=verbose,
-                               callbacks=callbacks)
+                               callbacks=callbacks, return_dict=return_dict)
     strategy = model.distribute_strategy
     if on_parameter_server(model):
         return parameter_server.evaluate(

@@ -14,6 +14,9 @@ or one per GPU, with the same supervision.
 """
 
 import collections.abc
+import contextlib
+import errno
+import fcntl
 import importlib.util
 import json
 import os
@@ -21,6 +24,7 @@ import pickle
 import shlex
 import socket
 import sys
+import tempfile
 import time
 
 import portpicker
@@ -87,6 +91,50 @@ def cluster_spec(workers, ps=0, chief=False, ports=None):
         if counts[task_type]:
             spec[task_type] = [f"localhost:{ports.pop(0)}" for _ in range(counts[task_type])]
     return spec
+
+
+@contextlib.contextmanager
+def _reserve_ports(ports):
+    """Holds a lock per port of `ports` (this host) while the launch runs.
+
+    The free-port check cannot see a second launch started at the same
+    moment: its tasks bind the ports seconds later. A lock file per port
+    (`kd-port-<port>.lock` in the temporary directory, released when this
+    process ends, however it ends) lets the second launch fail at once,
+    naming the port and the launch that holds it. A lock file kd cannot
+    open (another user's) is skipped: the bind check still applies.
+
+    Raises:
+        LaunchError: another kd launch on this host holds one of `ports`.
+    """
+    held = []
+    try:
+        for port in ports or ():
+            path = os.path.join(tempfile.gettempdir(), f"kd-port-{port}.lock")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue
+                raise LaunchError(
+                    f"Invalid launch request:\n  - `ports`: port {port} is taken by another kd "
+                    f"launch on this host (pid {holder}, lock {path}); its task would fail "
+                    "with 'Could not start gRPC server'. Wait for that launch to end, give "
+                    "other ports, or leave `ports` out to pick free ones."
+                ) from None
+            held.append(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def tf_config(spec, task_type, task_index):
@@ -387,7 +435,9 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         env: Environment for the tasks (this process's by default).
         sink: Where prefixed output lines go (`print` by default).
         ports: Explicit localhost ports, one per task (chief, workers, ps);
-            free ones are picked when `None`. The first attempt only.
+            free ones are picked when `None`. The first attempt only. A
+            second kd launch on this host given one of the same ports while
+            this one runs is refused at once, naming the port.
         evaluator: Also run `target` as an `evaluator` task (TF_CONFIG task
             type "evaluator", outside the cluster spec), e.g. a
             `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
@@ -412,7 +462,8 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         label to its return value.
 
     Raises:
-        LaunchError: invalid arguments (nothing is started).
+        LaunchError: invalid arguments, or `ports` held by another kd launch
+            on this host (nothing is started).
 
     Example:
         >>> import keras_distrib as kd
@@ -425,6 +476,16 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     _check_grace_period(grace_period)
     _check_private_network(private_network)
+    with _reserve_ports(ports):
+        return _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
+                                timeout=timeout, env=env, sink=sink, log_dir=log_dir,
+                                ports=ports, evaluator=evaluator, grace_period=grace_period,
+                                verbose=verbose, private_network=private_network,
+                                max_restarts=max_restarts)
+
+
+def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, log_dir, ports,
+                     evaluator, grace_period, verbose, private_network, max_restarts):
     argv_for, values_dir = _resolve_target(target, args)
     return _attempts(
         lambda attempt: run_once(

@@ -27,6 +27,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib import validation
 from keras_distrib.replica import current_batch
 from keras_distrib.replica import replica_sum
 
@@ -37,8 +38,32 @@ __all__ = [
 ]
 
 
+def _numbers(name, value, function):
+    """`value` as a tensor of numbers, or a ValueError naming `name` before any op runs."""
+    if value is None:
+        raise ValueError(f"`{name}`=None: `kd.losses.{function}` needs a tensor (or array) of "
+                         "numbers")
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"`{name}`={str(value)[:80]!r} cannot be a tensor ({error}); "
+                         f"`kd.losses.{function}` needs a tensor (or array) of numbers") from None
+    if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
+        raise ValueError(f"`{name}` holds {tensor.dtype.name} values; `kd.losses.{function}` "
+                         "needs numbers (cast them first)")
+    return tensor
+
+
 def global_share(numerator, local_denominator):
-    """numerator / (local_denominator summed over replicas), 0 if that is 0."""
+    """numerator / (local_denominator summed over replicas), 0 if that is 0.
+
+    Raises:
+        ValueError: an argument is not numbers.
+    """
+    numerator = _numbers("numerator", numerator, "global_share")
+    if not numerator.dtype.is_floating:
+        numerator = tf.cast(numerator, tf.float32)
+    local_denominator = _numbers("local_denominator", local_denominator, "global_share")
     denominator = replica_sum(tf.cast(local_denominator, numerator.dtype))
     return tf.math.divide_no_nan(numerator, denominator)
 
@@ -59,20 +84,32 @@ def global_mean(per_example_loss, sample_weight=None):
     Returns:
         A scalar: this replica's share.
 
+    Raises:
+        ValueError: an argument is not numbers, or `sample_weight`'s shape
+            cannot weigh the losses (checked on static shapes).
+
     Example:
         >>> import tensorflow as tf
         >>> import keras_distrib as kd
         >>> float(kd.losses.global_mean(tf.constant([1.0, 2.0, 6.0])))
         3.0
     """
-    values = tf.convert_to_tensor(per_example_loss)
+    values = _numbers("per_example_loss", per_example_loss, "global_mean")
     if not values.dtype.is_floating:
         values = tf.cast(values, tf.float32)
     if sample_weight is not None:
-        weights = tf.cast(sample_weight, values.dtype)
+        weights = tf.cast(_numbers("sample_weight", sample_weight, "global_mean"), values.dtype)
         if weights.shape.rank is not None and values.shape.rank is not None:
             while weights.shape.rank < values.shape.rank:
                 weights = tf.expand_dims(weights, -1)
+            try:
+                tf.broadcast_static_shape(weights.shape, values.shape)
+            except ValueError:
+                raise ValueError(
+                    f"`sample_weight` of shape {tuple(tf.convert_to_tensor(sample_weight).shape)} "
+                    f"cannot weigh `per_example_loss` of shape {tuple(values.shape)}; expected "
+                    "one weight per row (shape (rows,)) or the losses' shape"
+                ) from None
         values = values * weights
     count = tf.cast(tf.size(values), values.dtype)
     return global_share(tf.reduce_sum(values), count)
@@ -93,13 +130,27 @@ def scale_regularization(losses, *, local_rows=None):
 
     Returns:
         A scalar tensor (0.0 for an empty list).
+
+    Raises:
+        ValueError: `losses` is not numbers, or `local_rows` is not a whole
+            number >= 0 (or an integer tensor).
     """
     if isinstance(losses, (list, tuple)):
         if not losses:
             return tf.constant(0.0)
-        total = tf.add_n([tf.reduce_sum(tf.cast(l, tf.float32)) for l in losses])
+        total = tf.add_n([
+            tf.reduce_sum(tf.cast(_numbers(f"losses[{i}]", l, "scale_regularization"), tf.float32))
+            for i, l in enumerate(losses)])
     else:
-        total = tf.reduce_sum(tf.cast(losses, tf.float32))
+        total = tf.reduce_sum(tf.cast(_numbers("losses", losses, "scale_regularization"),
+                                      tf.float32))
+    if local_rows is not None and not tf.is_tensor(local_rows) and not validation.is_whole(
+            local_rows, 0):
+        raise ValueError(f"`local_rows`={local_rows!r}: expected this replica's row count, a "
+                         "whole number >= 0 (or an integer tensor), or None")
+    if local_rows is not None and tf.is_tensor(local_rows) and not local_rows.dtype.is_integer:
+        raise ValueError(f"`local_rows` is a {local_rows.dtype.name} tensor; expected an integer "
+                         "row count (e.g. tf.shape(x)[0])")
     if local_rows is None:
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync if context else 1

@@ -25,6 +25,7 @@ from keras_distrib import loop
 from keras_distrib import replica
 from keras_distrib import step as step_lib
 from keras_distrib import strategies
+from keras_distrib import validation
 
 __all__ = [
     "DistributedModelMixin",
@@ -385,6 +386,12 @@ def unregistered_class_warning(model):
     return True
 
 
+def _strategy_name(strategy):
+    if strategy is None or strategy is _keras_compat.default_strategy():
+        return "no strategy"
+    return type(strategy).__name__
+
+
 def unsupported_settings(model, *, training):
     """What in `model`'s setup kd cannot make exact under its strategy.
 
@@ -678,20 +685,45 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._call_model(x, training=False)
 
-    def _check_strategy(self):
-        """Refuses to run under a strategy the model was not created in."""
+    def _check_strategy(self, training=False):
+        """Refuses to run under a strategy the model (or its parts) was not created in."""
         if not tf.distribute.has_strategy():
             return
         active = tf.distribute.get_strategy()
+        scope = f"`{type(active).__name__}.scope()`"
         created = _keras_compat.created_strategy(self)
         if created is not active:
             built_in = type(created).__name__ if created is not None else "no strategy"
             raise ValueError(
                 f"This model was created under {built_in}, but is used inside "
-                f"`{type(active).__name__}.scope()`. Its variables are not "
+                f"{scope}. Its variables are not "
                 "distributed, so training would silently ignore the strategy. "
                 "Create (and compile) the model inside `with strategy.scope():`."
             )
+        if isinstance(active, (tf.distribute.MirroredStrategy,
+                               tf.distribute.MultiWorkerMirroredStrategy)):
+            stray = [v.path for v in self.weights
+                     if not active.extended.variable_created_in_scope(v.value)]
+            if stray:
+                shown = ", ".join(f"`{p}`" for p in stray[:4]) + (" ..." if len(stray) > 4 else "")
+                raise ValueError(
+                    f"The model was created inside {scope}, but {len(stray)} of its "
+                    f"variables were not ({shown}): a layer was built before the scope was "
+                    "entered, so its weights are not mirrored and each replica would train "
+                    "its own copy. Create the layers (and the model) inside "
+                    "`with strategy.scope():`."
+                )
+        optimizer = getattr(self, "optimizer", None)
+        if training and optimizer is not None:
+            optimizer_strategy = _keras_compat.optimizer_strategy(optimizer, active)
+            if optimizer_strategy is not active:
+                raise ValueError(
+                    f"The optimizer `{optimizer.name}` ({type(optimizer).__name__}) was created "
+                    f"under {_strategy_name(optimizer_strategy)}, but the model trains inside "
+                    f"{scope}: its step count and slots would not be distributed. Create the "
+                    "optimizer inside `with strategy.scope():` (e.g. "
+                    "`model.compile(optimizer=keras.optimizers.Adam(...))` there)."
+                )
 
     def _check_exactness(self, training):
         """Refuses settings kd cannot make exact here, naming each one."""
@@ -706,7 +738,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     # The compiled steps (Keras's names; each is a `keras_distrib.step.Step`).
 
     def _make_step(self, kind):
-        self._check_strategy()
+        self._check_strategy(training=kind == "train")
         self._check_exactness(training=kind == "train")
         self._prepare_layers()
         return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
@@ -741,7 +773,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_batch_size=None, validation_freq=1):
         """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
-        self._check_strategy()
+        self._check_strategy(training=True)
         return front.fit(
             self, self._step_of, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
             callbacks=callbacks, validation_split=validation_split,
@@ -759,7 +791,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         kwargs.pop("_use_cached_eval_dataset", None)
         shards = kwargs.pop("shards", None)
         if kwargs:
-            raise ValueError(f"Arguments not recognized by evaluate: {sorted(kwargs)}.")
+            raise validation.InputError(
+                "Invalid `evaluate` arguments:\n  - "
+                + ", ".join(f"`{name}`" for name in sorted(kwargs))
+                + " not recognized; `evaluate` takes x, y, batch_size, verbose, sample_weight, "
+                "steps, callbacks, return_dict (and shards under a ParameterServerStrategy)"
+            )
         return front.evaluate(
             self, self._step_of, x, y, batch_size=batch_size, verbose=verbose,
             sample_weight=sample_weight, steps=steps, callbacks=callbacks,

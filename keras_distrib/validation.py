@@ -59,6 +59,12 @@ def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per
         problems.append(f"`epochs`={epochs!r}: expected a whole number >= 0")
     if not is_whole(initial_epoch, 0):
         problems.append(f"`initial_epoch`={initial_epoch!r}: expected a whole number >= 0")
+    elif is_whole(epochs, 0) and initial_epoch > epochs:
+        problems.append(
+            f"`initial_epoch`={initial_epoch!r} is past `epochs`={epochs!r} (the index of the "
+            "last epoch, counted from 0, not a number of further epochs): nothing would train. "
+            f"Pass `epochs` > {initial_epoch!r}, e.g. epochs={initial_epoch + epochs!r}"
+        )
     for name, value in (("batch_size", batch_size), ("steps_per_epoch", steps_per_epoch),
                         ("validation_steps", validation_steps),
                         ("validation_batch_size", validation_batch_size)):
@@ -307,6 +313,7 @@ def _array_problems(model, x, y, sample_weight, labels=("x", "y", "sample_weight
                 "to integer class indices (e.g. np.unique(y, return_inverse=True), or "
                 "keras.layers.StringLookup)"
             )
+    problems.extend(_sample_weight_problems(labels[2], sample_weight, leaves["y"]))
     for group in leaves.values():
         for name, array in group:
             if _rows(array) == 0:
@@ -328,6 +335,30 @@ def _array_problems(model, x, y, sample_weight, labels=("x", "y", "sample_weight
             if problem:
                 problems.append(problem)
     return problems
+
+
+def _sample_weight_problems(label, sample_weight, y_leaves):
+    """A weight that is not numbers, or whose shape cannot weigh `y`'s rows."""
+    if sample_weight is None or isinstance(sample_weight, (collections.abc.Mapping, list, tuple)):
+        return []
+    if not _is_array(sample_weight):
+        return [f"`{label}`={sample_weight!r}: expected an array of weights, one per row (shape "
+                "(rows,)), or None"]
+    weights = _as_numpy(sample_weight)
+    if weights.dtype.kind not in "biuf":
+        return [f"`{label}` holds {weights.dtype} values; expected numbers (one weight per row)"]
+    if len(y_leaves) != 1 or not _is_array(y_leaves[0][1]) or weights.ndim < 2:
+        return []
+    y_shape = tuple(y_leaves[0][1].shape)
+    fits = weights.ndim <= len(y_shape) and all(
+        w in (1, t) for w, t in zip(weights.shape[1:], y_shape[1:]))
+    if fits:
+        return []
+    return [
+        f"`{label}` has shape {weights.shape}, which cannot weigh `{y_leaves[0][0]}` of shape "
+        f"{y_shape}; expected one weight per row, shape ({weights.shape[0]},) (or a shape "
+        "matching y's, for per-element weights)"
+    ]
 
 
 def _data_problems(model, x, y, sample_weight, *, check_finite, method):
@@ -409,6 +440,10 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
         if not isinstance(verbose, (bool, np.bool_)) and verbose not in _VERBOSE:
             problems.append(f"`verbose`={verbose!r}: expected one of {list(_VERBOSE)}")
         problems.extend(_callback_problems(arguments.get("callbacks")))
+        return_dict = arguments.get("return_dict", False)
+        if not isinstance(return_dict, (bool, np.bool_)):
+            problems.append(f"`return_dict`={return_dict!r}: expected True (a dict of results "
+                            "by name) or False (a list, or one scalar)")
     if x is None:
         problems.append(
             f"`x` is None; `{method}` needs data: arrays, a dict of arrays, or a tf.data.Dataset"

@@ -51,10 +51,21 @@ def test_mixin_on_user_subclass():
 
 @pytest.mark.cluster
 def test_model_created_outside_scope_is_refused():
+    """A model, a layer or an optimizer made outside the scope: a clear error before any step."""
     code, output = _harness.run_script("outside_scope.py")
     assert code == 0, output[-4000:]
-    (result,) = _harness.results_of(output)
-    assert "Create (and compile) the model inside" in result["error"]
+    errors = {r["case"]: r["error"] for r in _harness.results_of(output)}
+    assert errors["model_outside"].startswith("ValueError: This model was created under no "
+                                              "strategy"), errors
+    assert "Create (and compile) the model inside" in errors["model_outside"]
+    assert errors["layer_outside"].startswith(
+        "ValueError: The model was created inside `MirroredStrategy.scope()`, but 2 of its "
+        "variables were not (`built_outside/kernel`, `built_outside/bias`)"), errors
+    assert "Create the layers (and the model) inside" in errors["layer_outside"]
+    assert errors["optimizer_outside"].startswith(
+        "ValueError: The optimizer `adam` (Adam) was created under no strategy"), errors
+    assert "Create the optimizer inside `with strategy.scope():`" in errors["optimizer_outside"]
+    assert errors["everything_inside"] == "", errors
 
 
 @pytest.mark.cluster

@@ -497,3 +497,106 @@ def test_a_two_worker_tensorflow_cluster_trains_in_a_private_network():
     results = _harness.results_of("\n".join(lines))
     assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
     assert len({r["digest"] for r in results}) == 1
+
+
+# Late or raw errors, round 3 (continued): logs and scratch space on a full disk.
+
+
+def _fill(point):
+    fd = os.open(point / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * 4096)
+    os.close(fd)
+
+
+@pytest.mark.cluster
+def test_a_full_disk_under_tensorboard_warns_and_training_goes_on(mount_point, caplog):
+    import keras
+    import numpy as np
+
+    import keras_distrib as kd
+
+    model = _model()
+    reference = keras.Model.from_config(model.get_config())  # plain Keras, same weights
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer="sgd", loss="mse")
+    x = np.arange(16, dtype="float32").reshape(8, 2) / 16
+    y = x.sum(axis=1, keepdims=True)
+    reference.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+
+    logs = mount_point / "logs"
+    callback = kd.callbacks.TensorBoard(str(logs))
+    _fill(mount_point)
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[callback])
+    assert history.epoch == [0, 1]
+    assert any(f"TensorBoard: cannot write the logs in {logs}" in m and "No space left on device" in m
+               and "Training goes on" in m and "Free space there" in m for m in caplog.messages), \
+        caplog.messages
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.cluster
+def test_a_full_tmpdir_is_named_with_the_fix(mount_point, monkeypatch, caplog):
+    import tempfile
+
+    from keras_distrib import files
+
+    _fill(mount_point)
+    monkeypatch.setenv("TMPDIR", str(mount_point))
+    # TMPDIR full once Python has chosen it (it filled during the run): a clear error.
+    monkeypatch.setattr(tempfile, "tempdir", str(mount_point))
+    expected = rf"TMPDIR='{mount_point}': No space left on device\. Free space there.*export TMPDIR"
+    with pytest.raises(OSError, match=expected):
+        files.make_scratch("worker1")
+    # The launcher's own scratch space (a function target's arguments), before any task starts.
+    with pytest.raises(OSError, match=expected):
+        kd_launch.launch(_harness.__name__ + ":_env", workers=1, sink=lambda line: None)
+    assert os.listdir(mount_point) == ["filler"]
+    # Full before Python chose it: Python quietly uses /tmp instead; kd says so.
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        scratch = files.make_scratch("worker1")
+    files.remove_scratch(scratch)
+    assert not scratch.startswith(str(mount_point))
+    assert any(f"TMPDIR='{mount_point}' is not usable (No space left on device)" in m
+               for m in caplog.messages), caplog.messages
+
+
+@pytest.mark.cluster
+def test_a_second_launch_on_the_same_ports_fails_at_once():
+    """Two launches given the same ports at once: the second is refused, naming the port."""
+    ports = kd_launch.pick_ports(2)
+    code = (f"import sys, keras_distrib as kd; sys.exit(kd.launch({FAMILY!r}, workers=2, "
+            f"args=['hang'], ports={ports}, grace_period=2, timeout=120).returncode)")
+    first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, env=_harness._env(), start_new_session=True)
+    pids, lines = [], []
+    try:
+        families, output = _read_families(first, 2)
+        assert len(families) == 2, output
+        pids = [pid for family in families for pid in family]
+        started = time.monotonic()
+        with pytest.raises(kd_launch.LaunchError,
+                           match=rf"`ports`: port {ports[0]} is taken by another kd launch on this "
+                                 rf"host \(pid {first.pid}, .*Wait for that launch to end"):
+            kd_launch.launch(FAMILY, workers=2, args=["exit"], ports=ports, env=_harness._env(),
+                             sink=lines.append, timeout=30)
+        assert time.monotonic() - started < 5
+        assert lines == []  # nothing was started
+        os.kill(first.pid, signal.SIGTERM)
+        first.wait(timeout=30)
+        assert _survivors(pids) == []
+        # Once the first launch has ended its ports are free again (contrast).
+        result = kd_launch.launch(FAMILY, workers=2, args=["exit"], ports=ports,
+                                  env=_harness._env(), sink=lines.append, timeout=30)
+        assert result.returncode == 0, lines
+    finally:
+        pids += [pid for family in _families("\n".join(lines)) for pid in family]
+        first.kill()
+        first.wait(timeout=10)
+        _kill_all(pids)
+    assert _survivors(pids) == []
