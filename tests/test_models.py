@@ -61,7 +61,7 @@ def test_model_created_outside_scope_is_refused():
 
 
 @pytest.mark.cluster
-def test_batch_norm_in_a_hand_written_central_storage_loop():
+def test_batch_norm_and_nadam_in_a_hand_written_central_storage_loop():
     code, output = _harness.run_script("hand_written_loops.py", "central_storage")
     assert code == 0, output[-4000:]
     results = {r["case"]: r for r in _harness.results_of(output)}
@@ -71,6 +71,10 @@ def test_batch_norm_in_a_hand_written_central_storage_loop():
     assert results["kd_batch_norm_adam"]["diff"] <= 2e-5
     # Contrast: a plain Keras model cannot update its moving statistics there.
     assert "You must specify an aggregation method" in results["keras_batch_norm_adam"]["error"]
+    # Nadam's state assigned in the replicas (a variable without aggregation).
+    assert "error" not in results["kd_nadam"], results["kd_nadam"]
+    assert results["kd_nadam"]["diff"] <= 2e-5
+    assert "You must specify an aggregation method" in results["keras_nadam"]["error"]
 
 
 def test_batch_norm_option_is_checked():
