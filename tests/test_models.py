@@ -52,6 +52,35 @@ def test_mixin_on_user_subclass():
     assert len(history.history["loss"]) == 2
 
 
+def test_compile_outside_the_scope_makes_trackers_in_the_models_strategy():
+    # tf-keras's distribute_strategy_test: a model created in the scope and
+    # compiled outside it has every variable, trackers included, in the scope.
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    x = np.linspace(-1, 1, 24, dtype="float32").reshape(8, 3)
+    y = x.sum(axis=1, keepdims=True) * 0.5
+
+    def build(model_class, scope):
+        with scope:
+            inputs = keras.Input((3,))
+            model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        tracked = [v for metric in model.metrics for v in metric.variables]
+        in_scope = [strategy.extended.variable_created_in_scope(v.value) for v in tracked]
+        return history, model.get_weights(), in_scope
+
+    history, weights, in_scope = build(kd.Model, strategy.scope())
+    assert in_scope and all(in_scope), in_scope
+    reference, reference_weights, _ = build(keras.Model, contextlib.nullcontext())
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history[key], reference[key], rtol=2e-5)
+    for got, want in zip(weights, reference_weights):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    # Contrast: plain Keras makes its loss tracker outside the strategy there.
+    _, _, plain_in_scope = build(keras.Model, strategy.scope())
+    assert not all(plain_in_scope), plain_in_scope
+
+
 @pytest.mark.cluster
 def test_model_created_outside_scope_is_refused():
     code, output = _harness.run_script("outside_scope.py")
@@ -150,31 +179,3 @@ def test_batch_norms_on_one_tensor_are_found():
     one = kd.Model(inputs, keras.layers.Flatten()(keras.layers.BatchNormalization()(conv)))
     assert kd.models.shared_input_batch_norms(one) == []
 
-
-def test_compile_outside_the_scope_makes_trackers_in_the_models_strategy():
-    # tf-keras's distribute_strategy_test: a model created in the scope and
-    # compiled outside it has every variable, trackers included, in the scope.
-    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
-    x = np.linspace(-1, 1, 24, dtype="float32").reshape(8, 3)
-    y = x.sum(axis=1, keepdims=True) * 0.5
-
-    def build(model_class, scope):
-        with scope:
-            inputs = keras.Input((3,))
-            model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
-        tracked = [v for metric in model.metrics for v in metric.variables]
-        in_scope = [strategy.extended.variable_created_in_scope(v.value) for v in tracked]
-        return history, model.get_weights(), in_scope
-
-    history, weights, in_scope = build(kd.Model, strategy.scope())
-    assert in_scope and all(in_scope), in_scope
-    reference, reference_weights, _ = build(keras.Model, contextlib.nullcontext())
-    for key in ("loss", "mae"):
-        np.testing.assert_allclose(history[key], reference[key], rtol=2e-5)
-    for got, want in zip(weights, reference_weights):
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
-    # Contrast: plain Keras makes its loss tracker outside the strategy there.
-    _, _, plain_in_scope = build(keras.Model, strategy.scope())
-    assert not all(plain_in_scope), plain_in_scope
