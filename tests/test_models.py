@@ -178,4 +178,3 @@ def test_batch_norms_on_one_tensor_are_found():
     assert kd.models.shared_input_batch_norms(model) == [["bn1", "bn2"]]
     one = kd.Model(inputs, keras.layers.Flatten()(keras.layers.BatchNormalization()(conv)))
     assert kd.models.shared_input_batch_norms(one) == []
-
