@@ -824,7 +824,38 @@ def install_gradient_pipeline(optimizer, aggregate, prepare):
         )
 
     object.__setattr__(base, "_backend_apply_gradients", backend_apply_gradients)
+    object.__setattr__(base, "assign", _first_replica_optimizer_assign(base.assign))
     _PIPELINE_OPTIMIZERS.add(optimizer)
+
+
+def _first_replica_optimizer_assign(optimizer_assign):
+    """`optimizer.assign` that writes central-storage state from replica 0.
+
+    Keras's optimizer assigns some state in each replica (Nadam's
+    momentum-cache product, before its cross-replica update), to a variable
+    without an aggregation: under CentralStorageStrategy TensorFlow refuses
+    that ("You must specify an aggregation method"). Every replica computes
+    the same value from the same all-reduced state, so replica 0 writes it,
+    as `write_from_first_replica` does for BatchNormalization.
+    """
+
+    def assign(variable, value):
+        inner = getattr(variable, "_value", None)
+        context = tf.distribute.get_replica_context()
+        if (
+            not isinstance(inner, ps_values.AggregatingVariable)
+            or inner.aggregation != tf.VariableAggregation.NONE
+            or context is None
+            or context.num_replicas_in_sync == 1
+        ):
+            return optimizer_assign(variable, value)
+        stored = inner.get()
+        value = tf.cast(value, stored.dtype)
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        tf.cond(first, lambda: stored.assign(value).op, tf.no_op)
+
+    assign.__name__ = "assign"
+    return assign
 
 
 def _needs_cross_replica_conditionals(optimizer):

@@ -7,6 +7,7 @@ wrapping (`strategy.run`, reductions, several steps per call) is
 training.
 """
 
+import contextlib
 import json
 import os
 import warnings
@@ -472,6 +473,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
+        Called outside any strategy scope, it runs in the scope of the
+        strategy the model was created in, so the loss and metric trackers
+        are that strategy's variables (as in tf-keras).
+
         `pss_evaluation_shards` (parameter-server training only): split
         evaluation over the workers in that many shards ("auto": 4 per
         worker), instead of evaluating on the coordinator; both are exact.
@@ -490,10 +495,15 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             )
         self.pss_evaluation_shards = pss_evaluation_shards
         self.batch_norm = batch_norm
-        super().compile(*args, **kwargs)
-        kd_losses.install_global_losses(self)
-        gradients.install(self.optimizer)
-        self._prepare_layers()
+        # Called outside any scope, compile runs in the model's strategy (as
+        # tf-keras does): Keras creates the loss tracker here, and a tracker
+        # made outside the scope is a plain variable on one device.
+        scope = contextlib.nullcontext() if tf.distribute.has_strategy() else self.distribute_strategy.scope()
+        with scope:
+            super().compile(*args, **kwargs)
+            kd_losses.install_global_losses(self)
+            gradients.install(self.optimizer)
+            self._prepare_layers()
 
     def get_compile_config(self):
         """The arguments `compile` was called with, serialized (saved in `.keras` files).

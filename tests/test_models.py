@@ -3,9 +3,12 @@
 Exactness under every strategy is tested by tests/test_exactness.py.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
 from tests import _harness
@@ -49,6 +52,35 @@ def test_mixin_on_user_subclass():
     assert len(history.history["loss"]) == 2
 
 
+def test_compile_outside_the_scope_makes_trackers_in_the_models_strategy():
+    # tf-keras's distribute_strategy_test: a model created in the scope and
+    # compiled outside it has every variable, trackers included, in the scope.
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    x = np.linspace(-1, 1, 24, dtype="float32").reshape(8, 3)
+    y = x.sum(axis=1, keepdims=True) * 0.5
+
+    def build(model_class, scope):
+        with scope:
+            inputs = keras.Input((3,))
+            model = model_class(inputs, keras.layers.Dense(1, kernel_initializer="ones")(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        tracked = [v for metric in model.metrics for v in metric.variables]
+        in_scope = [strategy.extended.variable_created_in_scope(v.value) for v in tracked]
+        return history, model.get_weights(), in_scope
+
+    history, weights, in_scope = build(kd.Model, strategy.scope())
+    assert in_scope and all(in_scope), in_scope
+    reference, reference_weights, _ = build(keras.Model, contextlib.nullcontext())
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history[key], reference[key], rtol=2e-5)
+    for got, want in zip(weights, reference_weights):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    # Contrast: plain Keras makes its loss tracker outside the strategy there.
+    _, _, plain_in_scope = build(keras.Model, strategy.scope())
+    assert not all(plain_in_scope), plain_in_scope
+
+
 @pytest.mark.cluster
 def test_model_created_outside_scope_is_refused():
     """A model, a layer or an optimizer made outside the scope: a clear error before any step."""
@@ -69,7 +101,7 @@ def test_model_created_outside_scope_is_refused():
 
 
 @pytest.mark.cluster
-def test_batch_norm_in_a_hand_written_central_storage_loop():
+def test_batch_norm_and_nadam_in_a_hand_written_central_storage_loop():
     code, output = _harness.run_script("hand_written_loops.py", "central_storage")
     assert code == 0, output[-4000:]
     results = {r["case"]: r for r in _harness.results_of(output)}
@@ -79,6 +111,10 @@ def test_batch_norm_in_a_hand_written_central_storage_loop():
     assert results["kd_batch_norm_adam"]["diff"] <= 2e-5
     # Contrast: a plain Keras model cannot update its moving statistics there.
     assert "You must specify an aggregation method" in results["keras_batch_norm_adam"]["error"]
+    # Nadam's state assigned in the replicas (a variable without aggregation).
+    assert "error" not in results["kd_nadam"], results["kd_nadam"]
+    assert results["kd_nadam"]["diff"] <= 2e-5
+    assert "You must specify an aggregation method" in results["keras_nadam"]["error"]
 
 
 def test_batch_norm_option_is_checked():

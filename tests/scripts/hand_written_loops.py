@@ -39,7 +39,8 @@ def layers(batch_norm):
 
 def make_optimizer(name):
     return {"adagrad": lambda: keras.optimizers.Adagrad(0.1),
-            "adam": lambda: keras.optimizers.Adam(0.05)}[name]()
+            "adam": lambda: keras.optimizers.Adam(0.05),
+            "nadam": lambda: keras.optimizers.Nadam(0.05)}[name]()
 
 
 def train(model, optimizer, strategy, *, exact):
@@ -112,3 +113,6 @@ if KIND == "mirrored":
 else:
     case("kd_batch_norm_adam", "adam", True, kd_side=True)
     case("keras_batch_norm_adam", "adam", True, kd_side=False)
+    # Nadam assigns its momentum-cache product in each replica (no aggregation).
+    case("kd_nadam", "nadam", False, kd_side=True)
+    case("keras_nadam", "nadam", False, kd_side=False)
