@@ -44,7 +44,9 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.eager import context as tf_context
 from keras.src.backend.common import masking as keras_masking
@@ -137,6 +139,9 @@ PRIVATE_NAMES = (
     ("keras.optimizers.Optimizer", "_accumulated_gradients", "attribute set by build"),
     ("keras.optimizers.Optimizer", "_trainable_variables", "attribute set by build"),
     ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
+    ("tensorflow.python.distribute.values", "SyncOnReadVariable", "class"),
+    ("tensorflow.python.distribute.device_util", "current", "function(): the current device or None"),
+    ("tensorflow.distribute.StrategyExtended", "_default_device", "attribute: a device or None"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
     ("tensorflow.python.distribute.ps_values.AggregatingVariable", "get", "method(): the one variable it wraps"),
@@ -196,6 +201,35 @@ def replace_compile_losses(compile_loss, wrap_loss, make_tracker):
     trackers = [make_tracker(metric.name) for metric in compile_loss._metrics]
     compile_loss._metrics.clear()
     compile_loss._metrics.extend(trackers)
+
+
+def sync_on_read_aggregation(variable):
+    """The `tf.VariableAggregation` of a Keras variable stored on-read per replica, else None.
+
+    Keras metric variables are (`synchronization=ON_READ`): each replica adds
+    to its own copy, and a read in cross-replica context aggregates them.
+    """
+    inner = getattr(variable, "_value", None)
+    if not isinstance(inner, tf_values.SyncOnReadVariable):
+        return None
+    return inner.aggregation
+
+
+def backend_variable(variable):
+    """The TensorFlow variable behind a Keras variable (distributed under a strategy)."""
+    return variable._value
+
+
+def default_reduce_destination(strategy):
+    """Where `strategy.reduce` puts its result: the current device, else the default one."""
+    return device_util.current() or strategy.extended._default_device or "/device:CPU:0"
+
+
+def compiled_losses(compile_loss):
+    """The loss objects of a built `CompileLoss`, one per output (None before it is built)."""
+    if not compile_loss.built:
+        return None
+    return [entry.loss for entry in compile_loss._flat_losses]
 
 
 def compiled_loss(model):

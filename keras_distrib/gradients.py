@@ -60,8 +60,38 @@ def all_reduce(gradients):
         isinstance(g, tf.IndexedSlices) for g in present
     ):
         raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
-    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    if batch is not None and batch.deferred:
+        present = _all_reduce_deferred(context, batch, present)
+    else:
+        present = context.all_reduce(tf.distribute.ReduceOp.SUM, present)
+    summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
+
+
+def _all_reduce_deferred(context, batch, gradients):
+    """All-reduces gradients of loss shares in deferred scale, with the row count.
+
+    Each replica's gradient is of its share times N / (R * n_r) (see
+    `replica.ReplicaBatch.defer`): multiplied by R * n_r, summed, and divided
+    by N, which travels in the same all-reduce, it is the gradient one
+    device computes. One collective: nothing in the step waited for N.
+    """
+    dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
+    scaled = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in gradients]
+    *summed, global_rows = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, scaled + [tf.cast(batch.local_rows, dtype)]
+    )
+    batch.learn_global_rows(global_rows)
+    return [
+        _map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(global_rows, v.dtype)))
+        for g in summed
+    ]
+
+
+def _map_values(gradient, function):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(function(gradient.values), gradient.indices, gradient.dense_shape)
+    return function(gradient)
 
 
 def _build_outside_replicas(optimizer, variables):
