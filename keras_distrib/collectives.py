@@ -62,15 +62,16 @@ def _counting(strategy, seen):
 def count(model, x, y, *, sample_weight=None):
     """Collectives per `fit`, `evaluate` and `predict` step of `model` (compiled, in its strategy).
 
-    `x`/`y` must be one global batch whose rows divide evenly over the
-    replicas (so each step function is traced once). Trains one step.
+    `model`'s steps must not have been traced yet (what is counted is the
+    tracing). `x`/`y` must be one global batch whose rows divide evenly over
+    the replicas (so each step function is traced once). Trains one step.
 
     Returns:
         `{"train": {"step": n, "logs": m}, "test": {...}, "predict": {...}}`.
 
     Raises:
         ValueError: the model's strategy is not a MirroredStrategy, whose
-            reductions this counts.
+            reductions this counts, or the rows do not divide evenly.
     """
     strategy = model.distribute_strategy
     if not isinstance(strategy, tf.distribute.MirroredStrategy):
@@ -79,6 +80,12 @@ def count(model, x, y, *, sample_weight=None):
             "a MirroredStrategy. Create the model under kd.make_strategy('mirrored')."
         )
     rows = len(tf.nest.flatten(x)[0])
+    replicas = strategy.num_replicas_in_sync
+    if rows == 0 or rows % replicas:
+        raise ValueError(
+            f"`x` has {rows} rows; expected a positive multiple of the {replicas} replicas, so "
+            "that every step function is traced once. Pass one such global batch."
+        )
     runs = {
         "train": lambda: model.fit(x, y, sample_weight=sample_weight, batch_size=rows, epochs=1,
                                    verbose=0, shuffle=False),

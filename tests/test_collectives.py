@@ -39,3 +39,22 @@ def test_collectives_per_step_on_two_replicas():
         for item in _harness.results_of(output)
     }
     assert counted == EXPECTED
+
+
+@pytest.mark.cluster
+def test_collective_ops_in_the_step_graphs_of_two_workers():
+    # In the traced graphs on each worker: the training step's one all-reduce,
+    # the logs' one, and TensorFlow's own per-step all-reduce in a multi-worker
+    # iterator (the workers agree whether any of them has a batch left; Keras
+    # and tf-keras pay it too). Predictions are gathered to every worker.
+    result, output = _harness.run_cluster("collectives_cluster.py", workers=2, timeout=300)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    counted = _harness.results_of("\n".join(lines))
+    assert len(counted) == 2
+    for ops in counted:
+        assert ops == {
+            "train": {"CollectiveReduceV2": 3},
+            "test": {"CollectiveReduceV2": 2},
+            "predict": {"CollectiveReduceV2": 1, "CollectiveGatherV2": 4},
+        }
