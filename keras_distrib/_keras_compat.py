@@ -142,6 +142,7 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.values", "SyncOnReadVariable", "class"),
     ("tensorflow.python.distribute.device_util", "current", "function(): the current device or None"),
     ("tensorflow.distribute.StrategyExtended", "_default_device", "attribute: a device or None"),
+    ("keras.callbacks.TensorBoard", "_prev_summary_state", "attribute: stack of (writer, step) contexts"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
     ("tensorflow.python.distribute.ps_values.AggregatingVariable", "get", "method(): the one variable it wraps"),
@@ -255,6 +256,21 @@ def loss_tracker(model):
 @tracking.no_automatic_dependency_tracking
 def set_loss_tracker(model, tracker):
     model._loss_tracker = tracker
+
+
+def exit_summary_contexts(callback, ignore):
+    """Exits every summary-writer context a Keras TensorBoard callback has entered.
+
+    Keras's TensorBoard keeps them on a stack (`_prev_summary_state`) while
+    it writes; errors of the types in `ignore` are passed over.
+    """
+    while getattr(callback, "_prev_summary_state", None):
+        writer_context, step_context = callback._prev_summary_state.pop()
+        for part in (step_context, writer_context):
+            try:
+                part.__exit__(None, None, None)
+            except ignore:
+                pass
 
 
 def unscale_for_tracker(share):
