@@ -141,7 +141,7 @@ PRIVATE_NAMES = (
     ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
     ("tensorflow.python.distribute.values", "SyncOnReadVariable", "class"),
     ("tensorflow.python.distribute.device_util", "current", "function(): the current device or None"),
-    ("tensorflow.distribute.StrategyExtended", "_default_device", "attribute: a device or None"),
+    ("tensorflow.python.distribute.distribute_lib.StrategyExtendedV2", "_default_device", "attribute: a device or None"),
     ("keras.callbacks.TensorBoard", "_prev_summary_state", "attribute: stack of (writer, step) contexts"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
