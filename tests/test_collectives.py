@@ -58,3 +58,16 @@ def test_collective_ops_in_the_step_graphs_of_two_workers():
             "test": {"CollectiveReduceV2": 2},
             "predict": {"CollectiveReduceV2": 1, "CollectiveGatherV2": 4},
         }
+
+
+@pytest.mark.cluster
+def test_deferred_scaling_keeps_every_loss_reduction_exact():
+    # Reductions whose scale is not the row count times a constant take N from
+    # an all-reduce of their own; all of them must match one device.
+    code, output = _harness.run_script("deferred_scaling.py", timeout=400)
+    assert code == 0, output[-4000:]
+    results = _harness.results_of(output)
+    assert [r["case"] for r in results] == ["sum", "mean_with_sample_weight", "none",
+                                           "activity_regularizer", "add_loss", "two_outputs"]
+    for result in results:
+        assert max(result["weights"], result["history"], result["evaluate"]) <= 2e-5, result
