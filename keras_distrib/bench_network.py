@@ -248,7 +248,7 @@ class _Relay:
                 while True:
                     try:
                         packet = os.read(fd, RELAY_MTU + 64)
-                    except (BlockingIOError, OSError):
+                    except OSError:  # nothing more to read (EAGAIN)
                         break
                     target = self._by_address.get(packet[16:20]) if packet[:1] and packet[0] >> 4 == 4 else None
                     if target is not None:
@@ -496,11 +496,14 @@ def _serve(testbed, deadline):
         elif line.startswith("TIMINGS "):
             timings = json.loads(line[len("TIMINGS "):])
             for process in testbed.processes:
-                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+                try:
+                    process.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise failure("the workers did not exit after the first one printed its timings.") from None
             return timings, round_trips
 
 
-def run(workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", timeout=1800,
+def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", timeout=1800,
         json_path=None, print_fn=print):
     """Runs the network benchmark and prints its table; returns the report.
 
@@ -523,6 +526,13 @@ def run(workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", time
     Raises:
         NetworkBenchError: It cannot run here (the message says what is
             missing and how to fix it), a worker failed, or `timeout` passed.
+
+    Example:
+        >>> from keras_distrib import bench_network
+        >>> report = bench_network.run(workers=(2,), delays=(1,), steps=5,
+        ...                            repeats=1)  # doctest: +SKIP
+        >>> report["round_trip_ms"]["2"]["1"] >= 2.0  # doctest: +SKIP
+        True
     """
     found, resolved, note = problems(link, delays)
     if found:
@@ -672,8 +682,8 @@ def main(argv=None):
     if options.worker:
         return _worker_main(options)
     try:
-        run(options.workers, options.delays, options.steps, options.repeats, options.link,
-            options.timeout, options.json)
+        run(workers=options.workers, delays=options.delays, steps=options.steps,
+            repeats=options.repeats, link=options.link, timeout=options.timeout, json_path=options.json)
     except NetworkBenchError as error:
         print(f"keras-distrib bench --network: {error}", file=sys.stderr)
         return 2

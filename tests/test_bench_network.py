@@ -7,6 +7,7 @@ trip between two workers' namespaces takes at least twice the one-way delay).
 import importlib.util
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +77,16 @@ def test_bad_arguments_are_refused_by_the_cli(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--network", "--workers", "1"])
     assert "expected numbers >= 2, got '1'" in capsys.readouterr().err
+
+
+def test_every_option_is_in_the_api_docs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--network", "--help"])
+    options = set(re.findall(r"(--[a-z][a-z-]+)", capsys.readouterr().out)) - {"--help"}
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "API.md")) as f:
+        line = next(l for l in f if l.startswith("- `keras-distrib bench --network"))
+    assert {"--workers", "--delays", "--link", "--timeout"} <= options
+    assert [option for option in sorted(options) if option not in line] == []
 
 
 @pytest.mark.cluster
