@@ -489,8 +489,9 @@ def _serve(testbed, deadline):
         if line.startswith("DELAY "):
             delay = float(line.split()[1])
             testbed.set_delay(delay)
-            if delay not in round_trips:
-                round_trips[delay] = testbed.round_trip_ms()
+            # Measured at every change: on a loaded machine the relay
+            # delivers late, and the report should show the link it was.
+            round_trips.setdefault(delay, []).append(testbed.round_trip_ms())
             chief.stdin.write("OK\n")
             chief.stdin.flush()
         elif line.startswith("TIMINGS "):
@@ -520,8 +521,9 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
     Returns:
         The report: `steps_per_second[workers][delay][variant]` holds the
         `median`, `min`, `max` and `runs`; `ratios[workers][delay]` the
-        ratios of medians; `round_trip_ms[workers][delay]` the measured
-        round trip between two workers' namespaces.
+        ratios of medians; `round_trip_ms[workers][delay]` the TCP round
+        trip between two workers' namespaces, measured at each change of
+        delay (`median`, `min`, `max`, `runs`).
 
     Raises:
         NetworkBenchError: It cannot run here (the message says what is
@@ -571,7 +573,9 @@ def _summarize(report, count, delays, timings, round_trips):
         }
         ratios[key] = {name: speeds[key][a]["median"] / speeds[key][b]["median"]
                        for name, (a, b) in RATIOS.items() if a in speeds[key] and b in speeds[key]}
-        trips[key] = round_trips.get(float(delay))
+        measured = round_trips.get(float(delay), [])
+        trips[key] = measured and {"median": statistics.median(measured), "min": min(measured),
+                                   "max": max(measured), "runs": measured}
     report["steps_per_second"][str(count)] = speeds
     report["ratios"][str(count)] = ratios
     report["round_trip_ms"][str(count)] = trips
@@ -581,7 +585,7 @@ def _print_table(report, print_fn):
     config = report["config"]
     print_fn(f"link={config['link']} model=mlp global_batch={config['global_batch']} steps={config['steps']} "
              f"repeats={config['repeats']} (steps/s: median (min-max))")
-    header = f"{'workers':>7s} {'delay':>6s} {'RTT ms':>7s}"
+    header = f"{'workers':>7s} {'delay':>6s} {'RTT ms':>17s}"
     for name in VARIANTS:
         header += f" {name:>22s}"
     header += "".join(f" {name:>24s}" for name in RATIOS)
@@ -589,7 +593,8 @@ def _print_table(report, print_fn):
     for count, by_delay in report["steps_per_second"].items():
         for delay, speeds in by_delay.items():
             trip = report["round_trip_ms"][count][delay]
-            row = f"{count:>7s} {delay + ' ms':>6s} {trip if trip is None else format(trip, '.2f'):>7}"
+            shown = f"{trip['median']:.2f} ({trip['min']:.1f}-{trip['max']:.1f})" if trip else "-"
+            row = f"{count:>7s} {delay + ' ms':>6s} {shown:>17s}"
             for name in VARIANTS:
                 cell = speeds.get(name)
                 shown = ("(not installed)" if cell is None else
@@ -620,10 +625,11 @@ def _worker_main(options):
     for name in names:  # warm-up: trace and compile every variant
         built[VARIANTS[name]]()
     timings = {name: {f"{delay:g}": [] for delay in options.delays} for name in names}
-    for _ in range(options.repeats):
+    for repeat in range(options.repeats):
         for delay in options.delays:
             ask_for(delay)
-            for name in names:
+            # Each variant goes first in turn: none always follows the delay change.
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 started = time.perf_counter()
                 built[VARIANTS[name]]()
                 timings[name][f"{delay:g}"].append(options.steps / (time.perf_counter() - started))
