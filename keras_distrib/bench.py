@@ -96,7 +96,7 @@ def _compile(model, steps_per_execution=1, **kd_options):
     )
 
 
-def runners(kind, steps, strategy, only=None):
+def runners(kind, steps, strategy, only=None, on_step_end=None):
     """name -> callable running one epoch of `steps` steps (after building).
 
     Args:
@@ -106,6 +106,9 @@ def runners(kind, steps, strategy, only=None):
         only: Names from `VARIANTS` to build; all by default. Building a
             model under a multi-worker strategy talks to every worker, so
             `keras-distrib bench --network` builds only the three it times.
+        on_step_end: Called with no argument after each training step of the
+            `fit` variants (a callback) and of the tutorial loop, so that a
+            caller can time steps without `fit`'s set-up and epoch end.
 
     Returns:
         A dict of the requested variants that can run here (tf-keras's
@@ -122,11 +125,22 @@ def runners(kind, steps, strategy, only=None):
     y = rng.integers(0, 10, size=(GLOBAL_BATCH * steps,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).cache()
 
+    def step_clock(callback_class):
+        if on_step_end is None:
+            return []
+
+        class StepClock(callback_class):
+            def on_train_batch_end(self, batch, logs=None):
+                on_step_end()
+
+        return [StepClock()]
+
     def fit_runner(model_class, scope, steps_per_execution=1, **kd_options):
         with scope:
             model = _model(kind, model_class)
             _compile(model, steps_per_execution, **kd_options)
-        return lambda: model.fit(dataset, epochs=1, verbose=0)
+        callbacks = step_clock(keras.callbacks.Callback)
+        return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def loop_runner(steps_per_loop):
         with strategy.scope():
@@ -170,6 +184,8 @@ def runners(kind, steps, strategy, only=None):
         def run():
             for batch in distributed:
                 distributed_step(batch)
+                if on_step_end is not None:
+                    on_step_end()
 
         return run
 
@@ -197,7 +213,8 @@ def runners(kind, steps, strategy, only=None):
                 optimizer=tf_keras.optimizers.Adam(1e-3),
                 loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
-        return lambda: model.fit(dataset, epochs=1, verbose=0)
+        callbacks = step_clock(tf_keras.callbacks.Callback)
+        return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def resume_runner():
         # What resuming mid-epoch costs: moving past the epoch's batches

@@ -7,7 +7,9 @@ process a network namespace of its own, joins the namespaces by a link that
 holds every packet `delay` ms (one way, so a round trip takes twice that, as
 `tc netem` on each worker's interface does), and times kd `fit`, tf-keras
 `fit` and TensorFlow's custom-loop tutorial on that link, with the same model
-(the benchmark MLP) and global batch (64).
+(the benchmark MLP) and global batch (64). Steps per second count from the
+end of an epoch's first step to the end of its last: what a long epoch
+feels, without `fit`'s set-up and epoch end.
 
 The link is one of two kinds:
 
@@ -511,7 +513,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
     Args:
         workers: Worker counts; one cluster each.
         delays: One-way delays in ms (a round trip takes twice as long).
-        steps: Training steps per timed epoch (global batch 64).
+        steps: Training steps per timed epoch (global batch 64); steps/s
+            count from the end of its first step to the end of its last.
         repeats: Timed epochs per variant and delay (after one warm-up epoch).
         link: `"auto"`, `"veth"` or `"relay"`.
         timeout: Seconds for the whole run; then everything is stopped.
@@ -612,7 +615,9 @@ def _worker_main(options):
 
     strategy = kd.make_strategy("multi_worker")
     first = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
-    built = bench.runners("mlp", options.steps, strategy, only=set(VARIANTS.values()))
+    step_ends = []
+    built = bench.runners("mlp", options.steps, strategy, only=set(VARIANTS.values()),
+                          on_step_end=lambda: step_ends.append(time.perf_counter()))
     names = [name for name, variant in VARIANTS.items() if variant in built]
 
     def ask_for(delay):
@@ -630,9 +635,12 @@ def _worker_main(options):
             ask_for(delay)
             # Each variant goes first in turn: none always follows the delay change.
             for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-                started = time.perf_counter()
+                # From the end of the first step to the end of the last: the
+                # steps alone, without `fit`'s set-up and epoch end.
+                step_ends.clear()
                 built[VARIANTS[name]]()
-                timings[name][f"{delay:g}"].append(options.steps / (time.perf_counter() - started))
+                speed = (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
+                timings[name][f"{delay:g}"].append(speed)
     if first:
         print("TIMINGS " + json.dumps(timings), flush=True)
     return 0
@@ -662,7 +670,8 @@ def build_parser():
                         help="worker counts, comma-separated (default 2,4)")
     parser.add_argument("--delays", type=_numbers(float, 0), default=(0, 1, 5),
                         help="one-way delays in ms, comma-separated (default 0,1,5; a round trip is twice)")
-    parser.add_argument("--steps", type=int, default=40, help="steps per timed epoch (default 40)")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="steps per timed epoch (default 40; timed from the first step's end to the last's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed epochs per variant and delay (default 5)")
     parser.add_argument("--link", choices=LINKS, default="auto",
                         help="veth (veth pairs, a bridge, tc netem), relay (TUN devices and a delaying relay "
@@ -679,8 +688,8 @@ def main(argv=None):
     """Runs `keras-distrib bench --network ARGS`; returns the exit code."""
     parser = build_parser()
     options = parser.parse_args(argv)
-    bad = [f"`--{name}`={getattr(options, name)} must be >= 1" for name in ("steps", "repeats")
-           if getattr(options, name) < 1]
+    bad = [f"`--{name}`={getattr(options, name)} must be >= {least}"
+           for name, least in (("steps", 2), ("repeats", 1)) if getattr(options, name) < least]
     if options.timeout <= 0:
         bad.append(f"`--timeout`={options.timeout} must be > 0")
     if bad:

@@ -72,7 +72,7 @@ def test_bad_arguments_are_refused_by_the_cli(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--network", "--steps", "0", "--repeats", "0", "--timeout", "-1"])
     error = capsys.readouterr().err
-    assert "`--steps`=0 must be >= 1" in error and "`--repeats`=0 must be >= 1" in error
+    assert "`--steps`=0 must be >= 2" in error and "`--repeats`=0 must be >= 1" in error
     assert "`--timeout`=-1.0 must be > 0" in error
     with pytest.raises(SystemExit):
         cli.main(["bench", "--network", "--workers", "1"])
