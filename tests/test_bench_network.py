@@ -138,7 +138,7 @@ def _wait_for_line(process, text, timeout):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ending", ["sigterm", "timeout"])
+@pytest.mark.parametrize("ending", ["sigterm", "timeout", "sigkill"])
 def test_a_run_ended_midway_leaves_nothing(network_ready, ending):
     argv = [sys.executable, "-m", "keras_distrib.bench_network", "--workers", "2", "--delays", "1",
             "--steps", "200", "--repeats", "1", "--timeout", "5" if ending == "timeout" else "100"]
@@ -147,15 +147,24 @@ def test_a_run_ended_midway_leaves_nothing(network_ready, ending):
     try:
         _wait_for_line(process, "workers started", timeout=60)
         assert _leftovers(process.pid)["namespaces"], "the run made no namespace to tear down"
-        if ending == "sigterm":
+        if ending != "timeout":
             time.sleep(3)  # the workers are starting TensorFlow
-            os.kill(process.pid, signal.SIGTERM)
+            os.kill(process.pid, getattr(signal, ending.upper()))
         _, error = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
-    if ending == "sigterm":
+    if ending == "sigkill":
+        # Nothing could clean up: the workers die with the benchmark
+        # (PR_SET_PDEATHSIG), its namespaces stay until the next run.
+        deadline = time.monotonic() + 20
+        while _leftovers(process.pid)["processes"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _leftovers(process.pid)
+        assert left["processes"] == [] and left["namespaces"], left
+        bench_network._remove_stale()
+    elif ending == "sigterm":
         assert process.returncode == 128 + signal.SIGTERM, error
         assert "stopped by SIGTERM; everything it started was removed" in error
     else:
