@@ -140,13 +140,17 @@ def _wait_for_line(process, text, timeout):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ending", ["sigterm", "timeout", "sigkill"])
 def test_a_run_ended_midway_leaves_nothing(network_ready, ending):
-    argv = [sys.executable, "-m", "keras_distrib.bench_network", "--workers", "2", "--delays", "1",
+    # The SIGTERM run takes the veth link (no delay: no netem needed), so its
+    # bridge namespace and veth pairs are torn down under test too.
+    link = ["--link", "veth", "--delays", "0"] if ending == "sigterm" else ["--delays", "1"]
+    argv = [sys.executable, "-m", "keras_distrib.bench_network", "--workers", "2", *link,
             "--steps", "200", "--repeats", "1", "--timeout", "5" if ending == "timeout" else "100"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     try:
         _wait_for_line(process, "workers started", timeout=60)
-        assert _leftovers(process.pid)["namespaces"], "the run made no namespace to tear down"
+        made = _leftovers(process.pid)["namespaces"]
+        assert len(made) == (3 if ending == "sigterm" else 2), made  # the workers' (and the bridge's)
         if ending != "timeout":
             time.sleep(3)  # the workers are starting TensorFlow
             os.kill(process.pid, getattr(signal, ending.upper()))
