@@ -24,6 +24,7 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib import replica
 from keras_distrib import step
+from keras_distrib import strategies
 
 __all__ = [
     "all_reduce",
@@ -59,9 +60,41 @@ def all_reduce(gradients):
     if batch is not None and batch.plan.looped and any(
         isinstance(g, tf.IndexedSlices) for g in present
     ):
-        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+        return _all_reduce_in_loop(context, gradients)
     summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
     return [None if g is None else next(summed) for g in gradients]
+
+
+def _all_reduce_in_loop(context, gradients):
+    """`all_reduce` for a step inside a compiled loop, with sparse gradients.
+
+    A collective keeps the shape of its first loop iteration, and a gather's
+    shape changes with the batch (an uneven last batch, an empty replica),
+    so the sparse gradients are not gathered by a collective: the dense ones
+    are summed as always, and the sparse ones concatenated in cross-replica
+    context on one device (`tf.distribute.ReductionToOneDevice`: every
+    replica's slices, in replica order, as a collective gather gives them),
+    which any shape can take. That needs every replica in this process;
+    across worker processes, or inside an XLA cluster, the step runs one
+    step per call instead.
+    """
+    strategy = tf.distribute.get_strategy()
+    if strategies.traits(strategy).is_multi_worker or _keras_compat.in_xla_context():
+        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+    sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
+    dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
+    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, dense) if dense else ())
+    gathered = iter(context.merge_call(_concat_slices, args=tuple(sparse)))
+    return [
+        None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)
+        for g in gradients
+    ]
+
+
+def _concat_slices(strategy, *per_replica):
+    # Cross-replica context: each argument holds every replica's slices.
+    concat = tf.distribute.ReductionToOneDevice()
+    return concat.batch_reduce(tf.distribute.ReduceOp.SUM, [(v, v) for v in per_replica])
 
 
 def _build_outside_replicas(optimizer, variables):
