@@ -67,6 +67,7 @@ class _CarriedOutputs(Exception):
 _NO_BATCH = "kd step: the iterator holds no batch"
 
 
+@tf.autograph.experimental.do_not_convert
 def _zeros_of(specs):
     if specs is None:
         return {}
@@ -192,6 +193,11 @@ def replica_function(model, kind, *, looped=False):
                "predict": model.predict_step}[kind]
     plan = plan_for(model, looped=looped)
 
+    # Not converted by AutoGraph, as Keras 3 does not convert its steps: a
+    # step holds no Python control flow on tensors, and converting it (and
+    # every function it calls, again on each replica's thread) was most of
+    # kd's extra time to the first step.
+    @tf.autograph.experimental.do_not_convert
     def replica_step(data):
         data = _keras_compat.autoconvert_optionals(data)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -250,6 +256,7 @@ class Step:
     def _run(self, data, looped=False):
         return self.strategy.run(self._looped if looped else self._single, args=(data,))
 
+    @tf.autograph.experimental.do_not_convert
     def _finish(self, outputs, extras):
         if self.kind == "predict":
             return _keras_compat.concat_replicas(outputs, self.strategy)
@@ -258,6 +265,7 @@ class Step:
             logs.update(extras)
         return logs
 
+    @tf.autograph.experimental.do_not_convert
     def _extras(self, outputs):
         # Values a custom step returns that are not metrics (usually none).
         if self.kind == "predict" or not isinstance(outputs, dict):
@@ -291,6 +299,7 @@ class Step:
         tf.debugging.assert_positive(steps, message=_NO_BATCH)
         return self._loop_logs(last)
 
+    @tf.autograph.experimental.do_not_convert
     def _carry(self, outputs, carried):
         """The outputs to carry out of the loop; records their specs while tracing."""
         if isinstance(outputs, dict):
@@ -309,6 +318,7 @@ class Step:
             raise _CarriedOutputs()
         return values
 
+    @tf.autograph.experimental.do_not_convert
     def _loop_logs(self, last):
         if self._output_keys is None:
             return last
