@@ -358,10 +358,13 @@ class Step:
         return skipped
 
     def _compile(self):
-        functions = {"one": self._one, "many": self._many, "skip": self._skip}
-        if not self.model.run_eagerly:
-            functions = {k: tf.function(f, reduce_retracing=True) for k, f in functions.items()}
-        self._functions = functions
+        self._functions = {k: self._compiled(f)
+                           for k, f in {"one": self._one, "many": self._many, "skip": self._skip}.items()}
+
+    def _compiled(self, function):
+        if self.model.run_eagerly:
+            return function
+        return tf.function(function, reduce_retracing=True)
 
     # Calling.
 
@@ -392,6 +395,9 @@ class Step:
             except _CarriedOutputs:
                 if attempt == 2:
                     raise
+                # A new function: one whose first trace failed may keep
+                # what that trace left behind instead of tracing again.
+                self._functions["many"] = self._compiled(self._many)
             except tf.errors.InvalidArgumentError as error:
                 if _NO_BATCH in str(error.message):
                     raise StopIteration from None
