@@ -253,6 +253,7 @@ class Step:
 
     # Compiled functions.
 
+    @tf.autograph.experimental.do_not_convert
     def _run(self, data, looped=False):
         return self.strategy.run(self._looped if looped else self._single, args=(data,))
 
