@@ -43,11 +43,16 @@ def all_reduce(gradients):
     `None`. Outside a replica context, or with one replica in sync, returns
     `gradients`.
 
+    Inside a step looped in one compiled function, sparse gradients are
+    concatenated on one device instead of gathered by a collective (see
+    `_all_reduce_in_loop`).
+
     Raises:
-        step.SparseGradientInLoop: a sparse gradient in a step looped inside one
-            compiled function. TensorFlow fixes the shape of a collective at
-            its first loop iteration, and a gather's shape changes with the
-            batch; kd's step then runs one step per call instead.
+        step.SparseGradientInLoop: a sparse gradient in a looped step across
+            worker processes, or in an XLA-compiled step. TensorFlow fixes
+            the shape of a collective at its first loop iteration, and a
+            gather's shape changes with the batch; kd's step then runs one
+            step per call instead.
     """
     gradients = list(gradients)
     context = tf.distribute.get_replica_context()

@@ -43,11 +43,13 @@ KINDS = ("train", "test", "predict")
 
 
 class SparseGradientInLoop(Exception):
-    """A sparse gradient met inside a compiled multi-step loop.
+    """A sparse gradient met inside a compiled multi-step loop, where kd cannot gather it.
 
     TensorFlow fixes the shape of a collective at its first loop iteration,
     and gathering sparse (`tf.IndexedSlices`) gradients changes shape with
-    the batch. The step then runs one step per compiled call instead.
+    the batch. With every replica in this process kd gathers them without a
+    collective (see `gradients.all_reduce`); across worker processes, or in
+    an XLA-compiled step, the step runs one step per compiled call instead.
     """
 
 
