@@ -83,13 +83,16 @@ def task(framework, kind, spe, profile=False):
 
     kd.virtual_devices(2)
     strategy = kd.make_strategy("mirrored")
-    model_class = kd.Model if framework == "kd" else keras.Model
+    model_class = keras.Model if framework == "keras" else kd.Model
+    # kd_bn_per_replica: BatchNormalization's statistics per replica, as
+    # plain Keras computes them (no all-reduce in the forward pass).
+    options = {"batch_norm": "per_replica"} if framework == "kd_bn_per_replica" else {}
     with strategy.scope():
         model = _model(kind, model_class, keras)
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=spe,
+            steps_per_execution=spe, **options,
         )
     x, y = _data(kind, np)
     marks = {}
@@ -149,7 +152,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,cnn,resnet")
     parser.add_argument("--spe", default="1,10")
-    parser.add_argument("--frameworks", default="keras,kd")
+    parser.add_argument("--frameworks", default="keras,kd",
+                        help="keras, kd, kd_bn_per_replica (comma-separated)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--keras-spe", action="store_true", help="run Keras with spe > 1 too")
