@@ -44,7 +44,9 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.eager import context as tf_context
 from tensorflow.python.ops import control_flow_util
@@ -138,6 +140,10 @@ PRIVATE_NAMES = (
     ("keras.optimizers.Optimizer", "_accumulated_gradients", "attribute set by build"),
     ("keras.optimizers.Optimizer", "_trainable_variables", "attribute set by build"),
     ("keras.Variable", "_value", "attribute: the backend (tf) variable"),
+    ("tensorflow.python.distribute.values", "SyncOnReadVariable", "class"),
+    ("tensorflow.python.distribute.device_util", "current", "function(): the current device or None"),
+    ("tensorflow.python.distribute.distribute_lib.StrategyExtendedV2", "_default_device", "attribute: a device or None"),
+    ("keras.callbacks.TensorBoard", "_prev_summary_state", "attribute: stack of (writer, step) contexts"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
     ("tensorflow.python.distribute.ps_values.AggregatingVariable", "get", "method(): the one variable it wraps"),
@@ -200,6 +206,35 @@ def replace_compile_losses(compile_loss, wrap_loss, make_tracker):
     compile_loss._metrics.extend(trackers)
 
 
+def sync_on_read_aggregation(variable):
+    """The `tf.VariableAggregation` of a Keras variable stored on-read per replica, else None.
+
+    Keras metric variables are (`synchronization=ON_READ`): each replica adds
+    to its own copy, and a read in cross-replica context aggregates them.
+    """
+    inner = getattr(variable, "_value", None)
+    if not isinstance(inner, tf_values.SyncOnReadVariable):
+        return None
+    return inner.aggregation
+
+
+def backend_variable(variable):
+    """The TensorFlow variable behind a Keras variable (distributed under a strategy)."""
+    return variable._value
+
+
+def default_reduce_destination(strategy):
+    """Where `strategy.reduce` puts its result: the current device, else the default one."""
+    return device_util.current() or strategy.extended._default_device or "/device:CPU:0"
+
+
+def compiled_losses(compile_loss):
+    """The loss objects of a built `CompileLoss`, one per output (None before it is built)."""
+    if not compile_loss.built:
+        return None
+    return [entry.loss for entry in compile_loss._flat_losses]
+
+
 def compiled_loss(model):
     """The model's `CompileLoss` (None before compile or without a loss)."""
     return getattr(model, "_compile_loss", None)
@@ -223,6 +258,21 @@ def loss_tracker(model):
 @tracking.no_automatic_dependency_tracking
 def set_loss_tracker(model, tracker):
     model._loss_tracker = tracker
+
+
+def exit_summary_contexts(callback, ignore):
+    """Exits every summary-writer context a Keras TensorBoard callback has entered.
+
+    Keras's TensorBoard keeps them on a stack (`_prev_summary_state`) while
+    it writes; errors of the types in `ignore` are passed over.
+    """
+    while getattr(callback, "_prev_summary_state", None):
+        writer_context, step_context = callback._prev_summary_state.pop()
+        for part in (step_context, writer_context):
+            try:
+                part.__exit__(None, None, None)
+            except ignore:
+                pass
 
 
 def unscale_for_tracker(share):

@@ -19,6 +19,7 @@ __all__ = [
     "first_step_task",
     "main",
     "run",
+    "runners",
 ]
 
 GLOBAL_BATCH = 64
@@ -95,8 +96,24 @@ def _compile(model, steps_per_execution=1, **kd_options):
     )
 
 
-def _runners(kind, steps, strategy):
-    """name -> callable running one epoch of `steps` steps (after building)."""
+def runners(kind, steps, strategy, only=None, on_step_end=None):
+    """name -> callable running one epoch of `steps` steps (after building).
+
+    Args:
+        kind: The model: `"mlp"`, `"cnn"` or `"cnn_bn"`.
+        steps: Global batches (of `GLOBAL_BATCH` rows) in the epoch.
+        strategy: The strategy every distributed variant trains under.
+        only: Names from `VARIANTS` to build; all by default. Building a
+            model under a multi-worker strategy talks to every worker, so
+            `keras-distrib bench --network` builds only the three it times.
+        on_step_end: Called with no argument after each training step of the
+            `fit` variants (a callback) and of the tutorial loop, so that a
+            caller can time steps without `fit`'s set-up and epoch end.
+
+    Returns:
+        A dict of the requested variants that can run here (tf-keras's
+        are left out when it is not installed).
+    """
     import keras
     import numpy as np
     import tensorflow as tf
@@ -108,11 +125,22 @@ def _runners(kind, steps, strategy):
     y = rng.integers(0, 10, size=(GLOBAL_BATCH * steps,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).cache()
 
+    def step_clock(callback_class):
+        if on_step_end is None:
+            return []
+
+        class StepClock(callback_class):
+            def on_train_batch_end(self, batch, logs=None):
+                on_step_end()
+
+        return [StepClock()]
+
     def fit_runner(model_class, scope, steps_per_execution=1, **kd_options):
         with scope:
             model = _model(kind, model_class)
             _compile(model, steps_per_execution, **kd_options)
-        return lambda: model.fit(dataset, epochs=1, verbose=0)
+        callbacks = step_clock(keras.callbacks.Callback)
+        return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def loop_runner(steps_per_loop):
         with strategy.scope():
@@ -156,6 +184,8 @@ def _runners(kind, steps, strategy):
         def run():
             for batch in distributed:
                 distributed_step(batch)
+                if on_step_end is not None:
+                    on_step_end()
 
         return run
 
@@ -183,7 +213,8 @@ def _runners(kind, steps, strategy):
                 optimizer=tf_keras.optimizers.Adam(1e-3),
                 loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
-        return lambda: model.fit(dataset, epochs=1, verbose=0)
+        callbacks = step_clock(tf_keras.callbacks.Callback)
+        return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def resume_runner():
         # What resuming mid-epoch costs: moving past the epoch's batches
@@ -197,24 +228,27 @@ def _runners(kind, steps, strategy):
         distributed = strategy.experimental_distribute_dataset(dataset)
         return lambda: skipper.skip(iter(distributed), steps)
 
-    default_scope = tf.distribute.get_strategy().scope()
-    runners = {
-        "plain_fit_one_device": fit_runner(keras.Model, default_scope),
-        "plain_fit_mirrored": fit_runner(keras.Model, strategy.scope()),
-        "kd_fit_mirrored": fit_runner(kd.Model, strategy.scope()),
-        "kd_fit_mirrored_spe50": fit_runner(kd.Model, strategy.scope(), steps_per_execution=50),
-        "tutorial_loop_per_step": tutorial_runner(),
-        "kd_loop_1": loop_runner(1),
-        "kd_loop_50": loop_runner(50),
-        "kd_resume_skip": resume_runner(),
+    builders = {
+        "plain_fit_one_device": lambda: fit_runner(keras.Model, tf.distribute.get_strategy().scope()),
+        "plain_fit_mirrored": lambda: fit_runner(keras.Model, strategy.scope()),
+        "tf_keras_fit_mirrored": tf_keras_runner,
+        "kd_fit_mirrored": lambda: fit_runner(kd.Model, strategy.scope()),
+        "kd_fit_mirrored_spe50": lambda: fit_runner(kd.Model, strategy.scope(), steps_per_execution=50),
+        "tutorial_loop_per_step": tutorial_runner,
+        "kd_loop_1": lambda: loop_runner(1),
+        "kd_loop_50": lambda: loop_runner(50),
+        "kd_resume_skip": resume_runner,
     }
     if kind == "cnn_bn":
-        runners["kd_fit_mirrored_bn_per_replica"] = fit_runner(
+        builders["kd_fit_mirrored_bn_per_replica"] = lambda: fit_runner(
             kd.Model, strategy.scope(), batch_norm="per_replica")
-    tf_keras_fit = tf_keras_runner()
-    if tf_keras_fit is not None:
-        runners["tf_keras_fit_mirrored"] = tf_keras_fit
-    return runners
+    built = {}
+    for name in VARIANTS:  # in VARIANTS' order, the order of the tables
+        if name in builders and (only is None or name in only):
+            runner = builders[name]()
+            if runner is not None:
+                built[name] = runner
+    return built
 
 
 def _measure(options):
@@ -222,15 +256,15 @@ def _measure(options):
     import keras_distrib as kd
 
     strategy = kd.make_strategy("mirrored")
-    runners = _runners(options.model, options.steps, strategy)
-    variants = [name for name in VARIANTS if name in runners]
+    built = runners(options.model, options.steps, strategy)
+    variants = list(built)
     for name in variants:  # Warm-up: trace and compile everything first.
-        runners[name]()
+        built[name]()
     timings = {name: [] for name in variants}
     for _ in range(options.repeats):
         for name in variants:
             started = time.perf_counter()
-            runners[name]()
+            built[name]()
             timings[name].append(options.steps / (time.perf_counter() - started))
     return timings
 

@@ -1,5 +1,6 @@
 """The `keras-distrib` command: `launch` a cluster, print its `tf-config`, run the `demo`,
-`test` this machine, print the `env`ironment, or `bench`mark.
+`test` this machine, print the `env`ironment, or `bench`mark (`bench --network`:
+worker processes over a link with latency).
 
 `launch --workers N` starts a local cluster; `launch` without `--workers`
 under `srun` or in a Kubernetes Job is the per-node agent
@@ -203,7 +204,10 @@ def build_parser():
 
     commands.add_parser(
         "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "
-        "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH])",
+        "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH]); "
+        "with --network, of kd fit, tf-keras fit and TensorFlow's tutorial loop on worker processes "
+        "joined by a link with latency ([--workers 2,4] [--delays 0,1,5] [--link auto|veth|relay] "
+        "[--steps S] [--repeats R] [--timeout S] [--json PATH]; root)",
     )
     return parser
 
@@ -211,6 +215,11 @@ def build_parser():
 def main(argv=None):
     """Runs the `keras-distrib` command line; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and "--network" in argv[1:]:
+        # Worker processes over a link with latency (`keras-distrib bench --network --help`).
+        from keras_distrib import bench_network
+
+        return bench_network.main([arg for arg in argv[1:] if arg != "--network"])
     if argv[:1] == ["bench"]:
         # The benchmark has its own options (see `keras-distrib bench --help`).
         from keras_distrib import bench

@@ -65,31 +65,71 @@ def all_reduce(gradients):
     if batch is not None and batch.plan.looped and any(
         isinstance(g, tf.IndexedSlices) for g in present
     ):
-        return _all_reduce_in_loop(context, gradients)
-    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return _all_reduce_in_loop(context, batch, gradients)
+    if batch is not None and batch.deferred:
+        present = _all_reduce_deferred(context, batch, present)
+    else:
+        present = context.all_reduce(tf.distribute.ReduceOp.SUM, present)
+    summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
 
 
-def _all_reduce_in_loop(context, gradients):
+def _all_reduce_deferred(context, batch, gradients):
+    """All-reduces gradients of loss shares in deferred scale, with the row count.
+
+    Each replica's gradient is of its share times N / (R * n_r) (see
+    `replica.ReplicaBatch.defer`): multiplied by R * n_r, summed, and divided
+    by N, which travels in the same all-reduce, it is the gradient one
+    device computes. One collective: nothing in the step waited for N.
+    """
+    dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
+    scaled = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in gradients]
+    *summed, global_rows = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, scaled + [tf.cast(batch.local_rows, dtype)]
+    )
+    batch.learn_global_rows(global_rows)
+    return [
+        _map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(global_rows, v.dtype)))
+        for g in summed
+    ]
+
+
+def _map_values(gradient, function):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(function(gradient.values), gradient.indices, gradient.dense_shape)
+    return function(gradient)
+
+
+def _all_reduce_in_loop(context, batch, gradients):
     """`all_reduce` for a step inside a compiled loop, with sparse gradients.
 
     A collective keeps the shape of its first loop iteration, and a gather's
     shape changes with the batch (an uneven last batch, an empty replica),
     so the sparse gradients are not gathered by a collective: the dense ones
-    are summed as always, and the sparse ones concatenated in cross-replica
-    context on one device (`tf.distribute.ReductionToOneDevice`: every
-    replica's slices, in replica order, as a collective gather gives them),
-    which any shape can take. That needs every replica in this process;
-    across worker processes, or inside an XLA cluster, the step runs one
-    step per call instead.
+    are summed as always (with the row count, in deferred scale), and the
+    sparse ones concatenated in cross-replica context on one device
+    (`tf.distribute.ReductionToOneDevice`: every replica's slices, in
+    replica order, as a collective gather gives them), which any shape can
+    take. That needs every replica in this process; across worker
+    processes, or inside an XLA cluster, the step runs one step per call
+    instead.
     """
     strategy = tf.distribute.get_strategy()
     if strategies.traits(strategy).is_multi_worker or _keras_compat.in_xla_context():
         raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
     sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
     dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
-    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, dense) if dense else ())
-    gathered = iter(context.merge_call(_concat_slices, args=tuple(sparse)))
+    if batch.deferred:
+        sparse = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
+        dense = _all_reduce_deferred(context, batch, dense)
+    elif dense:
+        dense = context.all_reduce(tf.distribute.ReduceOp.SUM, dense)
+    gathered = context.merge_call(_concat_slices, args=tuple(sparse))
+    if batch.deferred:
+        rows = batch.global_rows  # learnt in the dense all-reduce
+        gathered = [_map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(rows, v.dtype)))
+                    for g in gathered]
+    summed, gathered = iter(dense), iter(gathered)
     return [
         None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)
         for g in gradients

@@ -11,6 +11,12 @@ weight sum for `mean_with_sample_weight`) and D is all-reduced each step.
 Then sum_r share_r = (global weighted sum) / D: exactly the one-device value,
 for uneven batches and for replicas that receive zero rows.
 
+In kd's own training and evaluation steps, D of an unmasked mean is N
+times the elements per row, so no all-reduce is needed before the gradient:
+shares are in deferred scale (R * n_r standing for N, see
+`replica.ReplicaBatch.defer`), and the gradient all-reduce brings N along
+to put the scale right.
+
 The classic mistakes this prevents:
 - `reduce_mean` per replica: divides by n_r, so a replica with 1 row of an
   uneven last batch weighs as much as one with 32.
@@ -213,15 +219,34 @@ class GlobalReductionLoss(keras.losses.Loss):
                 )
                 values = values * weights
             numerator = tf.reduce_sum(values)
+            batch = current_batch()
             if reduction == "sum":
-                return numerator
+                return numerator if batch is None or not batch.deferred else batch.defer(numerator)
             if reduction == "mean_with_sample_weight" and weights is not None:
                 denominator = tf.reduce_sum(weights)
             elif reduction in _MEAN_REDUCTIONS and mask is not None:
                 denominator = tf.reduce_sum(tf.cast(mask, dtype))
             else:
                 denominator = tf.cast(tf.size(values), dtype)
-            return global_share(numerator, denominator)
+                if batch is not None and batch.deferred and _counts_rows(values):
+                    # The global element count is N times the elements per
+                    # row: in deferred scale, R * n_r stands for N.
+                    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                    return tf.math.divide_no_nan(numerator, denominator * replicas)
+            if batch is None:
+                return global_share(numerator, denominator)
+            share = tf.math.divide_no_nan(numerator, batch.global_sum(denominator))
+            return batch.defer(share) if batch.deferred else share
+
+
+def _counts_rows(values):
+    """Whether `values` hold one entry per row, each of the same static size.
+
+    Their element count is then proportional to the row count on every
+    replica, which deferred scaling relies on.
+    """
+    return values.shape.rank is not None and values.shape.rank >= 1 and \
+        values.shape[1:].is_fully_defined()
 
 
 def _combine_masks(first, second):
@@ -270,11 +295,19 @@ class GlobalShareMean(keras.metrics.Mean):
         if share.shape.rank != 0:
             return self._update_per_example(share, batch)
         if self.weighting == "rows":
-            self.total.assign_add(share * tf.cast(batch.global_rows, self.dtype))
+            # share * N; in deferred scale share * R * n_r (the same number).
+            rows = batch.own_scale(self.dtype) if batch.deferred else batch.global_rows
+            self.total.assign_add(share * tf.cast(rows, self.dtype))
             self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
         else:
-            self.total.assign_add(share)
             self.count.assign_add(tf.constant(1.0 / replicas, self.dtype))
+            if not batch.deferred:
+                return self.total.assign_add(share)
+            # The share itself is share' * R * n_r / N: added once N is known
+            # (the gradient all-reduce brings it in a training step).
+            scaled = share * batch.own_scale(self.dtype)
+            batch.when_global_rows(lambda global_rows: self.total.assign_add(
+                tf.math.divide_no_nan(scaled, tf.cast(global_rows, self.dtype))))
 
 
     def _update_per_example(self, values, batch):

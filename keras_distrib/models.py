@@ -278,6 +278,36 @@ def _replica_state_updates(layer, variable):
     return make
 
 
+def _defers_scaling(model, batch, *, training):
+    """Whether `model`'s step can scale its loss without the global row count first.
+
+    Deferred scaling (`replica.ReplicaBatch.defer`) changes what the loss
+    share is until the gradient all-reduce corrects it, so it is used only
+    where kd computes the whole loss and reduces the gradients itself: kd's
+    own `compute_loss`, losses that reduce to a scalar, a model whose
+    optimizer has kd's gradient pipeline. A step that reads the share in
+    any other way keeps the global count, read before the loss.
+    """
+    if batch.deferred or not _spreads_over_replicas():
+        return batch.deferred
+    for name in ("compute_loss", "_compute_loss"):
+        if getattr(getattr(model, name), "__func__", None) is not getattr(keras.Model, name):
+            return False
+    compiled = _keras_compat.compiled_loss(model)
+    if compiled is not None:
+        losses = _keras_compat.compiled_losses(compiled)
+        if losses is None or not all(
+            isinstance(loss, kd_losses.GlobalReductionLoss) and loss.reduction not in (None, "none")
+            for loss in losses
+        ):
+            return False
+    if not isinstance(_keras_compat.loss_tracker(model), (kd_losses.GlobalShareMean, type(None))):
+        return False
+    if training:
+        return model.optimizer is not None and _keras_compat.has_gradient_pipeline(model.optimizer)
+    return True
+
+
 def _in_replica_step():
     return replica.current_batch() is not None and _spreads_over_replicas()
 
@@ -626,6 +656,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         batch.losses, batch.owner, batch.in_forward = [], self, True
         try:
             if plan.xla_forward:
+                if any(isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS)
+                       for layer in _keras_compat.flatten_layers(self)):
+                    batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
                 outputs, batch.losses = self._xla_forward(*args, **kwargs)
             else:
                 outputs = super().__call__(*args, **kwargs)
@@ -662,7 +695,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def train_step(self, data):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with self.replica_batch(x):
+        with self.replica_batch(x) as batch:
+            batch.deferred = _defers_scaling(self, batch, training=True)
             with tf.GradientTape() as tape:
                 y_pred = self._call_model(x, training=True)
                 loss = _keras_compat.compute_loss(
@@ -682,7 +716,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def test_step(self, data):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with self.replica_batch(x):
+        with self.replica_batch(x) as batch:
+            batch.deferred = _defers_scaling(self, batch, training=False)
             y_pred = self._call_model(x, training=False)
             loss = _keras_compat.compute_loss(
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False

@@ -1,11 +1,18 @@
 """What one replica knows about the batch it processes in a step.
 
 kd's step opens a `ReplicaBatch` around every replica step (`replica_batch`).
-It holds the replica's row count n_r and the global count N (all-reduced
-once per step) and the step's `StepPlan`. Losses, metric trackers,
+It holds the replica's row count n_r, the step's `StepPlan` and, when
+something needs it, the global count N. Losses, metric trackers,
 regularization, the forward pass and synchronized batch normalization read
 it instead of all-reducing again. It is thread-local: under
 MirroredStrategy each replica traces on its own thread.
+
+N costs an all-reduce, a barrier across every replica and worker, so it is
+computed only when first read (`ReplicaBatch.global_rows`). kd's own
+training step does without it: with `deferred` scaling (see
+`ReplicaBatch.deferred`) each replica scales its loss by what it knows
+(R * n_r instead of N), and the gradient all-reduce carries n_r along to
+correct the scale afterwards: one collective per step.
 """
 
 import contextlib
@@ -60,22 +67,29 @@ class ReplicaBatch:
 
     Attributes:
         local_rows: Rows on this replica, n_r (a float32 scalar tensor).
-        global_rows: Rows over all replicas, N = sum(n_r) (all-reduced).
+        global_rows: Rows over all replicas, N = sum(n_r); all-reduced when
+            first read, unless the gradient all-reduce has brought it.
         offset: Where this replica's rows start in the global batch (a
             float32 scalar tensor): the rows of the replicas whose pieces
             come before its own in TensorFlow's split (see `piece_order`).
+            All-reduced with `global_rows` when first read.
         plan: The `StepPlan` of the step.
+        deferred: Whether loss shares are in deferred scale: each replica's
+            share times N / (R * n_r), so that no replica needs N before
+            its gradient (see `defer`). Off unless kd's own step turns it on.
         losses: The `add_loss` terms of this replica's latest forward pass
             (recorded per replica; `None` before the first one).
         owner: The model whose forward pass recorded `losses`.
         in_forward: Whether a kd model's forward pass is running.
     """
 
-    def __init__(self, local_rows, global_rows, plan=None, offset=None):
+    def __init__(self, local_rows, global_rows=None, plan=None, offset=None):
         self.local_rows = local_rows
-        self.global_rows = global_rows
-        self.offset = tf.zeros_like(local_rows) if offset is None else offset
+        self._global_rows = global_rows
+        self._offset = offset
         self.plan = plan or StepPlan()
+        self.deferred = False
+        self._pending = []  # (function of N) run once N is known: see `when_global_rows`
         self.losses = None
         self.owner = None
         self.in_forward = False
@@ -83,9 +97,74 @@ class ReplicaBatch:
         self.seed_writes = set()  # ids of seed states drawn from (central storage)
 
     @property
+    def global_rows(self):
+        if self._global_rows is None:
+            self._global_rows, self._offset = _global_rows_and_offset(self.local_rows)
+        return self._global_rows
+
+    @property
+    def offset(self):
+        if self._offset is None:
+            self._global_rows, self._offset = _global_rows_and_offset(self.local_rows)
+        return self._offset
+
+    @property
+    def knows_global_rows(self):
+        """Whether N is known without another all-reduce."""
+        return self._global_rows is not None
+
+    def global_sum(self, value):
+        """`value` summed over the replicas, in the all-reduce that also brings N if unknown."""
+        if self._global_rows is not None or not _spreads():
+            return replica_sum(value)
+        value = tf.convert_to_tensor(value)
+        rows = tf.cast(self.local_rows, value.dtype)
+        total, global_rows = replica_sum([value, rows])
+        self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
+        return total
+
+    @property
     def fraction(self):
-        """n_r / N: this replica's part of the global batch (0 if empty)."""
+        """n_r / N: this replica's part of the global batch (0 if empty).
+
+        In deferred scale, n_r / (R * n_r): 1/R, 0 if empty.
+        """
+        if self.deferred:
+            return tf.math.divide_no_nan(self.local_rows, self.own_scale(self.local_rows.dtype))
         return tf.math.divide_no_nan(self.local_rows, self.global_rows)
+
+    def defer(self, share):
+        """A loss share in deferred scale: `share` * N / (R * n_r).
+
+        `share` sums over the replicas to the global loss; the result is what
+        the replica's own scale (R * n_r standing for N) makes of it. The
+        gradient all-reduce multiplies each gradient by R * n_r (`own_scale`)
+        and divides the sum by N, giving back the gradient of `share`. Needs
+        N (an all-reduce when not yet known).
+        """
+        global_rows = tf.cast(self.global_rows, share.dtype)
+        return tf.math.divide_no_nan(share * global_rows, self.own_scale(share.dtype))
+
+    def own_scale(self, dtype):
+        """R * n_r: the replica's stand-in for N in deferred scale."""
+        return tf.cast(self.local_rows, dtype) * tf.cast(_replicas(), dtype)
+
+    def learn_global_rows(self, global_rows):
+        """Keeps N, all-reduced along with something else (the gradients)."""
+        self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
+
+    def when_global_rows(self, function):
+        """Runs `function(N)` now if N is known, else after the gradient all-reduce brings it."""
+        if self._global_rows is not None:
+            function(self._global_rows)
+        else:
+            self._pending.append(function)
+
+    def finish(self):
+        """Runs what waited for N (reading it with an all-reduce if nothing brought it)."""
+        pending, self._pending = self._pending, []
+        for function in pending:
+            function(self.global_rows)
 
     @property
     def has_rows(self):
@@ -128,6 +207,15 @@ def replica_sum(value):
     if context.num_replicas_in_sync == 1:
         return value
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def _replicas():
+    context = tf.distribute.get_replica_context()
+    return context.num_replicas_in_sync if context is not None else 1
+
+
+def _spreads():
+    return _replicas() > 1
 
 
 def _in_symbolic_build():
@@ -173,7 +261,7 @@ def _global_rows_and_offset(local_rows):
 
 @contextlib.contextmanager
 def replica_batch(local_rows, plan=None):
-    """Opens this replica's `ReplicaBatch` (all-reducing the row count once).
+    """Opens this replica's `ReplicaBatch`; N is all-reduced only if read.
 
     Inside an open batch (e.g. a `train_step` override calling
     `self.replica_batch(x)`), the open batch is reused.
@@ -183,11 +271,13 @@ def replica_batch(local_rows, plan=None):
         yield current
         return
     local_rows = tf.cast(local_rows, tf.float32)
-    global_rows, offset = _global_rows_and_offset(local_rows)
-    batch = ReplicaBatch(local_rows, global_rows, plan, offset)
+    batch = ReplicaBatch(local_rows, plan=plan)
+    if not _spreads():
+        batch._global_rows, batch._offset = local_rows, tf.zeros_like(local_rows)
     _STATE.batch = batch
     try:
         yield batch
+        batch.finish()
     finally:
         _STATE.batch = None
 

@@ -98,7 +98,56 @@ def _same_specs(specs, carried):
 
 
 def metric_results(model):
-    """Every model metric's value; global when read in cross-replica context."""
+    """Every model metric's value; global when read in cross-replica context.
+
+    Under mirrored and multi-worker mirrored strategies, every metric
+    variable is summed over the replicas in one batched all-reduce (one
+    collective per read of the logs; reading them one by one would make one
+    per variable, each a round trip across workers).
+    """
+    variables = list(model.metrics_variables)
+    values = _global_values(model.distribute_strategy, variables)
+    if values is None:
+        return _read_results(model)
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        return _read_results(model)
+
+
+_BATCHED_READS = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def _global_values(strategy, variables):
+    """The global values of `variables` (metric state), all-reduced together, or None.
+
+    None outside cross-replica context, with one replica, or under a
+    strategy whose metric variables are not per replica (those read as
+    they are).
+    """
+    if tf.distribute.get_replica_context() is not None and tf.distribute.has_strategy():
+        return None
+    if not isinstance(strategy, _BATCHED_READS) or strategy.num_replicas_in_sync == 1:
+        return None
+    values = [None] * len(variables)
+    groups = {}
+    for index, variable in enumerate(variables):
+        aggregation = _keras_compat.sync_on_read_aggregation(variable)
+        if aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
+            groups.setdefault(aggregation, []).append(index)
+        else:
+            values[index] = tf.convert_to_tensor(variable.value)
+    with strategy.scope():
+        destination = _keras_compat.default_reduce_destination(strategy)
+        for aggregation, indices in groups.items():
+            reduced = strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.from_variable_aggregation(aggregation),
+                [(_keras_compat.backend_variable(variables[i]), destination) for i in indices],
+            )
+            for index, value in zip(indices, reduced):
+                values[index] = strategy.experimental_local_results(value)[0]
+    return values
+
+
+def _read_results(model):
     results = {}
     for metric in model.metrics:
         value = metric.result()
@@ -110,11 +159,22 @@ def metric_results(model):
 
 
 def metric_names(model):
-    """Log keys the model's metrics produce, without reading any variable."""
+    """Log keys the model's metrics produce, without reading any variable.
+
+    The keys are those of the metrics' results computed eagerly on zero
+    state (Keras names compiled metrics when it reports them: `out0_mae`
+    for a model with several outputs), so no read or collective enters a
+    traced step.
+    """
     names = set()
     for metric in model.metrics:
         names.update(_keras_compat.compile_metric_names(metric))
         names.add(metric.name)
+    variables = list(model.metrics_variables)
+    with tf.init_scope():
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        with keras.StatelessScope(state_mapping=list(zip(variables, zeros))):
+            names.update(_read_results(model))
     return names
 
 

@@ -6,9 +6,10 @@
 # Unattended: Debian/Ubuntu with apt-get, as root (CI), else a message saying
 # why not, and exit 0: the Slurm tests then skip with that reason. Installing
 # starts no system service (policy-rc.d says no while apt-get runs).
+# Also iproute2 (`ip`, `tc`), for tests/test_bench_network.py (network namespaces).
 set -uo pipefail
 
-needed=(munged mungekey slurmctld slurmd srun sbatch scontrol squeue scancel sinfo)
+needed=(munged mungekey slurmctld slurmd srun sbatch scontrol squeue scancel sinfo ip tc)
 missing=()
 for cmd in "${needed[@]}"; do
   PATH="$PATH:/usr/sbin:/sbin" command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
@@ -38,7 +39,7 @@ if [ ! -e "$policy" ]; then
   printf '#!/bin/sh\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null && "${sudo[@]}" chmod 755 "$policy" \
     && made_policy=1
 fi
-packages=(slurmctld slurmd slurm-client munge)
+packages=(slurmctld slurmd slurm-client munge iproute2)
 echo "setup_slurm: installing ${packages[*]} (missing: ${missing[*]})"
 export DEBIAN_FRONTEND=noninteractive
 if ! "${sudo[@]}" apt-get install -y -q --no-install-recommends "${packages[@]}" >/tmp/setup_slurm.log 2>&1; then

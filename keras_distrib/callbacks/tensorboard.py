@@ -107,13 +107,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
             self.log_dir, reason,
         )
         # Leave no summary writer of ours installed as TensorBoard's default.
-        while getattr(self, "_prev_summary_state", None):
-            context = self._prev_summary_state.pop()
-            for part in (context[1], context[0]):
-                try:
-                    part.__exit__(None, None, None)
-                except (OSError, tf.errors.OpError):
-                    pass
+        _keras_compat.exit_summary_contexts(self, ignore=(OSError, tf.errors.OpError))
         for writer in getattr(self, "_writers", {}).values():
             try:
                 writer.close()
