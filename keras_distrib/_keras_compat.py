@@ -49,6 +49,7 @@ from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import values as tf_values
 from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.eager import context as tf_context
+from tensorflow.python.ops import control_flow_util
 from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
@@ -166,6 +167,7 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended",
      "_initialize_local_devices", "method(cluster_resolver, worker_device)"),
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode", "method()"),
+    ("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext", "function(graph)"),
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
     ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
@@ -491,6 +493,11 @@ def serialized_graph(dataset):
 
 # ---------------------------------------------------------------------------
 # Strategies.
+
+
+def in_xla_context():
+    """Whether the graph being built is compiled by XLA (`jit_compile=True`)."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def is_multi_worker(strategy):

@@ -24,6 +24,7 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib import replica
 from keras_distrib import step
+from keras_distrib import strategies
 
 __all__ = [
     "all_reduce",
@@ -42,11 +43,16 @@ def all_reduce(gradients):
     `None`. Outside a replica context, or with one replica in sync, returns
     `gradients`.
 
+    Inside a step looped in one compiled function, sparse gradients are
+    concatenated on one device instead of gathered by a collective (see
+    `_all_reduce_in_loop`).
+
     Raises:
-        step.SparseGradientInLoop: a sparse gradient in a step looped inside one
-            compiled function. TensorFlow fixes the shape of a collective at
-            its first loop iteration, and a gather's shape changes with the
-            batch; kd's step then runs one step per call instead.
+        step.SparseGradientInLoop: a sparse gradient in a looped step across
+            worker processes, or in an XLA-compiled step. TensorFlow fixes
+            the shape of a collective at its first loop iteration, and a
+            gather's shape changes with the batch; kd's step then runs one
+            step per call instead.
     """
     gradients = list(gradients)
     context = tf.distribute.get_replica_context()
@@ -59,7 +65,7 @@ def all_reduce(gradients):
     if batch is not None and batch.plan.looped and any(
         isinstance(g, tf.IndexedSlices) for g in present
     ):
-        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+        return _all_reduce_in_loop(context, batch, gradients)
     if batch is not None and batch.deferred:
         present = _all_reduce_deferred(context, batch, present)
     else:
@@ -92,6 +98,48 @@ def _map_values(gradient, function):
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(function(gradient.values), gradient.indices, gradient.dense_shape)
     return function(gradient)
+
+
+def _all_reduce_in_loop(context, batch, gradients):
+    """`all_reduce` for a step inside a compiled loop, with sparse gradients.
+
+    A collective keeps the shape of its first loop iteration, and a gather's
+    shape changes with the batch (an uneven last batch, an empty replica),
+    so the sparse gradients are not gathered by a collective: the dense ones
+    are summed as always (with the row count, in deferred scale), and the
+    sparse ones concatenated in cross-replica context on one device
+    (`tf.distribute.ReductionToOneDevice`: every replica's slices, in
+    replica order, as a collective gather gives them), which any shape can
+    take. That needs every replica in this process; across worker
+    processes, or inside an XLA cluster, the step runs one step per call
+    instead.
+    """
+    strategy = tf.distribute.get_strategy()
+    if strategies.traits(strategy).is_multi_worker or _keras_compat.in_xla_context():
+        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+    sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
+    dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
+    if batch.deferred:
+        sparse = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
+        dense = _all_reduce_deferred(context, batch, dense)
+    elif dense:
+        dense = context.all_reduce(tf.distribute.ReduceOp.SUM, dense)
+    gathered = context.merge_call(_concat_slices, args=tuple(sparse))
+    if batch.deferred:
+        rows = batch.global_rows  # learnt in the dense all-reduce
+        gathered = [_map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(rows, v.dtype)))
+                    for g in gathered]
+    summed, gathered = iter(dense), iter(gathered)
+    return [
+        None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)
+        for g in gradients
+    ]
+
+
+def _concat_slices(strategy, *per_replica):
+    # Cross-replica context: each argument holds every replica's slices.
+    concat = tf.distribute.ReductionToOneDevice()
+    return concat.batch_reduce(tf.distribute.ReduceOp.SUM, [(v, v) for v in per_replica])
 
 
 def _build_outside_replicas(optimizer, variables):

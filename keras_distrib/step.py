@@ -43,16 +43,58 @@ KINDS = ("train", "test", "predict")
 
 
 class SparseGradientInLoop(Exception):
-    """A sparse gradient met inside a compiled multi-step loop.
+    """A sparse gradient met inside a compiled multi-step loop, where kd cannot gather it.
 
     TensorFlow fixes the shape of a collective at its first loop iteration,
     and gathering sparse (`tf.IndexedSlices`) gradients changes shape with
-    the batch. The step then runs one step per compiled call instead.
+    the batch. With every replica in this process kd gathers them without a
+    collective (see `gradients.all_reduce`); across worker processes, or in
+    an XLA-compiled step, the step runs one step per compiled call instead.
     """
 
 
 class _CompositeInLoop(Exception):
     """Ragged or sparse predictions, which a compiled loop cannot stack (one step per call then)."""
+
+
+class _CarriedOutputs(Exception):
+    """The step returns values the loop did not expect; traced again to carry them.
+
+    Only a custom step that returns values other than metrics does this: the
+    loop learns their specs from the first trace and carries them from then on.
+    """
+
+
+# The loop's assertion that it ran a step: no batch was left (StopIteration).
+_NO_BATCH = "kd step: the iterator holds no batch"
+
+
+@tf.autograph.experimental.do_not_convert
+def _zeros_of(specs):
+    if specs is None:
+        return {}
+    return tree.map_structure(
+        lambda spec: tf.zeros([d or 0 for d in spec.shape] if spec.shape.rank is not None else [],
+                              spec.dtype),
+        specs,
+    )
+
+
+def _invariants(values, specs):
+    if specs is None:
+        return []
+    return list(zip(tree.flatten(values), [spec.shape for spec in tree.flatten(specs)]))
+
+
+def _same_specs(specs, carried):
+    try:
+        tree.assert_same_structure(specs, carried)
+    except (TypeError, ValueError):
+        return False
+    return all(
+        a.dtype == b.dtype and b.shape.is_compatible_with(a.shape)
+        for a, b in zip(tree.flatten(specs), tree.flatten(carried))
+    )
 
 
 def metric_results(model):
@@ -213,6 +255,11 @@ def replica_function(model, kind, *, looped=False):
                "predict": model.predict_step}[kind]
     plan = plan_for(model, looped=looped)
 
+    # Not converted by AutoGraph, as Keras 3 does not convert its steps: a
+    # step holds no Python control flow on tensors, and converting it (and
+    # every function it calls, again on each replica's thread) was most of
+    # kd's extra time to the first step.
+    @tf.autograph.experimental.do_not_convert
     def replica_step(data):
         data = _keras_compat.autoconvert_optionals(data)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -260,13 +307,19 @@ class Step:
         # shape; gathering predictions across workers (or sparse gradients,
         # see SparseGradientInLoop) changes shape with the batch.
         self._looping = not (kind == "predict" and strategies.traits(self.strategy).is_multi_worker)
+        # What the looped step returns besides metrics, learnt while tracing.
+        self._carried_specs = None
+        self._carried_keys = frozenset()
+        self._output_keys = None
         self._compile()
 
     # Compiled functions.
 
+    @tf.autograph.experimental.do_not_convert
     def _run(self, data, looped=False):
         return self.strategy.run(self._looped if looped else self._single, args=(data,))
 
+    @tf.autograph.experimental.do_not_convert
     def _finish(self, outputs, extras):
         if self.kind == "predict":
             return _keras_compat.concat_replicas(outputs, self.strategy)
@@ -275,11 +328,12 @@ class Step:
             logs.update(extras)
         return logs
 
+    @tf.autograph.experimental.do_not_convert
     def _extras(self, outputs):
         # Values a custom step returns that are not metrics (usually none).
         if self.kind == "predict" or not isinstance(outputs, dict):
             return {}
-        names = metric_names(self.model)
+        names = metric_names(self.model) - self._carried_keys
         return {k: reduce_mean(self.strategy, v) for k, v in outputs.items() if k not in names}
 
     def _one(self, iterator):
@@ -287,18 +341,61 @@ class Step:
         return self._finish(outputs, self._extras(outputs))
 
     def _many(self, iterator, count):
-        outputs = self._run(next(iterator))
         if self.kind == "predict":
-            return self._many_predictions(iterator, count, self._finish(outputs, {}))
-        extras = self._extras(outputs)
-        for _ in tf.range(count - 1):
-            optional = iterator.get_next_as_optional()
-            if not optional.has_value():
-                break
-            step_outputs = self._run(optional.get_value(), looped=True)
-            if extras:
-                extras = self._extras(step_outputs)
-        return self._finish(outputs, extras)
+            first = self._finish(self._run(next(iterator)), {})
+            return self._many_predictions(iterator, count, first)
+        # Every step runs inside the loop, so the replica step is traced once
+        # (per replica thread). The logs are read from the metrics after the
+        # loop; what else the step returns (reduced) is carried out of it,
+        # in the shapes the previous trace recorded (see _CarriedOutputs).
+        # The next batch is fetched at the end of an iteration and tested in
+        # the loop's condition, so the step is not traced inside a `tf.cond`
+        # within the loop (a nesting that costs tracing time on every
+        # variable the step captures).
+        carried = self._carried_specs
+        last = _zeros_of(carried)
+        steps = tf.constant(0)
+        optional = iterator.get_next_as_optional()
+        while steps < count and optional.has_value():
+            tf.autograph.experimental.set_loop_options(shape_invariants=_invariants(last, carried))
+            outputs = self._run(optional.get_value(), looped=True)
+            last = self._carry(outputs, carried)
+            steps += 1
+            if steps < count:
+                optional = iterator.get_next_as_optional()
+        tf.debugging.assert_positive(steps, message=_NO_BATCH)
+        return self._loop_logs(last)
+
+    @tf.autograph.experimental.do_not_convert
+    def _carry(self, outputs, carried):
+        """The outputs to carry out of the loop; records their specs while tracing."""
+        if isinstance(outputs, dict):
+            self._output_keys = list(outputs)
+            values = self._extras(outputs)
+        else:
+            self._output_keys = None
+            values = tree.map_structure(lambda v: reduce_mean(self.strategy, v), outputs)
+        if tf.executing_eagerly():  # run_eagerly: nothing is traced
+            return values
+        specs = tree.map_structure(tf.type_spec_from_value, values)
+        if carried is None and isinstance(values, dict) and not values:
+            self._carried_specs = specs  # nothing to carry, as the loop assumed
+        elif carried is None or not _same_specs(specs, carried):
+            self._carried_specs = specs
+            raise _CarriedOutputs()
+        return values
+
+    @tf.autograph.experimental.do_not_convert
+    def _loop_logs(self, last):
+        if self._output_keys is None:
+            return last
+        metric_values = metric_results(self.model)
+        missing = [k for k in self._output_keys if k not in last and k not in metric_values]
+        if missing:
+            # A key named like a metric that no metric reports: carry it too.
+            self._carried_keys = self._carried_keys | set(missing)
+            raise _CarriedOutputs()
+        return {k: last[k] if k in last else metric_values[k] for k in self._output_keys}
 
     def _many_predictions(self, iterator, count, first):
         flat = tree.flatten(first)
@@ -328,10 +425,13 @@ class Step:
         return skipped
 
     def _compile(self):
-        functions = {"one": self._one, "many": self._many, "skip": self._skip}
-        if not self.model.run_eagerly:
-            functions = {k: tf.function(f, reduce_retracing=True) for k, f in functions.items()}
-        self._functions = functions
+        self._functions = {k: self._compiled(f)
+                           for k, f in {"one": self._one, "many": self._many, "skip": self._skip}.items()}
+
+    def _compiled(self, function):
+        if self.model.run_eagerly:
+            return function
+        return tf.function(function, reduce_retracing=True)
 
     # Calling.
 
@@ -339,11 +439,13 @@ class Step:
         count = self.steps if count is None else int(count)
         functions = self._functions
         try:
-            if count == 1:
+            # With more than one step per call, every call (a last, shorter
+            # one too) runs the looped function: one trace, not two.
+            if count == 1 and self.steps == 1:
                 return functions["one"](iterator)
             if self._looping:
                 try:
-                    return functions["many"](iterator, tf.constant(count))
+                    return self._call_many(iterator, count)
                 except SparseGradientInLoop:
                     self._looping = False
                     _warn_stepwise(self.model, count)
@@ -352,6 +454,21 @@ class Step:
             return self._stepwise(iterator, count)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
+
+    def _call_many(self, iterator, count):
+        for attempt in range(3):
+            try:
+                return self._functions["many"](iterator, tf.constant(count))
+            except _CarriedOutputs:
+                if attempt == 2:
+                    raise
+                # A new function: one whose first trace failed may keep
+                # what that trace left behind instead of tracing again.
+                self._functions["many"] = self._compiled(self._many)
+            except tf.errors.InvalidArgumentError as error:
+                if _NO_BATCH in str(error.message):
+                    raise StopIteration from None
+                raise
 
     def _stepwise(self, iterator, count):
         results = []

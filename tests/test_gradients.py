@@ -38,3 +38,27 @@ def test_unbuilt_slot_optimizers_in_a_hand_written_mirrored_loop():
     # whole-epoch call on the same dataset returns (the guide's shape with
     # iter() inside the tf.function hangs there).
     assert len(results["train_epoch_twice"]["losses"]) == 2
+
+
+def _looped(floatx, cases):
+    code, output = _harness.run_script("looped_steps.py", floatx, ",".join(cases))
+    assert code == 0, output[-4000:]
+    results = {r["case"]: r for r in _harness.results_of(output)}
+    assert sorted(results) == sorted(cases), output[-4000:]
+    for result in results.values():
+        assert "error" not in result, result
+        # Ran inside the compiled loop: no "run as 5 calls of one step".
+        assert result["warnings"] == [], result
+    return results
+
+
+@pytest.mark.cluster
+def test_sparse_gradients_inside_a_compiled_loop_match_one_device():
+    # Embedding gradients, 5 steps per call on 2 replicas, an uneven last
+    # batch and an empty replica, Adam (which squares each slice of a
+    # repeated index: the slices must arrive as one device has them).
+    result = _looped("float32", ["embedding"])["embedding"]
+    assert result["weights"] <= TOLERANCE and result["history"] <= TOLERANCE, result
+    # float64: an exact algorithm matches to round-off, the attention block too.
+    for result in _looped("float64", ["embedding", "transformer"]).values():
+        assert result["weights"] <= 1e-9 and result["history"] <= 1e-9, result
