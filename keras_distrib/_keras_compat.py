@@ -102,6 +102,11 @@ PRIVATE_NAMES = (
     ("keras.src.backend.tensorflow.trainer", "TFEpochIterator", "class: (begin, end, iterator) chunks"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_distributed_dataset", "attribute set in __init__"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_num_batches", "attribute: steps per epoch, None until the data ends"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_get_iterator", "method(): what a fresh epoch iterates"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_current_iterator", "attribute: the open iterator, None before an epoch"),
+    ("tensorflow.python.distribute.input_lib.DistributedDataset", "_original_dataset", "attribute: the dataset before distribution"),
+    ("tensorflow.python.distribute.input_lib.DistributedDataset", "_strategy", "attribute set in __init__"),
+    ("tensorflow.python.distribute.input_lib.DistributedDataset", "_options", "attribute: its tf.distribute.InputOptions"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
     ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat", "function(tensors)"),
     ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged", "function(x)"),
@@ -437,6 +442,50 @@ def dataset_element_spec(epoch_iterator):
     reorder) the user's data; building the model needs only shapes.
     """
     return epoch_iterator._distributed_dataset.element_spec
+
+
+def epoch_distributed_dataset(epoch_iterator):
+    """The distributed dataset a Keras TFEpochIterator iterates, or None for other sources."""
+    if not isinstance(epoch_iterator, keras_tf_trainer.TFEpochIterator):
+        return None
+    return epoch_iterator._distributed_dataset
+
+
+def redistributed(distributed, transform):
+    """`distributed`'s dataset changed by `transform`, distributed the same way; or None.
+
+    For a dataset `experimental_distribute_dataset` made (not one from a
+    `dataset_fn`): the same strategy and `tf.distribute.InputOptions`, over
+    `transform(dataset)`, the batched dataset before it was split. The
+    default strategy distributes a dataset as it is: `transform(dataset)`.
+    """
+    if isinstance(distributed, tf.data.Dataset):  # the default strategy's, not split
+        return transform(distributed)
+    if type(distributed) is not input_lib.DistributedDataset:
+        return None
+    dataset = getattr(distributed, "_original_dataset", None)
+    if dataset is None:
+        return None
+    return distributed._strategy.experimental_distribute_dataset(
+        transform(dataset), options=distributed._options)
+
+
+def next_epoch_over(epoch_iterator, distributed):
+    """Makes a Keras TFEpochIterator's next fresh iterator come from `distributed`.
+
+    Once: later epochs iterate its own distributed dataset again. Returns
+    False (nothing changed) where the epoch goes on from an iterator already
+    open (`steps_per_epoch` over an earlier epoch's iterator).
+    """
+    if epoch_iterator._current_iterator is not None:
+        return False
+
+    def once():
+        del epoch_iterator._get_iterator  # back to the class's method
+        return distributed
+
+    object.__setattr__(epoch_iterator, "_get_iterator", once)
+    return True
 
 
 def per_replica_specs(spec):

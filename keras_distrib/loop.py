@@ -54,6 +54,7 @@ __all__ = [
     "predict",
     "predict_pass",
     "resume_position",
+    "skip_before_distribution",
 ]
 
 
@@ -186,21 +187,49 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
         return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch)
 
 
+def skip_before_distribution(model, source, count):
+    """Starts the source's next epoch `count` batches in, skipped before distribution.
+
+    Resuming mid-epoch: `dataset.skip(count)` on the batched dataset, before
+    it is split per replica, moves past the batches the backup holds without
+    running the split (or, for arrays, the slicing) for each of them; moving
+    the distributed iterator costs about a fifth of training those steps on
+    a small model. The batches are the same: the skip wraps the very dataset
+    the epoch would iterate (a reshuffling dataset draws this epoch's order
+    as it would have), and later epochs iterate it unwrapped. Only where one
+    process holds every replica: the data of several workers is sharded
+    (by file, possibly) after this point, and a `dataset_fn`'s or a
+    parameter server's per-worker datasets are not one dataset to wrap.
+    Returns whether it did; if not, the loop moves the iterator instead.
+    """
+    traits = strategies.traits(model.distribute_strategy)
+    if count <= 0 or traits.is_multi_worker or traits.is_parameter_server:
+        return False
+    distributed = _keras_compat.epoch_distributed_dataset(source)
+    if distributed is None:
+        return False
+    skipped = _keras_compat.redistributed(distributed, lambda dataset: dataset.skip(count))
+    return skipped is not None and _keras_compat.next_epoch_over(source, skipped)
+
+
 def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch):
     logs, epoch_logs = {}, None
     for epoch in range(position.epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
         done = position.batch if epoch == position.epoch else 0
+        pending = 0 if skip_before_distribution(model, source, done) else done
         ran = False  # a step ran, or the backup held the batches
         with source.catch_stop_iteration():
             for begin, end, iterator in source:
                 if end < done:  # the backup holds this whole chunk
-                    runner.skip(iterator, end - begin + 1)
+                    if pending:
+                        runner.skip(iterator, end - begin + 1)
                     ran = True
                     continue
                 if begin < done:
-                    runner.skip(iterator, done - begin)
+                    if pending:
+                        runner.skip(iterator, done - begin)
                     begin = done
                 callbacks.on_train_batch_begin(begin)
                 if watch is not None:

@@ -10,6 +10,9 @@ def test_bad_arguments_are_refused(capsys):
         bench.main(["--steps", "0", "--repeats", "0"])
     error = capsys.readouterr().err
     assert "`--steps`=0 must be >= 1" in error and "`--repeats`=0 must be >= 1" in error
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "kd_fit_mirrored,no_such"])
+    assert "`--variants` names unknown variant(s) ['no_such']" in capsys.readouterr().err
 
 
 def test_every_ratio_and_target_names_measured_variants():

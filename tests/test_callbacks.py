@@ -1,5 +1,6 @@
 """kd.callbacks: scratch space of non-chief workers, ModelCheckpoint's placeholders, TensorBoard's model graph."""
 
+import contextlib
 import json
 import os
 import re
@@ -10,8 +11,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
+from keras_distrib import loop as kd_loop
+from keras_distrib import step as kd_step
 
 
 def _model(metrics=("mae",)):
@@ -128,12 +132,13 @@ _Y = (_X @ np.array([[1.0], [-2.0], [0.5]], "float32") + 0.1).astype("float32")
 _EPOCHS, _BATCH = 3, 4  # 8 batches per epoch
 
 
-def _preempt_model(plain=False):
+def _preempt_model(plain=False, steps_per_execution=1):
     keras.utils.set_random_seed(7)
     inputs = keras.Input((3,))
     outputs = keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs))
     model = (keras.Model if plain else kd.Model)(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -155,7 +160,8 @@ class _EpochRecorder(keras.callbacks.Callback):
         self.ends.append((epoch, dict(logs), [w.copy() for w in self.model.get_weights()]))
 
 
-def _preempted_then_resumed(tmp_path, at):
+def _preempted_then_resumed(tmp_path, at, data=lambda: {"x": _X, "y": _Y, "batch_size": _BATCH},
+                            scope=contextlib.nullcontext, steps_per_execution=1):
     """Runs kd fit preempted after batch `at` = (epoch, batch), then the restart."""
     backup, saved = str(tmp_path / "backup"), str(tmp_path / "m-{epoch}.weights.h5")
     runs = []
@@ -163,16 +169,15 @@ def _preempted_then_resumed(tmp_path, at):
         recorder = _EpochRecorder(at if attempt == 0 else None)
         callbacks = [kd.callbacks.BackupAndRestore(backup),
                      kd.callbacks.ModelCheckpoint(saved, save_weights_only=True), recorder]
-        model = _preempt_model()
+        with scope():
+            model = _preempt_model(steps_per_execution=steps_per_execution)
         if attempt == 0:
             with pytest.raises(SystemExit) as stop:
-                model.fit(_X, _Y, batch_size=_BATCH, epochs=_EPOCHS, shuffle=False, verbose=0,
-                          callbacks=callbacks)
+                model.fit(**data(), epochs=_EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
             assert stop.value.code == 42
             runs.append((recorder, sorted(os.listdir(tmp_path))))
         else:
-            history = model.fit(_X, _Y, batch_size=_BATCH, epochs=_EPOCHS, shuffle=False, verbose=0,
-                                callbacks=callbacks)
+            history = model.fit(**data(), epochs=_EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
             runs.append((recorder, history))
     return runs
 
@@ -222,3 +227,40 @@ def test_resuming_from_a_backup_at_an_epochs_last_step_ends_it_with_its_logs(tmp
         for key in ("loss", "mae"):
             np.testing.assert_allclose(logs[key], want_logs[key], rtol=2e-5)
         _assert_weights(weights, want_weights)
+
+
+@pytest.mark.parametrize("data,scope,steps_per_execution", [
+    ("arrays", "default", 1),
+    ("dataset", "default", 3),
+    ("arrays", "mirrored", 1),
+    ("distributed", "mirrored", 3),
+])
+def test_resume_skips_the_held_batches_before_distribution(tmp_path, plain_keras_epochs, monkeypatch,
+                                                           data, scope, steps_per_execution):
+    # The restart wraps the batched dataset in `skip` instead of pulling the
+    # held batches through the distributed iterator; it trains the batches
+    # an uninterrupted plain Keras run trains (one device, same batches).
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"]) if scope == "mirrored" else None
+    rows = tf.data.Dataset.from_tensor_slices((_X, _Y))
+    inputs = {
+        "arrays": lambda: {"x": _X, "y": _Y, "batch_size": _BATCH},
+        "dataset": lambda: {"x": rows.batch(_BATCH)},
+        "distributed": lambda: {"x": kd.distribute_dataset(rows, strategy=strategy,
+                                                            global_batch_size=_BATCH)},
+    }[data]
+    moved, pulled = [], []
+    before = kd_loop.skip_before_distribution
+    monkeypatch.setattr(kd_loop, "skip_before_distribution",
+                        lambda *args: moved.append(before(*args)) or moved[-1])
+    pulled_skip = kd_step.Step.skip
+    monkeypatch.setattr(kd_step.Step, "skip",
+                        lambda self, *args: pulled.append(args[1]) or pulled_skip(self, *args))
+    _, (second, history) = _preempted_then_resumed(
+        tmp_path, at=(2, 5), data=inputs, scope=strategy.scope if strategy else contextlib.nullcontext,
+        steps_per_execution=steps_per_execution)
+    assert moved[-1] is True and not [n for n in pulled if n], (moved, pulled)
+    assert history.epoch == [2]
+    epoch, logs, weights = second.ends[0]
+    _assert_weights(weights, plain_keras_epochs[2][2])
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(logs[key], plain_keras_epochs[2][1][key], rtol=2e-5)
