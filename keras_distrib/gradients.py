@@ -88,9 +88,14 @@ def _all_reduce_deferred(context, batch, gradients):
         tf.distribute.ReduceOp.SUM, scaled + [tf.cast(batch.local_rows, dtype)]
     )
     batch.learn_global_rows(global_rows)
+    return _divided(summed, global_rows)
+
+
+def _divided(gradients, global_rows):
+    """Sums of deferred-scale gradients divided by N: the one-device gradients."""
     return [
         _map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(global_rows, v.dtype)))
-        for g in summed
+        for g in gradients
     ]
 
 
@@ -126,9 +131,7 @@ def _all_reduce_in_loop(context, batch, gradients):
         dense = context.all_reduce(tf.distribute.ReduceOp.SUM, dense)
     gathered = context.merge_call(_concat_slices, args=tuple(sparse))
     if batch.deferred:
-        rows = batch.global_rows  # learnt in the dense all-reduce
-        gathered = [_map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(rows, v.dtype)))
-                    for g in gathered]
+        gathered = _divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce
     summed, gathered = iter(dense), iter(gathered)
     return [
         None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)

@@ -288,8 +288,8 @@ def _defers_scaling(model, batch, *, training):
     optimizer has kd's gradient pipeline. A step that reads the share in
     any other way keeps the global count, read before the loss.
     """
-    if batch.deferred or not _spreads_over_replicas():
-        return batch.deferred
+    if not _spreads_over_replicas():
+        return False
     for name in ("compute_loss", "_compute_loss"):
         if getattr(getattr(model, name), "__func__", None) is not getattr(keras.Model, name):
             return False

@@ -36,27 +36,22 @@ def _model(kind, model_class, keras):
         x = keras.layers.GlobalAveragePooling1D()(x)
         x = keras.layers.Dense(64, activation="relu")(x)
         return model_class(inputs, keras.layers.Dense(10)(x))
+    if kind in ("mlp", "cnn"):
+        from keras_distrib import bench
+
+        return bench._model(kind, model_class)  # the benchmark's own models
     inputs = keras.Input((28, 28, 1))
-    if kind == "mlp":
-        x = keras.layers.Flatten()(inputs)
-        x = keras.layers.Dense(128, activation="relu")(x)
-    elif kind == "cnn":
-        x = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
-        x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Conv2D(32, 3, activation="relu")(x)
-        x = keras.layers.MaxPooling2D()(x)
-        x = keras.layers.Flatten()(x)
-    else:  # resnet: residual blocks with BatchNormalization
-        x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
-        x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
-        for filters in (16, 32, 64):
-            shortcut = keras.layers.Conv2D(filters, 1, strides=2, use_bias=False)(x)
-            y = keras.layers.Conv2D(filters, 3, strides=2, padding="same", use_bias=False)(x)
-            y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
-            y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
-            y = keras.layers.BatchNormalization()(y)
-            x = keras.layers.ReLU()(keras.layers.Add()([keras.layers.BatchNormalization()(shortcut), y]))
-        x = keras.layers.GlobalAveragePooling2D()(x)
+    # resnet: residual blocks with BatchNormalization
+    x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    for filters in (16, 32, 64):
+        shortcut = keras.layers.Conv2D(filters, 1, strides=2, use_bias=False)(x)
+        y = keras.layers.Conv2D(filters, 3, strides=2, padding="same", use_bias=False)(x)
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
+        y = keras.layers.BatchNormalization()(y)
+        x = keras.layers.ReLU()(keras.layers.Add()([keras.layers.BatchNormalization()(shortcut), y]))
+    x = keras.layers.GlobalAveragePooling2D()(x)
     return model_class(inputs, keras.layers.Dense(10)(x))
 
 
