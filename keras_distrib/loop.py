@@ -22,6 +22,7 @@ them.
 """
 
 import collections.abc
+import contextlib
 import dataclasses
 
 import keras
@@ -154,6 +155,23 @@ def chunk_end_hooks(callbacks):
             if callable(getattr(c, "on_train_chunk_end", None))]
 
 
+@contextlib.contextmanager
+def _lost_tasks_explained():
+    """Puts kd's explanation first on an error that says the cluster lost a task.
+
+    Every collective can be the one that finds a task gone: a step's, the
+    epoch-end read of a metric, a callback's save, the validation pass. So
+    the whole of a pass is covered, not only its steps.
+    """
+    try:
+        yield
+    except tf.errors.OpError as error:
+        explained = watchdog.explain_lost_task(error, cluster.cluster_info().label)
+        if explained is None:
+            raise
+        raise explained from error
+
+
 def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, validate=None):
     """Trains `model` epoch by epoch; returns its `History`.
 
@@ -173,18 +191,19 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
     for callback in getattr(callbacks, "callbacks", ()):
         if callable(getattr(callback, "set_runner", None)):
             callback.set_runner(runner)
-    callbacks.on_train_begin()
-    restored = resume_position(callbacks)
-    position = restored or DataPosition(_keras_compat.initial_epoch(model) or initial_epoch)
-    if restored is not None and getattr(source, "continuous", False):
-        # The data runs on across epochs (a parameter server's repeated
-        # per-worker datasets): move past the epochs the backup holds too.
-        runner.skip(source.iterator, (restored.epoch - initial_epoch) * source.num_batches)
-    chunk_hooks = chunk_end_hooks(callbacks)
-    if watch is None:
-        return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, None)
-    with watch:
-        return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch)
+    with _lost_tasks_explained():
+        callbacks.on_train_begin()
+        restored = resume_position(callbacks)
+        position = restored or DataPosition(_keras_compat.initial_epoch(model) or initial_epoch)
+        if restored is not None and getattr(source, "continuous", False):
+            # The data runs on across epochs (a parameter server's repeated
+            # per-worker datasets): move past the epochs the backup holds too.
+            runner.skip(source.iterator, (restored.epoch - initial_epoch) * source.num_batches)
+        chunk_hooks = chunk_end_hooks(callbacks)
+        if watch is None:
+            return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, None)
+        with watch:
+            return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch)
 
 
 def skip_before_distribution(model, source, count):
@@ -236,13 +255,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
                     if watch.steps_seen == 0 and hasattr(iterator, "element_spec"):
                         watch.check_batches(iterator.element_spec)
                     watch.entering()
-                try:
-                    logs = runner.run(iterator, end - begin + 1)
-                except tf.errors.OpError as error:
-                    explained = watchdog.explain_lost_task(error, cluster.cluster_info().label)
-                    if explained is None:
-                        raise
-                    raise explained from error
+                logs = runner.run(iterator, end - begin + 1)
                 ran = True
                 callbacks.on_train_batch_end(end, logs)
                 for hook in chunk_hooks:
@@ -274,6 +287,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
     return model.history
 
 
+@_lost_tasks_explained()
 def evaluate_pass(model, source, runner, *, callbacks, return_dict):
     """One pass of evaluation; returns the logs (a dict, or a list as Keras)."""
     model.stop_evaluating = False

@@ -56,6 +56,8 @@ _GENERATIONS = itertools.count()
 
 
 _TASK_NAME = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+# The failed op's own function and device, which TensorFlow puts first in its message.
+_OWN_OP = re.compile(r"\{\{function_node [^}]*\}\}")
 _LOST_WORDS = ("coordination service", "coordinationservice", "heartbeat", "unhealthy", "unavailable", "connection reset",
                "failed to connect", "socket closed")
 ADVICE = ("Restart the job: keras-distrib launch --max-restarts K (or your cluster manager's "
@@ -71,18 +73,27 @@ def lost_tasks(text, own_label=None, service_task="worker 0"):
     `/job:worker/replica:0/task:1`. When the task that hosts the
     coordination service (`service_task`: the chief, else worker 0) stops,
     the others' heartbeats to it time out, and the error names no task.
+    The device in the failed op's name (`{{function_node ..._device_/job:worker/...}}`,
+    where an eager collective such as a metric's read fails) is this task's
+    own, never a lost one.
 
     Example:
         >>> lost_tasks("The following tasks are unhealthy (stopped sending "
         ...            "heartbeats): /job:worker/replica:0/task:1", "worker 0")
         ['worker 1']
+        >>> lost_tasks("{{function_node __wrapped__CollectiveReduceV2_device_/job:worker/replica:0/"
+        ...            "task:1/device:CPU:0}} Collective ops is aborted by: Deadline Exceeded "
+        ...            "RPC: /tensorflow.CoordinationService/Heartbeat", "worker 1")
+        ['worker 0']
     """
     if not any(word in text.lower() for word in _LOST_WORDS):
         return []
-    names = dict.fromkeys(f"{job} {index}" for job, index in _TASK_NAME.findall(text))
-    if not names and "coordinationservice/heartbeat" in text.lower():
-        names = {service_task: None}
-    return [name for name in names if name != own_label]
+    peers = _OWN_OP.sub("", text)
+    names = [name for name in dict.fromkeys(f"{job} {index}" for job, index in _TASK_NAME.findall(peers))
+             if name != own_label]
+    if not names and "coordinationservice/heartbeat" in text.lower() and service_task != own_label:
+        names = [service_task]
+    return names
 
 
 def lost_task_message(lost, own_label):

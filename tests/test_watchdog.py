@@ -12,19 +12,6 @@ from keras_distrib import watchdog
 from tests import _harness
 
 
-def _gone(pid, within=5.0):
-    """Whether `pid` is gone within `within` seconds (a task killed with its guard is
-    re-parented and reaped by init, not by the launcher, so not at once)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _launch(workers, ps, act_on, signum, args=(), watchdog_seconds=None, timeout=150):
     """Launches stall.py; once every task trained a few steps, sends `signum` to `act_on`.
 
@@ -52,7 +39,7 @@ def _launch(workers, ps, act_on, signum, args=(), watchdog_seconds=None, timeout
     ended = time.monotonic()
     output = "\n".join(lines)
     for label, pid in pids.items():  # the launcher left nothing behind
-        assert _gone(pid), f"{label} (pid {pid}) is still there 5 s after the launcher returned"
+        assert not _harness.survivors([pid]), f"{label} (pid {pid}) is still there 5 s after the launcher returned"
     return result, output, ended - sent.get("at", started), pids
 
 
@@ -143,8 +130,9 @@ def test_pod_survivor_names_the_lost_task_without_a_launcher(victim, signum):
             processes.append(subprocess.Popen(
                 [sys.executable, "-u", os.path.join(_harness.SCRIPTS, "stall.py")], env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
-        for index in range(2):
-            threading.Thread(target=pump, args=(index,), daemon=True).start()
+        pumps = [threading.Thread(target=pump, args=(index,), daemon=True) for index in range(2)]
+        for thread in pumps:
+            thread.start()
         deadline = time.monotonic() + 120
         while len(ready) < 2 and time.monotonic() < deadline and all(p.poll() is None for p in processes):
             time.sleep(0.05)
@@ -156,7 +144,8 @@ def test_pod_survivor_names_the_lost_task_without_a_launcher(victim, signum):
         seconds = time.monotonic() - sent
     finally:
         _harness.kill_groups(processes)  # the stopped or surviving process and its group
-    time.sleep(0.2)
+    for thread in pumps:  # every line read (the pipes closed with their processes)
+        thread.join(timeout=30)
     output = "\n".join(lines[1 - victim])
     assert survivor.returncode == 1, output[-4000:]
     assert (f"worker {1 - victim} cannot go on: the cluster lost worker {victim} "
@@ -164,3 +153,48 @@ def test_pod_survivor_names_the_lost_task_without_a_launcher(victim, signum):
     assert "--max-restarts" in output
     assert seconds < 45, seconds
     print(f"{signal.Signals(signum).name} worker {victim}: survivor ended {seconds:.1f}s later")
+
+
+# TensorFlow's messages as the survivor of a pod test got them (the metric's
+# read at an epoch's end, an eager collective, failed rather than a step).
+_HEARTBEAT_TO_A_STOPPED_CHIEF = (
+    "{{function_node __wrapped__CollectiveReduceV2_Nordering_token_1_device_/job:worker/replica:0/task:1/"
+    "device:CPU:0}} Collective ops is aborted by: Deadline Exceeded\nRPC: /tensorflow.CoordinationService/"
+    "Heartbeat\nThe error could be from a previous operation. Restart your program to reset. "
+    "[Op:CollectiveReduceV2] name: ")
+_UNHEALTHY_PEER = (
+    "{{function_node __wrapped__CollectiveReduceV2_Nordering_token_1_device_/job:worker/replica:0/task:0/"
+    "device:CPU:0}} Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
+    "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have "
+    "crashed. [Op:CollectiveReduceV2] name: ")
+
+
+def test_the_failed_ops_own_device_is_not_taken_for_the_lost_task():
+    # Before: worker 1's own device in the op's name hid the stopped chief.
+    assert watchdog.lost_tasks(_HEARTBEAT_TO_A_STOPPED_CHIEF, "worker 1") == ["worker 0"]
+    assert watchdog.lost_tasks(_HEARTBEAT_TO_A_STOPPED_CHIEF, "worker 1", service_task="chief 0") == ["chief 0"]
+    assert watchdog.lost_tasks(_UNHEALTHY_PEER, "worker 0") == ["worker 1"]
+    assert watchdog.lost_tasks("Deadline Exceeded [Op:CollectiveReduceV2]", "worker 1") == []
+
+
+def test_fit_names_the_lost_task_wherever_it_meets_the_error():
+    # Not only a step's collective: the epoch-end read of a metric, a
+    # callback's save or the validation pass can be the one that fails.
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_distrib as kd
+
+    class PeerLostAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise tf.errors.UnavailableError(None, None, _UNHEALTHY_PEER)
+
+    inputs = keras.Input((2,))
+    model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 2), "float32")
+    with pytest.raises(tf.errors.UnavailableError, match=r"cannot go on: the cluster lost worker 1 "
+                                                         r"\(/job:worker/task:1\).*--max-restarts") as caught:
+        model.fit(x, x[:, :1], epochs=2, verbose=0, callbacks=[PeerLostAtEpochEnd()])
+    assert "The following tasks are unhealthy" in str(caught.value.__cause__)
