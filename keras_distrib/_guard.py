@@ -149,16 +149,23 @@ def hold_network_namespace():
 
 
 def join_network_namespace(holder):
-    """Moves this process into the network namespace `holder` keeps (its user namespace first)."""
+    """Moves this process into the network namespace `holder` keeps (its user namespace first).
+
+    Returns False if the holder has ended (the launcher is stopping the run).
+    """
     for kind, flag in (("user", _CLONE_NEWUSER), ("net", _CLONE_NEWNET)):
         target = f"/proc/{holder}/ns/{kind}"
-        if os.stat(target).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
-            continue
-        fd = os.open(target, os.O_RDONLY)
+        try:
+            if os.stat(target).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
+                continue
+            fd = os.open(target, os.O_RDONLY)
+        except (FileNotFoundError, ProcessLookupError):  # it ended while we looked
+            return False
         try:
             _libc_call("setns", fd, flag)
         finally:
             os.close(fd)
+    return True
 
 
 def main(argv):
@@ -168,7 +175,8 @@ def main(argv):
     launcher = int(argv[0])
     command = argv[1:]
     if command[:1] == ["--netns"]:
-        join_network_namespace(int(command[1]))
+        if not join_network_namespace(int(command[1])):
+            os._exit(128 + STOP_SIGNAL)  # the run is ending: nothing to start
         command = command[2:]
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -22,9 +23,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 
-# One-device reference runs are cached here, shared by every parity process.
-REFERENCE_DIR = tempfile.mkdtemp(prefix="kd_reference_")
-atexit.register(shutil.rmtree, REFERENCE_DIR, ignore_errors=True)
+# One-device reference runs are cached here, shared by every parity process:
+# tests/conftest.py makes one folder for the whole run (every xdist worker's
+# processes share it); a lone import makes its own.
+REFERENCE_DIR = os.environ.get("KD_REFERENCE_DIR")
+if not REFERENCE_DIR:
+    REFERENCE_DIR = tempfile.mkdtemp(prefix="kd_reference_")
+    atexit.register(shutil.rmtree, REFERENCE_DIR, ignore_errors=True)
 
 
 def _env():
@@ -128,8 +133,23 @@ def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # It ended between the two looks (ENOENT or ESRCH).
+    except (OSError, IndexError):  # It ended between the two looks (ENOENT, ESRCH, or an empty read).
         return False
+
+
+def survivors(pids, within=5.0):
+    """The pids of `pids` still running after up to `within` seconds.
+
+    A task killed together with its guard is re-parented and reaped by init,
+    not by the launcher: it is gone soon after the launcher returns, not at
+    once (later still on a loaded machine), so a test waits for it.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def saved_weights_diff(a, b):

@@ -232,7 +232,7 @@ def _zombie(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
+    except (OSError, IndexError):  # it ended while we looked (ENOENT, ESRCH, or an empty read)
         return True
 
 

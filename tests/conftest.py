@@ -6,9 +6,29 @@ runs the in-process rest in a fraction of the time. The marker cannot go
 stale: a test without it that starts a process fails, naming the marker.
 """
 
+import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
+
+
+def pytest_configure(config):
+    # One cache of one-device reference runs (tests/_harness.py) for the whole
+    # run: the xdist workers inherit this process's environment, so a
+    # reference trained under one worker is not trained again under the other.
+    if hasattr(config, "workerinput") or os.environ.get("KD_REFERENCE_DIR"):
+        return
+    config._kd_reference_dir = tempfile.mkdtemp(prefix="kd_reference_")
+    os.environ["KD_REFERENCE_DIR"] = config._kd_reference_dir
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_kd_reference_dir", None)
+    if folder is not None:
+        os.environ.pop("KD_REFERENCE_DIR", None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
