@@ -16,6 +16,9 @@ import pytest
 from tests import _harness
 
 
+# The suite's two heaviest processes (KerasHub tasks, keras.applications
+# backbones) take turns on one pytest worker rather than share the CPU.
+@pytest.mark.xdist_group("keras_hub")
 @pytest.mark.cluster
 def test_kerashub_applications_and_kerastuner_match_one_device():
     code, output = _harness.run_script(

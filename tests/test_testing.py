@@ -256,8 +256,13 @@ def test_other_processes():
 '''
 
 
+# The user's file in two runs, which the suite's two pytest workers can run at
+# once: its in-process tests, and the one that starts worker clusters. Together
+# they cover the file's 14 tests.
 @pytest.mark.cluster
-def test_plugin_in_a_user_test_file(tmp_path):
+@pytest.mark.parametrize("selection,count", [("not test_other_processes", 13), ("test_other_processes", 1)],
+                         ids=["in_process", "other_processes"])
+def test_plugin_in_a_user_test_file(tmp_path, selection, count):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["keras_distrib.testing"]\n')
     (tmp_path / "test_user_model.py").write_text(USER_TESTS)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -265,12 +270,12 @@ def test_plugin_in_a_user_test_file(tmp_path):
     env.pop("TF_CONFIG", None)
     process = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kd-devices", "2",
-         "-W", "ignore::UserWarning", "test_user_model.py"],
+         "-W", "ignore::UserWarning", "-k", selection, "test_user_model.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
     )
     output = process.stdout + process.stderr
     assert process.returncode == 0, output[-6000:]
-    assert re.search(r"\b14 passed\b", output), output[-3000:]
+    assert re.search(rf"\b{count} passed\b", output), output[-3000:]
 
 
 # In this process: the parts that need no second device.

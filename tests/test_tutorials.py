@@ -103,6 +103,7 @@ def test_migrate_multi_worker_training(tmp_path):
         assert abs(result["evaluations"][-1][key] - value) <= 1e-5 * (1 + abs(value)), result
 
 
+@pytest.mark.xdist_group("keras_hub")  # takes turns with tests/test_ecosystem.py
 @pytest.mark.cluster
 def test_fine_tune_ecosystem_models(tmp_path):
     result = run_notebook(
