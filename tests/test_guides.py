@@ -7,7 +7,6 @@ optimizer in the strategy's scope. Where the guide trains synchronously,
 the result is compared with the same code on one device.
 """
 
-import tempfile
 
 import pytest
 
@@ -47,8 +46,8 @@ def test_migrate_multi_worker_training_multi_worker_section():
 
 
 @pytest.mark.cluster
-def test_multi_worker_custom_training_loop():
-    checkpoints = tempfile.mkdtemp()
+def test_multi_worker_custom_training_loop(tmp_path):
+    checkpoints = str(tmp_path / "checkpoints")  # removed with the test's tmp_path, not left in /tmp
     result, output = _harness.run_cluster("guide_multi_worker_loop.py", checkpoints, workers=2, timeout=400)
     assert result.returncode == 0, output[-4000:]
     by_task = _worker_results(output)
