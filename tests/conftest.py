@@ -24,6 +24,14 @@ def pytest_configure(config):
     os.environ["KD_REFERENCE_DIR"] = config._kd_reference_dir
 
 
+def pytest_collection_modifyitems(config, items):
+    # The tests that start processes first, the in-process ones (about a minute
+    # in all) after: the two xdist workers hand out tests in this order, so the
+    # run ends with short tests on both workers, not with one worker still in a
+    # minutes-long cluster test while the other has nothing left to take.
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)
+
+
 def pytest_unconfigure(config):
     folder = getattr(config, "_kd_reference_dir", None)
     if folder is not None:
