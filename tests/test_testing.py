@@ -256,10 +256,11 @@ def test_other_processes():
 '''
 
 
-# The user's file in three runs of about a third of its time each (measured
-# alone), which the suite's two pytest workers can run beside other tests: the
-# two tests that re-run in float64, the rest in this process, and the one that
-# starts worker clusters. Together they run the file's 14 tests.
+# The user's file in three runs, which the suite's two pytest workers can run
+# beside other tests: the two tests that re-run in float64, the rest in the
+# plugin's process, and the one that starts worker clusters. Together they run
+# the file's 14 tests. In one run (about 120 CPU seconds, mostly single-threaded
+# tracing, which a loaded CPU stretches most) it reached its limit.
 _FLOAT64_RERUNS = "test_round_off_is_told_from_a_real_difference or test_layer_state_is_named"
 
 
