@@ -625,6 +625,43 @@ def dataset_ops_used(dataset):
     return ops
 
 
+def iterators_before_epoch(epoch_iterator, epochs):
+    """How many iterators a Keras epoch iterator opens over its data in `epochs` epochs.
+
+    Keras opens one at the start of each epoch and, when it knows the
+    epoch's batch count, one more as an epoch ends (for the next epoch,
+    which opens its own anyway): 2 per epoch. A dataset that reshuffles
+    each iteration draws a new order for each, so the k-th epoch trains on
+    its 2k-th order. None with `steps_per_epoch` (epochs go on from an
+    iterator already open, or open one when the data runs out).
+    """
+    if epoch_iterator.steps_per_epoch is not None:
+        return None
+    return epochs * (2 if epoch_iterator._num_batches else 1)
+
+
+def reshuffles_each_iteration(dataset):
+    """Whether `dataset` (or a dataset it reads) shuffles anew each time it is iterated.
+
+    For a distributed dataset, its dataset before distribution; None where
+    that cannot be told (a `dataset_fn`'s datasets).
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        dataset = getattr(dataset, "_original_dataset", None)
+        if not isinstance(dataset, tf.data.Dataset):
+            return None
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "_reshuffle_each_iteration", False) is True:
+            return True
+        pending.extend(current._inputs())
+    return False
+
+
 def dataset_calls_python(dataset, op_types):
     """Whether a dataset's functions (map, flat_map, from_generator's) use any of `op_types`.
 
