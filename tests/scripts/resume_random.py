@@ -2,7 +2,13 @@
 
 Usage: resume_random.py REPLICAS MODE DATA BACKUP_DIR OUT_NPZ STOP_STEP [plain]
 
-REPLICAS: 1 (one device, no strategy) or the mirrored replicas (virtual CPUs).
+REPLICAS: 1 (one device, no strategy), the mirrored replicas (virtual CPUs), or
+`workers` (one CPU per worker process, under `keras-distrib launch`; elastic:
+in a cluster of 4, worker 3 ends with exit code 1 after STOP_STEP steps, then at
+once in every later start: its node is gone, and the launcher's `min_workers`
+goes on without it. The lost worker writes the time of its loss to
+OUT_NPZ.lost, the chief of a smaller cluster the time its first step ended to
+OUT_NPZ.back).
 MODE: fit (Model.fit + BackupAndRestore(save_freq=2)), loop (kd.TrainLoop.fit
 with `backup_dir`), manual (a hand-written loop with kd.CheckpointManager).
 DATA: arrays (fit's own per-epoch shuffle) or dataset (a tf.data dataset that
@@ -17,12 +23,18 @@ batches of 32 (8 steps per epoch, the last of one row), 3 epochs.
 
 import os
 import sys
+import time
 
 import keras_distrib as kd
 
 replicas, mode, data_kind, backup_dir, out, stop = sys.argv[1:7]
-replicas, stop = int(replicas), int(stop)
+stop = int(stop)
+workers = replicas == "workers"
+replicas = 0 if workers else int(replicas)
 plain = sys.argv[7:] == ["plain"]
+info = kd.cluster_info()
+if workers and info.num_workers == 4 and info.task_index == 3 and os.path.exists(out + ".lost"):
+    os._exit(1)  # the node is gone: every restart of this worker fails at once
 if replicas > 1:
     kd.virtual_devices(replicas)
 import keras  # noqa: E402
@@ -88,18 +100,33 @@ class Crash(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
-        if self.steps == stop:
+        if workers:
+            if info.num_workers == 4 and info.task_index == 3 and self.steps == stop:
+                with open(out + ".lost", "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(1)
+            if info.num_workers < 4 and info.is_chief and self.steps == 1:
+                with open(out + ".back", "w") as f:
+                    f.write(repr(time.time()))
+        elif self.steps == stop:
             os._exit(3)
 
 
-if replicas == 1:
+if workers:
+    strategy = kd.make_strategy("multi_worker")
+elif replicas == 1:
     strategy = tf.distribute.get_strategy()
 else:
     strategy = kd.make_strategy("mirrored")
 with strategy.scope():
     model = build()
 inputs = dict(x=X, y=Y, batch_size=BATCH, shuffle=True) if data_kind == "arrays" else dict(x=dataset())
-if plain:
+if plain and mode == "manual":
+    data = dataset()
+    for epoch in range(EPOCHS):  # one iterator per epoch, as the manual loop opens
+        for x, y in data:
+            model.train_on_batch(x, y)
+elif plain:
     model.fit(**inputs, epochs=EPOCHS, verbose=0)
 elif mode == "fit":
     model.fit(**inputs, epochs=EPOCHS, verbose=0,
@@ -127,5 +154,6 @@ else:
                 manager.save(epoch=epoch + (step + 1) // STEPS, step=(step + 1) % STEPS)
             crash.on_train_batch_end(step)
     manager.close()
-np.savez(out, *model.get_weights())
+with kd.cluster.writer_directory(os.path.dirname(out)) as directory:
+    np.savez(os.path.join(directory, os.path.basename(out)), *model.get_weights())
 print("DONE", int(model.optimizer.iterations.numpy()), flush=True)
