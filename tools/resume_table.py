@@ -70,7 +70,8 @@ def main():
                         value = (f"failed (rc {crashed.returncode}, {resumed.returncode}): "
                                  + (resumed.stderr or crashed.stderr).strip().splitlines()[-1][:200])
                     else:
-                        value = f"{largest_difference(out, references[mode == "manual", data]):.1e}"
+                        reference = references[mode == "manual", data]
+                        value = f"{largest_difference(out, reference):.1e}"
                     where = "mid-epoch 2 (step 10)" if stop == "11" else "end of epoch 1 (step 8)"
                     names = {"1": "1 device"}
                     shape = (f"{names.get(first, first + ' replicas')} -> "
