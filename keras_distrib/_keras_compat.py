@@ -176,6 +176,8 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
     ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
+    ("tensorflow.python.data.ops.shuffle_op._ShuffleDataset", "_reshuffle_each_iteration",
+     "attribute set in __init__: whether each iterator draws a new order"),
     ("tf.data.Dataset", "_functions", "method(): StructuredFunctionWrappers (.function.graph)"),
     # The coordination service's key-value store (no public API): preemption
     # agreement and the watchdog's heartbeats.

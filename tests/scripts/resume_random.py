@@ -52,7 +52,7 @@ class JitteredLoss:
     """A train_step that weighs each step's loss by a draw from the model's SeedGenerator."""
 
     def train_step(self, data):
-        x, y = data
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         weight = 1.0 + keras.random.uniform((), seed=self.seed_generator, dtype="float64")
         with tf.GradientTape() as tape:
             predictions = self(x, training=True)
