@@ -2,7 +2,8 @@
 
 Usage: resume_random.py REPLICAS MODE DATA BACKUP_DIR OUT_NPZ STOP_STEP [plain]
 
-REPLICAS: 1 (one device, no strategy), the mirrored replicas (virtual CPUs), or
+REPLICAS: 1 (one device, no strategy), the mirrored replicas (virtual CPUs),
+`central<N>` (CentralStorageStrategy on N virtual CPUs), or
 `workers` (one CPU per worker process, under `keras-distrib launch`; elastic:
 in a cluster of 4, worker 3 ends with exit code 1 after STOP_STEP steps, then at
 once in every later start: its node is gone, and the launcher's `min_workers`
@@ -30,7 +31,8 @@ import keras_distrib as kd
 replicas, mode, data_kind, backup_dir, out, stop = sys.argv[1:7]
 stop = int(stop)
 workers = replicas == "workers"
-replicas = 0 if workers else int(replicas)
+central = replicas.startswith("central")  # e.g. central2: CentralStorageStrategy on 2 CPUs
+replicas = 0 if workers else int(replicas.removeprefix("central"))
 plain = sys.argv[7:] == ["plain"]
 info = kd.cluster_info()
 if workers and info.num_workers == 4 and info.task_index == 3 and os.path.exists(out + ".lost"):
@@ -114,6 +116,8 @@ class Crash(keras.callbacks.Callback):
 
 if workers:
     strategy = kd.make_strategy("multi_worker")
+elif central:
+    strategy = kd.make_strategy("central_storage")
 elif replicas == 1:
     strategy = tf.distribute.get_strategy()
 else:
