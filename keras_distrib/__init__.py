@@ -28,6 +28,7 @@ from keras_distrib.cluster import cluster_info
 from keras_distrib.cluster import is_chief
 from keras_distrib.data import describe_input
 from keras_distrib.data import distribute_dataset
+from keras_distrib.data import replay_epochs
 from keras_distrib.devices import virtual_devices
 from keras_distrib.evaluator import SidecarEvaluator
 from keras_distrib.gradients import exact_optimizer
@@ -76,6 +77,7 @@ __all__ = [
     "local_cluster",
     "losses",
     "make_strategy",
+    "replay_epochs",
     "testing",
     "virtual_devices",
 ]

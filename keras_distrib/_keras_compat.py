@@ -176,6 +176,8 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
     ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
+    ("tensorflow.python.data.ops.shuffle_op._ShuffleDataset", "_reshuffle_each_iteration",
+     "attribute set in __init__: whether each iterator draws a new order"),
     ("tf.data.Dataset", "_functions", "method(): StructuredFunctionWrappers (.function.graph)"),
     # The coordination service's key-value store (no public API): preemption
     # agreement and the watchdog's heartbeats.
@@ -623,6 +625,43 @@ def dataset_ops_used(dataset):
     for function in graph.library.function:
         ops.update(node.op for node in function.node_def)
     return ops
+
+
+def iterators_before_epoch(epoch_iterator, epochs):
+    """How many iterators a Keras epoch iterator opens over its data in `epochs` epochs.
+
+    Keras opens one at the start of each epoch and, when it knows the
+    epoch's batch count, one more as an epoch ends (for the next epoch,
+    which opens its own anyway): 2 per epoch. A dataset that reshuffles
+    each iteration draws a new order for each, so the k-th epoch trains on
+    its 2k-th order. None with `steps_per_epoch` (epochs go on from an
+    iterator already open, or open one when the data runs out).
+    """
+    if epoch_iterator.steps_per_epoch is not None:
+        return None
+    return epochs * (2 if epoch_iterator._num_batches else 1)
+
+
+def reshuffles_each_iteration(dataset):
+    """Whether `dataset` (or a dataset it reads) shuffles anew each time it is iterated.
+
+    For a distributed dataset, its dataset before distribution; None where
+    that cannot be told (a `dataset_fn`'s datasets).
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        dataset = getattr(dataset, "_original_dataset", None)
+        if not isinstance(dataset, tf.data.Dataset):
+            return None
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "_reshuffle_each_iteration", False) is True:
+            return True
+        pending.extend(current._inputs())
+    return False
 
 
 def dataset_calls_python(dataset, op_types):

@@ -44,6 +44,11 @@ def _launch(options):
     agent = options.workers is None and _in_cluster_manager()
     try:
         if agent:
+            if options.min_workers is not None:
+                raise launch_lib.LaunchError(
+                    "`--min-workers` is for a local cluster (`--workers N`): under Slurm or "
+                    "Kubernetes the job's recipe starts the survivors again (README, \"Elastic runs\")."
+                )
             if options.chief or options.evaluator or options.private_network:
                 raise launch_lib.LaunchError(
                     "`--chief`, `--evaluator` and `--private-network` describe a local cluster; the per-node agent "
@@ -73,6 +78,7 @@ def _launch(options):
                 evaluator=options.evaluator,
                 grace_period=options.grace_period,
                 verbose=options.verbose,
+                min_workers=options.min_workers,
                 private_network=options.private_network,
             )
     except launch_lib.LaunchError as error:
@@ -149,6 +155,9 @@ def build_parser():
     launch.add_argument("--chief", action="store_true", help="add a separate chief task")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="restart the cluster up to K times (0..1000; quick failures back off)")
+    launch.add_argument("--min-workers", type=int, default=None,
+                        help="elastic: a worker that fails through every restart is given up "
+                        "on and the others go on from the last backup, down to M workers")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
     launch.add_argument("--grace-period", type=float, default=launch_lib.DEFAULT_GRACE_PERIOD,

@@ -26,6 +26,7 @@ __all__ = [
     "describe_input",
     "distribute_dataset",
     "file_count",
+    "replay_epochs",
     "replica_split",
     "shard_files",
 ]
@@ -258,6 +259,60 @@ def distribute_dataset(data, *, strategy=None, global_batch_size=None, shard_pol
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = policy
     return strategy.experimental_distribute_dataset(dataset.with_options(options))
+
+
+def replay_epochs(dataset, epochs):
+    """Moves a dataset that reshuffles each epoch on to the order of epoch `epochs`.
+
+    A dataset shuffled with `reshuffle_each_iteration=True` draws a new order
+    each time an iterator over it is opened, from a seed state that lives in
+    the process: a process resuming at epoch E would draw epoch 0's order
+    for it. Opening (and dropping) E iterators first gives epoch E's order,
+    as in the uninterrupted run. Opening an iterator reads no element, so it
+    costs little for a plain dataset; a distributed one may prefetch a batch.
+    `fit`, `kd.TrainLoop` and parameter-server training do this when they
+    resume from a backup; call it in a loop of your own that opens one
+    iterator per epoch, before the first iterator of the resumed epoch.
+
+    Args:
+        dataset: A `tf.data.Dataset` or a distributed dataset (the one whose
+            iterators the loop opens; in one process they share the seed
+            state with the dataset they were made from).
+        epochs: Iterators to open and drop (the epochs trained before).
+
+    Returns:
+        Whether any iterator was opened (False for `epochs`=0 or a dataset
+        that does not reshuffle).
+
+    Raises:
+        ValueError: `epochs` is not a whole number >= 0, or `dataset` is not
+            a dataset.
+
+    Example:
+        >>> import tensorflow as tf, keras_distrib as kd
+        >>> data = tf.data.Dataset.range(6).shuffle(6, seed=1, reshuffle_each_iteration=True)
+        >>> orders = [list(data.as_numpy_iterator()) for _ in range(3)]
+        >>> again = tf.data.Dataset.range(6).shuffle(6, seed=1, reshuffle_each_iteration=True)
+        >>> kd.replay_epochs(again, 2)
+        True
+        >>> list(again.as_numpy_iterator()) == orders[2]
+        True
+    """
+    problems = []
+    if not validation.is_whole(epochs, 0):
+        problems.append(f"`epochs`={epochs!r}: expected a whole number >= 0 (the epochs trained "
+                        "before the resumed one)")
+    iterable = isinstance(dataset, tf.data.Dataset) or hasattr(dataset, "element_spec")
+    if not iterable or not hasattr(dataset, "__iter__"):
+        problems.append(f"`dataset` is a {type(dataset).__name__}: expected a tf.data.Dataset or "
+                        "a distributed dataset (strategy.experimental_distribute_dataset)")
+    if problems:
+        raise ValueError("Invalid replay_epochs arguments:\n  - " + "\n  - ".join(problems))
+    if epochs == 0 or _keras_compat.reshuffles_each_iteration(dataset) is False:
+        return False
+    for _ in range(epochs):
+        iter(dataset)
+    return True
 
 
 def replica_split(rows, replicas):

@@ -414,7 +414,8 @@ def _check_grace_period(grace_period):
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=False):
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=False,
+           min_workers=None):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Args:
@@ -456,9 +457,17 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             every interface and have no authentication: this keeps every
             other host (and other network namespaces) off their ports. The
             tasks then reach no network either (no downloads).
+        min_workers: Elastic training. When a worker still fails after
+            `max_restarts` restarts (its node gone, say), go on without it:
+            the cluster starts again with one worker fewer (and
+            `max_restarts` restarts again), as long as at least
+            `min_workers` remain; training resumes from the last backup,
+            and kd's model does not depend on the worker count. `None`
+            (default): the run ends with the failure.
 
     Returns:
-        A `ClusterResult`; for a function target, `.values` maps each task
+        A `ClusterResult` (`lost` lists the workers given up on, in order);
+        for a function target, `.values` maps each task
         label to its return value.
 
     Raises:
@@ -475,27 +484,78 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     _check_grace_period(grace_period)
+    _check_min_workers(min_workers, workers, ps)
     _check_private_network(private_network)
     with _reserve_ports(ports):
         return _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
                                 timeout=timeout, env=env, sink=sink, log_dir=log_dir,
                                 ports=ports, evaluator=evaluator, grace_period=grace_period,
                                 verbose=verbose, private_network=private_network,
-                                max_restarts=max_restarts)
+                                max_restarts=max_restarts, min_workers=min_workers)
+
+
+def _check_min_workers(min_workers, workers, ps):
+    if min_workers is None:
+        return
+    problem = None
+    if not validation.is_whole(min_workers, 1):
+        problem = f"`min_workers`={min_workers!r}: expected a whole number >= 1, or None"
+    elif validation.is_whole(workers, 1) and min_workers > workers:
+        problem = (f"`min_workers`={min_workers} is more than the {workers} workers launched; "
+                   f"give at most {workers}")
+    elif ps:
+        problem = (f"`min_workers`={min_workers} with `ps`={ps}: a parameter-server cluster's "
+                   "coordinator already carries on without a lost worker (its steps run on the "
+                   "others); drop `min_workers`")
+    if problem:
+        raise LaunchError("Invalid launch request:\n  - " + problem)
+
+
+def lost_worker(result):
+    """The worker a failed attempt is pinned on (`TaskResult`), or None.
+
+    A worker that exited with an error (or was killed) and was the first
+    task to fail; not a preemption's save (exit 42), a timeout or a stop.
+    """
+    failed = result.failed
+    if (result.returncode == 0 or result.signalled or result.timed_out or failed is None
+            or failed.task_type != "worker" or failed.returncode == supervisor.RESTART_EXIT_CODE):
+        return None
+    return failed
 
 
 def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, log_dir, ports,
-                     evaluator, grace_period, verbose, private_network, max_restarts):
+                     evaluator, grace_period, verbose, private_network, max_restarts,
+                     min_workers=None):
     argv_for, values_dir = _resolve_target(target, args)
-    return _attempts(
-        lambda attempt: run_once(
-            argv_for, workers=workers, ps=ps, chief=chief, timeout=timeout,
-            env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
-            ports=ports if attempt == 0 else None, evaluator=evaluator,
-            grace_period=grace_period, verbose=verbose, private_network=private_network,
-        ),
-        max_restarts=max_restarts, sink=sink, what="the cluster", values_dir=values_dir,
-    )
+    lost = []
+    try:
+        while True:
+            count = workers - len(lost)
+            result = _attempts(
+                lambda attempt: run_once(
+                    argv_for, workers=count, ps=ps, chief=chief, timeout=timeout,
+                    env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
+                    ports=ports if attempt == 0 and not lost else None, evaluator=evaluator,
+                    grace_period=grace_period, verbose=verbose, private_network=private_network,
+                ),
+                max_restarts=max_restarts, sink=sink, what="the cluster",
+            )
+            worker = lost_worker(result) if min_workers is not None else None
+            if worker is None or count - 1 < min_workers:
+                break
+            # Elastic: the worker failed through every restart; the survivors
+            # go on from the last backup (renumbered 0..count-2).
+            lost.append(worker.label)
+            sink(f"[launcher] {worker.label} failed {max_restarts + 1} time(s) in a row: going on "
+                 f"with {count - 1} worker(s) from the last backup (`min_workers`={min_workers})")
+        result.lost = lost
+        if values_dir is not None:
+            result.values = _task_entry_values(values_dir)
+        return result
+    finally:
+        if values_dir is not None:
+            files.remove_scratch(values_dir)
 
 
 def _task_entry_values(values_dir):

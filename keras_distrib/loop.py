@@ -32,6 +32,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib import cluster
+from keras_distrib import data as data_lib
 from keras_distrib import step as step_lib
 from keras_distrib import strategies
 from keras_distrib import validation
@@ -199,11 +200,39 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
             # The data runs on across epochs (a parameter server's repeated
             # per-worker datasets): move past the epochs the backup holds too.
             runner.skip(source.iterator, (restored.epoch - initial_epoch) * source.num_batches)
+        elif restored is not None and restored.epoch > initial_epoch:
+            # A dataset that reshuffles each epoch draws its orders from a seed
+            # state of this process: move it to the resumed epoch's order.
+            _replay_orders(source, restored.epoch - initial_epoch)
         chunk_hooks = chunk_end_hooks(callbacks)
         if watch is None:
             return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, None)
         with watch:
             return _fit_epochs(model, source, runner, position, epochs, callbacks, validate, chunk_hooks, watch)
+
+
+def _replay_orders(source, epochs):
+    """Moves the source's data to the shuffle order of its epoch `epochs` (see `replay_epochs`).
+
+    Raises:
+        ValueError: the data reshuffles each epoch and its position in the
+            orders cannot be told (`steps_per_epoch` with a dataset that
+            reshuffles): the resumed run would train other batches.
+    """
+    distributed = _keras_compat.epoch_distributed_dataset(source)
+    if distributed is None or _keras_compat.reshuffles_each_iteration(distributed) is False:
+        return
+    count = _keras_compat.iterators_before_epoch(source, epochs)
+    if count is None:
+        raise ValueError(
+            f"Cannot resume at epoch {epochs + 1} exactly: `x` is a dataset that reshuffles each "
+            "iteration (`shuffle(..., reshuffle_each_iteration=True)`) and `steps_per_epoch` is "
+            "set, so which shuffle order the epoch trains on depends on where earlier epochs "
+            "stopped in the data, which the backup does not hold. Shuffle with "
+            "`reshuffle_each_iteration=False` (or a seed per epoch), or leave `steps_per_epoch` "
+            "unset so that each epoch is one pass over the data."
+        )
+    data_lib.replay_epochs(distributed, count)
 
 
 def skip_before_distribution(model, source, count):

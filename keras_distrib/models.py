@@ -234,6 +234,38 @@ def layer_state(model):
     return [pair for key, pair in owners.items() if key not in skipped]
 
 
+def random_states(model):
+    """Every seed state of `model`'s random draws, by a name stable across processes.
+
+    Keras's `SeedGenerator`s held by the model and its layers (Dropout and
+    the other random layers, a generator a custom `train_step` draws from).
+    A name is the holder's position among the model's layers and the
+    attribute holding the generator, e.g. `"layer_3_seed_generator"`: the
+    same model built again (another process, another replica layout) gives
+    the same names, whatever names Keras's counters gave the variables.
+    """
+    states = {}
+    for index, layer in enumerate(_keras_compat.flatten_layers(model)):
+        for attribute, value in sorted(vars(layer).items()):
+            if isinstance(value, keras.random.SeedGenerator):
+                states[f"layer_{index}_{attribute}"] = value.state
+    return states
+
+
+class _RandomStates(tf.Module):
+    """The seed states of a model's random draws, as checkpoint dependencies."""
+
+    def __init__(self, states):
+        super().__init__(name="kd_random_states")
+        self.keys = _state_keys(states)
+        for name, variable in states.items():
+            setattr(self, name, variable)
+
+
+def _state_keys(states):
+    return tuple((name, id(variable)) for name, variable in states.items())
+
+
 def _replica_state_updates(layer, variable):
     """Updates of a layer's variable that mean on many replicas what they mean on one.
 
@@ -444,7 +476,12 @@ def unsupported_settings(model, *, training):
         if optimizer is not base:
             problems.append(f"LossScaleOptimizer (mixed precision): {why}. {fix}")
     if training and _spreads_strategy(strategy):
-        problems.extend(filter(None, map(_random_layer_problem, layers)))
+        # The model's own generators are drawn in its train_step, once per
+        # replica from the one state: the same draws on every replica, which
+        # is one device's for a draw that does not depend on the rows (a
+        # loss weight, weight noise). Its layers' are refused unless kd lays
+        # them out over the global batch.
+        problems.extend(filter(None, map(_random_layer_problem, layers[1:])))
     plan = step_lib.plan_for(model)
     if training and plan.xla_forward:
         why = ("`jit_compile=True` with several CPU replicas (or workers) compiles only the "
@@ -587,7 +624,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         for layer, variable in layer_state(self):
             _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
         self._prepare_replica_writes()
+        self._track_random_states()
         _keras_compat.fix_variables(_keras_compat.model_variables(self))
+
+    def _track_random_states(self):
+        # Keras's seed generators (random layers, a `SeedGenerator` of the
+        # model's own) are not checkpoint dependencies of the model: a
+        # restored model would draw other masks than the run it continues.
+        # A child holding their states puts them in every checkpoint of the
+        # model (kd's backups and the user's tf.train.Checkpoint alike).
+        states = random_states(self)
+        current = getattr(self, "_kd_random_states", None)
+        if current is not None and current.keys == _state_keys(states):
+            return
+        self._kd_random_states = _RandomStates(states)
 
     def _prepare_replica_writes(self):
         # Under central storage, BatchNormalization's moving statistics are

@@ -81,6 +81,7 @@ class ClusterResult:
     timed_out: bool = False
     restarts: int = 0
     signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
+    lost: list = dataclasses.field(default_factory=list)  # workers given up on (`min_workers`)
 
 
 def whole_lines(sink):

@@ -16,6 +16,7 @@ import tensorflow as tf
 import keras_distrib as kd
 from keras_distrib import loop as kd_loop
 from keras_distrib import step as kd_step
+from tests import _harness
 
 
 def _model(metrics=("mae",)):
@@ -264,3 +265,42 @@ def test_resume_skips_the_held_batches_before_distribution(tmp_path, plain_keras
     _assert_weights(weights, plain_keras_epochs[2][2])
     for key in ("loss", "mae"):
         np.testing.assert_allclose(logs[key], plain_keras_epochs[2][1][key], rtol=2e-5)
+
+
+# Exact resume with every random state (tests/scripts/resume_random.py: float64,
+# random flips, BatchNormalization, Dropout, GaussianNoise, `keras.random` in
+# train_step; a crash after global step 11, the backup holding step 10).
+
+
+@pytest.fixture(scope="module")
+def random_references(tmp_path_factory):
+    """Plain Keras on one device, uninterrupted, per (mode, data): the reference."""
+    folder = tmp_path_factory.mktemp("random-references")
+
+    def reference(mode, data):
+        out = folder / f"{mode}-{data}.npz"
+        if not out.exists():
+            code, output = _harness.run_script("resume_random.py", 1, mode, data, folder / "unused",
+                                               out, -1, "plain")
+            assert code == 0 and "DONE 24" in output, output[-3000:]
+        return str(out)
+
+    return reference
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode,data,first,second,stop", [
+    ("fit", "dataset", 2, 4, 11),   # mid-epoch, onto more replicas
+    ("fit", "arrays", 4, 2, 9),     # the first epoch's last step, onto fewer
+    ("loop", "dataset", 2, 1, 11),  # kd.TrainLoop, onto one device
+    ("manual", "dataset", 1, 2, 11),  # a kd.CheckpointManager loop
+])
+def test_a_resume_restores_every_random_state_on_any_replica_layout(
+        random_references, tmp_path, mode, data, first, second, stop):
+    backup, out = tmp_path / "backup", tmp_path / "out.npz"
+    code, output = _harness.run_script("resume_random.py", first, mode, data, backup, out, stop)
+    assert code == 3 and not out.exists(), output[-3000:]  # crashed after the backup
+    code, output = _harness.run_script("resume_random.py", second, mode, data, backup, out, -1)
+    assert code == 0 and "DONE 24" in output, output[-3000:]
+    reference = random_references("manual" if mode == "manual" else "fit", data)
+    assert _harness.saved_weights_diff(reference, str(out)) <= 1e-9

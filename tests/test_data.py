@@ -141,3 +141,33 @@ def test_describe_input_reports_and_warns():
     report = kd.data.describe_input(unknown, strategy=kd.make_strategy("default"), global_batch_size=4,
                                     print_fn=lines.append)
     assert any("size is unknown" in w for w in report["warnings"])
+
+
+def _reshuffled(seed=4):
+    return tf.data.Dataset.range(12).shuffle(12, seed=seed, reshuffle_each_iteration=True).batch(4)
+
+
+def test_replay_epochs_gives_the_order_the_uninterrupted_run_draws_next():
+    # An uninterrupted process draws orders 0, 1, 2, ...; a new process that
+    # replays 2 epochs draws order 2 next, a fresh one order 0 (the contrast).
+    uninterrupted = _reshuffled()
+    orders = [np.concatenate(list(uninterrupted.as_numpy_iterator())) for _ in range(4)]
+    assert not np.array_equal(orders[0], orders[2])
+    resumed = _reshuffled()
+    assert kd.replay_epochs(resumed, 2) is True
+    np.testing.assert_array_equal(np.concatenate(list(resumed.as_numpy_iterator())), orders[2])
+    np.testing.assert_array_equal(np.concatenate(list(resumed.as_numpy_iterator())), orders[3])
+    fresh = _reshuffled()
+    np.testing.assert_array_equal(np.concatenate(list(fresh.as_numpy_iterator())), orders[0])
+
+
+def test_replay_epochs_opens_nothing_for_data_that_does_not_reshuffle():
+    fixed = tf.data.Dataset.range(12).shuffle(12, seed=4, reshuffle_each_iteration=False).batch(4)
+    assert kd.replay_epochs(fixed, 3) is False
+    assert kd.replay_epochs(_reshuffled(), 0) is False
+
+
+def test_replay_epochs_refuses_bad_arguments_naming_them():
+    with pytest.raises(ValueError, match=r"`epochs`=-1: expected a whole number >= 0") as error:
+        kd.replay_epochs([1, 2], -1)
+    assert "`dataset` is a list" in str(error.value)

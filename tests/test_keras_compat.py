@@ -278,3 +278,28 @@ def test_keras_cross_entropy_still_reads_the_logits_kd_keeps(activation, loss):
     assert float(tf.reduce_max(tf.abs(lost - exact))) > 1.0
     kept_empty, _, _ = losses(tf.constant(False))
     assert [value.shape[0] for value in kept_empty] == [0, 0]
+
+
+def test_keras_opens_the_iterators_per_epoch_kd_replays_on_resume(monkeypatch):
+    # A resumed `fit` replays a reshuffling dataset's orders by opening the
+    # iterators Keras's epoch iterator opened before (2 per epoch, one of
+    # them at each epoch's end): if Keras changes this, the replay is wrong.
+    import tensorflow as tf
+
+    import keras_distrib as kd
+    from keras_distrib import loop as kd_loop
+
+    opened = []
+    rows = tf.data.Dataset.from_tensor_slices((np.ones((6, 1)), np.ones((6, 1)))).batch(2)
+    inputs = keras.Input((1,))
+    model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    source = kd_loop.epoch_source(model, x=rows)
+    distributed = _keras_compat.epoch_distributed_dataset(source)
+    original = type(distributed).__iter__
+    monkeypatch.setattr(type(distributed), "__iter__", lambda self: opened.append(1) or original(self))
+    for _ in range(3):
+        with source.catch_stop_iteration():
+            for _begin, _end, iterator in source:
+                next(iterator)
+    assert len(opened) == _keras_compat.iterators_before_epoch(source, 3) == 6

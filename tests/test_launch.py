@@ -78,6 +78,9 @@ def test_restarts_the_cluster_after_a_failure():
          r"of arguments, e.g. `args`=\['--epochs', '3'\]"),
         (dict(workers=2, ports=[40001, 40001]), r"`ports` lists \[40001\] more than once"),
         (dict(workers=2, ports=[0, 99999]), r"`ports` \[0, 99999\]: expected whole numbers in 1\.\.65535"),
+        (dict(workers=2, min_workers=3), r"`min_workers`=3 is more than the 2 workers launched"),
+        (dict(workers=2, min_workers=0), r"`min_workers`=0: expected a whole number >= 1, or None"),
+        (dict(workers=2, ps=1, min_workers=1), r"`min_workers`=1 with `ps`=1: a parameter-server"),
     ],
 )
 def test_bad_requests_start_nothing(kwargs, match, tmp_path):
@@ -382,3 +385,24 @@ def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_kille
         assert f"[{label}] {label} server: the coordinator (chief 0 at localhost:{port}) has not " \
                "accepted connections for 10s" in outputs[index], outputs[index][-3000:]
     assert seconds < 40, seconds
+
+
+@pytest.mark.cluster
+def test_a_worker_lost_for_good_leaves_survivors_that_finish_the_one_device_model(tmp_path):
+    # 4 workers, float64, every random state (tests/scripts/resume_random.py);
+    # worker 3 fails after step 11 and again at once on the restart: the
+    # launcher gives it up and 3 workers resume from the step-10 backup.
+    reference = tmp_path / "reference.npz"
+    code, output = _harness.run_script("resume_random.py", 1, "fit", "arrays", tmp_path / "unused",
+                                       reference, -1, "plain")
+    assert code == 0, output[-3000:]
+    out = tmp_path / "out.npz"
+    result, output = _harness.run_cluster(
+        "resume_random.py", "workers", "fit", "arrays", tmp_path / "backup", out, 11,
+        workers=4, max_restarts=1, min_workers=3, timeout=600)
+    assert result.returncode == 0 and result.lost == ["worker 3"], output[-4000:]
+    assert output.count("[launcher] worker 3 exited with code 1") == 2
+    assert "going on with 3 worker(s) from the last backup" in output
+    assert _harness.saved_weights_diff(str(reference), str(out)) <= 1e-9
+    lost, back = (float((tmp_path / f"out.npz.{end}").read_text()) for end in ("lost", "back"))
+    assert lost < back  # the survivors trained again after the loss

@@ -191,3 +191,46 @@ def test_a_mixin_subclass_reloads_registered_or_with_custom_objects_and_saving_s
                                      custom_objects={"Unregistered": Unregistered})
     assert type(loaded) is Unregistered
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+class _OwnDraws(kd.Model):
+    """A kd model holding a SeedGenerator of its own (for `keras.random` in its train_step)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seed_generator = keras.random.SeedGenerator(11)
+
+
+def _drawing_model(cls, seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dropout(0.5, seed=7)(keras.layers.Dense(6)(inputs))
+    model = cls(inputs, keras.layers.GaussianNoise(0.3, seed=9)(h))
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_a_checkpoint_of_a_kd_model_holds_every_seed_state(tmp_path):
+    x = np.ones((5, 4), "float32")
+    model = _drawing_model(_OwnDraws, 1)
+    for _ in range(3):  # move every seed state on, as training does
+        model(x, training=True)
+        keras.random.uniform((), seed=model.seed_generator)
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "state"))
+    # What the saved model draws next: its masks and noise, and its own draw.
+    outputs, draw = model(x, training=True), float(keras.random.uniform((), seed=model.seed_generator))
+    fresh = _drawing_model(_OwnDraws, 1)
+    fresh.set_weights(model.get_weights())
+    assert not np.array_equal(fresh(x, training=True), outputs)  # the weights alone are not enough
+    restored = _drawing_model(_OwnDraws, 1)
+    tf.train.Checkpoint(model=restored).read(path).assert_existing_objects_matched()
+    names = sorted(kd.models.random_states(restored))
+    assert len(names) == 3 and "layer_0_seed_generator" in names, names
+    np.testing.assert_array_equal(restored(x, training=True), outputs)
+    assert float(keras.random.uniform((), seed=restored.seed_generator)) == draw
+    # Contrast: Keras's own model does not put its seed states in a checkpoint.
+    plain = _drawing_model(keras.Model, 1)
+    keys = [key for key, _ in tf.train.list_variables(tf.train.Checkpoint(model=plain).write(
+        str(tmp_path / "plain")))]
+    assert not [key for key in keys if "seed" in key], keys
+    assert len([key for key, _ in tf.train.list_variables(path) if "seed_generator" in key]) == 3
