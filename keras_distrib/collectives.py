@@ -21,7 +21,6 @@ barriers across processes.
 
 import tensorflow as tf
 
-from keras_distrib import _keras_compat
 
 __all__ = [
     "count",
@@ -68,7 +67,10 @@ def graph_collectives(graph_def):
 
 
 def _local_replicas(strategy):
-    return max(len(getattr(strategy.extended, "worker_devices", ()) or ()), 1)
+    try:
+        return max(len(strategy.extended.worker_devices), 1)
+    except RuntimeError:  # the default strategy has no device list: one replica
+        return 1
 
 
 def _per_replica(ops, replicas):
@@ -96,15 +98,11 @@ def _merged(a, b):
 
 
 def _step_functions(model, kind):
-    """`{"one"|"many"|"read": [ConcreteFunction]}` of `model`'s compiled `kind` step."""
+    """`{name: [ConcreteFunction]}` of `model`'s compiled `kind` step (`Step.compiled_functions`)."""
     step = getattr(model, f"{kind}_function", None)
-    if step is None:
+    if not hasattr(step, "compiled_functions"):  # not traced yet, or not a kd model
         return {}
-    if hasattr(step, "compiled_functions"):  # a kd Step
-        return step.compiled_functions()
-    # Plain Keras: one tf.function, its steps in a loop when several per call.
-    looped = kind != "predict" and int(getattr(model, "steps_per_execution", 1) or 1) > 1
-    return {"many" if looped else "one": _keras_compat.concrete_functions(step)}
+    return step.compiled_functions()
 
 
 def traced(model):
@@ -150,9 +148,14 @@ def count(model, x, y, *, sample_weight=None, batch_size=None):
     Returns:
         `traced(model)`.
 
-    Plain Keras models are counted too (their `train_function`...), for
-    comparison.
+    Raises:
+        ValueError: `model` is not a kd model (its steps are not kd's `Step`s).
     """
+    if not hasattr(model, "replica_batch"):
+        raise ValueError(
+            f"`model` is a {type(model).__name__}; `count` counts the steps of a kd model "
+            "(kd.Model, kd.Sequential). Create it with keras_distrib's classes."
+        )
     rows = len(tf.nest.flatten(x)[0])
     batch_size = batch_size or rows
     model.fit(x, y, sample_weight=sample_weight, batch_size=batch_size, epochs=1, verbose=0,
