@@ -129,7 +129,6 @@ PRIVATE_NAMES = (
     ("keras.Model", "_call_has_training_arg", "attribute"),
     ("keras.Model", "_distribute_strategy", "attribute: the strategy at creation, or None"),
     ("keras.Model", "_initial_epoch", "attribute Keras's BackupAndRestore sets"),
-    ("keras.Model", "_get_metrics_result_or_logs", "method(logs)"),
     ("keras.Model", "_flatten_metrics_in_order", "method(logs)"),
     ("keras.Model", "_flatten_layers", "method(include_self, recursive)"),
     ("keras.layers.BatchNormalization", "_moments", "method(inputs, mask), replaced per layer"),
@@ -380,10 +379,6 @@ def initial_epoch(model):
 
 def set_initial_epoch(model, epoch):
     model._initial_epoch = epoch
-
-
-def metrics_result_or_logs(model, logs):
-    return model._get_metrics_result_or_logs(logs)
 
 
 def flatten_metrics_in_order(model, logs):

@@ -94,14 +94,17 @@ class LocalRunner:
         return self.step.skip(iterator, count)
 
     def epoch_logs(self, logs):
-        """The epoch's logs: the metrics' global values (or the last step's logs).
+        """The epoch's logs: the last call's global logs (the metrics' values then).
 
         With no step run in this process (a resume from a backup taken at the
         epoch's last step), the metrics' values restored from the backup.
         """
         if not logs:
             return dict(self.model.get_metrics_result())
-        return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
+        # The last call's logs are already the metrics' global values at the
+        # epoch's end; reading the metrics again (Keras's
+        # `_get_metrics_result_or_logs`) would all-reduce each variable on its own.
+        return dict(logs)
 
     def wait(self):
         """Nothing to wait for: a compiled call returns when its steps are done."""
