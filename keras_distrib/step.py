@@ -10,7 +10,10 @@ A step function runs up to k replica steps in one `tf.function` (a
 results. Train and test logs are read from the metric variables in
 cross-replica context, where SyncOnRead variables are summed over every
 replica and worker: the true global values (Keras averages each replica's
-local results, wrong whenever replicas hold different numbers of rows).
+local results, wrong whenever replicas hold different numbers of rows),
+all-reduced together in one flat buffer per dtype. kd's own training step
+brings them instead: its metric states travel in the gradient all-reduce
+(`sum_with_metric_states`), so its logs cost no collective of their own.
 Predictions come back concatenated in input order.
 """
 
