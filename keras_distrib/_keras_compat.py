@@ -107,6 +107,10 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.input_lib.DistributedDataset", "_original_dataset", "attribute: the dataset before distribution"),
     ("tensorflow.python.distribute.input_lib.DistributedDataset", "_strategy", "attribute set in __init__"),
     ("tensorflow.python.distribute.input_lib.DistributedDataset", "_options", "attribute: its tf.distribute.InputOptions"),
+    ("tensorflow.python.distribute.input_lib.DistributedDataset", "_enable_get_next_as_optional",
+     "attribute: whether its iterators agree across workers at each batch"),
+    ("tensorflow.python.distribute.input_lib.DistributedDatasetsFromFunction", "_enable_get_next_as_optional",
+     "attribute: whether its iterators agree across workers at each batch"),
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "function(values, strategy, reduction)"),
     ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat", "function(tensors)"),
     ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged", "function(x)"),
@@ -125,7 +129,6 @@ PRIVATE_NAMES = (
     ("keras.Model", "_call_has_training_arg", "attribute"),
     ("keras.Model", "_distribute_strategy", "attribute: the strategy at creation, or None"),
     ("keras.Model", "_initial_epoch", "attribute Keras's BackupAndRestore sets"),
-    ("keras.Model", "_get_metrics_result_or_logs", "method(logs)"),
     ("keras.Model", "_flatten_metrics_in_order", "method(logs)"),
     ("keras.Model", "_flatten_layers", "method(include_self, recursive)"),
     ("keras.layers.BatchNormalization", "_moments", "method(inputs, mask), replaced per layer"),
@@ -175,6 +178,8 @@ PRIVATE_NAMES = (
     ("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext", "function(graph)"),
     ("tensorflow.python.distribute.values.PerReplicaSpec", "_value_specs", "attribute: the replicas' element specs"),
     ("tf.data.Dataset", "_as_serialized_graph", "method()"),
+    ("tensorflow.python.eager.polymorphic_function.polymorphic_function.Function",
+     "_list_all_concrete_functions", "method(): every ConcreteFunction traced"),
     ("tf.data.Dataset", "_inputs", "method(): the input datasets"),
     ("tensorflow.python.data.ops.shuffle_op._ShuffleDataset", "_reshuffle_each_iteration",
      "attribute set in __init__: whether each iterator draws a new order"),
@@ -378,10 +383,6 @@ def set_initial_epoch(model, epoch):
     model._initial_epoch = epoch
 
 
-def metrics_result_or_logs(model, logs):
-    return model._get_metrics_result_or_logs(logs)
-
-
 def flatten_metrics_in_order(model, logs):
     return model._flatten_metrics_in_order(logs)
 
@@ -411,6 +412,22 @@ def compile_metric_log_keys(metric):
 def epoch_iterator(**kwargs):
     """Keras's epoch iterator for TensorFlow (its data adapters, chunking)."""
     return keras_tf_trainer.TFEpochIterator(**kwargs)
+
+
+def skip_batch_agreement(epoch_iterator):
+    """Makes the iterators of an epoch iterator's distributed dataset fetch without agreeing.
+
+    Across workers, TensorFlow's distributed iterator all-reduces at every
+    batch whether any worker still has one (to hand empty batches to those
+    that ran out). Where every worker holds the same known number of
+    batches, one per replica, none runs out first: the caller checks that.
+    """
+    epoch_iterator._distributed_dataset._enable_get_next_as_optional = False
+
+
+def agrees_on_batches(iterator):
+    """Whether a distributed iterator all-reduces "any batch left?" at each fetch."""
+    return getattr(iterator, "_enable_get_next_as_optional", True) is not False
 
 
 def set_epoch_batches(epoch_iterator, count):
@@ -540,6 +557,11 @@ def in_symbolic_scope():
 def serialized_graph(dataset):
     """A dataset's serialized GraphDef (to count the files it reads)."""
     return dataset._as_serialized_graph()
+
+
+def concrete_functions(function):
+    """Every `ConcreteFunction` a `tf.function` has traced (to count its ops)."""
+    return list(function._list_all_concrete_functions())
 
 
 # ---------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def all_reduce(gradients):
     if batch is not None and batch.deferred:
         present = _all_reduce_deferred(context, batch, present)
     else:
-        present = context.all_reduce(tf.distribute.ReduceOp.SUM, present)
+        present = _sum_with_metric_states(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
 
@@ -84,11 +84,30 @@ def _all_reduce_deferred(context, batch, gradients):
     """
     dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
     scaled = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in gradients]
-    *summed, global_rows = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, scaled + [tf.cast(batch.local_rows, dtype)]
+    *summed, global_rows = _sum_with_metric_states(
+        context, batch, scaled + [tf.cast(batch.local_rows, dtype)]
     )
     batch.learn_global_rows(global_rows)
     return _divided(summed, global_rows)
+
+
+def _sum_with_metric_states(context, batch, tensors):
+    """Sums `tensors` over the replicas, with the metric states kd's step packed in.
+
+    kd's own `train_step` updates its metrics before the update and leaves
+    their variables on the replica's batch (`ReplicaBatch.metric_variables`):
+    each replica's local state rides in the same all-reduce, and the global
+    state (what a read in cross-replica context sums) is kept on the batch
+    for the step's logs (`ReplicaBatch.global_metric_states`). The logs then
+    cost no collective of their own.
+    """
+    variables = batch.metric_variables if batch is not None else None
+    # Updates waiting for N (a per-output loss tracker in deferred scale) add
+    # to the states after this all-reduce: the logs are read after the step then.
+    if not variables or batch.waits_for_global_rows or not step.packs_metric_states(variables):
+        return replica.sum_packed(context, tensors)
+    summed, batch.global_metric_states = step.sum_with_metric_states(context, tensors, variables)
+    return summed
 
 
 def _divided(gradients, global_rows):
@@ -128,7 +147,7 @@ def _all_reduce_in_loop(context, batch, gradients):
         sparse = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
         dense = _all_reduce_deferred(context, batch, dense)
     elif dense:
-        dense = context.all_reduce(tf.distribute.ReduceOp.SUM, dense)
+        dense = _sum_with_metric_states(context, batch, dense)
     gathered = context.merge_call(_concat_slices, args=tuple(sparse))
     if batch.deferred:
         gathered = _divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce

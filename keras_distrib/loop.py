@@ -79,23 +79,34 @@ class LocalRunner:
         self.model = model
         self.step = step
 
-    def run(self, iterator, count):
-        """Runs up to `count` steps; returns the global logs (or outputs)."""
-        return self.step(iterator, count)
+    def run(self, iterator, count, *, logs=True):
+        """Runs up to `count` steps; returns the global logs (or outputs).
+
+        `logs=False` (evaluation): returns `{}` without reading the metrics;
+        `read_logs` reads them afterwards.
+        """
+        return self.step(iterator, count, logs=logs)
+
+    def read_logs(self):
+        """The metrics' global values (one packed all-reduce)."""
+        return self.step.read_logs()
 
     def skip(self, iterator, count):
         """Moves `iterator` past up to `count` batches without running them."""
         return self.step.skip(iterator, count)
 
     def epoch_logs(self, logs):
-        """The epoch's logs: the metrics' global values (or the last step's logs).
+        """The epoch's logs: the last call's global logs (the metrics' values then).
 
         With no step run in this process (a resume from a backup taken at the
         epoch's last step), the metrics' values restored from the backup.
         """
         if not logs:
             return dict(self.model.get_metrics_result())
-        return dict(_keras_compat.metrics_result_or_logs(self.model, logs))
+        # The last call's logs are already the metrics' global values at the
+        # epoch's end; reading the metrics again (Keras's
+        # `_get_metrics_result_or_logs`) would all-reduce each variable on its own.
+        return dict(logs)
 
     def wait(self):
         """Nothing to wait for: a compiled call returns when its steps are done."""
@@ -316,6 +327,13 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
     return model.history
 
 
+def _reads_test_batch_logs(callbacks):
+    """Whether a callback overrides the hook that receives an evaluation batch's logs."""
+    base = keras.callbacks.Callback.on_test_batch_end
+    return any(type(callback).on_test_batch_end is not base
+               for callback in getattr(callbacks, "callbacks", ()))
+
+
 @_lost_tasks_explained()
 def evaluate_pass(model, source, runner, *, callbacks, return_dict):
     """One pass of evaluation; returns the logs (a dict, or a list as Keras)."""
@@ -323,13 +341,20 @@ def evaluate_pass(model, source, runner, *, callbacks, return_dict):
     callbacks.on_test_begin()
     model.reset_metrics()
     logs = {}
+    # Read once at the end when no callback looks at a batch's logs and the
+    # step reports only its metrics: no collective per call for them.
+    once = (not _reads_test_batch_logs(callbacks) and hasattr(runner, "read_logs")
+            and step_lib.reports_only_metrics(model, "test"))
     with source.catch_stop_iteration():
         for begin, end, iterator in source:
             callbacks.on_test_batch_begin(begin)
-            logs = runner.run(iterator, end - begin + 1)
+            logs = runner.run(iterator, end - begin + 1, logs=False) if once else \
+                runner.run(iterator, end - begin + 1)
             callbacks.on_test_batch_end(end, logs)
             if model.stop_evaluating:
                 break
+    if once:
+        logs = runner.read_logs()
     logs = _keras_compat.pythonify_logs(runner.epoch_logs(logs))
     callbacks.on_test_end(logs)
     if return_dict:
@@ -486,6 +511,11 @@ def join_workers(source, strategy):
     local = source.num_batches
     counts = worker_batch_counts(strategy, -1 if local is None else int(local))
     if len(set(counts)) == 1:
+        # The same known count everywhere, one replica per worker: no worker
+        # runs out first, so the steps need not agree at every batch whether
+        # any worker has one left (TensorFlow's all-reduce per fetch).
+        if counts[0] >= 0 and strategy.num_replicas_in_sync == len(counts):
+            _keras_compat.skip_batch_agreement(source)
         return
     _keras_compat.set_epoch_batches(source, None)
 

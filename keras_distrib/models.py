@@ -742,6 +742,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return self(x, training=training)
         return self(x)
 
+    @step_lib.metrics_only
     def train_step(self, data):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -755,14 +756,23 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 kd_losses.track_loss(self, loss)
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
+            # The metrics update before the weights (they read y_pred only), so
+            # their states travel in the gradient all-reduce: the step's logs
+            # cost no collective of their own (gradients.all_reduce). Not for
+            # an override that may update metrics after this returns.
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            if step_lib.reports_only_metrics(self, "train"):
+                batch.metric_variables = list(self.metrics_variables)
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
                 gradients = tape.gradient(loss, variables)
                 self.optimizer.apply_gradients(zip(gradients, variables))
             else:
                 warnings.warn("The model does not have any trainable weights.")
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            batch.metric_variables = None
+            return logs
 
+    @step_lib.metrics_only
     def test_step(self, data):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -30,6 +30,7 @@ __all__ = [
     "piece_order",
     "replica_batch",
     "replica_sum",
+    "sum_packed",
 ]
 
 _STATE = threading.local()
@@ -81,6 +82,12 @@ class ReplicaBatch:
             (recorded per replica; `None` before the first one).
         owner: The model whose forward pass recorded `losses`.
         in_forward: Whether a kd model's forward pass is running.
+        metric_variables: The metric variables whose states travel in the
+            gradient all-reduce (kd's own `train_step` updates its metrics
+            first and sets them; None otherwise).
+        global_metric_states: Their global values (summed over every
+            replica, as a read in cross-replica context), once the gradient
+            all-reduce has brought them; None otherwise.
     """
 
     def __init__(self, local_rows, global_rows=None, plan=None, offset=None):
@@ -95,6 +102,8 @@ class ReplicaBatch:
         self.in_forward = False
         self.moments_token = None
         self.seed_writes = set()  # ids of seed states drawn from (central storage)
+        self.metric_variables = None
+        self.global_metric_states = None
 
     @property
     def global_rows(self):
@@ -160,6 +169,11 @@ class ReplicaBatch:
         else:
             self._pending.append(function)
 
+    @property
+    def waits_for_global_rows(self):
+        """Whether updates wait for N (they run when an all-reduce brings it)."""
+        return bool(self._pending)
+
     def finish(self):
         """Runs what waited for N (reading it with an all-reduce if nothing brought it)."""
         pending, self._pending = self._pending, []
@@ -206,7 +220,42 @@ def replica_sum(value):
         )
     if context.num_replicas_in_sync == 1:
         return value
+    if isinstance(value, (list, tuple)):
+        return sum_packed(context, value)
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def sum_packed(context, tensors):
+    """Sums tensors over the replicas: one all-reduce per dtype, of one flat buffer.
+
+    TensorFlow packs a list itself only on some paths (it falls back to one
+    collective per tensor, e.g. when destinations differ); a flat buffer is
+    one collective whatever the path. `tf.IndexedSlices` are left to
+    TensorFlow (gathered, not summed).
+    """
+    tensors = list(tensors)
+    results = [None] * len(tensors)
+    groups = {}
+    for index, tensor in enumerate(tensors):
+        if isinstance(tensor, tf.IndexedSlices):
+            results[index] = context.all_reduce(tf.distribute.ReduceOp.SUM, tensor)
+        else:
+            tensors[index] = tf.convert_to_tensor(tensor)
+            groups.setdefault(tensors[index].dtype, []).append(index)
+    for indices in groups.values():
+        parts = [tensors[i] for i in indices]
+        sizes = [_size(t) for t in parts]
+        flat = tf.concat([tf.reshape(t, [-1]) for t in parts], axis=0)
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
+        for index, part, piece in zip(indices, parts, tf.split(summed, sizes)):
+            shape = part.shape if part.shape.is_fully_defined() else tf.shape(part)
+            results[index] = tf.reshape(piece, shape)
+    return results
+
+
+def _size(tensor):
+    static = tensor.shape.num_elements()
+    return static if static is not None else tf.size(tensor)
 
 
 def _replicas():

@@ -10,10 +10,14 @@ A step function runs up to k replica steps in one `tf.function` (a
 results. Train and test logs are read from the metric variables in
 cross-replica context, where SyncOnRead variables are summed over every
 replica and worker: the true global values (Keras averages each replica's
-local results, wrong whenever replicas hold different numbers of rows).
+local results, wrong whenever replicas hold different numbers of rows),
+all-reduced together in one flat buffer per dtype. kd's own training step
+brings them instead: its metric states travel in the gradient all-reduce
+(`sum_with_metric_states`), so its logs cost no collective of their own.
 Predictions come back concatenated in input order.
 """
 
+import functools
 import warnings
 
 import keras
@@ -30,12 +34,16 @@ __all__ = [
     "Step",
     "metric_names",
     "metric_results",
+    "metrics_only",
     "on_replica_device",
+    "packs_metric_states",
     "plan_for",
     "reduce_mean",
     "replica_function",
+    "reports_only_metrics",
     "shard_evaluator",
     "step_logs",
+    "sum_with_metric_states",
     "whole_step_xla",
 ]
 
@@ -70,6 +78,18 @@ _NO_BATCH = "kd step: the iterator holds no batch"
 
 
 @tf.autograph.experimental.do_not_convert
+def _next_batch(iterator, agrees):
+    """The next batch as an optional; without the workers' agreement when `agrees` is False.
+
+    A distributed iterator that does not agree (`loop.join_workers`: every
+    worker holds the same known number of batches) fetches with `next`.
+    """
+    if agrees:
+        return iterator.get_next_as_optional()
+    return tf.experimental.Optional.from_value(next(iterator))
+
+
+@tf.autograph.experimental.do_not_convert
 def _zeros_of(specs):
     if specs is None:
         return {}
@@ -97,16 +117,18 @@ def _same_specs(specs, carried):
     )
 
 
-def metric_results(model):
+def metric_results(model, states=None):
     """Every model metric's value; global when read in cross-replica context.
 
     Under mirrored and multi-worker mirrored strategies, every metric
-    variable is summed over the replicas in one batched all-reduce (one
-    collective per read of the logs; reading them one by one would make one
-    per variable, each a round trip across workers).
+    variable is summed over the replicas in one packed all-reduce (one
+    collective per read of the logs and dtype; reading them one by one would
+    make one per variable, each a round trip across workers). `states`: the
+    global values of `model.metrics_variables`, when the step's gradient
+    all-reduce brought them (see `sum_with_metric_states`); no collective then.
     """
     variables = list(model.metrics_variables)
-    values = _global_values(model.distribute_strategy, variables)
+    values = states if states is not None else _global_values(model.distribute_strategy, variables)
     if values is None:
         return _read_results(model)
     with keras.StatelessScope(state_mapping=list(zip(variables, values))):
@@ -114,37 +136,71 @@ def metric_results(model):
 
 
 _BATCHED_READS = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+_SUMMED = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
+
+
+def packs_metric_states(variables):
+    """Whether every one of `variables` is stored per replica, summed or averaged on read."""
+    return all(_keras_compat.sync_on_read_aggregation(v) in _SUMMED for v in variables)
+
+
+def sum_with_metric_states(context, tensors, variables):
+    """Sums `tensors` and the local states of metric `variables` over the replicas, packed.
+
+    One all-reduce per dtype (`replica.sum_packed`), in replica context.
+    Returns the summed `tensors` and each variable's global value: its sum
+    over the replicas, divided by the replicas in sync for a MEAN variable,
+    as a read in cross-replica context gives it. Every variable must pass
+    `packs_metric_states`.
+    """
+    tensors = list(tensors)
+    states = [tf.convert_to_tensor(v.value, v.dtype) for v in variables]
+    summed = replica.sum_packed(context, tensors + states)
+    replicas = context.num_replicas_in_sync
+    values = [
+        value / tf.cast(replicas, value.dtype)
+        if _keras_compat.sync_on_read_aggregation(variable) == tf.VariableAggregation.MEAN
+        else value
+        for variable, value in zip(variables, summed[len(tensors):])
+    ]
+    return summed[:len(tensors)], values
 
 
 def _global_values(strategy, variables):
     """The global values of `variables` (metric state), all-reduced together, or None.
 
-    None outside cross-replica context, with one replica, or under a
-    strategy whose metric variables are not per replica (those read as
-    they are).
+    One packed all-reduce per dtype of every per-replica variable (TensorFlow's
+    `batch_reduce_to` on SyncOnRead variables falls back to one collective
+    per variable). None outside cross-replica context, with one replica, or
+    under a strategy whose metric variables are not per replica (those read
+    as they are).
     """
     if tf.distribute.get_replica_context() is not None and tf.distribute.has_strategy():
         return None
     if not isinstance(strategy, _BATCHED_READS) or strategy.num_replicas_in_sync == 1:
         return None
-    values = [None] * len(variables)
-    groups = {}
-    for index, variable in enumerate(variables):
-        aggregation = _keras_compat.sync_on_read_aggregation(variable)
-        if aggregation in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
-            groups.setdefault(aggregation, []).append(index)
-        else:
-            values[index] = tf.convert_to_tensor(variable.value)
+    packed = [i for i, v in enumerate(variables) if packs_metric_states([v])]
+    values = [None if i in packed else tf.convert_to_tensor(v.value)
+              for i, v in enumerate(variables)]
+    if not packed:
+        return values
+
+    def replica_read():
+        context = tf.distribute.get_replica_context()
+        return sum_with_metric_states(context, [], [variables[i] for i in packed])[1]
+
     with strategy.scope():
-        destination = _keras_compat.default_reduce_destination(strategy)
-        for aggregation, indices in groups.items():
-            reduced = strategy.extended.batch_reduce_to(
-                tf.distribute.ReduceOp.from_variable_aggregation(aggregation),
-                [(_keras_compat.backend_variable(variables[i]), destination) for i in indices],
-            )
-            for index, value in zip(indices, reduced):
-                values[index] = strategy.experimental_local_results(value)[0]
+        reduced = strategy.run(replica_read)
+    for index, value in zip(packed, reduced):
+        values[index] = strategy.experimental_local_results(value)[0]
     return values
+
+
+def _global_states_of(strategy, states):
+    """The global metric states a replica step returned (identical on every replica), or None."""
+    if states is None:
+        return None
+    return [strategy.experimental_local_results(value)[0] for value in states]
 
 
 def _read_results(model):
@@ -185,19 +241,35 @@ def reduce_mean(strategy, value):
     return value
 
 
-def step_logs(model, strategy, outputs):
+def step_logs(model, strategy, outputs, states=None):
     """Global logs for the outputs of a replica step.
 
-    Keys that name a model metric take the metric's global value; anything
+    Keys that name a model metric take the metric's global value (from
+    `states`, the global metric states the step brought, if given); anything
     else a custom `train_step` returns is averaged over replicas.
     """
     if not isinstance(outputs, dict):
         return tree.map_structure(lambda v: reduce_mean(strategy, v), outputs)
-    metric_values = metric_results(model)
+    metric_values = metric_results(model, states)
     return {
         key: metric_values[key] if key in metric_values else reduce_mean(strategy, value)
         for key, value in outputs.items()
     }
+
+
+def metrics_only(step_method):
+    """Marks a kd `train_step`/`test_step` whose outputs are its metrics' results.
+
+    Such a step's logs can be read from the metrics alone, so a loop may read
+    them once instead of after every call (`reports_only_metrics`).
+    """
+    step_method.kd_metrics_only = True
+    return step_method
+
+
+def reports_only_metrics(model, kind):
+    """Whether `model`'s `kind` step is kd's own (its logs are its metrics' results)."""
+    return getattr(getattr(type(model), f"{kind}_step", None), "kd_metrics_only", False) is True
 
 
 def whole_step_xla(strategy):
@@ -244,6 +316,10 @@ def plan_for(model, *, looped=False):
 def replica_function(model, kind, *, looped=False):
     """One replica's step of `kind`, inside its `ReplicaBatch`.
 
+    Returns `(outputs, states)`: the step's outputs, and the global metric
+    states its gradient all-reduce brought (kd's own `train_step`; see
+    `sum_with_metric_states`), else None.
+
     Keras's Optional inputs become None, and the replica's batch (row
     counts, the plan) is open around the model's step, so an overridden
     `train_step` gets kd's arithmetic too. With `jit_compile=True`, the
@@ -268,8 +344,10 @@ def replica_function(model, kind, *, looped=False):
         # length) would otherwise still count itself in
         # `optimizer.iterations`, which depends on no data.
         arrived = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
-        with tf.control_dependencies(arrived), replica.replica_batch(replica.batch_rows(x), plan):
-            return step_fn(data)
+        with tf.control_dependencies(arrived), \
+                replica.replica_batch(replica.batch_rows(x), plan) as batch:
+            outputs = step_fn(data)
+            return outputs, batch.global_metric_states
 
     if not model.jit_compile or model.run_eagerly or plan.xla_forward:
         return replica_step
@@ -288,7 +366,9 @@ class Step:
     Calling `step(iterator)` runs up to `steps` steps (`count` if given),
     fewer when the iterator runs out, and returns the global logs (train,
     test) or the predictions of every row in order (predict). It raises
-    `StopIteration` when the iterator holds no batch at all.
+    `StopIteration` when the iterator holds no batch at all. An evaluation
+    step called with `logs=False` returns `{}` and reads no metric (no
+    collective): `read_logs()` reads them once, at the end.
     """
 
     def __init__(self, model, kind, *, steps=1):
@@ -311,6 +391,7 @@ class Step:
         self._carried_specs = None
         self._carried_keys = frozenset()
         self._output_keys = None
+        self._states_carried = False
         self._compile()
 
     # Compiled functions.
@@ -320,10 +401,10 @@ class Step:
         return self.strategy.run(self._looped if looped else self._single, args=(data,))
 
     @tf.autograph.experimental.do_not_convert
-    def _finish(self, outputs, extras):
+    def _finish(self, outputs, extras, states=None):
         if self.kind == "predict":
             return _keras_compat.concat_replicas(outputs, self.strategy)
-        logs = step_logs(self.model, self.strategy, outputs)
+        logs = step_logs(self.model, self.strategy, outputs, _global_states_of(self.strategy, states))
         if isinstance(logs, dict):
             logs.update(extras)
         return logs
@@ -336,13 +417,15 @@ class Step:
         names = metric_names(self.model) - self._carried_keys
         return {k: reduce_mean(self.strategy, v) for k, v in outputs.items() if k not in names}
 
-    def _one(self, iterator):
-        outputs = self._run(next(iterator))
-        return self._finish(outputs, self._extras(outputs))
+    def _one(self, iterator, logs=True):
+        outputs, states = self._run(next(iterator))
+        if not logs:
+            return {}
+        return self._finish(outputs, self._extras(outputs), states)
 
-    def _many(self, iterator, count):
+    def _many(self, iterator, count, logs=True):
         if self.kind == "predict":
-            first = self._finish(self._run(next(iterator)), {})
+            first = self._finish(self._run(next(iterator))[0], {})
             return self._many_predictions(iterator, count, first)
         # Every step runs inside the loop, so the replica step is traced once
         # (per replica thread). The logs are read from the metrics after the
@@ -354,19 +437,39 @@ class Step:
         # to the first step, but the fetch inside a `tf.cond` made every
         # looped step as slow as a call of one step: MLP spe=50 1.00x of
         # spe=1, against 1.71x this way.)
+        # The global metric states, when the step's gradient all-reduce
+        # brings them (see sum_with_metric_states), are carried out too: the
+        # logs then cost no collective.
         carried = self._carried_specs
         last = _zeros_of(carried)
+        states = self._no_states()
+        agrees = _keras_compat.agrees_on_batches(iterator)
         steps = tf.constant(0)
         for _ in tf.range(count):
             tf.autograph.experimental.set_loop_options(shape_invariants=_invariants(last, carried))
-            optional = iterator.get_next_as_optional()
+            optional = _next_batch(iterator, agrees)
             if not optional.has_value():
                 break
-            outputs = self._run(optional.get_value(), looped=True)
+            outputs, step_states = self._run(optional.get_value(), looped=True)
             last = self._carry(outputs, carried)
+            states = self._carry_states(step_states, states)
             steps += 1
         tf.debugging.assert_positive(steps, message=_NO_BATCH)
-        return self._loop_logs(last)
+        if not logs:
+            return {}
+        return self._loop_logs(last, states if self._states_carried else None)
+
+    @tf.autograph.experimental.do_not_convert
+    def _no_states(self):
+        self._states_carried = False
+        return [tf.zeros(v.shape, v.dtype) for v in self.model.metrics_variables]
+
+    @tf.autograph.experimental.do_not_convert
+    def _carry_states(self, step_states, states):
+        if step_states is None:
+            return states
+        self._states_carried = True
+        return _global_states_of(self.strategy, step_states)
 
     @tf.autograph.experimental.do_not_convert
     def _carry(self, outputs, carried):
@@ -388,10 +491,10 @@ class Step:
         return values
 
     @tf.autograph.experimental.do_not_convert
-    def _loop_logs(self, last):
+    def _loop_logs(self, last, states):
         if self._output_keys is None:
             return last
-        metric_values = metric_results(self.model)
+        metric_values = metric_results(self.model, states)
         missing = [k for k in self._output_keys if k not in last and k not in metric_values]
         if missing:
             # A key named like a metric that no metric reports: carry it too.
@@ -412,7 +515,7 @@ class Step:
             optional = iterator.get_next_as_optional()
             if not optional.has_value():
                 break
-            outputs = tree.flatten(self._finish(self._run(optional.get_value(), looped=True), {}))
+            outputs = tree.flatten(self._finish(self._run(optional.get_value(), looped=True)[0], {}))
             arrays = [a.write(index, t) for a, t in zip(arrays, outputs)]
             index += 1
         return tree.pack_sequence_as(first, [a.concat() for a in arrays])
@@ -427,8 +530,25 @@ class Step:
         return skipped
 
     def _compile(self):
-        self._functions = {k: self._compiled(f)
-                           for k, f in {"one": self._one, "many": self._many, "skip": self._skip}.items()}
+        functions = {"one": self._one, "many": self._many, "skip": self._skip,
+                     "quiet_one": functools.partial(self._one, logs=False),
+                     "quiet_many": functools.partial(self._many, logs=False)}
+        self._functions = {k: self._compiled(f) for k, f in functions.items()}
+        self._read_function = None
+
+    @tf.autograph.experimental.do_not_convert
+    def _read(self):
+        return metric_results(self.model)
+
+    def read_logs(self):
+        """The metrics' global values, read once: one packed all-reduce per dtype.
+
+        What a loop calls once at the end of an evaluation whose steps ran
+        with `logs=False`.
+        """
+        if self._read_function is None:
+            self._read_function = self._compiled(self._read)
+        return self._read_function()
 
     def _compiled(self, function):
         if self.model.run_eagerly:
@@ -437,46 +557,50 @@ class Step:
 
     # Calling.
 
-    def __call__(self, iterator, count=None):
+    def __call__(self, iterator, count=None, *, logs=True):
         count = self.steps if count is None else int(count)
         functions = self._functions
+        # Without logs (evaluation whose logs are read once, at its end:
+        # `read_logs`) a call reads no metric and makes no collective for it.
+        quiet = "" if logs or self.kind != "test" else "quiet_"
         try:
             # With more than one step per call, every call (a last, shorter
             # one too) runs the looped function: one trace, not two.
             if count == 1 and self.steps == 1:
-                return functions["one"](iterator)
+                return functions[quiet + "one"](iterator)
             if self._looping:
                 try:
-                    return self._call_many(iterator, count)
+                    return self._call_many(iterator, count, quiet)
                 except SparseGradientInLoop:
                     self._looping = False
                     _warn_stepwise(self.model, count)
                 except _CompositeInLoop:  # ragged or sparse predictions
                     self._looping = False
-            return self._stepwise(iterator, count)
+            return self._stepwise(iterator, count, quiet)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
 
-    def _call_many(self, iterator, count):
+    def _call_many(self, iterator, count, quiet=""):
         for attempt in range(3):
             try:
-                return self._functions["many"](iterator, tf.constant(count))
+                return self._functions[quiet + "many"](iterator, tf.constant(count))
             except _CarriedOutputs:
                 if attempt == 2:
                     raise
                 # A new function: one whose first trace failed may keep
                 # what that trace left behind instead of tracing again.
-                self._functions["many"] = self._compiled(self._many)
+                self._functions[quiet + "many"] = self._compiled(
+                    functools.partial(self._many, logs=not quiet))
             except tf.errors.InvalidArgumentError as error:
                 if _NO_BATCH in str(error.message):
                     raise StopIteration from None
                 raise
 
-    def _stepwise(self, iterator, count):
+    def _stepwise(self, iterator, count, quiet=""):
         results = []
         for _ in range(count):
             try:
-                results.append(self._functions["one"](iterator))
+                results.append(self._functions[quiet + "one"](iterator))
             except tf.errors.OutOfRangeError:
                 break
         if not results:
@@ -484,6 +608,21 @@ class Step:
         if self.kind != "predict":
             return results[-1]
         return tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *results)
+
+    def compiled_functions(self):
+        """The graphs TensorFlow traced for this step, by function.
+
+        `{"one": [...], "many": [...], "quiet_one": [...], "quiet_many": [...],
+        "read": [...]}`: the `ConcreteFunction`s of the call of one step, of
+        the looped call of several, the same without logs (`logs=False`), and
+        of the separate read of the logs (`read_logs`); empty lists when not
+        traced (or with `run_eagerly`). What `keras_distrib.collectives`
+        counts.
+        """
+        functions = {**self._functions, "read": self._read_function}
+        return {name: [] if self.model.run_eagerly or function is None
+                else _keras_compat.concrete_functions(function)
+                for name, function in functions.items() if name != "skip"}
 
     def skip(self, iterator, count):
         """Moves `iterator` past up to `count` batches without running them.

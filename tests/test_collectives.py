@@ -1,73 +1,146 @@
-"""Collectives per step (issue 26): counted while the step functions are traced.
+"""Collective ops per step (issue 37): counted in the graphs TensorFlow traced.
 
 Each collective is a barrier across replicas and, between workers, a network
-round trip. kd's training step makes one (the gradients, with the row count
-packed in), its evaluation and prediction steps none; reading the step's logs
-costs one batched all-reduce per compiled call. What needs more says why.
+round trip. `keras_distrib.collectives` counts the collective ops in a kd
+model's traced step functions, nested functions included, per replica:
+(ops once per step, ops once per compiled call outside the steps, ops of the
+separate read of an evaluation's logs).
+
+kd's training step makes one all-reduce, its metrics' states packed in with
+the gradients, whatever the number of metrics; evaluation steps make none,
+and the logs cost one packed all-reduce per call when a callback reads each
+batch's logs, else one per evaluation; prediction makes none in one process.
+What needs more says why.
 """
 
+import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
+from keras_distrib import collectives
 from tests import _harness
 
-# case -> {kind: (collectives in the step, collectives reading the logs)}
-EXPECTED = {
-    # The counter sees Keras 3's own gradient all-reduce (its logs are local values).
-    "plain_keras": {"train": (1, 0), "test": (0, 0), "predict": (0, 0)},
-    "mlp": {"train": (1, 1), "test": (0, 1), "predict": (0, 0)},
-    "weighted": {"train": (1, 1), "test": (0, 1), "predict": (0, 0)},
-    "embedding": {"train": (1, 1), "test": (0, 1), "predict": (0, 0)},
-    # Keras logs each output's loss as a mean over batches: it needs N per
-    # batch, which evaluation has no gradient all-reduce to bring.
-    "multi_output": {"train": (1, 1), "test": (1, 1), "predict": (0, 0)},
-    # Dropout draws for the global batch: each replica needs its row offset
-    # before the forward pass.
-    "dropout": {"train": (2, 1), "test": (0, 1), "predict": (0, 0)},
-    # A masked loss's denominator (its unmasked count) is all-reduced with N.
-    "masked": {"train": (2, 1), "test": (1, 1), "predict": (0, 0)},
-    # A compute_loss of the user's own reads true loss shares: N first.
-    "own_compute_loss": {"train": (2, 1), "test": (1, 1), "predict": (0, 0)},
+METRIC_CASES = ["metrics0", "metrics1", "metrics3", "metrics3_spe3"]
+
+
+def _figures(item):
+    return {kind: (item[kind]["step"], item[kind]["call"], item[kind]["read"])
+            for kind in ("train", "test", "test_each_call", "predict")}
+
+
+def _counted(kind, cases):
+    code, output = _harness.run_script("collectives.py", kind, ",".join(cases), timeout=600)
+    assert code == 0, output[-4000:]
+    return {item["case"]: _figures(item) for item in _harness.results_of(output)}
+
+
+# kind -> (step, call, read) per replica.
+ONE_PER_STEP = {
+    "train": (1, 0, 0),
+    "test": (0, 0, 1),  # verbose=0: the logs read once, at the end
+    "test_each_call": (1, 0, 1),  # a batch callback: each one-step call reads them
+    "predict": (0, 0, 0),
 }
+LOOPED = {**ONE_PER_STEP, "test_each_call": (0, 1, 1)}  # 3 steps per call: once per call
 
 
 @pytest.mark.cluster
-def test_collectives_per_step_on_two_replicas():
-    code, output = _harness.run_script("collectives.py", ",".join(EXPECTED), timeout=400)
-    assert code == 0, output[-4000:]
-    counted = {
-        item["case"]: {kind: (item[kind]["step"], item[kind]["logs"]) for kind in EXPECTED["mlp"]}
-        for item in _harness.results_of(output)
+def test_one_collective_per_training_step_whatever_the_metrics_mirrored():
+    counted = _counted("mirrored", METRIC_CASES)
+    assert counted == {"metrics0": ONE_PER_STEP, "metrics1": ONE_PER_STEP,
+                       "metrics3": ONE_PER_STEP, "metrics3_spe3": LOOPED}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", ["one_device", "central_storage"])
+def test_no_collective_ops_on_one_device_or_central_storage(kind):
+    # Central storage reduces by copies to its parameter device and adds
+    # there: no collective op (and no round trip between processes).
+    nothing = {k: (0, 0, 0) for k in ONE_PER_STEP}
+    assert _counted(kind, METRIC_CASES) == {case: nothing for case in METRIC_CASES}
+
+
+@pytest.mark.cluster
+def test_what_needs_more_collectives_says_why():
+    counted = _counted("mirrored", ["weighted", "multi_output", "dropout", "masked",
+                                    "own_compute_loss", "embedding"])
+    assert counted == {
+        "weighted": ONE_PER_STEP,
+        # Keras logs each output's loss as a mean over batches: its tracker
+        # waits for N, which the gradient all-reduce brings, so the metric
+        # states are read after the step (+1 in training and evaluation).
+        "multi_output": {**ONE_PER_STEP, "train": (2, 0, 0), "test": (1, 0, 1),
+                         "test_each_call": (2, 0, 1)},
+        # Dropout draws for the global batch: each replica needs its row
+        # offset before the forward pass.
+        "dropout": {**ONE_PER_STEP, "train": (2, 0, 0)},
+        # An Embedding's sparse gradient is gathered (5 gather ops: values,
+        # indices and their shapes); a masked loss's denominator is
+        # all-reduced with N.
+        "masked": {**ONE_PER_STEP, "train": (7, 0, 0), "test": (1, 0, 1),
+                   "test_each_call": (2, 0, 1)},
+        # A compute_loss of the user's own reads true loss shares: N first.
+        "own_compute_loss": {**ONE_PER_STEP, "train": (2, 0, 0), "test": (1, 0, 1),
+                             "test_each_call": (2, 0, 1)},
+        "embedding": {**ONE_PER_STEP, "train": (6, 0, 0)},
     }
-    assert counted == EXPECTED
 
 
 @pytest.mark.cluster
 def test_collective_ops_in_the_step_graphs_of_two_workers():
-    # In the traced graphs on each worker: the training step's one all-reduce,
-    # the logs' one, and TensorFlow's own per-step all-reduce in a multi-worker
-    # iterator (the workers agree whether any of them has a batch left; Keras
-    # and tf-keras pay it too). Predictions are gathered to every worker.
-    result, output = _harness.run_cluster("collectives_cluster.py", workers=2, timeout=300)
+    # Per worker (one replica each). From arrays, TensorFlow's multi-worker
+    # iterator all-reduces at every batch whether any worker has one left
+    # (+1 per step; Keras and tf-keras pay it too); from a `dataset_fn`, kd
+    # knows every worker's batch count (loop.join_workers) and skips it.
+    # Predictions are gathered to every worker (4 gathers, and the agreement).
+    result, output = _harness.run_cluster("collectives_cluster.py", "0,1,3", "1,3",
+                                          workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]
     lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
     counted = _harness.results_of("\n".join(lines))
-    assert len(counted) == 2
-    for ops in counted:
-        assert ops == {
-            "train": {"CollectiveReduceV2": 3},
-            "test": {"CollectiveReduceV2": 2},
-            "predict": {"CollectiveReduceV2": 1, "CollectiveGatherV2": 4},
-        }
+    assert len(counted) == 2 * 3 * 2 * 2
+    for item in counted:
+        figures = {kind: (item[kind]["step"], item[kind]["call"], item[kind]["read"])
+                   for kind in ("train", "test")}
+        if item["input"] == "dataset_fn":
+            assert figures == {"train": (1, 0, 0), "test": (0, 0, 1)}, item
+            continue
+        each_call = (1, 1, 1) if item["spe"] > 1 else (2, 0, 1)
+        assert figures == {"train": (2, 0, 0), "test": (1, 0, 1)}, item
+        test_each_call = item["test_each_call"]
+        assert (test_each_call["step"], test_each_call["call"], test_each_call["read"]) == each_call
+        assert item["predict"]["ops"] == {"CollectiveReduceV2": 1, "CollectiveGatherV2": 4}
 
 
-@pytest.mark.cluster
-def test_deferred_scaling_keeps_every_loss_reduction_exact():
-    # Reductions whose scale is not the row count times a constant take N from
-    # an all-reduce of their own; all of them must match one device.
-    code, output = _harness.run_script("deferred_scaling.py", timeout=400)
-    assert code == 0, output[-4000:]
-    results = _harness.results_of(output)
-    assert [r["case"] for r in results] == ["sum", "mean_with_sample_weight", "none",
-                                           "activity_regularizer", "add_loss", "two_outputs"]
-    for result in results:
-        assert max(result["weights"], result["history"], result["evaluate"]) <= 2e-5, result
+def test_graph_collectives_counts_ops_in_nested_functions_and_loop_bodies():
+    # A hand-built graph: an all-reduce at the top, one in a called function,
+    # one in a While's body; the counter must find all three, by place.
+    group = tf.constant(1)
+    key = tf.constant(1)
+
+    @tf.function
+    def inner(x):
+        return tf.raw_ops.CollectiveReduceV2(
+            input=x, group_size=group, group_key=key, instance_key=tf.constant(2),
+            ordering_token=[], merge_op="Add", final_op="Id")
+
+    @tf.function
+    def outer(x):
+        x = tf.raw_ops.CollectiveReduceV2(
+            input=x, group_size=group, group_key=key, instance_key=tf.constant(1),
+            ordering_token=[], merge_op="Add", final_op="Id")
+        x = inner(x)
+        return tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, inner(v)), (0, x))[1]
+
+    graph = outer.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    assert collectives.graph_collectives(graph) == {
+        "step": {"CollectiveReduceV2": 1}, "call": {"CollectiveReduceV2": 2},
+    }
+
+
+def test_count_refuses_a_model_that_is_not_kd():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=r"`model` is a Sequential; `count` counts the steps of a kd"):
+        collectives.count(model, np.ones((4, 2)), np.ones((4, 1)))

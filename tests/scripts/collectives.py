@@ -1,17 +1,46 @@
-"""Collectives per traced step of kd models and plain Keras, mirrored on 2 virtual devices."""
+"""Collective ops per traced step of kd models and plain Keras, on one strategy.
+
+Usage: collectives.py KIND CASE[,CASE...]. KIND: one_device, mirrored or
+central_storage (2 virtual devices but one_device). Cases: `metrics0`,
+`metrics1`, `metrics3` (an MLP with 0, 1 or 3 compiled metrics; `_spe3`:
+3 steps per call), and the models of `count` below. Each case's evaluation
+runs twice: with verbose=0 (its logs read once) and with a callback that
+reads every batch's logs. Prints one 'RESULT {json}' line per case.
+"""
 
 import json
 import sys
 
 import keras_distrib as kd
 
-kd.virtual_devices(2)
+KIND = sys.argv[1]
+kd.virtual_devices(1 if KIND == "one_device" else 2)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_distrib import collectives  # noqa: E402
 
 ROWS = 16
+
+
+METRICS = {0: lambda: [], 1: lambda: ["mae"],
+           3: lambda: ["mae", "mse", keras.metrics.RootMeanSquaredError()]}
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Reads every evaluation batch's logs (so each call reads them)."""
+
+    def on_test_batch_end(self, batch, logs=None):
+        pass
+
+
+def _metrics_mlp(strategy, metrics, spe):
+    with strategy.scope():
+        model = kd.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                               keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=METRICS[metrics](),
+                      steps_per_execution=spe)
+    return model
 
 
 def _dense(model_class, strategy, outputs=1, dropout=False, compute_loss=None):
@@ -53,8 +82,11 @@ def count(strategy, case):
     x = rng.normal(size=(ROWS, 6)).astype("float32")
     y = rng.normal(size=(ROWS, 1)).astype("float32")
     sample_weight = None
-    if case == "plain_keras":
-        model = _dense(keras.Model, strategy)
+    batch_size = ROWS
+    if case.startswith("metrics"):
+        metrics, _, spe = case.removeprefix("metrics").partition("_spe")
+        model = _metrics_mlp(strategy, int(metrics), int(spe or 1))
+        batch_size = ROWS // 4
     elif case == "mlp":
         model = _dense(kd.Model, strategy)
     elif case == "weighted":
@@ -80,10 +112,14 @@ def count(strategy, case):
         x = rng.integers(0, 20, size=(ROWS, 5))
     else:
         raise SystemExit(f"unknown case {case!r}")
-    return collectives.count(model, x, y, sample_weight=sample_weight)
+    counts = collectives.count(model, x, y, sample_weight=sample_weight, batch_size=batch_size)
+    model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0,
+                   callbacks=[BatchLogs()])
+    counts["test_each_call"] = collectives.traced(model)["test"]
+    return counts
 
 
 if __name__ == "__main__":
-    strategy = kd.make_strategy("mirrored")
-    for case in sys.argv[1].split(","):
+    strategy = kd.make_strategy("default" if KIND == "one_device" else KIND)
+    for case in sys.argv[2].split(","):
         print("RESULT " + json.dumps({"case": case, **count(strategy, case)}), flush=True)
