@@ -217,6 +217,7 @@ def scale_regularization(losses, *, local_rows=None):
     replicas = _replicas_in_sync()
     if replicas == 1:
         return total
+    _refuse_other_replicas_terms(terms)
     kinds = [(name, term, penalties.kind_of(term)) for name, term in terms]
     refused = [(name, kind) for name, _, kind in kinds if isinstance(kind, penalties.Unknown)]
     if refused:
@@ -242,6 +243,36 @@ def scale_regularization(losses, *, local_rows=None):
         means = tf.add_n(by_kind[penalties.ROW_MEAN])
         share += tf.where(rows > 0, means * fraction, tf.zeros_like(means))
     return share
+
+
+def _same_device(first, second):
+    """Whether two device strings name the same device (fields one leaves out match anything)."""
+    a, b = tf.DeviceSpec.from_string(first), tf.DeviceSpec.from_string(second)
+    return all(x is None or y is None or x == y for x, y in (
+        (a.job, b.job), (a.task, b.task), (a.device_type, b.device_type),
+        (a.device_index, b.device_index)))
+
+
+def _refuse_other_replicas_terms(terms):
+    """Refuses terms another replica traced (read from a model's shared `losses` too late)."""
+    context = tf.distribute.get_replica_context()
+    devices = tf.nest.flatten(getattr(context, "devices", None) or [])
+    if not devices:
+        return
+    foreign = [name for name, term in terms
+               if getattr(term, "op", None) is not None and term.op.device
+               and not any(_same_device(term.op.device, d) for d in devices)]
+    if foreign:
+        raise ValueError(
+            f"{', '.join(f'`{name}`' for name in foreign)} of `losses` were traced by another "
+            "replica: Keras keeps a model's `add_loss` terms on its layers, shared by the "
+            "replicas, and the replicas trace in turns, switching at every collective (such as "
+            "`kd.losses.global_mean`'s). Read `model.losses` right after the forward pass, "
+            "before any `kd.losses` call: `penalty = kd.losses.scale_regularization("
+            "model.losses, local_rows=rows)` first, then `kd.losses.global_mean(...)`; or build "
+            "the model as a kd model (`kd.Model`/`kd.Sequential`), whose `losses` are each "
+            "replica's own."
+        )
 
 
 def _unsplittable(refused, replicas):

@@ -104,15 +104,20 @@ def train(model, optimizer, strategy, *, rule):
                 loss = tf.reduce_mean(errors) + tf.add_n([tf.constant(0.0, errors.dtype)] + model.losses)
             elif rule == "keras":  # plain Keras under a strategy: compute_loss's arithmetic
                 context = tf.distribute.get_replica_context()
-                loss = (tf.reduce_mean(errors) + tf.add_n([tf.constant(0.0, errors.dtype)] + model.losses)) \
-                    / context.num_replicas_in_sync
-            else:
-                rows = tf.shape(x)[0]
+                penalty = tf.add_n([tf.constant(0.0, errors.dtype)] + model.losses)
+                loss = (tf.reduce_mean(errors) + penalty) / context.num_replicas_in_sync
+            elif rule == "late_read":  # model.losses read after a collective: refused
                 loss = kd.losses.global_mean(errors)
+                loss += kd.losses.scale_regularization(model.losses, local_rows=tf.shape(x)[0])
+            else:
+                # model.losses first: the replicas trace in turns, switching
+                # at every collective, and Keras's terms live on the layers.
+                rows = tf.shape(x)[0]
                 if rule == "old_rule":
-                    loss += tf.cast(old_rule(model.losses, rows), loss.dtype)
+                    penalty = old_rule(model.losses, rows)
                 else:
-                    loss += kd.losses.scale_regularization(model.losses, local_rows=rows)
+                    penalty = kd.losses.scale_regularization(model.losses, local_rows=rows)
+                loss = kd.losses.global_mean(errors) + penalty
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -197,6 +202,8 @@ ALL = {
                                          model_class=keras.Sequential, rule="old_rule", dtype=d),
     "penalties_keras": lambda d: case("penalties_keras", penalties_layers,
                                       model_class=keras.Sequential, rule="keras", dtype=d),
+    "penalties_late_read": lambda d: case("penalties_late_read", penalties_layers,
+                                          model_class=keras.Sequential, rule="late_read", dtype=d),
     "variance_penalty": lambda d: case("variance_penalty", variance_layers,
                                        model_class=keras.Sequential, rule="kd", dtype=d),
     # BatchNormalization, Dropout and GaussianNoise: a kd model in the recipe.
