@@ -226,10 +226,14 @@ def scale_regularization(losses, *, local_rows=None):
     for _, term, kind in kinds:
         by_kind.setdefault(kind, []).append(tf.reduce_sum(term))
     share = tf.zeros((), dtype)
+    rows = None if local_rows is None else tf.cast(local_rows, dtype)
     if penalties.FIXED in by_kind:
         share += tf.add_n(by_kind[penalties.FIXED]) / replicas
     if penalties.ROW_SUM in by_kind:
-        share += tf.add_n(by_kind[penalties.ROW_SUM])
+        sums = tf.add_n(by_kind[penalties.ROW_SUM])
+        # A sum over no rows is 0 (a kd model feeds an empty replica one
+        # padded row; its terms must not count).
+        share += sums if rows is None else tf.where(rows > 0, sums, tf.zeros_like(sums))
     if penalties.ROW_MEAN in by_kind:
         if local_rows is None:
             raise ValueError(
@@ -238,7 +242,6 @@ def scale_regularization(losses, *, local_rows=None):
                 f"{replicas} replicas is n_r / N of the replica's value: pass "
                 "`local_rows=tf.shape(x)[0]` (this replica's row count)"
             )
-        rows = tf.cast(local_rows, dtype)
         fraction = tf.math.divide_no_nan(rows, replica_sum(rows))
         means = tf.add_n(by_kind[penalties.ROW_MEAN])
         share += tf.where(rows > 0, means * fraction, tf.zeros_like(means))

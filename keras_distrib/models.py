@@ -634,9 +634,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def additional_loss_share(self, loss):
         """This replica's share of an `add_loss` or regularization term.
 
-        Keras divides these terms by R; kd weighs them by n_r / N instead,
-        which also keeps batch-mean penalties (activity regularizers) exact
-        on uneven batches. Replicas without rows contribute nothing.
+        Keras divides these terms by R. kd weighs a sum over the batch's rows
+        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph, see
+        `keras_distrib.penalties`) whole, since the replicas' sums add up to
+        one device's, and every other term by n_r / N, which keeps means over
+        rows (activity regularizers) exact on uneven batches and counts a
+        term of the weights alone once. Replicas without rows contribute
+        nothing.
         """
         if not loss.dtype.is_floating:
             loss = tf.cast(loss, keras.backend.floatx())
@@ -644,8 +648,11 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if batch is None:
             return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
-        fraction = tf.cast(batch.fraction, total.dtype)
-        return tf.where(batch.has_rows, total * fraction, tf.zeros_like(total))
+        if _spreads_over_replicas() and penalties.kind_of(loss) == penalties.ROW_SUM:
+            share = batch.defer(total) if batch.deferred else total
+        else:
+            share = total * tf.cast(batch.fraction, total.dtype)
+        return tf.where(batch.has_rows, share, tf.zeros_like(total))
 
     @property
     def losses(self):

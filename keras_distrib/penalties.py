@@ -414,7 +414,10 @@ def kind_of(term):
             term.op  # noqa: B018 - an eager tensor has no op
         except (AttributeError, ValueError):
             return Unknown("an eager tensor")
-    kind = _evaluate(term)
+    try:
+        kind = _evaluate(term)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return Unknown(term.op.name)  # a graph shape the walk does not know: not split
     if kind == _STATIC:
         kind = FIXED
     if kind == ROWS:
@@ -436,6 +439,6 @@ def row_mixing(tensor):
         return ""
     try:
         kind = _evaluate(tensor)
-    except (AttributeError, ValueError):
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return ""
     return kind.mixing if isinstance(kind, Unknown) else ""

@@ -85,7 +85,7 @@ def test_hand_written_recipe_matches_one_device(kind):
     for dtype, tolerance in LAYOUT_TOLERANCE.items():
         # Every kind of penalty: a weight regularizer, an activity regularizer
         # (a mean over rows), a sum over rows, a term of a weight alone.
-        for case in ("penalties", "batch_norm", "batch_norm_trainloop"):
+        for case in ("penalties", "batch_norm", "penalties_trainloop", "batch_norm_trainloop"):
             result = results[(case, dtype)]
             assert "error" not in result, result
             assert result["weights"] < tolerance, result
@@ -93,9 +93,27 @@ def test_hand_written_recipe_matches_one_device(kind):
         # Contrasts: the former rule (every term by n_r / N) and plain Keras are off.
         assert results[("penalties_old_rule", dtype)]["weights"] > 1e-3
         assert results[("penalties_keras", dtype)]["weights"] > 1e-3
+        # `model.losses` read after a collective holds the other replica's terms: refused.
+        assert "Read `model.losses` right after the forward pass" in \
+            results[("penalties_late_read", dtype)]["error"]
         # A penalty that is no sum or mean over rows is refused, naming the op.
         assert "batch_variance_penalty" in results[("variance_penalty", dtype)]["error"]
         assert "cannot split" in results[("variance_penalty", dtype)]["error"]
         # A plain Keras model's per-replica BatchNormalization is refused, naming the fix.
         error = results[("batch_norm_keras_model", dtype)]["error"]
         assert "batch_normalization" in error and "kd.Sequential" in error
+
+
+@pytest.mark.cluster
+def test_hand_written_recipe_on_two_workers():
+    """The recipe's penalties and a kd model's BatchNormalization on 2 worker processes."""
+    result, output = _harness.run_cluster(
+        "loop_layout.py", "multi_worker", "penalties", "batch_norm", workers=2, timeout=1500)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert len(results) == 8, output[-4000:]  # 2 cases, 2 dtypes, 2 workers
+    for item in results:
+        assert "error" not in item, item
+        assert item["weights"] < LAYOUT_TOLERANCE[item["dtype"]], item
+        assert item["losses"] < LAYOUT_TOLERANCE[item["dtype"]], item

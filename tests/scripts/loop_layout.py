@@ -1,6 +1,7 @@
 """Hand-written loops with kd's recipe vs plain Keras on one device, float32 and float64.
 
-Usage: python tests/scripts/loop_layout.py mirrored|central_storage [case ...]
+Usage: python tests/scripts/loop_layout.py mirrored|central_storage|multi_worker [case ...]
+(multi_worker: run on 2 worker processes by kd.launch, one device each.)
 
 225 rows in global batches of 32 (the last batch has 1 row: one of the 2
 replicas is empty), 2 epochs, from the same initial weights. Each case
@@ -21,12 +22,12 @@ import sys
 
 import keras_distrib as kd
 
-kd.virtual_devices(2)
+KIND = sys.argv[1]
+kd.virtual_devices(1 if KIND == "multi_worker" else 2)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-KIND = sys.argv[1]
 STRATEGY = kd.make_strategy(KIND)  # one per process: strategies would share collective keys
 CASES = sys.argv[2:]
 EPOCHS = 2
@@ -211,6 +212,8 @@ ALL = {
                                  rule="kd", dtype=d),
     "batch_norm_keras_model": lambda d: case("batch_norm_keras_model", batch_norm_layers,
                                              model_class=keras.Sequential, rule="kd", dtype=d),
+    "penalties_trainloop": lambda d: trainloop_case("penalties_trainloop", penalties_layers,
+                                                    dtype=d),
     "batch_norm_trainloop": lambda d: trainloop_case("batch_norm_trainloop", batch_norm_layers,
                                                      dtype=d),
 }
