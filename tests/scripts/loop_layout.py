@@ -19,6 +19,7 @@ with Keras's own arithmetic (the mean of the batch, `sum(model.losses)`).
 
 import json
 import sys
+import traceback
 
 import keras_distrib as kd
 
@@ -166,6 +167,7 @@ def case(name, make_layers, *, model_class, rule, dtype):
         result["weights"] = relative(expected, weights)
         result["losses"] = float(np.max(np.abs(losses - expected_losses) / (1 + np.abs(expected_losses))))
     except Exception as error:  # reported, and checked by the test
+        traceback.print_exc()
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
     print("RESULT " + json.dumps(result), flush=True)
 
