@@ -388,6 +388,7 @@ def _walk(tensor):
         marked = [graph_marks.get(out.name) for out in op.outputs]
         if all(m is not None for m in marked) and op.outputs:
             memo[op.name] = marked
+            _note_rows(op, marked)  # a padded batch keeps its static row count
             continue
         if not ready:
             stack.append((op, True))
