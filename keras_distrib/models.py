@@ -22,8 +22,8 @@ from keras_distrib import _keras_compat
 from keras_distrib import front
 from keras_distrib import gradients
 from keras_distrib import losses as kd_losses
-from keras_distrib import penalties
 from keras_distrib import loop
+from keras_distrib import penalties
 from keras_distrib import replica
 from keras_distrib import step as step_lib
 from keras_distrib import strategies
@@ -380,7 +380,8 @@ def global_moments(layer, inputs, mask, keras_moments):
     else:
         variance = spread / (count + epsilon)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.
-    return penalties.mark_global(tf.squeeze(mean, axes)), penalties.mark_global(tf.squeeze(variance, axes))
+    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    return penalties.mark_global(mean), penalties.mark_global(variance)
 
 
 def _spreads_strategy(strategy):
