@@ -259,7 +259,10 @@ def _same_device(first, second):
 def _refuse_other_replicas_terms(terms):
     """Refuses terms another replica traced (read from a model's shared `losses` too late)."""
     context = tf.distribute.get_replica_context()
-    devices = tf.nest.flatten(getattr(context, "devices", None) or [])
+    try:
+        devices = tf.nest.flatten(context.devices or [])
+    except (AttributeError, IndexError, RuntimeError):
+        return  # TensorFlow's multi-worker replica context does not say (IndexError)
     if not devices:
         return
     foreign = [name for name, term in terms
