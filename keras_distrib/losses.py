@@ -33,6 +33,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib import penalties
 from keras_distrib import validation
 from keras_distrib.replica import current_batch
 from keras_distrib.replica import replica_sum
@@ -60,15 +61,20 @@ def _numbers(name, value, function):
     return tensor
 
 
+def _floating(tensor):
+    """`tensor` cast to `keras.config.floatx()` unless it holds floating-point numbers already."""
+    return tensor if tensor.dtype.is_floating else tf.cast(tensor, keras.config.floatx())
+
+
 def global_share(numerator, local_denominator):
     """numerator / (local_denominator summed over replicas), 0 if that is 0.
+
+    In the numerator's dtype (`keras.config.floatx()` for integers).
 
     Raises:
         ValueError: an argument is not numbers.
     """
-    numerator = _numbers("numerator", numerator, "global_share")
-    if not numerator.dtype.is_floating:
-        numerator = tf.cast(numerator, tf.float32)
+    numerator = _floating(_numbers("numerator", numerator, "global_share"))
     local_denominator = _numbers("local_denominator", local_denominator, "global_share")
     denominator = replica_sum(tf.cast(local_denominator, numerator.dtype))
     return tf.math.divide_no_nan(numerator, denominator)
@@ -80,7 +86,13 @@ def global_mean(per_example_loss, sample_weight=None):
     The sum of the shares over all replicas equals the mean over the whole
     global batch (the same value one device computes with
     `reduction="sum_over_batch_size"`): weighted values are summed and
-    divided by the global element count, all-reduced each call.
+    divided by the global element count, all-reduced each call. The share
+    has the losses' dtype (`keras.config.floatx()` for integers).
+
+    On several replicas, losses that mix the replica's rows in a way one
+    device does not (per-replica BatchNormalization statistics or random
+    draws of a plain Keras model, which kd sees in the graph) are refused:
+    a kd model lays those out over the global batch.
 
     Args:
         per_example_loss: Losses of this replica's rows, shape `(n_r, ...)`.
@@ -91,8 +103,9 @@ def global_mean(per_example_loss, sample_weight=None):
         A scalar: this replica's share.
 
     Raises:
-        ValueError: an argument is not numbers, or `sample_weight`'s shape
-            cannot weigh the losses (checked on static shapes).
+        ValueError: an argument is not numbers, `sample_weight`'s shape
+            cannot weigh the losses (checked on static shapes), or the
+            losses mix the replica's rows (see above).
 
     Example:
         >>> import tensorflow as tf
@@ -100,9 +113,8 @@ def global_mean(per_example_loss, sample_weight=None):
         >>> float(kd.losses.global_mean(tf.constant([1.0, 2.0, 6.0])))
         3.0
     """
-    values = _numbers("per_example_loss", per_example_loss, "global_mean")
-    if not values.dtype.is_floating:
-        values = tf.cast(values, tf.float32)
+    values = _floating(_numbers("per_example_loss", per_example_loss, "global_mean"))
+    _refuse_row_mixing(values)
     if sample_weight is not None:
         weights = tf.cast(_numbers("sample_weight", sample_weight, "global_mean"), values.dtype)
         if weights.shape.rank is not None and values.shape.rank is not None:
@@ -121,35 +133,72 @@ def global_mean(per_example_loss, sample_weight=None):
     return global_share(tf.reduce_sum(values), count)
 
 
-def scale_regularization(losses, *, local_rows=None):
-    """This replica's share of the regularization total.
+_LAYOUT_FIX = (
+    "kd lays BatchNormalization statistics and random layers (Dropout, GaussianNoise, ...) out "
+    "over the global batch, as one device computes them, in the forward pass of a kd model: "
+    "build the model as `kd.Model(inputs, outputs)` / `kd.Sequential(...)` (or put "
+    "`kd.DistributedModelMixin` first in your model's bases), or train it with "
+    "`kd.TrainLoop(model).train_step(iterator)`"
+)
 
-    Every replica computes the same weight penalties, so each must contribute
-    a part that sums to the total once. Without `local_rows` each replica
-    contributes 1/R. With `local_rows`, it contributes n_r / N, which also
-    makes batch-mean `add_loss` terms (activity penalties) exact on uneven
-    batches; replicas with no rows then contribute nothing.
+
+def _replicas_in_sync():
+    context = tf.distribute.get_replica_context()
+    return context.num_replicas_in_sync if context is not None else 1
+
+
+def _refuse_row_mixing(values):
+    if _replicas_in_sync() == 1 or current_batch() is not None:
+        return
+    mixing = penalties.row_mixing(values)
+    if mixing:
+        raise ValueError(
+            f"`per_example_loss` depends on this replica's rows together: {mixing}. On "
+            f"{_replicas_in_sync()} replicas each computes that from its own rows, not from the "
+            f"global batch one device sees. {_LAYOUT_FIX}."
+        )
+
+
+def scale_regularization(losses, *, local_rows=None):
+    """This replica's share of the `add_loss` and regularization terms.
+
+    Each term adds up over replicas according to what it is, which kd reads
+    from the graph that computes it (`keras_distrib.penalties`):
+
+    - a term of the weights alone (weight regularizers, a constant) is the
+      same on every replica: each contributes 1/R of it;
+    - a sum over the batch's rows (`add_loss(c * tf.reduce_sum(x))`): each
+      replica contributes its own sum (the sums add up to one device's);
+    - a mean over rows (Keras's activity regularizers, which divide by the
+      batch size; `tf.reduce_mean` over the rows): each contributes n_r / N
+      of its own (needs `local_rows`); an empty replica contributes 0.
+
+    The shares then add up to one device's value on any split of the global
+    batch, an empty replica included. A term that is none of these (e.g. a
+    variance of the batch) cannot be split exactly and is refused, as is a
+    term kd cannot read (an eager tensor on several replicas). On one
+    replica the result is the sum of the terms.
 
     Args:
         losses: A list of scalar tensors (e.g. `model.losses`), or one tensor.
-        local_rows: This replica's row count; see above.
+        local_rows: This replica's row count (e.g. `tf.shape(x)[0]`); needed
+            for means over rows on several replicas.
 
     Returns:
-        A scalar tensor (0.0 for an empty list).
+        A scalar tensor in the terms' dtype (`keras.config.floatx()` for an
+        empty list or integer terms).
 
     Raises:
-        ValueError: `losses` is not numbers, or `local_rows` is not a whole
-            number >= 0 (or an integer tensor).
+        ValueError: `losses` is not numbers, `local_rows` is not a whole
+            number >= 0 (or an integer tensor), or a term cannot be split
+            over replicas exactly (see above; the message names the term).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> import keras_distrib as kd
+        >>> float(kd.losses.scale_regularization([tf.constant(1.5), tf.constant(0.5)]))
+        2.0
     """
-    if isinstance(losses, (list, tuple)):
-        if not losses:
-            return tf.constant(0.0)
-        total = tf.add_n([
-            tf.reduce_sum(tf.cast(_numbers(f"losses[{i}]", l, "scale_regularization"), tf.float32))
-            for i, l in enumerate(losses)])
-    else:
-        total = tf.reduce_sum(tf.cast(_numbers("losses", losses, "scale_regularization"),
-                                      tf.float32))
     if local_rows is not None and not tf.is_tensor(local_rows) and not validation.is_whole(
             local_rows, 0):
         raise ValueError(f"`local_rows`={local_rows!r}: expected this replica's row count, a "
@@ -157,13 +206,99 @@ def scale_regularization(losses, *, local_rows=None):
     if local_rows is not None and tf.is_tensor(local_rows) and not local_rows.dtype.is_integer:
         raise ValueError(f"`local_rows` is a {local_rows.dtype.name} tensor; expected an integer "
                          "row count (e.g. tf.shape(x)[0])")
-    if local_rows is None:
-        context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync if context else 1
-        return total / replicas
-    local_rows = tf.cast(local_rows, total.dtype)
-    fraction = tf.math.divide_no_nan(local_rows, replica_sum(local_rows))
-    return tf.where(local_rows > 0, total * fraction, tf.zeros_like(total))
+    single = not isinstance(losses, (list, tuple))
+    named = [("losses", losses)] if single else [(f"losses[{i}]", l) for i, l in enumerate(losses)]
+    terms = [(name, _floating(_numbers(name, term, "scale_regularization"))) for name, term in named]
+    if not terms:
+        return tf.constant(0.0, keras.config.floatx())
+    dtype = terms[0][1].dtype
+    terms = [(name, tf.cast(term, dtype)) for name, term in terms]
+    total = tf.add_n([tf.reduce_sum(term) for _, term in terms])
+    replicas = _replicas_in_sync()
+    if replicas == 1:
+        return total
+    _refuse_other_replicas_terms(terms)
+    kinds = [(name, term, penalties.kind_of(term)) for name, term in terms]
+    refused = [(name, kind) for name, _, kind in kinds if isinstance(kind, penalties.Unknown)]
+    if refused:
+        raise ValueError(_unsplittable(refused, replicas))
+    by_kind = {}
+    for _, term, kind in kinds:
+        by_kind.setdefault(kind, []).append(tf.reduce_sum(term))
+    share = tf.zeros((), dtype)
+    rows = None if local_rows is None else tf.cast(local_rows, dtype)
+    if penalties.FIXED in by_kind:
+        share += tf.add_n(by_kind[penalties.FIXED]) / replicas
+    if penalties.ROW_SUM in by_kind:
+        sums = tf.add_n(by_kind[penalties.ROW_SUM])
+        # A sum over no rows is 0 (a kd model feeds an empty replica one
+        # padded row; its terms must not count).
+        share += sums if rows is None else tf.where(rows > 0, sums, tf.zeros_like(sums))
+    if penalties.ROW_MEAN in by_kind:
+        if local_rows is None:
+            raise ValueError(
+                f"`local_rows`=None, but {len(by_kind[penalties.ROW_MEAN])} of the terms are "
+                "means over the batch's rows (e.g. an activity regularizer), whose share on "
+                f"{replicas} replicas is n_r / N of the replica's value: pass "
+                "`local_rows=tf.shape(x)[0]` (this replica's row count)"
+            )
+        fraction = tf.math.divide_no_nan(rows, replica_sum(rows))
+        means = tf.add_n(by_kind[penalties.ROW_MEAN])
+        share += tf.where(rows > 0, means * fraction, tf.zeros_like(means))
+    return share
+
+
+def _same_device(first, second):
+    """Whether two device strings name the same device (fields one leaves out match anything)."""
+    a, b = tf.DeviceSpec.from_string(first), tf.DeviceSpec.from_string(second)
+    return all(x is None or y is None or x == y for x, y in (
+        (a.job, b.job), (a.task, b.task), (a.device_type, b.device_type),
+        (a.device_index, b.device_index)))
+
+
+def _refuse_other_replicas_terms(terms):
+    """Refuses terms another replica traced (read from a model's shared `losses` too late)."""
+    context = tf.distribute.get_replica_context()
+    try:
+        devices = tf.nest.flatten(context.devices or [])
+    except (AttributeError, IndexError, RuntimeError):
+        return  # TensorFlow's multi-worker replica context does not say (IndexError)
+    if not devices:
+        return
+    foreign = [name for name, term in terms
+               if getattr(term, "op", None) is not None and term.op.device
+               and not any(_same_device(term.op.device, d) for d in devices)]
+    if foreign:
+        raise ValueError(
+            f"{', '.join(f'`{name}`' for name in foreign)} of `losses` were traced by another "
+            "replica: Keras keeps a model's `add_loss` terms on its layers, shared by the "
+            "replicas, and the replicas trace in turns, switching at every collective (such as "
+            "`kd.losses.global_mean`'s). Read `model.losses` right after the forward pass, "
+            "before any `kd.losses` call: `penalty = kd.losses.scale_regularization("
+            "model.losses, local_rows=rows)` first, then `kd.losses.global_mean(...)`; or build "
+            "the model as a kd model (`kd.Model`/`kd.Sequential`), whose `losses` are each "
+            "replica's own."
+        )
+
+
+def _unsplittable(refused, replicas):
+    lines = []
+    for name, kind in refused:
+        why = kind.mixing or (
+            "is not a term of the weights alone, a sum or a mean over the batch's rows"
+            if kind.op != "an eager tensor" else
+            "is an eager tensor, whose graph kd cannot read: run the step in a `tf.function`")
+        where = "" if kind.op == "an eager tensor" else f" (at `{kind.op}`)"
+        lines.append(f"`{name}`{where} {why}")
+    return (
+        f"kd cannot split these `add_loss`/regularization terms over {replicas} replicas "
+        "exactly:\n  - " + "\n  - ".join(lines) + "\nEach replica computes a term from its own "
+        "rows; kd adds up terms of the weights alone, sums over rows (`tf.reduce_sum`) and means "
+        "over rows (`tf.reduce_mean`, activity regularizers), built from ops whose effect on the "
+        "rows it knows. Write the term as one of those, or add its exact share to the loss "
+        "yourself (e.g. `kd.losses.global_mean(per_row_values)` for a mean over rows) and leave "
+        "it out of the list."
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from keras_distrib import front
 from keras_distrib import gradients
 from keras_distrib import losses as kd_losses
 from keras_distrib import loop
+from keras_distrib import penalties
 from keras_distrib import replica
 from keras_distrib import step as step_lib
 from keras_distrib import strategies
@@ -106,7 +107,7 @@ def _pad_empty_batch(x, batch):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
         filler = lambda: tf.zeros(tf.concat([[1], tf.shape(value)[1:]], 0), value.dtype)
-        return tf.cond(batch.has_rows, lambda: value, filler)
+        return penalties.mark_rows(tf.cond(batch.has_rows, lambda: value, filler))
 
     return tree.map_structure(pad, x)
 
@@ -128,7 +129,7 @@ def _drop_padding(outputs, batch):
             _keras_compat.set_keras_mask(
                 result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
             )
-        return result
+        return penalties.mark_rows(result)
 
     return tree.map_structure(cut, outputs)
 
@@ -175,7 +176,7 @@ def _global_batch_call(layer, call):
         offset = tf.cast(batch.offset, tf.int32)
         mine = outputs[offset:offset + tf.shape(inputs)[0]]
         mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
-        return mine
+        return penalties.mark_rows(mine)  # each row its own, as on one device
 
     return laid_out
 
@@ -410,7 +411,9 @@ def global_moments(layer, inputs, mask, keras_moments):
         variance = tf.math.divide_no_nan(spread, count)
     else:
         variance = spread / (count + epsilon)
-    return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    # The same on every replica: what reads the graph (kd.losses) may rely on it.
+    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    return penalties.mark_global(mean), penalties.mark_global(variance)
 
 
 def _spreads_strategy(strategy):
@@ -503,6 +506,24 @@ def unsupported_settings(model, *, training):
                 "update. Use a larger batch per step, or a synchronous strategy (multi_worker)."
             )
     return problems
+
+
+def _first_input(args, kwargs):
+    return args[0] if args else kwargs.get("inputs")
+
+
+def _opens_own_batch(model, args, kwargs):
+    """Whether `model` is called in a replica of several, with no kd step around it."""
+    if _first_input(args, kwargs) is None or not _spreads_over_replicas():
+        return False
+    if _keras_compat.in_symbolic_scope() or tf.executing_eagerly():
+        return False
+    return not strategies.traits(model.distribute_strategy).is_parameter_server
+
+
+def _loop_plan(model):
+    """The `StepPlan` of a forward pass in a hand-written loop (no XLA, one step)."""
+    return replica.StepPlan(pad_empty=not strategies.traits(model.distribute_strategy).is_tpu)
 
 
 class DistributedModelMixin(_keras_compat.ModelHooks):
@@ -664,9 +685,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def additional_loss_share(self, loss):
         """This replica's share of an `add_loss` or regularization term.
 
-        Keras divides these terms by R; kd weighs them by n_r / N instead,
-        which also keeps batch-mean penalties (activity regularizers) exact
-        on uneven batches. Replicas without rows contribute nothing.
+        Keras divides these terms by R. kd weighs a sum over the batch's rows
+        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph, see
+        `keras_distrib.penalties`) whole, since the replicas' sums add up to
+        one device's, and every other term by n_r / N, which keeps means over
+        rows (activity regularizers) exact on uneven batches and counts a
+        term of the weights alone once. Replicas without rows contribute
+        nothing.
         """
         if not loss.dtype.is_floating:
             loss = tf.cast(loss, keras.backend.floatx())
@@ -674,21 +699,31 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if batch is None:
             return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
-        fraction = tf.cast(batch.fraction, total.dtype)
-        return tf.where(batch.has_rows, total * fraction, tf.zeros_like(total))
+        if _spreads_over_replicas() and penalties.kind_of(loss) == penalties.ROW_SUM:
+            share = batch.defer(total) if batch.deferred else total
+        else:
+            share = total * tf.cast(batch.fraction, total.dtype)
+        return tf.where(batch.has_rows, share, tf.zeros_like(total))
 
     @property
     def losses(self):
         # Within a step, the add_loss terms this replica's forward pass
         # recorded, and the weight penalties (the same on every replica).
+        # After a forward pass that opened its own batch (a hand-written
+        # loop), the terms that pass recorded on this replica's thread:
+        # Keras's own list is shared by the replicas' threads.
         batch = replica.current_batch()
-        if batch is None or batch.owner is not self or batch.losses is None:
-            return super().losses
-        penalties = [
+        if batch is not None and batch.owner is self and batch.losses is not None:
+            recorded = batch.losses
+        else:
+            recorded = replica.kept_losses(self)
+            if recorded is None:
+                return super().losses
+        weight_penalties = [
             v.regularizer(v) for v in self.trainable_weights
             if getattr(v, "regularizer", None) is not None
         ]
-        return list(batch.losses) + penalties
+        return list(recorded) + weight_penalties
 
     def __call__(self, *args, **kwargs):
         if not self._kd_replica_writes and tf.distribute.has_strategy() \
@@ -698,6 +733,17 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # central-storage writes all the same.
             self._prepare_replica_writes()
         batch = replica.current_batch()
+        if batch is None and _opens_own_batch(self, args, kwargs):
+            # A hand-written loop calls the model in `strategy.run` without
+            # kd's step: the forward pass opens the replica's batch itself,
+            # so BatchNormalization statistics and random layers are laid
+            # out over the global batch as in `fit`.
+            self._prepare_layers()
+            with replica.replica_batch(replica.batch_rows(_first_input(args, kwargs)),
+                                       _loop_plan(self)) as batch:
+                outputs = self.__call__(*args, **kwargs)
+                replica.keep_losses(self, batch.losses)
+            return outputs
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)
         plan = batch.plan

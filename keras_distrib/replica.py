@@ -27,6 +27,8 @@ __all__ = [
     "StepPlan",
     "batch_rows",
     "current_batch",
+    "keep_losses",
+    "kept_losses",
     "piece_order",
     "replica_batch",
     "replica_sum",
@@ -329,6 +331,26 @@ def replica_batch(local_rows, plan=None):
         batch.finish()
     finally:
         _STATE.batch = None
+
+
+def keep_losses(owner, losses):
+    """Keeps the `add_loss` terms of `owner`'s latest forward pass on this thread (a replica's)."""
+    kept = getattr(_STATE, "losses", None)
+    if kept is None:
+        kept = _STATE.losses = {}
+    kept[id(owner)] = (owner, list(losses or ()))
+
+
+def kept_losses(owner):
+    """The terms `keep_losses` kept for `owner` on this thread, if traced in the current graph."""
+    owner_and_losses = getattr(_STATE, "losses", {}).get(id(owner))
+    if owner_and_losses is None or owner_and_losses[0] is not owner:
+        return None
+    losses = owner_and_losses[1]
+    graph = tf.compat.v1.get_default_graph()
+    if any(getattr(loss, "graph", graph) is not graph for loss in losses):
+        return None
+    return losses
 
 
 def current_batch():

@@ -37,5 +37,83 @@ def test_two_replicas_and_the_cross_replica_refusal():
     # Regularization 0.8 on each replica counts once: shares sum to 0.8.
     assert result["reg_even"] == pytest.approx(0.8)
     assert result["reg_rows"] == pytest.approx(0.8)
-    # An empty replica contributes nothing, the other the whole penalty.
-    assert result["reg_rows_with_empty"] == pytest.approx([0.8, 0.0])
+    # Constant terms are the same on every replica: each contributes half,
+    # whatever the rows (an empty replica included).
+    assert result["reg_rows_with_empty"] == pytest.approx([0.4, 0.4])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_every_function_keeps_the_losses_dtype(dtype):
+    values = tf.constant([1.0, 2.0, 6.0], dtype)
+    assert kd.losses.global_mean(values).dtype == dtype
+    assert kd.losses.global_mean(values, sample_weight=np.ones(3)).dtype == dtype
+    assert kd.losses.global_share(tf.reduce_sum(values), 3).dtype == dtype
+    assert kd.losses.scale_regularization([values[0], values[1]], local_rows=3).dtype == dtype
+    assert kd.losses.scale_regularization(values).dtype == dtype
+
+
+def test_integers_and_no_terms_follow_floatx():
+    import keras
+
+    keras.config.set_floatx("float64")
+    try:
+        assert kd.losses.scale_regularization([]).dtype == tf.float64
+        assert kd.losses.global_mean(tf.constant([1, 2])).dtype == tf.float64
+        assert kd.losses.global_share(3, 2).dtype == tf.float64
+        # float64 losses plus no penalty: the recipe's sum no longer raises TypeError.
+        total = kd.losses.global_mean(tf.constant([1.0, 2.0], tf.float64)) + \
+            kd.losses.scale_regularization([], local_rows=2)
+        assert float(total) == 1.5
+    finally:
+        keras.config.set_floatx("float32")
+
+
+LAYOUT_TOLERANCE = {"float64": 1e-9, "float32": 2e-5}
+
+
+def _layout_results(kind):
+    code, output = _harness.run_script("loop_layout.py", kind, timeout=1500)
+    assert code == 0, output[-4000:]
+    return {(r["case"], r["dtype"]): r for r in _harness.results_of(output)}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", ["mirrored", "central_storage"])
+def test_hand_written_recipe_matches_one_device(kind):
+    """kd's documented loop on 2 replicas (an empty one) vs plain Keras on one device."""
+    results = _layout_results(kind)
+    for dtype, tolerance in LAYOUT_TOLERANCE.items():
+        # Every kind of penalty: a weight regularizer, an activity regularizer
+        # (a mean over rows), a sum over rows, a term of a weight alone.
+        for case in ("penalties", "batch_norm", "penalties_trainloop", "batch_norm_trainloop"):
+            result = results[(case, dtype)]
+            assert "error" not in result, result
+            assert result["weights"] < tolerance, result
+            assert result.get("losses", 0.0) < tolerance, result
+        # Contrasts: the former rule (every term by n_r / N) and plain Keras are off.
+        assert results[("penalties_old_rule", dtype)]["weights"] > 1e-3
+        assert results[("penalties_keras", dtype)]["weights"] > 1e-3
+        # `model.losses` read after a collective holds the other replica's terms: refused.
+        assert "Read `model.losses` right after the forward pass" in \
+            results[("penalties_late_read", dtype)]["error"]
+        # A penalty that is no sum or mean over rows is refused, naming the op.
+        assert "batch_variance_penalty" in results[("variance_penalty", dtype)]["error"]
+        assert "cannot split" in results[("variance_penalty", dtype)]["error"]
+        # A plain Keras model's per-replica BatchNormalization is refused, naming the fix.
+        error = results[("batch_norm_keras_model", dtype)]["error"]
+        assert "batch_normalization" in error and "kd.Sequential" in error
+
+
+@pytest.mark.cluster
+def test_hand_written_recipe_on_two_workers():
+    """The recipe's penalties and a kd model's BatchNormalization on 2 worker processes."""
+    result, output = _harness.run_cluster(
+        "loop_layout.py", "multi_worker", "penalties", "batch_norm", workers=2, timeout=1500)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    results = _harness.results_of("\n".join(lines))
+    assert len(results) == 8, output[-4000:]  # 2 cases, 2 dtypes, 2 workers
+    for item in results:
+        assert "error" not in item, item
+        assert item["weights"] < LAYOUT_TOLERANCE[item["dtype"]], item
+        assert item["losses"] < LAYOUT_TOLERANCE[item["dtype"]], item

@@ -1,0 +1,445 @@
+"""How an `add_loss` term adds up over replicas, read from the graph that computes it.
+
+A penalty a replica computes from its own rows adds up to one device's
+value in a way that depends on what it is:
+
+- a term of the weights alone (weight regularizers, a constant): the same
+  on every replica; the global value is that value, so each replica
+  contributes 1/R of it (`FIXED`);
+- a sum over rows (`add_loss(c * tf.reduce_sum(x))`): the global value is
+  the sum of the replicas' values, each contributes its own (`ROW_SUM`);
+- a mean over rows (Keras's activity regularizers divide by the batch
+  size; `tf.reduce_mean` over the batch axis): the global value is
+  sum_r n_r * value_r / N, each contributes n_r / N of its own (`ROW_MEAN`).
+
+Anything else (a variance of the batch, a product of two sums, a nonlinear
+function of a mean) has no such split: kd refuses it rather than guess.
+
+`kind_of` decides by walking back from the term to where its values come
+from: variables and constants (the same on every replica), the replica's
+batch (its rows: the first axis), and the ops between them. Only ops whose
+effect on rows kd knows are followed (elementwise ops, matrix products with
+weights, convolutions, pooling, reshapes that keep the rows, reductions);
+an op it does not know makes the term `UNKNOWN`. kd's own layers mark what
+they compute over the global batch (`mark_global`, `mark_rows`): global
+BatchNormalization statistics are the same on every replica, and a random
+layer laid out over the global batch keeps the replica's rows.
+
+The same walk finds per-replica batch statistics and per-replica random
+draws inside per-example losses (`row_mixing`): what a plain Keras model's
+BatchNormalization and Dropout compute in a hand-written loop.
+"""
+
+import dataclasses
+import weakref
+
+import tensorflow as tf
+
+__all__ = [
+    "FIXED",
+    "ROW_MEAN",
+    "ROW_SUM",
+    "Unknown",
+    "kind_of",
+    "mark_global",
+    "mark_rows",
+    "row_mixing",
+]
+
+FIXED = "fixed"  # the same on every replica
+ROWS = "rows"  # one entry per row of the replica's batch on the first axis
+ROW_SUM = "row_sum"  # a linear function of sums over the rows
+ROW_MEAN = "row_mean"  # a linear function of means over the rows
+_SHAPE = "shape"  # the shape of a ROWS tensor (entry 0: the row count)
+_COUNT = "count"  # the replica's row count
+_DRAW = "draw"  # random numbers drawn per replica, one per row
+_STATIC = "static"  # an integer constant cast to a number, maybe the static row count
+
+
+@dataclasses.dataclass(frozen=True)
+class Unknown:
+    """A value kd cannot split over replicas; `mixing` says where rows were mixed, if so."""
+
+    op: str
+    mixing: str = ""
+
+
+_MARKS = weakref.WeakKeyDictionary()  # graph -> {tensor name: kind}
+
+
+def _mark(tensor, kind):
+    if not isinstance(tensor, tf.Tensor) or tf.executing_eagerly() or not hasattr(tensor, "graph"):
+        return tensor
+    try:
+        _MARKS.setdefault(tensor.graph, {})[tensor.name] = kind
+    except (TypeError, AttributeError):
+        pass
+    return tensor
+
+
+def mark_global(tensor):
+    """Marks `tensor` as the same on every replica (e.g. global batch statistics)."""
+    return _mark(tensor, FIXED)
+
+
+def mark_rows(tensor):
+    """Marks `tensor` as holding the replica's rows, each its own (e.g. a laid-out random layer)."""
+    return _mark(tensor, ROWS)
+
+
+_IDENTITY = {"Identity", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape",
+             "CheckNumerics", "Cast", "DebugIdentityV3"}
+_LINEAR_UNARY = _IDENTITY | {"Neg"}
+_UNARY = _LINEAR_UNARY | {
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Elu", "Erf",
+    "Erfc", "Exp", "Expm1", "Floor", "IsFinite", "IsInf", "IsNan", "LeakyRelu", "Log", "Log1p",
+    "LogicalNot", "Reciprocal", "Relu", "Relu6", "Rint", "Round", "Rsqrt", "Selu", "Sigmoid",
+    "Sign", "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Square", "Tan", "Tanh", "ZerosLike",
+    "OnesLike", "Softmax", "LogSoftmax",
+}
+_BINARY = {"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum",
+           "Minimum", "Pow", "SquaredDifference", "BiasAdd", "Greater", "GreaterEqual", "Less",
+           "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "FloorDiv", "FloorMod",
+           "Xdivy", "Xlogy", "Atan2"}
+_PER_ROW_IMAGE = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool",
+                  "MaxPool3D", "AvgPool3D"}
+_DATA = {"IteratorGetNext", "MultiDeviceIteratorGetNextFromShard", "OptionalGetValue",
+         "IteratorGetNextSync"}
+_STATELESS_RANDOM_PREFIX = "StatelessRandom"
+_STATEFUL_READS = {"ReadVariableOp", "VarHandleOp", "ResourceGather"}
+
+
+def _const(tensor):
+    value = tf.get_static_value(tensor)
+    return None if value is None else value
+
+
+def _rank(tensor):
+    return tensor.shape.rank
+
+
+def _axes(op, tensor, values):
+    """The normalized constant axes of a reduction, or None."""
+    axes = _const(values)
+    rank = _rank(tensor)
+    if axes is None or rank is None:
+        return None
+    axes = [int(a) for a in (axes.reshape(-1) if hasattr(axes, "reshape") else [axes])]
+    return {a % rank if rank else 0 for a in axes} if axes else set(range(rank))
+
+
+def _unknown_of(kinds):
+    for kind in kinds:
+        if isinstance(kind, Unknown) and kind.mixing:
+            return kind
+    for kind in kinds:
+        if isinstance(kind, Unknown):
+            return kind
+    return None
+
+
+def _mixing(op, why):
+    return Unknown(op.name, f"`{op.name}` ({op.type}) {why}")
+
+
+def _broadcasts_into_rows(rows, other):
+    """Whether `other` (FIXED) combined with a ROWS tensor keeps its rows."""
+    if _rank(rows) is None or _rank(other) is None:
+        return False
+    if _rank(other) < _rank(rows):
+        return True
+    return other.shape[0] == 1 if _rank(other) else True
+
+
+def _binary(op, kinds):
+    a, b = kinds[0], kinds[1]
+    ta, tb = op.inputs[0], op.inputs[1]
+    kind_set = {a, b}
+    if kind_set == {FIXED}:
+        return FIXED
+    if kind_set <= {ROWS, FIXED, _DRAW}:
+        if ROWS in kind_set and _DRAW in kind_set:
+            return _mixing(op, "combines the rows with random numbers drawn for this replica's "
+                               "rows only (e.g. a Dropout or GaussianNoise of a plain Keras model)")
+        fixed_ok = all(_broadcasts_into_rows(op.outputs[0], t) for k, t in ((a, ta), (b, tb))
+                       if k == FIXED)
+        if not fixed_ok:
+            return Unknown(op.name)
+        return _DRAW if _DRAW in kind_set else ROWS
+    statistics = {ROW_SUM, ROW_MEAN}
+    if kind_set & {ROWS, _DRAW} and kind_set & statistics:
+        return _mixing(op, "combines the rows with a statistic of this replica's rows only "
+                           "(e.g. the batch mean of a plain Keras BatchNormalization)")
+    if op.type in ("Add", "AddV2", "Sub") and len(kind_set) == 1 and a in statistics:
+        return a
+    if op.type in ("Mul", "MulNoNan") and FIXED in kind_set and kind_set & statistics:
+        return (kind_set - {FIXED}).pop()
+    if op.type in ("RealDiv", "Div", "DivNoNan") and b == FIXED and a in statistics:
+        return a
+    if op.type in ("RealDiv", "Div", "DivNoNan") and a == ROW_SUM and b == _COUNT:
+        return ROW_MEAN
+    if op.type in ("RealDiv", "Div", "DivNoNan") and a == ROW_SUM and b == _STATIC and \
+            int(_const(op.inputs[1].op.inputs[0])) in _static_rows(op.graph):
+        # Keras divides by `ops.cast(ops.shape(x)[0])`: with a static batch
+        # shape, the row count is an integer constant of the graph.
+        return ROW_MEAN
+    if _STATIC in kind_set:
+        return _binary(op, [FIXED if k == _STATIC else k for k in kinds])
+    if _COUNT in kind_set and kind_set <= {_COUNT, FIXED}:
+        return _COUNT if op.type in ("Mul", "Maximum") else Unknown(op.name)
+    return Unknown(op.name)
+
+
+def _reduce(op, kinds):
+    kind = kinds[0]
+    if kind == FIXED:
+        return FIXED if kinds[1] == FIXED else Unknown(op.name)
+    if kind in (ROW_SUM, ROW_MEAN):
+        return kind if op.type in ("Sum", "Mean") and kinds[1] == FIXED else Unknown(op.name)
+    if kind not in (ROWS, _DRAW):
+        return Unknown(op.name)
+    axes = _axes(op, op.inputs[0], op.inputs[1])
+    if axes is None:
+        return Unknown(op.name)
+    if 0 not in axes:
+        return kind
+    if kind == _DRAW:
+        return Unknown(op.name)
+    return {"Sum": ROW_SUM, "Mean": ROW_MEAN}.get(op.type) or _mixing(
+        op, "reduces over this replica's rows only")
+
+
+def _keeps_rows(op):
+    """Whether a shape op on a ROWS tensor keeps its first axis the rows."""
+    source, result = op.inputs[0], op.outputs[0]
+    if op.type == "Reshape":
+        before, after = source.shape[1:], result.shape[1:]
+        return before.is_fully_defined() and after.is_fully_defined() and \
+            before.num_elements() == after.num_elements()
+    if op.type == "ExpandDims":
+        axis = _const(op.inputs[1])
+        return axis is not None and int(axis) % (_rank(result) or 1) != 0
+    if op.type == "Squeeze":
+        dims = list(op.get_attr("squeeze_dims"))
+        rank = _rank(source)
+        return bool(dims) and rank is not None and all(d % rank != 0 for d in dims)
+    if op.type == "Transpose":
+        perm = _const(op.inputs[1])
+        return perm is not None and int(perm[0]) == 0
+    if op.type in ("Pad", "PadV2", "MirrorPad"):
+        paddings = _const(op.inputs[1])
+        return paddings is not None and list(paddings[0]) == [0, 0]
+    if op.type == "Tile":
+        multiples = _const(op.inputs[1])
+        return multiples is not None and int(multiples[0]) == 1
+    if op.type == "StridedSlice":
+        strides = _const(op.inputs[3])
+        full = op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
+        return bool(full) and strides is not None and int(strides[0]) == 1 and \
+            not op.get_attr("shrink_axis_mask") & 1 and not op.get_attr("new_axis_mask") and \
+            not op.get_attr("ellipsis_mask")
+    return False
+
+
+_SHAPE_OPS = {"Reshape", "ExpandDims", "Squeeze", "Transpose", "Pad", "PadV2", "MirrorPad", "Tile",
+              "StridedSlice"}
+
+
+def _kind_of_op_output(op, index, kinds):
+    """The kind of `op.outputs[index]`, given its inputs' kinds."""
+    kind_type = op.type
+    if _STATIC in kinds and kind_type not in _BINARY:
+        kinds = [FIXED if k == _STATIC else k for k in kinds]
+    unknown = _unknown_of(kinds)
+    if kind_type == "Const":
+        return FIXED
+    if kind_type == "Placeholder":
+        output = op.outputs[index]
+        if output.dtype == tf.resource:
+            return FIXED
+        return ROWS if (_rank(output) or 0) >= 1 else Unknown(op.name)
+    if kind_type in ("ReadVariableOp", "VarHandleOp"):
+        return FIXED
+    if kind_type in _DATA:
+        output = op.outputs[index]
+        return ROWS if (_rank(output) or 0) >= 1 else Unknown(op.name)
+    if unknown is not None:
+        return unknown
+    if kind_type.startswith(_STATELESS_RANDOM_PREFIX):
+        if all(k == FIXED for k in kinds):
+            return FIXED
+        return _DRAW if kinds[0] in (_SHAPE,) else Unknown(op.name)
+    if kind_type == "IdentityN":
+        return kinds[index]
+    if kind_type == "Cast" and kinds[0] == FIXED and op.inputs[0].op.type == "Const" and \
+            op.inputs[0].dtype.is_integer and op.outputs[0].dtype.is_floating and \
+            op.inputs[0].shape.rank == 0:
+        return _STATIC
+    if kind_type in _IDENTITY or kind_type in _UNARY:
+        kind = kinds[0]
+        if kind in (ROW_SUM, ROW_MEAN, _COUNT, _SHAPE):
+            return kind if kind_type in _LINEAR_UNARY else Unknown(op.name)
+        return kind
+    if kind_type in _BINARY:
+        return _binary(op, kinds)
+    if kind_type == "AddN":
+        kind_set = set(kinds)
+        return kinds[0] if len(kind_set) == 1 and kinds[0] in (FIXED, ROWS, ROW_SUM, ROW_MEAN) \
+            else Unknown(op.name)
+    if kind_type in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin"):
+        if kind_type in ("ArgMax", "ArgMin") and kinds[0] == ROWS:
+            axes = _axes(op, op.inputs[0], op.inputs[1])
+            return ROWS if axes is not None and 0 not in axes else Unknown(op.name)
+        return _reduce(op, kinds)
+    if kind_type == "L2Loss":
+        return {FIXED: FIXED, ROWS: ROW_SUM}.get(kinds[0], Unknown(op.name))
+    if all(k == FIXED for k in kinds) and not op.op_def.is_stateful:
+        return FIXED
+    if kind_type == "Shape":
+        return _SHAPE if kinds[0] in (ROWS, _DRAW) else Unknown(op.name)
+    if kind_type == "Pack" and kinds and kinds[0] == _COUNT and all(k == FIXED for k in kinds[1:]):
+        return _SHAPE if op.get_attr("axis") == 0 else Unknown(op.name)
+    if kind_type == "StridedSlice" and kinds[0] == _SHAPE:
+        begin = _const(op.inputs[1])
+        if begin is None or not op.get_attr("shrink_axis_mask") & 1:
+            return Unknown(op.name)
+        return _COUNT if int(begin.reshape(-1)[0]) == 0 else FIXED
+    if kind_type in _SHAPE_OPS and kinds[0] in (ROWS, _DRAW):
+        others_fixed = all(k == FIXED for k in kinds[1:])
+        return kinds[0] if others_fixed and _keeps_rows(op) else Unknown(op.name)
+    if kind_type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        a, b = kinds[0], kinds[1]
+        transposed = any(op.get_attr(name) for name in ("transpose_a", "adj_x")
+                         if name in op.node_def.attr)
+        if a == ROWS and b == FIXED and not transposed and (kind_type == "MatMul" or
+                                                          (_rank(op.inputs[1]) or 3) <= 2):
+            return ROWS
+        if kind_type != "MatMul" and a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) >= 3:
+            return ROWS
+        return Unknown(op.name)
+    if kind_type in _PER_ROW_IMAGE:
+        data_format = op.get_attr("data_format") if "data_format" in op.node_def.attr else b"N"
+        if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) and \
+                data_format.startswith(b"N"):
+            return ROWS
+        return Unknown(op.name)
+    if kind_type in ("Select", "SelectV2"):
+        kind_set = set(kinds)
+        if kind_set <= {ROWS, FIXED, _DRAW}:
+            if ROWS in kind_set and _DRAW in kind_set:
+                return _mixing(op, "selects between the rows with random numbers drawn for this "
+                                   "replica's rows only (e.g. a Dropout of a plain Keras model)")
+            return ROWS if ROWS in kind_set else _DRAW
+        return Unknown(op.name)
+    if kind_type == "ConcatV2":
+        axis = _const(op.inputs[-1])
+        rank = _rank(op.outputs[0])
+        values = kinds[:-1]
+        if axis is not None and rank and int(axis) % rank != 0 and all(k == ROWS for k in values):
+            return ROWS
+        return Unknown(op.name)
+    if kind_type == "GatherV2":
+        axis = _const(op.inputs[2])
+        if kinds[0] == FIXED and kinds[1] == ROWS and axis is not None and int(axis) == 0 and \
+                not op.get_attr("batch_dims"):
+            return ROWS
+        return Unknown(op.name)
+    if kind_type == "ResourceGather":
+        if kinds[0] == FIXED and kinds[1] == ROWS and not op.get_attr("batch_dims"):
+            return ROWS
+        return Unknown(op.name)
+    if kind_type == "OneHot":
+        return ROWS if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) else Unknown(op.name)
+    return Unknown(op.name)
+
+
+_ROW_SIZES = {}  # graph -> static row counts of the batch tensors seen in this evaluation
+
+
+def _static_rows(graph):
+    return _ROW_SIZES.get(id(graph), ())
+
+
+def _note_rows(op, kinds):
+    for output, kind in zip(op.outputs, kinds):
+        if kind == ROWS and output.shape.rank and output.shape[0] is not None:
+            _ROW_SIZES.setdefault(id(op.graph), set()).add(int(output.shape[0]))
+
+
+def _evaluate(tensor):
+    """The kind of a graph tensor (see the module docstring)."""
+    try:
+        return _walk(tensor)
+    finally:
+        _ROW_SIZES.clear()
+
+
+def _walk(tensor):
+    marks = {}
+    memo = {}
+    stack = [(tensor.op, False)]
+    while stack:
+        op, ready = stack.pop()
+        if op.name in memo:
+            continue
+        graph_marks = marks.get(op.graph)
+        if graph_marks is None:
+            graph_marks = marks[op.graph] = _MARKS.get(op.graph, {})
+        marked = [graph_marks.get(out.name) for out in op.outputs]
+        if all(m is not None for m in marked) and op.outputs:
+            memo[op.name] = marked
+            _note_rows(op, marked)  # a padded batch keeps its static row count
+            continue
+        if not ready:
+            stack.append((op, True))
+            stack.extend((t.op, False) for t in op.inputs if t.op.name not in memo)
+            continue
+        kinds = [memo[t.op.name][t.value_index] for t in op.inputs]
+        memo[op.name] = [m if m is not None else _kind_of_op_output(op, i, kinds)
+                         for i, m in enumerate(marked)]
+        if op.type in ("Placeholder",) or op.type in _DATA:
+            _note_rows(op, memo[op.name])
+    return memo[tensor.op.name][tensor.value_index]
+
+
+def kind_of(term):
+    """How `term` adds up over replicas: FIXED, ROW_SUM, ROW_MEAN or an `Unknown`.
+
+    A term that still has one entry per row (not reduced) counts as its sum
+    over rows (`scale_regularization` sums each term). Needs a graph tensor
+    (inside a `tf.function`, where `strategy.run` traces its replicas); an
+    eager tensor is `Unknown`.
+    """
+    if not isinstance(term, tf.Tensor) or not hasattr(term, "op") or tf.executing_eagerly():
+        try:
+            term.op  # noqa: B018 - an eager tensor has no op
+        except (AttributeError, ValueError):
+            return Unknown("an eager tensor")
+    try:
+        kind = _evaluate(term)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return Unknown(term.op.name)  # a graph shape the walk does not know: not split
+    if kind == _STATIC:
+        kind = FIXED
+    if kind == ROWS:
+        return ROW_SUM
+    if kind in (FIXED, ROW_SUM, ROW_MEAN):
+        return kind
+    if isinstance(kind, Unknown):
+        return kind
+    return Unknown(term.op.name)
+
+
+def row_mixing(tensor):
+    """Where `tensor` (per-example values) mixes the replica's rows, or "" if nowhere kd can see.
+
+    Ops kd does not know are not judged (""): only row statistics and
+    per-replica random draws that reach the values are named.
+    """
+    if not isinstance(tensor, tf.Tensor) or tf.executing_eagerly():
+        return ""
+    try:
+        kind = _evaluate(tensor)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return ""
+    return kind.mixing if isinstance(kind, Unknown) else ""

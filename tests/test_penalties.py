@@ -1,0 +1,95 @@
+"""keras_distrib.penalties: what a term is, read from the graph that computes it.
+
+In-process: the graph is the same on one device; the 2-replica arithmetic
+is checked against one device in tests/test_losses.py (loop_layout.py).
+"""
+
+import keras
+import pytest
+import tensorflow as tf
+
+from keras_distrib import penalties
+
+
+def _kinds(layers, *, static_rows=None):
+    """The kind of each of `model.losses` after a traced forward pass."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,))] + layers)
+    found = []
+
+    def forward(x):
+        model(x, training=True)
+        found.extend(penalties.kind_of(term) for term in model.losses)
+        return tf.constant(0.0)
+
+    spec = tf.TensorSpec((static_rows, 3), tf.float32)
+    tf.function(forward, input_signature=[spec])(tf.zeros((static_rows or 5, 3)))
+    return found
+
+
+class _Adds(keras.layers.Layer):
+    def __init__(self, penalty, **kwargs):
+        super().__init__(**kwargs)
+        self.penalty = penalty
+
+    def call(self, inputs):
+        self.add_loss(self.penalty(inputs))
+        return inputs
+
+
+@pytest.mark.parametrize("static_rows", [None, 4])
+def test_keras_regularizers(static_rows):
+    dense = keras.layers.Dense(2, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1),
+                               activity_regularizer=keras.regularizers.L1(0.1))
+    # Keras divides an activity penalty by the batch size: a mean over rows,
+    # also where the graph holds that size as a constant.
+    assert _kinds([dense], static_rows=static_rows) == [penalties.ROW_MEAN, penalties.FIXED]
+
+
+@pytest.mark.parametrize("penalty, expected", [
+    (lambda x: 1e-2 * tf.reduce_sum(x), penalties.ROW_SUM),
+    (lambda x: tf.reduce_sum(tf.square(x), axis=1), penalties.ROW_SUM),  # per row: summed
+    (lambda x: tf.reduce_mean(tf.reduce_sum(tf.abs(x), axis=1)), penalties.ROW_MEAN),
+    (lambda x: tf.reduce_sum(tf.reduce_mean(x, axis=0)) * 0.5, penalties.ROW_MEAN),
+    (lambda x: tf.constant(0.25), penalties.FIXED),
+])
+def test_sums_means_and_constants(penalty, expected):
+    assert _kinds([keras.layers.Dense(4), _Adds(penalty)]) == [expected]
+
+
+def test_what_has_no_split_is_unknown():
+    variance, squared_sum, mixed = _kinds([
+        keras.layers.Dense(4),
+        _Adds(lambda x: tf.reduce_mean(tf.square(x - tf.reduce_mean(x, axis=0)))),
+        _Adds(lambda x: tf.square(tf.reduce_sum(x))),
+        _Adds(lambda x: tf.reduce_sum(x) + 1.0),  # a sum plus a constant: no one weight
+    ])
+    assert isinstance(variance, penalties.Unknown) and "statistic" in variance.mixing
+    assert isinstance(squared_sum, penalties.Unknown) and not squared_sum.mixing
+    assert isinstance(mixed, penalties.Unknown)
+
+
+def test_eager_tensors_are_unknown():
+    assert isinstance(penalties.kind_of(tf.constant(1.0)), penalties.Unknown)
+
+
+def test_row_mixing_names_per_replica_statistics_and_draws():
+    keras.utils.set_random_seed(0)
+    batch_norm = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+    dropout = keras.Sequential([keras.Input((3,)), keras.layers.Dropout(0.5)])
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    def forward(x):
+        for name, model in (("batch_norm", batch_norm), ("dropout", dropout), ("plain", plain)):
+            found[name] = penalties.row_mixing(tf.reduce_sum(model(x, training=True), axis=1))
+        # Statistics that are the same on every replica (kd's global moments) mix nothing.
+        mean = penalties.mark_global(tf.reduce_mean(x, axis=0))
+        found["global"] = penalties.row_mixing(x - mean)
+        return tf.constant(0.0)
+
+    forward(tf.zeros((2, 3)))
+    assert "batch_normalization" in found["batch_norm"] and "statistic" in found["batch_norm"]
+    assert "random numbers" in found["dropout"]
+    assert found["plain"] == "" and found["global"] == ""
