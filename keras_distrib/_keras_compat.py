@@ -53,6 +53,7 @@ from tensorflow.python.ops import control_flow_util
 from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
+from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.callbacks import tensorboard as keras_tensorboard
 from keras.src.losses import loss as keras_loss
@@ -283,6 +284,72 @@ def exit_summary_contexts(callback, ignore):
 def unscale_for_tracker(share):
     """The value Keras's trackers expect: the replica loss times R."""
     return keras_loss.unscale_loss_for_distribution(share)
+
+
+_LOSS_CALL_REPLACED = []
+
+
+def replace_loss_object_call(make_call):
+    """Makes every `keras.losses.Loss` object call `make_call(keras_call)` (once, idempotent).
+
+    `keras_call(loss, y_true, y_pred, sample_weight)` is Keras's own
+    `Loss.__call__`. Subclasses with a `__call__` of their own (Keras's
+    `CompileLoss`, kd's wrappers) are not affected.
+    """
+    if _LOSS_CALL_REPLACED:
+        return
+    keras_loss.Loss.__call__ = make_call(keras_loss.Loss.__call__)
+    _LOSS_CALL_REPLACED.append(True)
+
+
+# Keras's TensorFlow random functions kd lays out over the global batch:
+# name -> whether the first argument is a shape (else an input tensor).
+RANDOM_DRAWS = {"normal": True, "uniform": True, "truncated_normal": True, "randint": True,
+                "dropout": False, "categorical": False}
+
+
+def replace_random_draws(make_draw):
+    """Makes Keras's random functions call `make_draw(name, shaped, keras_draw)` (idempotent).
+
+    Every `keras.random.*` call of those in `RANDOM_DRAWS` (Keras's layers
+    included) goes through the backend module patched here.
+    """
+    for name, shaped in RANDOM_DRAWS.items():
+        current = getattr(keras_tf_random, name)
+        if getattr(current, "replaced_by_kd", False):
+            continue
+        draw = make_draw(name, shaped, current)
+        draw.replaced_by_kd = True
+        setattr(keras_tf_random, name, draw)
+
+
+def replace_metric_result(metric, make_result):
+    """Makes `metric.result()` call `make_result(metric, keras_result)` (idempotent)."""
+    if getattr(vars(metric).get("result"), "replaced_by_kd", False):
+        return
+    result = make_result(metric, metric.result)
+    result.replaced_by_kd = True
+    object.__setattr__(metric, "result", result)
+
+
+def replace_mean_update(metric, make_update):
+    """Makes a `keras.metrics.Mean`'s `update_state` call `make_update(metric, keras_update)`.
+
+    Only metrics whose `update_state` is Mean's own (trackers fed values, not
+    `MeanMetricWrapper`s fed `y_true, y_pred`). Idempotent.
+    """
+    if type(metric).update_state is not keras.metrics.Mean.update_state:
+        return
+    if getattr(vars(metric).get("update_state"), "replaced_by_kd", False):
+        return
+    update = make_update(metric, metric.update_state)
+    update.replaced_by_kd = True
+    object.__setattr__(metric, "update_state", update)
+
+
+def mean_variables(metric):
+    """A `keras.metrics.Mean`'s (total, count) variables."""
+    return metric.total, metric.count
 
 
 def compute_loss(model, **kwargs):

@@ -27,6 +27,8 @@ __all__ = [
     "StepPlan",
     "batch_rows",
     "current_batch",
+    "is_share",
+    "mark_share",
     "piece_order",
     "replica_batch",
     "replica_sum",
@@ -95,6 +97,9 @@ class ReplicaBatch:
         self.in_forward = False
         self.moments_token = None
         self.seed_writes = set()  # ids of seed states drawn from (central storage)
+        self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
+        self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
+        self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
 
     @property
     def global_rows(self):
@@ -175,6 +180,24 @@ class ReplicaBatch:
         """Keeps an `add_loss` term of the current forward pass."""
         if self.in_forward and self.losses is not None:
             self.losses.extend(tree.flatten(loss))
+
+
+def mark_share(value):
+    """Records `value` as a loss share kd computed (their sum over replicas is the global loss).
+
+    Trackers, logs and the gradient all-reduce tell shares from values kd
+    did not compute (see `is_share`). Returns `value`.
+    """
+    batch = current_batch()
+    if batch is not None and tf.is_tensor(value):
+        batch.shares[id(value)] = value
+    return value
+
+
+def is_share(value):
+    """Whether `value` is a loss share recorded in the current step by `mark_share`."""
+    batch = current_batch()
+    return batch is not None and batch.shares.get(id(value)) is value
 
 
 def batch_rows(x):
