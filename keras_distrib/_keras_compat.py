@@ -850,17 +850,26 @@ def write_from_first_replica(variables):
     _write_from_one_replica(variables, last=False)
 
 
-def write_seed_state_from_last_replica(generator, before_write):
-    """Central storage: a `SeedGenerator`'s state advances once per draw, on the last replica.
+def replace_seed_next(generator, make_next):
+    """Makes `generator.next` call `make_next(generator, keras_next)` (idempotent)."""
+    if getattr(vars(generator).get("next"), "replaced_by_kd", False):
+        return
+    next_seed = make_next(generator, generator.next)
+    next_seed.replaced_by_kd = True
+    object.__setattr__(generator, "next", next_seed)
+
+
+def write_seed_state_from_last_replica(generator, before_write=None):
+    """Central storage: a `SeedGenerator`'s state is written by the last replica.
 
     Every replica draws from the same state (kd lays the draws out over the
     global batch) and computes the same next state; the one copy must keep
     the state every replica read until all have read it. Replicas are traced
     in order and TensorFlow runs the updates of a resource in the order they
     were created, so the last replica's write comes after every replica's
-    read. `before_write(variable)` runs (at trace time) before each replica's
-    write, e.g. to refuse a second draw in one step, which would read the
-    state its own replica did not write. Idempotent.
+    read (kd's steps read a state once per step and count their draws, see
+    `replace_seed_next`). `before_write(variable)`, if given, runs (at
+    trace time) before each replica's write. Idempotent.
     """
     _write_from_one_replica([generator.state], last=True, before_write=before_write)
 

@@ -236,9 +236,15 @@ def _global_batch_draw(name, shaped, draw):
     `(latent_dim,)` vector) are not shaped by the batch and stay as they are.
     """
 
-    def drawing(first, *args, **kwargs):
+    first_name = "shape" if shaped else {"dropout": "inputs", "categorical": "logits"}[name]
+
+    def drawing(*args, **kwargs):
         if not _lays_out_draws():
-            return draw(first, *args, **kwargs)
+            return draw(*args, **kwargs)
+        if first_name in kwargs:
+            first = kwargs.pop(first_name)
+        else:
+            first, args = args[0], args[1:]
         batch = replica.current_batch()
         if shaped:
             shape = tf.convert_to_tensor(first, tf.int32) if not isinstance(first, (list, tuple)) \
@@ -250,6 +256,8 @@ def _global_batch_draw(name, shaped, draw):
             return tf.gather(drawn, indices)
         inputs = tf.convert_to_tensor(first)
         noise_shape = kwargs.get("noise_shape", args[1] if name == "dropout" and len(args) > 1 else None)
+        if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
+            return draw(first, *args, **kwargs)
         if inputs.shape.rank in (None, 0) or (noise_shape is not None and noise_shape[0] is not None):
             return draw(first, *args, **kwargs)
         total, indices = _blocks_of(tf.shape(inputs)[0], batch)
@@ -311,24 +319,31 @@ def _recorded_result(metric, result):
     return recorded
 
 
-def _one_draw_per_step(layer):
-    """Refuses a second draw from `layer`'s seed state in one replica step (central storage)."""
+def _counted_draws(generator, keras_next):
+    """`generator.next` that reads its state once per replica step.
 
-    def before_write(variable):
+    Keras's `next()` reads the state and writes it plus [0, 1]. Under
+    CentralStorageStrategy the one stored state is written by the last
+    replica only (see `_keras_compat.write_seed_state_from_last_replica`),
+    so a second draw in the step would read, on the other replicas, a state
+    their own first draw did not advance. Here each replica reads the state
+    at its first draw and counts its draws: the i-th draw of the step gets
+    the state plus [0, i], as on one device, on every replica.
+    """
+
+    def next_seed(ordered=True):
         batch = replica.current_batch()
-        if batch is None:
-            return
-        if id(variable) in batch.seed_writes:
-            raise ValueError(
-                f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers twice in "
-                "one training step under CentralStorageStrategy (the layer is called more than "
-                "once), and its one stored seed state cannot give each replica the draws one "
-                "device makes. Use kd.make_strategy('mirrored') on the same devices, which is "
-                "exact with it, or call the layer once per step."
-            )
-        batch.seed_writes.add(id(variable))
+        if batch is None or not ordered or not _spreads_over_replicas():
+            return keras_next(ordered)
+        start, count = batch.seed_draws.get(id(generator), (None, 0))
+        if start is None:
+            start = tf.convert_to_tensor(generator.state.value) * 1
+        step = tf.constant([0, 1], start.dtype)
+        generator.state.assign(start + step * (count + 1))
+        batch.seed_draws[id(generator)] = (start, count + 1)
+        return start + step * count
 
-    return before_write
+    return next_seed
 
 
 def _random_layer_problem(layer):
@@ -735,7 +750,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if isinstance(layer, keras.layers.BatchNormalization):
                 _keras_compat.write_from_first_replica(layer.non_trainable_variables)
             for generator in _keras_compat.owned_seed_generators(layer):
-                _keras_compat.write_seed_state_from_last_replica(generator, _one_draw_per_step(layer))
+                _keras_compat.write_seed_state_from_last_replica(generator)
+                _keras_compat.replace_seed_next(generator, _counted_draws)
         object.__setattr__(self, "_kd_replica_writes", self.built)
 
     _kd_replica_writes = False

@@ -96,7 +96,7 @@ class ReplicaBatch:
         self.owner = None
         self.in_forward = False
         self.moments_token = None
-        self.seed_writes = set()  # ids of seed states drawn from (central storage)
+        self.seed_draws = {}  # id of a SeedGenerator -> (its state read, draws) in this step
         self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
         self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
         self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
