@@ -402,7 +402,13 @@ def _loss_object_call(keras_call):
     return call
 
 
-_keras_compat.replace_loss_object_call(_loss_object_call)
+def exact_loss_objects():
+    """Makes Keras's loss objects give global shares in kd steps (see `_loss_object_call`).
+
+    Installed when a kd model makes its first step, not on import; outside
+    a kd replica step loss objects are Keras's own. Idempotent.
+    """
+    _keras_compat.replace_loss_object_call(_loss_object_call)
 
 
 def row_weighted(value):

@@ -8,6 +8,7 @@ training.
 """
 
 import contextlib
+import functools
 import json
 import os
 import warnings
@@ -201,11 +202,7 @@ def _blocks_of(rows, batch):
     empty = tf.equal(local, 0)
     check = tf.debugging.Assert(
         tf.logical_or(empty, tf.equal(blocks * local, rows)),
-        ["kd: a random draw in a step on several replicas has a leading dimension that "
-         "is not a multiple of the replica's rows, so kd cannot lay it out over the "
-         "global batch as one device draws it. Draw with a leading dimension of k * the "
-         "batch size (keras.random.*(shape=(tf.shape(x)[0], ...))), or without a "
-         "batch dimension.", rows, local],
+        [replica.DRAW_REFUSAL, "rows drawn:", rows, "replica rows:", local],
     )
     with tf.control_dependencies([check]):
         total = tf.cast(batch.global_rows, tf.int32)
@@ -238,6 +235,7 @@ def _global_batch_draw(name, shaped, draw):
 
     first_name = "shape" if shaped else {"dropout": "inputs", "categorical": "logits"}[name]
 
+    @functools.wraps(draw)
     def drawing(*args, **kwargs):
         if not _lays_out_draws():
             return draw(*args, **kwargs)
@@ -270,8 +268,6 @@ def _global_batch_draw(name, shaped, draw):
 
     return drawing
 
-
-_keras_compat.replace_random_draws(_global_batch_draw)
 
 
 def _pad_empty_call(layer, call):
@@ -439,7 +435,7 @@ def _defers_scaling(model, batch, *, training):
     if not _spreads_over_replicas():
         return False
     for name, own in (("compute_loss", DistributedModelMixin.compute_loss),
-                      ("_compute_loss", keras.Model._compute_loss)):
+                      ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
         if getattr(getattr(model, name), "__func__", None) is not own:
             return False
     compiled = _keras_compat.compiled_loss(model)
@@ -957,6 +953,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def _prepare_custom_step(self):
         """kd's gradient pipeline for every optimizer; one device's logs from every metric."""
+        # Keras's loss objects and random draws change only inside kd's
+        # replica steps; installed here, at the first step, not on import.
+        kd_losses.exact_loss_objects()
+        _keras_compat.replace_random_draws(_global_batch_draw)
         for optimizer in self._optimizers():
             gradients.install(optimizer)
         metrics = list(self.metrics)

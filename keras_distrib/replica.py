@@ -36,6 +36,16 @@ __all__ = [
 
 _STATE = threading.local()
 
+# Said (and raised as a ValueError by kd's step) when a random draw's leading
+# dimension is not a multiple of the replica's rows (see models._blocks_of).
+DRAW_REFUSAL = (
+    "kd: a random draw in a step on several replicas has a leading dimension that is not a "
+    "multiple of the rows of the replica, so kd cannot lay it out over the global batch as one "
+    "device draws it. Draw with a leading dimension of k * the batch size "
+    "(keras.random.normal((tf.shape(x)[0], ...), seed=...)), or with a leading dimension "
+    "known when traced (not shaped by the batch)."
+)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepPlan:

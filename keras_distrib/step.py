@@ -488,6 +488,10 @@ class Step:
             return self._stepwise(iterator, count)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
+        except tf.errors.InvalidArgumentError as error:
+            if replica.DRAW_REFUSAL in str(error.message):
+                raise ValueError(replica.DRAW_REFUSAL) from None
+            raise
 
     def _call_many(self, iterator, count):
         for attempt in range(3):
