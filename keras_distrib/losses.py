@@ -422,6 +422,11 @@ def row_weighted(value):
     loss share is returned as it is (its sum is already the global value).
 
     Outside a step on several replicas, returns `value`.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> kd.losses.row_weighted(2.5)  # outside a step: as it is
+        2.5
     """
     batch = current_batch()
     context = tf.distribute.get_replica_context()
