@@ -53,6 +53,7 @@ from tensorflow.python.ops import control_flow_util
 from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
+from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.callbacks import tensorboard as keras_tensorboard
 from keras.src.losses import loss as keras_loss
@@ -119,6 +120,14 @@ PRIVATE_NAMES = (
     ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
     ("keras.src.models.functional", "Functional", "class"),
     ("keras.src.models.model", "functional_init_arguments", "function(args, kwargs)"),
+    ("keras.src.backend.tensorflow.random", "normal", "function(shape, seed), replaced (kd steps lay draws out)"),
+    ("keras.src.backend.tensorflow.random", "uniform", "function(shape, seed), replaced"),
+    ("keras.src.backend.tensorflow.random", "truncated_normal", "function(shape, seed), replaced"),
+    ("keras.src.backend.tensorflow.random", "randint", "function(shape, seed), replaced"),
+    ("keras.src.backend.tensorflow.random", "dropout", "function(inputs, rate, noise_shape, seed), replaced"),
+    ("keras.src.backend.tensorflow.random", "categorical", "function(logits, num_samples, seed), replaced"),
+    ("keras.metrics.Mean", "total", "variable set in __init__"),
+    ("keras.metrics.Mean", "count", "variable set in __init__"),
     ("keras.Model", "_compile_loss", "attribute set by compile"),
     ("keras.Model", "_loss_tracker", "attribute set by compile"),
     ("keras.Model", "_compute_loss", "method(x, y, y_pred, sample_weight, training)"),
@@ -290,6 +299,72 @@ def exit_summary_contexts(callback, ignore):
 def unscale_for_tracker(share):
     """The value Keras's trackers expect: the replica loss times R."""
     return keras_loss.unscale_loss_for_distribution(share)
+
+
+_LOSS_CALL_REPLACED = []
+
+
+def replace_loss_object_call(make_call):
+    """Makes every `keras.losses.Loss` object call `make_call(keras_call)` (once, idempotent).
+
+    `keras_call(loss, y_true, y_pred, sample_weight)` is Keras's own
+    `Loss.__call__`. Subclasses with a `__call__` of their own (Keras's
+    `CompileLoss`, kd's wrappers) are not affected.
+    """
+    if _LOSS_CALL_REPLACED:
+        return
+    keras_loss.Loss.__call__ = make_call(keras_loss.Loss.__call__)
+    _LOSS_CALL_REPLACED.append(True)
+
+
+# Keras's TensorFlow random functions kd lays out over the global batch:
+# name -> whether the first argument is a shape (else an input tensor).
+RANDOM_DRAWS = {"normal": True, "uniform": True, "truncated_normal": True, "randint": True,
+                "dropout": False, "categorical": False}
+
+
+def replace_random_draws(make_draw):
+    """Makes Keras's random functions call `make_draw(name, shaped, keras_draw)` (idempotent).
+
+    Every `keras.random.*` call of those in `RANDOM_DRAWS` (Keras's layers
+    included) goes through the backend module patched here.
+    """
+    for name, shaped in RANDOM_DRAWS.items():
+        current = getattr(keras_tf_random, name)
+        if getattr(current, "replaced_by_kd", False):
+            continue
+        draw = make_draw(name, shaped, current)
+        draw.replaced_by_kd = True
+        setattr(keras_tf_random, name, draw)
+
+
+def replace_metric_result(metric, make_result):
+    """Makes `metric.result()` call `make_result(metric, keras_result)` (idempotent)."""
+    if getattr(vars(metric).get("result"), "replaced_by_kd", False):
+        return
+    result = make_result(metric, metric.result)
+    result.replaced_by_kd = True
+    object.__setattr__(metric, "result", result)
+
+
+def replace_mean_update(metric, make_update):
+    """Makes a `keras.metrics.Mean`'s `update_state` call `make_update(metric, keras_update)`.
+
+    Only metrics whose `update_state` is Mean's own (trackers fed values, not
+    `MeanMetricWrapper`s fed `y_true, y_pred`). Idempotent.
+    """
+    if type(metric).update_state is not keras.metrics.Mean.update_state:
+        return
+    if getattr(vars(metric).get("update_state"), "replaced_by_kd", False):
+        return
+    update = make_update(metric, metric.update_state)
+    update.replaced_by_kd = True
+    object.__setattr__(metric, "update_state", update)
+
+
+def mean_variables(metric):
+    """A `keras.metrics.Mean`'s (total, count) variables."""
+    return metric.total, metric.count
 
 
 def compute_loss(model, **kwargs):
@@ -844,17 +919,26 @@ def write_from_first_replica(variables):
     _write_from_one_replica(variables, last=False)
 
 
-def write_seed_state_from_last_replica(generator, before_write):
-    """Central storage: a `SeedGenerator`'s state advances once per draw, on the last replica.
+def replace_seed_next(generator, make_next):
+    """Makes `generator.next` call `make_next(generator, keras_next)` (idempotent)."""
+    if getattr(vars(generator).get("next"), "replaced_by_kd", False):
+        return
+    next_seed = make_next(generator, generator.next)
+    next_seed.replaced_by_kd = True
+    object.__setattr__(generator, "next", next_seed)
+
+
+def write_seed_state_from_last_replica(generator, before_write=None):
+    """Central storage: a `SeedGenerator`'s state is written by the last replica.
 
     Every replica draws from the same state (kd lays the draws out over the
     global batch) and computes the same next state; the one copy must keep
     the state every replica read until all have read it. Replicas are traced
     in order and TensorFlow runs the updates of a resource in the order they
     were created, so the last replica's write comes after every replica's
-    read. `before_write(variable)` runs (at trace time) before each replica's
-    write, e.g. to refuse a second draw in one step, which would read the
-    state its own replica did not write. Idempotent.
+    read (kd's steps read a state once per step and count their draws, see
+    `replace_seed_next`). `before_write(variable)`, if given, runs (at
+    trace time) before each replica's write. Idempotent.
     """
     _write_from_one_replica([generator.state], last=True, before_write=before_write)
 

@@ -69,6 +69,8 @@ def all_reduce(gradients):
     if batch is not None and batch.deferred:
         present = _all_reduce_deferred(context, batch, present)
     else:
+        if batch is not None and not batch.shares:
+            present = _row_weighted(batch, present)
         present = _sum_with_metric_states(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
@@ -108,6 +110,24 @@ def _sum_with_metric_states(context, batch, tensors):
         return replica.sum_packed(context, tensors)
     summed, batch.global_metric_states = step.sum_with_metric_states(context, tensors, variables)
     return summed
+
+
+def _row_weighted(batch, gradients):
+    """Gradients of a loss kd did not compute, weighted by the replica's rows.
+
+    No loss share was computed in this step (no `compute_loss`, Keras loss
+    object, or `kd.losses` call): the loss came from plain ops on the
+    replica's rows, and kd takes it as their mean (`keras.ops.mean` of
+    per-row terms, as Keras's guides write a VAE's loss). One device's
+    gradient of the global mean is sum_r (n_r / N) * gradient_r, exact for
+    such a loss; a replica without rows adds nothing (its mean of no rows
+    is NaN).
+    """
+    def weighted(value):
+        fraction = tf.cast(batch.fraction, value.dtype)
+        return tf.where(batch.has_rows, value * fraction, tf.zeros_like(value))
+
+    return [_map_values(g, weighted) for g in gradients]
 
 
 def _divided(gradients, global_rows):

@@ -538,6 +538,12 @@ def build_model(model, data_batch):
     whole weights, which it then cannot update).
     """
     data_batch = tree.map_structure(_first_replica_spec, data_batch)
+    layers = _keras_compat.flatten_layers(model)
+    if type(model).call is keras.Model.call and all(layer.built for layer in layers[1:]):
+        # No `call` of its own (a GAN whose train_step calls its built
+        # sub-models): nothing for Keras to trace, as on one device, where
+        # Keras builds lazily.
+        model.built = True
     optimizer = model.optimizer
     hold = optimizer is not None and not optimizer.built
     with model.distribute_strategy.scope():

@@ -36,11 +36,14 @@ from keras_distrib import _keras_compat
 from keras_distrib import penalties
 from keras_distrib import validation
 from keras_distrib.replica import current_batch
+from keras_distrib.replica import is_share
+from keras_distrib.replica import mark_share
 from keras_distrib.replica import replica_sum
 
 __all__ = [
     "global_mean",
     "global_share",
+    "row_weighted",
     "scale_regularization",
 ]
 
@@ -77,7 +80,7 @@ def global_share(numerator, local_denominator):
     numerator = _floating(_numbers("numerator", numerator, "global_share"))
     local_denominator = _numbers("local_denominator", local_denominator, "global_share")
     denominator = replica_sum(tf.cast(local_denominator, numerator.dtype))
-    return tf.math.divide_no_nan(numerator, denominator)
+    return mark_share(tf.math.divide_no_nan(numerator, denominator))
 
 
 def global_mean(per_example_loss, sample_weight=None):
@@ -210,13 +213,13 @@ def scale_regularization(losses, *, local_rows=None):
     named = [("losses", losses)] if single else [(f"losses[{i}]", l) for i, l in enumerate(losses)]
     terms = [(name, _floating(_numbers(name, term, "scale_regularization"))) for name, term in named]
     if not terms:
-        return tf.constant(0.0, keras.config.floatx())
+        return mark_share(tf.constant(0.0, keras.config.floatx()))
     dtype = terms[0][1].dtype
     terms = [(name, tf.cast(term, dtype)) for name, term in terms]
     total = tf.add_n([tf.reduce_sum(term) for _, term in terms])
     replicas = _replicas_in_sync()
     if replicas == 1:
-        return total
+        return mark_share(total)
     _refuse_other_replicas_terms(terms)
     kinds = [(name, term, penalties.kind_of(term)) for name, term in terms]
     refused = [(name, kind) for name, _, kind in kinds if isinstance(kind, penalties.Unknown)]
@@ -245,7 +248,7 @@ def scale_regularization(losses, *, local_rows=None):
         fraction = tf.math.divide_no_nan(rows, replica_sum(rows))
         means = tf.add_n(by_kind[penalties.ROW_MEAN])
         share += tf.where(rows > 0, means * fraction, tf.zeros_like(means))
-    return share
+    return mark_share(share)
 
 
 def _same_device(first, second):
@@ -425,6 +428,10 @@ class GlobalShareMean(keras.metrics.Mean):
         batch = current_batch()
         if batch is None:
             return super().update_state(values, sample_weight=sample_weight)
+        if self.weighting == "rows" and not getattr(batch, "tracking_loss", False):
+            # A custom step feeding the model's tracker (`metric.update_state(loss)`
+            # for the metric named "loss"): one device's Mean adds the value once.
+            return _tracker_update(self, super().update_state)(values, sample_weight)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         share = tf.cast(values, self.dtype) / replicas
         if share.shape.rank != 0:
@@ -493,5 +500,107 @@ def install_global_losses(model):
 def track_loss(model, share):
     """Updates the model's loss tracker with a replica's loss share."""
     tracker = _keras_compat.loss_tracker(model)
-    if tracker is not None:
+    if tracker is None:
+        return
+    batch = current_batch()
+    if batch is not None:
+        batch.tracking_loss = True
+    try:
         tracker.update_state(_keras_compat.unscale_for_tracker(share))
+    finally:
+        if batch is not None:
+            batch.tracking_loss = False
+
+
+# ---------------------------------------------------------------------------
+# A custom step's own losses and trackers.
+
+
+def _loss_object_call(keras_call):
+    """`keras.losses.Loss.__call__` that returns a share of the global loss in a kd step.
+
+    Keras's loss objects reduce over the replica's own rows and divide by R:
+    each replica's mean weighs the same, whatever its rows. Called in a kd
+    replica step (a custom `train_step`'s `self.loss_fn(y, y_pred)`), the
+    object computes what kd's compiled losses compute: this replica's share
+    of the global-batch value, recorded as a share (`replica.mark_share`).
+    Inside a kd model's forward pass (a layer's `add_loss` of a loss object)
+    it stays Keras's: kd weighs `add_loss` terms by the replica's rows.
+    """
+
+    def call(loss, y_true, y_pred, sample_weight=None):
+        batch = current_batch()
+        if batch is None or batch.in_forward or loss.reduction in (None, "none"):
+            return keras_call(loss, y_true, y_pred, sample_weight)
+        return mark_share(GlobalReductionLoss(loss)(y_true, y_pred, sample_weight=sample_weight))
+
+    return call
+
+
+def exact_loss_objects():
+    """Makes Keras's loss objects give global shares in kd steps (see `_loss_object_call`).
+
+    Installed when a kd model makes its first step, not on import; outside
+    a kd replica step loss objects are Keras's own. Idempotent.
+    """
+    _keras_compat.replace_loss_object_call(_loss_object_call)
+
+
+def row_weighted(value):
+    """This replica's part of a per-replica scalar that kd did not compute.
+
+    A scalar computed from the replica's own rows with plain ops (a
+    `keras.ops.mean` over them) is taken as a mean over those rows: the
+    global-batch value is sum_r (n_r / N) * value_r, exact for any mean of
+    per-row terms, and for a value every replica shares (a learning rate).
+    A replica without rows adds 0 (its mean of no rows is NaN). A recorded
+    loss share is returned as it is (its sum is already the global value).
+
+    Outside a step on several replicas, returns `value`.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> kd.losses.row_weighted(2.5)  # outside a step: as it is
+        2.5
+    """
+    batch = current_batch()
+    context = tf.distribute.get_replica_context()
+    if batch is None or context is None or context.num_replicas_in_sync == 1 or is_share(value):
+        return value
+    value = tf.convert_to_tensor(value)
+    fraction = tf.cast(batch.fraction, value.dtype)
+    return tf.where(batch.has_rows, value * fraction, tf.zeros_like(value))
+
+
+def _tracker_update(metric, keras_update):
+    """A `keras.metrics.Mean` tracker's `update_state` that one device's value reaches.
+
+    On one device, `tracker.update_state(v)` adds v to the total and 1 to
+    the count. In a kd step on several replicas a scalar v adds its
+    replica's part of the global value (a loss share as it is, any other
+    scalar weighted by the replica's rows, see `row_weighted`), and replica
+    0 counts the step once: summed over replicas, the same total and count.
+    Tensors of values (and weighted updates) are Keras's own: summing their
+    per-replica totals and counts is already exact.
+    """
+    total, count = _keras_compat.mean_variables(metric)
+
+    def update_state(values, sample_weight=None):
+        batch = current_batch()
+        context = tf.distribute.get_replica_context()
+        if batch is None or context is None or context.num_replicas_in_sync == 1 \
+                or sample_weight is not None or getattr(values, "shape", None) is None \
+                or values.shape.rank != 0:
+            return keras_update(values, sample_weight=sample_weight)
+        part = row_weighted(values)
+        total.assign_add(tf.cast(part, total.dtype))
+        count.assign_add(tf.cast(tf.equal(context.replica_id_in_sync_group, 0), count.dtype))
+
+    return update_state
+
+
+def exact_trackers(metrics):
+    """Gives each `keras.metrics.Mean` tracker in `metrics` one device's update (idempotent)."""
+    for metric in metrics:
+        if not isinstance(metric, GlobalShareMean):
+            _keras_compat.replace_mean_update(metric, _tracker_update)

@@ -8,6 +8,7 @@ training.
 """
 
 import contextlib
+import functools
 import json
 import os
 import warnings
@@ -172,7 +173,11 @@ def _global_batch_call(layer, call):
         mask = kwargs.get("mask")
         if isinstance(mask, tf.Tensor) and mask.shape.rank:
             kwargs["mask"] = _place_in_global_batch(mask, batch)
-        outputs = call(_place_in_global_batch(inputs, batch), *args, **kwargs)
+        batch.laid_out += 1  # its draws are already the global batch's
+        try:
+            outputs = call(_place_in_global_batch(inputs, batch), *args, **kwargs)
+        finally:
+            batch.laid_out -= 1
         offset = tf.cast(batch.offset, tf.int32)
         mine = outputs[offset:offset + tf.shape(inputs)[0]]
         mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
@@ -181,24 +186,161 @@ def _global_batch_call(layer, call):
     return laid_out
 
 
-def _one_draw_per_step(layer):
-    """Refuses a second draw from `layer`'s seed state in one replica step (central storage)."""
+def _blocks_of(rows, batch):
+    """Where a replica's `rows` lie in the global batch: k stacked blocks of its n_r rows.
 
-    def before_write(variable):
+    A draw shaped by the batch has k * n_r rows on a replica (k = 1 for
+    `(batch_size, d)`; k = 2 for a GAN's labels, a `tf.concat` of two
+    batches): one device draws k * N, block j holding rows j*N..(j+1)*N-1.
+    Returns (k * N, the indices of this replica's rows in it). A leading
+    dimension that is not a multiple of n_r fails the step, naming the fix.
+    """
+    local = tf.cast(batch.local_rows, tf.int32)
+    rows = tf.cast(rows, tf.int32)
+    blocks = tf.math.floordiv(rows, tf.maximum(local, 1))
+    # A replica without rows draws what it is asked (a padded row, see
+    # StepPlan.pad_empty, whose outputs are dropped).
+    empty = tf.equal(local, 0)
+    check = tf.debugging.Assert(
+        tf.logical_or(empty, tf.equal(blocks * local, rows)),
+        [replica.DRAW_REFUSAL, "rows drawn:", rows, "replica rows:", local],
+    )
+    with tf.control_dependencies([check]):
+        total = tf.cast(batch.global_rows, tf.int32)
+        offset = tf.cast(batch.offset, tf.int32)
+        starts = tf.range(blocks) * total + offset
+        mine = tf.reshape(starts[:, None] + tf.range(local)[None, :], [-1])
+        indices = tf.cond(empty, lambda: tf.range(rows), lambda: mine)
+    return tf.where(empty, rows, blocks * total), indices
+
+
+def _lays_out_draws():
+    batch = replica.current_batch()
+    return batch is not None and not batch.laid_out and _spreads_over_replicas()
+
+
+def _batch_shaped(rows):
+    """Whether a draw's leading dimension `rows` may follow the batch (unknown when traced)."""
+    return rows is not None and tf.get_static_value(rows) is None
+
+
+def _global_batch_draw(name, shaped, draw):
+    """`keras.random.<name>`, drawing for the global batch in a kd step on several replicas.
+
+    As for Keras's random layers (`_global_batch_call`): Keras draws
+    statelessly from the generator's state, the same on every replica, so
+    each replica draws what one device draws for the global batch and keeps
+    its own rows. Draws whose leading dimension is known when traced (a
+    `(latent_dim,)` vector) are not shaped by the batch and stay as they are.
+    """
+
+    first_name = "shape" if shaped else {"dropout": "inputs", "categorical": "logits"}[name]
+
+    @functools.wraps(draw)
+    def drawing(*args, **kwargs):
+        if not _lays_out_draws():
+            return draw(*args, **kwargs)
+        if first_name in kwargs:
+            first = kwargs.pop(first_name)
+        else:
+            first, args = args[0], args[1:]
         batch = replica.current_batch()
-        if batch is None:
-            return
-        if id(variable) in batch.seed_writes:
-            raise ValueError(
-                f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers twice in "
-                "one training step under CentralStorageStrategy (the layer is called more than "
-                "once), and its one stored seed state cannot give each replica the draws one "
-                "device makes. Use kd.make_strategy('mirrored') on the same devices, which is "
-                "exact with it, or call the layer once per step."
-            )
-        batch.seed_writes.add(id(variable))
+        if shaped:
+            shape = tf.convert_to_tensor(first, tf.int32) if not isinstance(first, (list, tuple)) \
+                else tf.stack([tf.cast(d, tf.int32) for d in first])
+            if shape.shape.rank != 1 or shape.shape[0] in (None, 0) or not _batch_shaped(shape[0]):
+                return draw(first, *args, **kwargs)
+            total, indices = _blocks_of(shape[0], batch)
+            drawn = draw(tf.concat([[total], shape[1:]], 0), *args, **kwargs)
+            return tf.gather(drawn, indices)
+        inputs = tf.convert_to_tensor(first)
+        noise_shape = kwargs.get("noise_shape", args[1] if name == "dropout" and len(args) > 1 else None)
+        if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
+            return draw(first, *args, **kwargs)
+        if inputs.shape.rank in (None, 0) or (noise_shape is not None and noise_shape[0] is not None):
+            return draw(first, *args, **kwargs)
+        total, indices = _blocks_of(tf.shape(inputs)[0], batch)
+        spread = tf.scatter_nd(indices[:, None], inputs,
+                               tf.concat([[total], tf.shape(inputs)[1:]], 0))
+        mine = tf.gather(draw(spread, *args, **kwargs), indices)
+        if name == "dropout":
+            mine.set_shape(inputs.shape)
+        return mine
 
-    return before_write
+    return drawing
+
+
+
+def _pad_empty_call(layer, call):
+    """`call` of a plain Keras sub-model, fed one row of zeros for an empty input.
+
+    TensorFlow's CPU convolution kernels fail on 0 rows (a replica without
+    rows of the last batch); kd's models pad there (see StepPlan.pad_empty)
+    and so does a plain `keras.Model` called inside a kd model's step.
+    """
+
+    def padded(inputs, *args, **kwargs):
+        batch = replica.current_batch()
+        if batch is None or batch.in_forward or not batch.plan.pad_empty or \
+                not isinstance(inputs, tf.Tensor) or inputs.shape.rank in (None, 0):
+            return call(inputs, *args, **kwargs)
+        has_rows = tf.shape(inputs)[0] > 0
+        filler = lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+        outputs = call(tf.cond(has_rows, lambda: inputs, filler), *args, **kwargs)
+
+        def cut(value):
+            if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+                return value
+            return _keras_compat.keep_keras_logits(
+                value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
+
+        return tree.map_structure(cut, outputs)
+
+    return padded
+
+
+def _recorded_result(metric, result):
+    """`metric.result` that tells kd's step which logs are this metric's (see step.py)."""
+
+    def recorded():
+        value = result()
+        batch = replica.current_batch()
+        if batch is not None:
+            if isinstance(value, dict):
+                for key, leaf in value.items():
+                    batch.metric_results[id(leaf)] = (leaf, key)
+            else:
+                batch.metric_results[id(value)] = (value, metric.name)
+        return value
+
+    return recorded
+
+
+def _counted_draws(generator, keras_next):
+    """`generator.next` that reads its state once per replica step.
+
+    Keras's `next()` reads the state and writes it plus [0, 1]. Under
+    CentralStorageStrategy the one stored state is written by the last
+    replica only (see `_keras_compat.write_seed_state_from_last_replica`),
+    so a second draw in the step would read, on the other replicas, a state
+    their own first draw did not advance. Here each replica reads the state
+    at its first draw and counts its draws: the i-th draw of the step gets
+    the state plus [0, i], as on one device, on every replica.
+    """
+
+    def next_seed(ordered=True):
+        batch = replica.current_batch()
+        if batch is None or not ordered or not _spreads_over_replicas():
+            return keras_next(ordered)
+        start, count = batch.seed_draws.get(id(generator), (None, 0))
+        if start is None:
+            start = tf.convert_to_tensor(generator.state.value) * 1
+        step = tf.constant([0, 1], start.dtype)
+        generator.state.assign(start + step * (count + 1))
+        batch.seed_draws[id(generator)] = (start, count + 1)
+        return start + step * count
+
+    return next_seed
 
 
 def _random_layer_problem(layer):
@@ -206,8 +348,10 @@ def _random_layer_problem(layer):
     if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS) or not _keras_compat.owned_seed_generators(layer):
         return None
     rates = [getattr(layer, name, None) for name in ("dropout", "recurrent_dropout")]
-    if any(rate is not None for rate in rates) and not any(rates):
-        return None  # an RNN cell without dropout: its generator is never used
+    if not any(rates):
+        # Its `keras.random` draws are laid out over the global batch
+        # (`_global_batch_draw`); an RNN cell without dropout never draws.
+        return None
     return (
         f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers in a way kd "
         "cannot lay out over the global batch, so each replica's draws would differ from "
@@ -323,8 +467,9 @@ def _defers_scaling(model, batch, *, training):
     """
     if not _spreads_over_replicas():
         return False
-    for name in ("compute_loss", "_compute_loss"):
-        if getattr(getattr(model, name), "__func__", None) is not getattr(keras.Model, name):
+    for name, own in (("compute_loss", DistributedModelMixin.compute_loss),
+                      ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
+        if getattr(getattr(model, name), "__func__", None) is not own:
             return False
     compiled = _keras_compat.compiled_loss(model)
     if compiled is not None:
@@ -642,6 +787,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                     _PER_REPLICA_BATCH_NORM.discard(layer)
             if isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS):
                 _keras_compat.replace_call(layer, _global_batch_call)
+            elif isinstance(layer, keras.Model) and layer is not self \
+                    and not isinstance(layer, DistributedModelMixin):
+                _keras_compat.replace_call(layer, _pad_empty_call)
         for layer, variable in layer_state(self):
             _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
         self._prepare_replica_writes()
@@ -669,7 +817,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if isinstance(layer, keras.layers.BatchNormalization):
                 _keras_compat.write_from_first_replica(layer.non_trainable_variables)
             for generator in _keras_compat.owned_seed_generators(layer):
-                _keras_compat.write_seed_state_from_last_replica(generator, _one_draw_per_step(layer))
+                _keras_compat.write_seed_state_from_last_replica(generator)
+                _keras_compat.replace_seed_next(generator, _counted_draws)
         object.__setattr__(self, "_kd_replica_writes", self.built)
 
     _kd_replica_writes = False
@@ -752,7 +901,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         batch.losses, batch.owner, batch.in_forward = [], self, True
         try:
             if plan.xla_forward:
-                if any(isinstance(layer, _GLOBAL_BATCH_RANDOM_LAYERS)
+                if any(_keras_compat.owned_seed_generators(layer)
                        for layer in _keras_compat.flatten_layers(self)):
                     batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
                 outputs, batch.losses = self._xla_forward(*args, **kwargs)
@@ -888,10 +1037,44 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     # The compiled steps (Keras's names; each is a `keras_distrib.step.Step`).
 
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """`keras.Model.compute_loss`: in a kd step, this replica's share of the global loss.
+
+        The shares of all replicas sum to the loss one device computes for
+        the global batch; kd records the value as a share, so a tracker fed
+        it (`tracker.update_state(loss)`) and a step returning it log one
+        device's value.
+        """
+        return replica.mark_share(super().compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training))
+
+    def _optimizers(self):
+        """Every Keras optimizer the model holds as an attribute (a GAN's two, say)."""
+        found = []
+        for value in vars(self).values():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            found.extend(v for v in values if isinstance(v, keras.optimizers.Optimizer)
+                         and all(v is not f for f in found))
+        return found
+
+    def _prepare_custom_step(self):
+        """kd's gradient pipeline for every optimizer; one device's logs from every metric."""
+        # Keras's loss objects and random draws change only inside kd's
+        # replica steps; installed here, at the first step, not on import.
+        kd_losses.exact_loss_objects()
+        _keras_compat.replace_random_draws(_global_batch_draw)
+        for optimizer in self._optimizers():
+            gradients.install(optimizer)
+        metrics = list(self.metrics)
+        kd_losses.exact_trackers(metrics)
+        for metric in metrics:
+            _keras_compat.replace_metric_result(metric, _recorded_result)
+
     def _make_step(self, kind):
         self._check_strategy(training=kind == "train")
         self._check_exactness(training=kind == "train")
         self._prepare_layers()
+        self._prepare_custom_step()
         return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
 
     def make_train_function(self, force=False):

@@ -27,8 +27,10 @@ __all__ = [
     "StepPlan",
     "batch_rows",
     "current_batch",
+    "is_share",
     "keep_losses",
     "kept_losses",
+    "mark_share",
     "piece_order",
     "replica_batch",
     "replica_sum",
@@ -36,6 +38,16 @@ __all__ = [
 ]
 
 _STATE = threading.local()
+
+# Said (and raised as a ValueError by kd's step) when a random draw's leading
+# dimension is not a multiple of the replica's rows (see models._blocks_of).
+DRAW_REFUSAL = (
+    "kd: a random draw in a step on several replicas has a leading dimension that is not a "
+    "multiple of the rows of the replica, so kd cannot lay it out over the global batch as one "
+    "device draws it. Draw with a leading dimension of k * the batch size "
+    "(keras.random.normal((tf.shape(x)[0], ...), seed=...)), or with a leading dimension "
+    "known when traced (not shaped by the batch)."
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,9 +115,12 @@ class ReplicaBatch:
         self.owner = None
         self.in_forward = False
         self.moments_token = None
-        self.seed_writes = set()  # ids of seed states drawn from (central storage)
         self.metric_variables = None
         self.global_metric_states = None
+        self.seed_draws = {}  # id of a SeedGenerator -> (its state read, draws) in this step
+        self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
+        self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
+        self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
 
     @property
     def global_rows(self):
@@ -191,6 +206,24 @@ class ReplicaBatch:
         """Keeps an `add_loss` term of the current forward pass."""
         if self.in_forward and self.losses is not None:
             self.losses.extend(tree.flatten(loss))
+
+
+def mark_share(value):
+    """Records `value` as a loss share kd computed (their sum over replicas is the global loss).
+
+    Trackers, logs and the gradient all-reduce tell shares from values kd
+    did not compute (see `is_share`). Returns `value`.
+    """
+    batch = current_batch()
+    if batch is not None and tf.is_tensor(value):
+        batch.shares[id(value)] = value
+    return value
+
+
+def is_share(value):
+    """Whether `value` is a loss share recorded in the current step by `mark_share`."""
+    batch = current_batch()
+    return batch is not None and batch.shares.get(id(value)) is value
 
 
 def batch_rows(x):

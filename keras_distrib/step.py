@@ -241,20 +241,65 @@ def reduce_mean(strategy, value):
     return value
 
 
-def step_logs(model, strategy, outputs, states=None):
-    """Global logs for the outputs of a replica step.
+def _path_key(path):
+    return "/".join(map(str, path))
 
-    Keys that name a model metric take the metric's global value (from
-    `states`, the global metric states the step brought, if given); anything
-    else a custom `train_step` returns is averaged over replicas.
+
+def replica_logs(outputs, sources):
+    """What a replica step returns, ready to be reduced over the replicas (replica context).
+
+    A custom step may return anything; one device's value of each entry is
+    what kd's logs report:
+
+    - a metric's `result()` (also inside Keras's nested `compile_metrics`):
+      recorded in `sources` (path -> log key), read later as the metric's
+      global value;
+    - a loss share kd computed (`compute_loss`, a Keras loss object,
+      `kd.losses`): its sum over replicas, so times R before the mean;
+    - any other scalar: taken as a mean over the replica's rows (or a value
+      every replica shares), weighted by n_r / N (`kd.losses.row_weighted`),
+      times R before the mean;
+    - anything else: Keras's mean over replicas.
     """
-    if not isinstance(outputs, dict):
-        return tree.map_structure(lambda v: reduce_mean(strategy, v), outputs)
-    metric_values = metric_results(model, states)
-    return {
-        key: metric_values[key] if key in metric_values else reduce_mean(strategy, value)
-        for key, value in outputs.items()
-    }
+    from keras_distrib import losses as kd_losses  # losses imports replica, not step
+
+    batch = replica.current_batch()
+    if batch is None:
+        return outputs
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync if context is not None else 1
+    leaves = []
+    for path, value in tree.flatten_with_path(outputs):
+        record = batch.metric_results.get(id(value))
+        if record is not None and record[0] is value:
+            sources[path] = record[1]
+        elif replicas > 1 and tf.is_tensor(value) and value.dtype.is_floating \
+                and value.shape.rank == 0:
+            value = kd_losses.row_weighted(value) * tf.cast(replicas, value.dtype)
+        leaves.append(value)
+    return tree.pack_sequence_as(outputs, leaves)
+
+
+def step_logs(model, strategy, outputs, sources=None, extras=None, states=None):
+    """Global logs for the outputs of a replica step (see `replica_logs`).
+
+    Entries recorded in `sources` take their metric's global value; the
+    others are averaged over replicas (`extras`, by path, when already
+    reduced). Nested dicts (Keras's `compile_metrics`) keep their nesting.
+    `states`: the global metric states the step's gradient all-reduce
+    brought, if any (no collective then; see `sum_with_metric_states`).
+    """
+    sources = sources or {}
+    metric_values = metric_results(model, states) if sources else {}
+    leaves = []
+    for path, value in tree.flatten_with_path(outputs):
+        if path in sources and sources[path] in metric_values:
+            leaves.append(metric_values[sources[path]])
+        elif extras is not None and _path_key(path) in extras:
+            leaves.append(extras[_path_key(path)])
+        else:
+            leaves.append(reduce_mean(strategy, value))
+    return tree.pack_sequence_as(outputs, leaves)
 
 
 def metrics_only(step_method):
@@ -313,7 +358,7 @@ def plan_for(model, *, looped=False):
     )
 
 
-def replica_function(model, kind, *, looped=False):
+def replica_function(model, kind, *, looped=False, sources=None):
     """One replica's step of `kind`, inside its `ReplicaBatch`.
 
     Returns `(outputs, states)`: the step's outputs, and the global metric
@@ -330,6 +375,7 @@ def replica_function(model, kind, *, looped=False):
     step_fn = {"train": model.train_step, "test": model.test_step,
                "predict": model.predict_step}[kind]
     plan = plan_for(model, looped=looped)
+    sources = {} if sources is None else sources
 
     # Not converted by AutoGraph, as Keras 3 does not convert its steps: a
     # step holds no Python control flow on tensors, and converting it (and
@@ -347,6 +393,7 @@ def replica_function(model, kind, *, looped=False):
         with tf.control_dependencies(arrived), \
                 replica.replica_batch(replica.batch_rows(x), plan) as batch:
             outputs = step_fn(data)
+            outputs = outputs if kind == "predict" else replica_logs(outputs, sources)
             return outputs, batch.global_metric_states
 
     if not model.jit_compile or model.run_eagerly or plan.xla_forward:
@@ -381,16 +428,17 @@ class Step:
         self.steps = steps
         self.strategy = model.distribute_strategy
         strategies.check_collective_keys(self.strategy)
-        self._single = replica_function(model, kind)
-        self._looped = replica_function(model, kind, looped=True)
+        # Which of a step's outputs are metric results (path -> log key), learnt while tracing.
+        self._sources = {}
+        self._single = replica_function(model, kind, sources=self._sources)
+        self._looped = replica_function(model, kind, looped=True, sources=self._sources)
         # Collectives inside a compiled loop keep their first iteration's
         # shape; gathering predictions across workers (or sparse gradients,
         # see SparseGradientInLoop) changes shape with the batch.
         self._looping = not (kind == "predict" and strategies.traits(self.strategy).is_multi_worker)
         # What the looped step returns besides metrics, learnt while tracing.
         self._carried_specs = None
-        self._carried_keys = frozenset()
-        self._output_keys = None
+        self._outputs = None  # the structure the looped step returns
         self._states_carried = False
         self._compile()
 
@@ -404,18 +452,16 @@ class Step:
     def _finish(self, outputs, extras, states=None):
         if self.kind == "predict":
             return _keras_compat.concat_replicas(outputs, self.strategy)
-        logs = step_logs(self.model, self.strategy, outputs, _global_states_of(self.strategy, states))
-        if isinstance(logs, dict):
-            logs.update(extras)
-        return logs
+        return step_logs(self.model, self.strategy, outputs, self._sources, extras,
+                         _global_states_of(self.strategy, states))
 
     @tf.autograph.experimental.do_not_convert
     def _extras(self, outputs):
-        # Values a custom step returns that are not metrics (usually none).
-        if self.kind == "predict" or not isinstance(outputs, dict):
+        # Outputs of a custom step that are not metric results (usually none), by path.
+        if self.kind == "predict":
             return {}
-        names = metric_names(self.model) - self._carried_keys
-        return {k: reduce_mean(self.strategy, v) for k, v in outputs.items() if k not in names}
+        return {_path_key(path): reduce_mean(self.strategy, value)
+                for path, value in tree.flatten_with_path(outputs) if path not in self._sources}
 
     def _one(self, iterator, logs=True):
         outputs, states = self._run(next(iterator))
@@ -474,16 +520,12 @@ class Step:
     @tf.autograph.experimental.do_not_convert
     def _carry(self, outputs, carried):
         """The outputs to carry out of the loop; records their specs while tracing."""
-        if isinstance(outputs, dict):
-            self._output_keys = list(outputs)
-            values = self._extras(outputs)
-        else:
-            self._output_keys = None
-            values = tree.map_structure(lambda v: reduce_mean(self.strategy, v), outputs)
+        self._outputs = outputs
+        values = self._extras(outputs)
         if tf.executing_eagerly():  # run_eagerly: nothing is traced
             return values
         specs = tree.map_structure(tf.type_spec_from_value, values)
-        if carried is None and isinstance(values, dict) and not values:
+        if carried is None and not values:
             self._carried_specs = specs  # nothing to carry, as the loop assumed
         elif carried is None or not _same_specs(specs, carried):
             self._carried_specs = specs
@@ -492,15 +534,7 @@ class Step:
 
     @tf.autograph.experimental.do_not_convert
     def _loop_logs(self, last, states):
-        if self._output_keys is None:
-            return last
-        metric_values = metric_results(self.model, states)
-        missing = [k for k in self._output_keys if k not in last and k not in metric_values]
-        if missing:
-            # A key named like a metric that no metric reports: carry it too.
-            self._carried_keys = self._carried_keys | set(missing)
-            raise _CarriedOutputs()
-        return {k: last[k] if k in last else metric_values[k] for k in self._output_keys}
+        return step_logs(self.model, self.strategy, self._outputs, self._sources, last, states)
 
     def _many_predictions(self, iterator, count, first):
         flat = tree.flatten(first)
@@ -579,6 +613,10 @@ class Step:
             return self._stepwise(iterator, count, quiet)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
+        except tf.errors.InvalidArgumentError as error:
+            if replica.DRAW_REFUSAL in str(error.message):
+                raise ValueError(replica.DRAW_REFUSAL) from None
+            raise
 
     def _call_many(self, iterator, count, quiet=""):
         for attempt in range(3):

@@ -59,12 +59,9 @@ REFUSED = {
     ("central_storage2", "ema"): ("`use_ema`=True", _CENTRAL),
     ("central_storage2", "mixed_float16"): ("LossScaleOptimizer", _CENTRAL),
     ("central_storage2", "nonfinite_on_one_replica"): ("LossScaleOptimizer", _CENTRAL),
-    ("central_storage2", "shared_dropout"): ("(Dropout) draws random numbers twice in one training step",
-                                             "kd.make_strategy('mirrored')"),
     ("jit_mirrored2", "sync_batch_norm"): ("(BatchNormalization) all-reduces its global", _JIT),
     ("jit_mirrored2", "dropout_bn_noise"): ("(BatchNormalization) all-reduces its global", _JIT),
     ("mirrored2", "running_mean"): ("(RunningMean) assigns its variable", "`assign`"),
-    ("mirrored2", "custom_random_layer"): ("(NoisyScale) draws random numbers in a way kd cannot",),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
 }
 

@@ -118,3 +118,22 @@ def test_fine_tune_ecosystem_models(tmp_path):
     assert "failed (on one device it runs)" in result["plain"] and "bool" in result["plain"], result
     assert result["reloaded"] is True
     assert "keras" in result["tags"], result  # the model graph, for kd's FunctionalModel
+
+
+@pytest.mark.cluster
+def test_own_train_step(tmp_path):
+    result = run_notebook(
+        "own_train_step", {"EPOCHS": 2, "ROWS": 225},
+        "{'parity': PARITY, 'curves': CURVES, 'weights': WEIGHT_DIFF}", tmp_path,
+    )
+    # Every pattern (trackers, a loss object, a GAN, a VAE) passed assert_parity on
+    # mirrored and central storage; the numbers it returned are within float32 round-off.
+    assert sorted(result["parity"]) == ["gan", "own_loss", "trackers", "vae"], result
+    for found in result["parity"].values():
+        assert len(found) == 2 and all(value <= 2e-5 for value in found.values()), result
+    curves = result["curves"]
+    assert all(abs(a - b) <= 2e-5 * (1 + abs(a))
+               for a, b in zip(curves["one device"], curves["kd.Model, mirrored"])), curves
+    assert result["weights"]["kd.Model, mirrored"] <= 2e-5, result
+    # The contrast: the same class body on keras.Model under the same strategy.
+    assert result["weights"]["keras.Model, mirrored"] > 1e-3, result
