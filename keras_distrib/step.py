@@ -241,6 +241,16 @@ def plan_for(model, *, looped=False):
     )
 
 
+def _created_before_the_batch(next_creator, **kwargs):
+    # A variable a step creates on its first trace (a model built by its
+    # first call, a lazily built metric) must not wait for the step's batch:
+    # tf.function then cannot lift its initializer out of the traced graph,
+    # and XLA (`jit_compile=True`) refuses a function that initializes
+    # variables in place.
+    with tf.control_dependencies(None):
+        return next_creator(**kwargs)
+
+
 def replica_function(model, kind, *, looped=False):
     """One replica's step of `kind`, inside its `ReplicaBatch`.
 
@@ -268,7 +278,8 @@ def replica_function(model, kind, *, looped=False):
         # length) would otherwise still count itself in
         # `optimizer.iterations`, which depends on no data.
         arrived = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
-        with tf.control_dependencies(arrived), replica.replica_batch(replica.batch_rows(x), plan):
+        with tf.control_dependencies(arrived), replica.replica_batch(replica.batch_rows(x), plan), \
+                tf.variable_creator_scope(_created_before_the_batch):
             return step_fn(data)
 
     if not model.jit_compile or model.run_eagerly or plan.xla_forward:
