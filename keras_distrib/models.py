@@ -267,6 +267,15 @@ def _replica_state_updates(layer, variable):
                 value = tf.convert_to_tensor(value, variable.dtype)
                 if tf.get_static_value(value) is None:
                     batch = replica.current_batch()
+                    if batch.plan.xla_forward and batch.in_forward:
+                        raise ValueError(
+                            f"layer {layer.name!r} ({type(layer).__name__}) updates its variable "
+                            f"{variable.path!r} with `{name}` in the forward pass, which kd sums "
+                            "over the replicas with an all-reduce: `jit_compile=True` with several "
+                            "CPU replicas (or workers) compiles only the forward pass with XLA, "
+                            "because TensorFlow cannot synchronize replicas inside XLA here. Use "
+                            "jit_compile=False (or GPUs, where XLA compiles the whole step)."
+                        )
                     value = replica.replica_sum(value * tf.cast(batch.has_rows, value.dtype))
                 return keras_assign(variable.value + sign * value)
 
