@@ -36,6 +36,7 @@ VARIANTS = (
     "kd_resume_skip_pulled",
     "kd_fit_mirrored_bn_per_replica",
     "plain_fit_mirrored_sync_bn",
+    "tutorial_loop_sync_bn",
 )
 # Ratio name -> (numerator, denominator): the comparisons the targets use.
 RATIOS = {
@@ -161,12 +162,12 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
 
         return run
 
-    def tutorial_runner():
+    def tutorial_runner(synchronized=False):
         # TensorFlow's custom-training tutorial: strategy.run per step,
         # compute_average_loss with the fixed global batch.
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
         with strategy.scope():
-            model = _model(kind, keras.Model)
+            model = _model(kind, keras.Model, synchronized)
             optimizer = keras.optimizers.Adam(1e-3)
             optimizer.build(model.trainable_variables)
 
@@ -280,6 +281,9 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
             kd.Model, strategy.scope(), batch_norm="per_replica")
         builders["plain_fit_mirrored_sync_bn"] = lambda: fit_runner(
             keras.Model, strategy.scope(), synchronized=True)
+        # Keras 3's fit fails under MultiWorkerMirroredStrategy; its
+        # synchronized layers run there in the tutorial's loop.
+        builders["tutorial_loop_sync_bn"] = lambda: tutorial_runner(synchronized=True)
     built = {}
     for name in VARIANTS:  # in VARIANTS' order, the order of the tables
         if name in builders and (only is None or name in only):

@@ -9,8 +9,9 @@ holds every packet `delay` ms (one way, so a round trip takes twice that, as
 `fit` and TensorFlow's custom-loop tutorial on that link, with the same model
 (the benchmark MLP) and global batch (64). `--model cnn_bn` times a CNN with
 two BatchNormalization layers instead: kd's global statistics (its default,
-exact), kd's `batch_norm="per_replica"`, Keras 3's `synchronized=True` and
-tf-keras (per-replica statistics). Steps per second count from the
+exact), kd's `batch_norm="per_replica"`, Keras 3's `synchronized=True` (in
+the tutorial's loop: Keras 3's `fit` fails under MultiWorkerMirroredStrategy)
+and tf-keras (per-replica statistics). Steps per second count from the
 end of an epoch's first step to the end of its last: what a long epoch
 feels, without `fit`'s set-up and epoch end.
 
@@ -89,12 +90,12 @@ MODELS = ("mlp", "cnn_bn")
 BN_VARIANTS = {
     "kd_fit": "kd_fit_mirrored",
     "kd_fit_bn_per_replica": "kd_fit_mirrored_bn_per_replica",
-    "keras_sync_bn_fit": "plain_fit_mirrored_sync_bn",
+    "keras_sync_bn_loop": "tutorial_loop_sync_bn",
     "tf_keras_fit": "tf_keras_fit_mirrored",
 }
 BN_RATIOS = {
     "kd_fit / kd_fit_bn_per_replica": ("kd_fit", "kd_fit_bn_per_replica"),
-    "kd_fit / keras_sync_bn_fit": ("kd_fit", "keras_sync_bn_fit"),
+    "kd_fit / keras_sync_bn_loop": ("kd_fit", "keras_sync_bn_loop"),
     "kd_fit / tf_keras_fit": ("kd_fit", "tf_keras_fit"),
 }
 
