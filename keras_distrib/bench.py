@@ -281,7 +281,8 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
             kd.Model, strategy.scope(), batch_norm="per_replica")
         builders["plain_fit_mirrored_sync_bn"] = lambda: fit_runner(
             keras.Model, strategy.scope(), synchronized=True)
-        # Keras 3's fit fails under MultiWorkerMirroredStrategy; its
+        # Keras 3's fit of this model failed under MultiWorkerMirroredStrategy
+        # (a PerReplica conversion error in its workers); its
         # synchronized layers run there in the tutorial's loop.
         builders["tutorial_loop_sync_bn"] = lambda: tutorial_runner(synchronized=True)
     built = {}

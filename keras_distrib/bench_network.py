@@ -10,7 +10,8 @@ holds every packet `delay` ms (one way, so a round trip takes twice that, as
 (the benchmark MLP) and global batch (64). `--model cnn_bn` times a CNN with
 two BatchNormalization layers instead: kd's global statistics (its default,
 exact), kd's `batch_norm="per_replica"`, Keras 3's `synchronized=True` (in
-the tutorial's loop: Keras 3's `fit` fails under MultiWorkerMirroredStrategy)
+the tutorial's loop: Keras 3's `fit` of this model failed under
+MultiWorkerMirroredStrategy)
 and tf-keras (per-replica statistics). Steps per second count from the
 end of an epoch's first step to the end of its last: what a long epoch
 feels, without `fit`'s set-up and epoch end.
