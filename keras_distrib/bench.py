@@ -35,6 +35,8 @@ VARIANTS = (
     "kd_resume_skip",
     "kd_resume_skip_pulled",
     "kd_fit_mirrored_bn_per_replica",
+    "plain_fit_mirrored_sync_bn",
+    "tutorial_loop_sync_bn",
 )
 # Ratio name -> (numerator, denominator): the comparisons the targets use.
 RATIOS = {
@@ -52,6 +54,7 @@ RATIOS = {
     # --model cnn_bn: global BatchNormalization statistics (kd's default,
     # exact) against per-replica ones (compile(batch_norm="per_replica")).
     "kd_fit BN global / BN per_replica": ("kd_fit_mirrored", "kd_fit_mirrored_bn_per_replica"),
+    "kd_fit BN global / Keras 3 SyncBN": ("kd_fit_mirrored", "plain_fit_mirrored_sync_bn"),
 }
 TARGETS = {  # name -> (comparison, bound)
     "kd_fit / Keras 3 fit (mirrored)": (">=", 0.99),
@@ -61,7 +64,7 @@ TARGETS = {  # name -> (comparison, bound)
 }
 
 
-def _model(kind, model_class):
+def _model(kind, model_class, synchronized=False):
     import keras
 
     keras.utils.set_random_seed(0)
@@ -77,7 +80,7 @@ def _model(kind, model_class):
         x = inputs
         for filters in (16, 32):
             x = keras.layers.Conv2D(filters, 3, use_bias=False)(x)
-            x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+            x = keras.layers.ReLU()(keras.layers.BatchNormalization(synchronized=synchronized)(x))
             x = keras.layers.MaxPooling2D()(x)
         x = keras.layers.Flatten()(x)
     else:
@@ -137,9 +140,9 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
 
         return [StepClock()]
 
-    def fit_runner(model_class, scope, steps_per_execution=1, **kd_options):
+    def fit_runner(model_class, scope, steps_per_execution=1, synchronized=False, **kd_options):
         with scope:
-            model = _model(kind, model_class)
+            model = _model(kind, model_class, synchronized)
             _compile(model, steps_per_execution, **kd_options)
         callbacks = step_clock(keras.callbacks.Callback)
         return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
@@ -159,12 +162,12 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
 
         return run
 
-    def tutorial_runner():
+    def tutorial_runner(synchronized=False):
         # TensorFlow's custom-training tutorial: strategy.run per step,
         # compute_average_loss with the fixed global batch.
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
         with strategy.scope():
-            model = _model(kind, keras.Model)
+            model = _model(kind, keras.Model, synchronized)
             optimizer = keras.optimizers.Adam(1e-3)
             optimizer.build(model.trainable_variables)
 
@@ -197,12 +200,17 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
             import tf_keras
         except ImportError:
             return None
-        if kind == "cnn_bn":
-            return None
         with strategy.scope():
             tf_keras.utils.set_random_seed(0)
             inputs = tf_keras.Input((28, 28, 1))
-            if kind == "cnn":
+            if kind == "cnn_bn":  # tf-keras's default: per-replica statistics
+                x = inputs
+                for filters in (16, 32):
+                    x = tf_keras.layers.Conv2D(filters, 3, use_bias=False)(x)
+                    x = tf_keras.layers.ReLU()(tf_keras.layers.BatchNormalization()(x))
+                    x = tf_keras.layers.MaxPooling2D()(x)
+                x = tf_keras.layers.Flatten()(x)
+            elif kind == "cnn":
                 x = tf_keras.layers.Conv2D(16, 3, activation="relu")(inputs)
                 x = tf_keras.layers.MaxPooling2D()(x)
                 x = tf_keras.layers.Conv2D(32, 3, activation="relu")(x)
@@ -271,6 +279,12 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
     if kind == "cnn_bn":
         builders["kd_fit_mirrored_bn_per_replica"] = lambda: fit_runner(
             kd.Model, strategy.scope(), batch_norm="per_replica")
+        builders["plain_fit_mirrored_sync_bn"] = lambda: fit_runner(
+            keras.Model, strategy.scope(), synchronized=True)
+        # Keras 3's fit of this model failed under MultiWorkerMirroredStrategy
+        # (a PerReplica conversion error in its workers); its
+        # synchronized layers run there in the tutorial's loop.
+        builders["tutorial_loop_sync_bn"] = lambda: tutorial_runner(synchronized=True)
     built = {}
     for name in VARIANTS:  # in VARIANTS' order, the order of the tables
         if name in builders and (only is None or name in only):

@@ -7,7 +7,12 @@ process a network namespace of its own, joins the namespaces by a link that
 holds every packet `delay` ms (one way, so a round trip takes twice that, as
 `tc netem` on each worker's interface does), and times kd `fit`, tf-keras
 `fit` and TensorFlow's custom-loop tutorial on that link, with the same model
-(the benchmark MLP) and global batch (64). Steps per second count from the
+(the benchmark MLP) and global batch (64). `--model cnn_bn` times a CNN with
+two BatchNormalization layers instead: kd's global statistics (its default,
+exact), kd's `batch_norm="per_replica"`, Keras 3's `synchronized=True` (in
+the tutorial's loop: Keras 3's `fit` of this model failed under
+MultiWorkerMirroredStrategy)
+and tf-keras (per-replica statistics). Steps per second count from the
 end of an epoch's first step to the end of its last: what a long epoch
 feels, without `fit`'s set-up and epoch end.
 
@@ -81,6 +86,24 @@ RATIOS = {
     "kd_fit / tf_keras_fit": ("kd_fit", "tf_keras_fit"),
     "kd_fit / tutorial_loop": ("kd_fit", "tutorial_loop"),
 }
+MODELS = ("mlp", "cnn_bn")
+# --model cnn_bn: what BatchNormalization's statistics cost per step.
+BN_VARIANTS = {
+    "kd_fit": "kd_fit_mirrored",
+    "kd_fit_bn_per_replica": "kd_fit_mirrored_bn_per_replica",
+    "keras_sync_bn_loop": "tutorial_loop_sync_bn",
+    "tf_keras_fit": "tf_keras_fit_mirrored",
+}
+BN_RATIOS = {
+    "kd_fit / kd_fit_bn_per_replica": ("kd_fit", "kd_fit_bn_per_replica"),
+    "kd_fit / keras_sync_bn_loop": ("kd_fit", "keras_sync_bn_loop"),
+    "kd_fit / tf_keras_fit": ("kd_fit", "tf_keras_fit"),
+}
+
+
+def _variants(model):
+    """The report's variants and ratios for `model`."""
+    return (BN_VARIANTS, BN_RATIOS) if model == "cnn_bn" else (VARIANTS, RATIOS)
 # The relay's MTU: large, so a gradient all-reduce is a few packets.
 RELAY_MTU = 65000
 _CLONE_NEWNET = 0x40000000
@@ -435,14 +458,14 @@ def _tail(path, lines=25):
     return ""
 
 
-def _one_cluster(workers, *, link, delays, steps, repeats, deadline, print_fn):
+def _one_cluster(workers, *, link, delays, steps, repeats, deadline, print_fn, model="mlp"):
     """Trains on `workers` workers at each delay; returns (timings, round trips)."""
     testbed = _Testbed(workers, link)
     try:
         spec = {"worker": [f"{address}:{WORKER_PORT}" for address in testbed.addresses]}
         base_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
         worker_argv = [sys.executable, "-m", "keras_distrib.bench_network", "--worker",
-                       "--steps", str(steps), "--repeats", str(repeats),
+                       "--steps", str(steps), "--repeats", str(repeats), "--model", model,
                        "--delays", ",".join(str(d) for d in delays), "--run-id", testbed.run_id]
         with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as log_dir:
             testbed.start(
@@ -507,7 +530,7 @@ def _serve(testbed, deadline):
 
 
 def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", timeout=1800,
-        json_path=None, print_fn=print):
+        json_path=None, print_fn=print, model="mlp"):
     """Runs the network benchmark and prints its table; returns the report.
 
     Args:
@@ -520,6 +543,9 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         timeout: Seconds for the whole run; then everything is stopped.
         json_path: Also write the report here.
         print_fn: Where the table goes.
+        model: `"mlp"` (kd, tf-keras, the tutorial loop) or `"cnn_bn"`
+            (BatchNormalization: kd global and per-replica, Keras 3
+            SyncBN, tf-keras).
 
     Returns:
         The report: `steps_per_second[workers][delay][variant]` holds the
@@ -548,7 +574,7 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
     deadline = time.monotonic() + timeout
     report = {
         "format": 1,
-        "config": {"model": "mlp", "workers": list(workers), "delays_ms": list(delays), "steps": steps,
+        "config": {"model": model, "workers": list(workers), "delays_ms": list(delays), "steps": steps,
                    "repeats": repeats, "global_batch": bench.GLOBAL_BATCH, "link": resolved, "link_note": note,
                    "cpus": os.cpu_count()},
         "steps_per_second": {}, "ratios": {}, "round_trip_ms": {},
@@ -556,7 +582,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
     with _signals_raise():
         for count in workers:
             timings, round_trips = _one_cluster(count, link=resolved, delays=delays, steps=steps,
-                                                repeats=repeats, deadline=deadline, print_fn=print_fn)
+                                                repeats=repeats, deadline=deadline, print_fn=print_fn,
+                                                model=model)
             _summarize(report, count, delays, timings, round_trips)
     _print_table(report, print_fn)
     if json_path:
@@ -575,7 +602,8 @@ def _summarize(report, count, delays, timings, round_trips):
             for name, runs in timings.items()
         }
         ratios[key] = {name: speeds[key][a]["median"] / speeds[key][b]["median"]
-                       for name, (a, b) in RATIOS.items() if a in speeds[key] and b in speeds[key]}
+                       for name, (a, b) in _variants(report["config"]["model"])[1].items()
+                       if a in speeds[key] and b in speeds[key]}
         measured = round_trips.get(float(delay), [])
         trips[key] = measured and {"median": statistics.median(measured), "min": min(measured),
                                    "max": max(measured), "runs": measured}
@@ -586,24 +614,25 @@ def _summarize(report, count, delays, timings, round_trips):
 
 def _print_table(report, print_fn):
     config = report["config"]
-    print_fn(f"link={config['link']} model=mlp global_batch={config['global_batch']} steps={config['steps']} "
+    variants, ratios = _variants(config["model"])
+    print_fn(f"link={config['link']} model={config['model']} global_batch={config['global_batch']} steps={config['steps']} "
              f"repeats={config['repeats']} (steps/s: median (min-max))")
     header = f"{'workers':>7s} {'delay':>6s} {'RTT ms':>17s}"
-    for name in VARIANTS:
+    for name in variants:
         header += f" {name:>22s}"
-    header += "".join(f" {name:>24s}" for name in RATIOS)
+    header += "".join(f" {name:>24s}" for name in ratios)
     print_fn(header)
     for count, by_delay in report["steps_per_second"].items():
         for delay, speeds in by_delay.items():
             trip = report["round_trip_ms"][count][delay]
             shown = f"{trip['median']:.2f} ({trip['min']:.1f}-{trip['max']:.1f})" if trip else "-"
             row = f"{count:>7s} {delay + ' ms':>6s} {shown:>17s}"
-            for name in VARIANTS:
+            for name in variants:
                 cell = speeds.get(name)
                 shown = ("(not installed)" if cell is None else
                          f"{cell['median']:.1f} ({cell['min']:.1f}-{cell['max']:.1f})")
                 row += f" {shown:>22s}"
-            for name in RATIOS:
+            for name in ratios:
                 value = report["ratios"][count][delay].get(name)
                 row += f" {'-' if value is None else format(value, '.2f'):>24s}"
             print_fn(row)
@@ -616,9 +645,10 @@ def _worker_main(options):
     strategy = kd.make_strategy("multi_worker")
     first = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
     step_ends = []
-    built = bench.runners("mlp", options.steps, strategy, only=set(VARIANTS.values()),
+    variants, _ = _variants(options.model)
+    built = bench.runners(options.model, options.steps, strategy, only=set(variants.values()),
                           on_step_end=lambda: step_ends.append(time.perf_counter()))
-    names = [name for name, variant in VARIANTS.items() if variant in built]
+    names = [name for name, variant in variants.items() if variant in built]
 
     def ask_for(delay):
         if first:
@@ -628,7 +658,7 @@ def _worker_main(options):
 
     ask_for(0)
     for name in names:  # warm-up: trace and compile every variant
-        built[VARIANTS[name]]()
+        built[variants[name]]()
     timings = {name: {f"{delay:g}": [] for delay in options.delays} for name in names}
     for repeat in range(options.repeats):
         for delay in options.delays:
@@ -638,7 +668,7 @@ def _worker_main(options):
                 # From the end of the first step to the end of the last: the
                 # steps alone, without `fit`'s set-up and epoch end.
                 step_ends.clear()
-                built[VARIANTS[name]]()
+                built[variants[name]]()
                 speed = (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
                 timings[name][f"{delay:g}"].append(speed)
     if first:
@@ -677,6 +707,9 @@ def build_parser():
                         help="veth (veth pairs, a bridge, tc netem), relay (TUN devices and a delaying relay "
                         "in this process) or auto: veth where the kernel has netem (default)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run (default 1800)")
+    parser.add_argument("--model", choices=MODELS, default="mlp",
+                        help="mlp (kd, tf-keras, the tutorial loop; default) or cnn_bn (a CNN with "
+                        "BatchNormalization: kd global and per-replica statistics, Keras 3 SyncBN, tf-keras)")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Marks the worker processes of one run (tests look for leftovers by it).
@@ -698,7 +731,8 @@ def main(argv=None):
         return _worker_main(options)
     try:
         run(workers=options.workers, delays=options.delays, steps=options.steps,
-            repeats=options.repeats, link=options.link, timeout=options.timeout, json_path=options.json)
+            repeats=options.repeats, link=options.link, timeout=options.timeout, json_path=options.json,
+            model=options.model)
     except NetworkBenchError as error:
         print(f"keras-distrib bench --network: {error}", file=sys.stderr)
         return 2

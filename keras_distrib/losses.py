@@ -371,6 +371,12 @@ class GlobalReductionLoss(keras.losses.Loss):
                     # row: in deferred scale, R * n_r stands for N.
                     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
                     return tf.math.divide_no_nan(numerator, denominator * replicas)
+                if batch is not None and batch.knows_global_rows and _counts_rows(values):
+                    # N already known (a global BatchNormalization's
+                    # all-reduce brought it): N rows of equal size, no
+                    # all-reduce of the element count.
+                    per_row = values.shape[1:].num_elements()
+                    return tf.math.divide_no_nan(numerator, tf.cast(batch.global_rows, dtype) * per_row)
             if batch is None:
                 return global_share(numerator, denominator)
             share = tf.math.divide_no_nan(numerator, batch.global_sum(denominator))

@@ -444,6 +444,15 @@ def _replica_state_updates(layer, variable):
                 value = tf.convert_to_tensor(value, variable.dtype)
                 if tf.get_static_value(value) is None:
                     batch = replica.current_batch()
+                    if batch.plan.xla_forward and batch.in_forward:
+                        raise ValueError(
+                            f"layer {layer.name!r} ({type(layer).__name__}) updates its variable "
+                            f"{variable.path!r} with `{name}` in the forward pass, which kd sums "
+                            "over the replicas with an all-reduce: `jit_compile=True` with several "
+                            "CPU replicas (or workers) compiles only the forward pass with XLA, "
+                            "because TensorFlow cannot synchronize replicas inside XLA here. Use "
+                            "jit_compile=False (or GPUs, where XLA compiles the whole step)."
+                        )
                     value = replica.replica_sum(value * tf.cast(batch.has_rows, value.dtype))
                 return keras_assign(variable.value + sign * value)
 
@@ -464,8 +473,17 @@ def _defers_scaling(model, batch, *, training):
     own `compute_loss`, losses that reduce to a scalar, a model whose
     optimizer has kd's gradient pipeline. A step that reads the share in
     any other way keeps the global count, read before the loss.
+
+    Nor where a layer's backward pass crosses replicas (BatchNormalization
+    with global statistics): a replica's gradient then holds parts of the
+    other replicas' loss shares, which the correction by its own R * n_r
+    would scale wrongly on uneven batches. N then travels in the layer's
+    own all-reduce (`global_moments`), at no extra collective.
     """
     if not _spreads_over_replicas():
+        return False
+    if training and any(_global_batch_norm(layer) and layer.trainable
+                        for layer in _keras_compat.flatten_layers(model)):
         return False
     for name, own in (("compute_loss", DistributedModelMixin.compute_loss),
                       ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
@@ -510,12 +528,19 @@ def global_moments(layer, inputs, mask, keras_moments):
     (unless compiled with `batch_norm="per_replica"`, and then still the
     synchronized ones), so statistics are those of the global batch.
 
-    One device computes `mean = sum(x) / n` and then
-    `variance = sum((x - mean)^2) / n`; so does this, with each sum
-    all-reduced (two all-reduces, Keras's version takes three and uses
-    E[x^2] - E[x]^2, which loses digits). A replica whose batch is empty (or
-    padded, see StepPlan) contributes zero rows. Masked inputs follow Keras's
-    masked formula, over the global weight sum.
+    One all-reduce in the forward pass (and so one in the backward pass):
+    each replica computes its own row count n_i, mean m_i and sum of
+    squared deviations M2_i (two passes over its rows, as one device does),
+    and the all-reduce gathers every replica's triple (each in its own slot
+    of a zero-filled buffer). Every replica then merges them in the same
+    order, Chan et al.'s parallel formula: N = sum n_i, mean = sum n_i m_i / N,
+    M2 = sum M2_i + sum n_i (m_i - mean)^2, variance = M2 / N. No E[x^2] -
+    E[x]^2 cancellation: float64 stays within 1e-12 of one device. The
+    buffer holds R slots of 2C + 1 values (C channels), as PyTorch's
+    SyncBatchNorm gathers; Keras's `synchronized=True` takes three
+    all-reduces. A replica whose batch is empty (or padded, see StepPlan)
+    contributes n_i = 0. Masked inputs follow Keras's masked formula (mean
+    and variance over the weight sum plus epsilon).
     """
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()
@@ -527,37 +552,54 @@ def global_moments(layer, inputs, mask, keras_moments):
     dtype = inputs.dtype
     live = tf.cast(batch.has_rows, dtype)
     if mask is None:
-        weights = None
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), dtype)
-        count = tf.fill(tf.shape(tf.reduce_sum(inputs, axes, keepdims=True)), count)
-        epsilon = 0.0
+        count = tf.reshape(count * live, [1])
     else:
-        weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), dtype)
-        count = tf.reduce_sum(weights, axes, keepdims=True)
-        epsilon = keras.backend.epsilon()
-    values = inputs if weights is None else tf.where(weights > 0, inputs, tf.zeros_like(inputs))
-    local_total = tf.reduce_sum(values, axes, keepdims=True) * live
+        kept = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(inputs))
+        kept = tf.logical_and(kept, batch.has_rows)
+        count = tf.reshape(tf.reduce_sum(tf.cast(kept, dtype), axes), [-1])
+        inputs = tf.where(kept, inputs, tf.zeros_like(inputs))
+    channels = tf.shape(tf.reduce_sum(inputs, axes, keepdims=True))
+    local_sum = tf.reduce_sum(inputs, axes, keepdims=True) * live
+    local_mean = tf.math.divide_no_nan(local_sum, count if mask is None else tf.reshape(count, channels))
+    squares = tf.math.squared_difference(inputs, tf.stop_gradient(local_mean))
+    if mask is not None:
+        squares = tf.where(kept, squares, tf.zeros_like(squares))
+    local_m2 = tf.reduce_sum(squares, axes, keepdims=True) * live
+    own = [count, tf.reshape(local_mean, [-1]), tf.reshape(local_m2, [-1])]
+    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
+    if brings_rows:
+        own.insert(0, tf.reshape(tf.cast(batch.local_rows, dtype), [1]))
+    own = tf.concat(own, 0)
+    replicas = context.num_replicas_in_sync
+    slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
+    local = slots[:, None] * own[None, :]
     if batch.moments_token is not None:
-        local_total += tf.cast(batch.moments_token, dtype)
-    total, count = context.all_reduce(tf.distribute.ReduceOp.SUM, [local_total, count * live])
-    if weights is None:
-        mean = tf.math.divide_no_nan(total, count)
+        local += tf.cast(batch.moments_token, dtype)
+    gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    batch.moments_token = _moments_token(gathered, dtype)
+    if brings_rows:
+        batch.learn_global_rows(tf.reduce_sum(tf.stop_gradient(gathered[:, 0])))
+        gathered = gathered[:, 1:]
+    size = tf.size(local_mean)
+    counts, means, m2s = tf.split(gathered, [tf.size(count), size, size], axis=1)
+    total_count = tf.reduce_sum(counts, 0)
+    total = tf.reduce_sum(counts * means, 0)
+    mean = tf.math.divide_no_nan(total, total_count)
+    spread = tf.reduce_sum(m2s, 0) + tf.reduce_sum(
+        counts * tf.math.squared_difference(means, tf.stop_gradient(mean)), 0)
+    if mask is None:
+        variance = tf.math.divide_no_nan(spread, total_count)
     else:
-        mean = total / (count + epsilon)
-    centred = tf.math.squared_difference(inputs, tf.stop_gradient(mean))
-    if weights is not None:
-        centred = tf.where(weights > 0, centred, tf.zeros_like(centred))
-    local_spread = tf.reduce_sum(centred, axes, keepdims=True) * live
-    spread = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, local_spread + _moments_token(total, dtype)
-    )
-    batch.moments_token = _moments_token(spread, dtype)
-    if weights is None:
-        variance = tf.math.divide_no_nan(spread, count)
-    else:
-        variance = spread / (count + epsilon)
+        # Keras divides by the weight sum plus epsilon, and measures the
+        # squares about that (slightly shrunk) mean.
+        shrunk = total / (total_count + keras.backend.epsilon())
+        spread += total_count * tf.math.squared_difference(mean, shrunk)
+        mean = shrunk
+        variance = spread / (total_count + keras.backend.epsilon())
+    mean = tf.squeeze(tf.reshape(mean, channels), axes)
+    variance = tf.squeeze(tf.reshape(variance, channels), axes)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.
-    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     return penalties.mark_global(mean), penalties.mark_global(variance)
 
 

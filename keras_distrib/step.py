@@ -358,6 +358,16 @@ def plan_for(model, *, looped=False):
     )
 
 
+def _created_before_the_batch(next_creator, **kwargs):
+    # A variable a step creates on its first trace (a model built by its
+    # first call, a lazily built metric) must not wait for the step's batch:
+    # tf.function then cannot lift its initializer out of the traced graph,
+    # and XLA (`jit_compile=True`) refuses a function that initializes
+    # variables in place.
+    with tf.control_dependencies(None):
+        return next_creator(**kwargs)
+
+
 def replica_function(model, kind, *, looped=False, sources=None):
     """One replica's step of `kind`, inside its `ReplicaBatch`.
 
@@ -391,7 +401,8 @@ def replica_function(model, kind, *, looped=False, sources=None):
         # `optimizer.iterations`, which depends on no data.
         arrived = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
         with tf.control_dependencies(arrived), \
-                replica.replica_batch(replica.batch_rows(x), plan) as batch:
+                replica.replica_batch(replica.batch_rows(x), plan) as batch, \
+                tf.variable_creator_scope(_created_before_the_batch):
             outputs = step_fn(data)
             outputs = outputs if kind == "predict" else replica_logs(outputs, sources)
             return outputs, batch.global_metric_states

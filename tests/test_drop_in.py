@@ -371,3 +371,46 @@ def test_python_fed_datasets_are_found_without_serializing_them():
     for (x, y), (x_copy, y_copy) in zip(generated, copied):
         np.testing.assert_array_equal(x, x_copy)
         np.testing.assert_array_equal(y, y_copy)
+
+
+# Issue 37: jit_compile=True (Keras's one-GPU default) on a model built by its
+# first call. Keras's trainer_test test_predict_flow_jit and
+# test_on_batch_methods_without_training_jit failed with kd's classes: XLA
+# "failed to lift variable creations out of this tf.function".
+
+
+def _built_on_first_call(cls):
+    # Its weights are its own (made in `build`), as in Keras's test model, a
+    # Dense layer that is also a trainer.
+    class Projection(cls):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 2), initializer="ones")
+
+        def call(self, x):
+            return x @ self.kernel
+
+    return Projection()
+
+
+def test_jit_compile_on_a_model_built_by_its_first_call_matches_keras():
+    ours, theirs = _built_on_first_call(kd.Model), _built_on_first_call(keras.Model)
+    for model in (ours, theirs):
+        model.jit_compile = True
+    np.testing.assert_allclose(ours.predict(X, batch_size=4, verbose=0),
+                               theirs.predict(X, batch_size=4, verbose=0), rtol=1e-12)
+    results = []
+    for cls in (kd.Model, keras.Model):
+        model = _built_on_first_call(cls)
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"], jit_compile=True)
+        predicted = model.predict_on_batch(X)
+        logs = model.test_on_batch(X, Y, return_dict=True)
+        trained = model.train_on_batch(X, Y, return_dict=True)
+        results.append((model, predicted, logs, trained))
+    (ours, *mine), (theirs, *expected) = results
+    assert ours.jit_compile is True
+    np.testing.assert_allclose(mine[0], expected[0], rtol=1e-12)
+    for logs, keras_logs in zip(mine[1:], expected[1:]):
+        assert sorted(logs) == sorted(keras_logs) == ["loss", "mae"]
+        for name in logs:
+            np.testing.assert_allclose(logs[name], keras_logs[name], rtol=1e-12)
+    _assert_same_weights(ours, theirs)

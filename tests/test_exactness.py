@@ -42,8 +42,10 @@ MATRIX = {
     "loop_one_device": ["base", "accumulation", "masks"],
     "spe3_mirrored2": CORE + ["ema", "dropout_bn_noise"],
     "jit_mirrored2": ["base", "clipnorm", "accumulation", "mixed_float16", "regularizers",
-                      "sync_batch_norm", "masks", "cnn", "custom_train_step", "dropout_bn_noise"],
-    "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc"],
+                      "sync_batch_norm", "masks", "cnn", "custom_train_step", "dropout_bn_noise",
+                      "row_statistics"],
+    "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc",
+                       "masks", "cnn", "custom_train_step"],
     "multi_worker1": ["base", "clipnorm", "weights"],
     "parameter_server": ALL,
 }
@@ -63,6 +65,7 @@ REFUSED = {
     ("jit_mirrored2", "dropout_bn_noise"): ("(BatchNormalization) all-reduces its global", _JIT),
     ("mirrored2", "running_mean"): ("(RunningMean) assigns its variable", "`assign`"),
     ("jit_mirrored2", "masks"): ("(LSTM)", _JIT),
+    ("jit_mirrored2", "row_statistics"): ("(RowStatistics) updates its variable", _JIT),
 }
 
 

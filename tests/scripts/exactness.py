@@ -41,6 +41,7 @@ PATHS = {
     "parameter_server": (1, "parameter_server", {}, None, {}),
     "plain-mirrored2": (2, "mirrored", {}, None, {}),
     "plain-central_storage2": (2, "central_storage", {}, None, {}),
+    "plain-jit_one_device": (1, "default", {"jit_compile": True}, None, {}),
 }
 
 
