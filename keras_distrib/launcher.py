@@ -585,7 +585,7 @@ def node_tasks(per_node=1, ps=None, environ=None):
     if placement.base_port is not None:
         # Distinct on every machine, also for several nodes on one host.
         machines = [machine for machine in placement.machines for _ in range(count)]
-        ports = cluster_sources.task_ports(machines, placement.base_port)
+        ports = cluster_sources.task_ports(machines, placement.base_port, placement.reserved_ports)
     else:
         ports = [int(address.rpartition(":")[2]) + j
                  for address in placement.addresses for j in range(count)]
@@ -612,8 +612,10 @@ def _check_local_ports(spec, local):
     if taken:
         raise LaunchError(
             f"Port {', '.join(taken)} cannot be bound on this node: another job or process "
-            "listens there (`ss -ltnp`). kd derives the ports from the job (SLURM_JOB_ID) "
-            "unless `KD_PORT` fixes them: unset KD_PORT, or choose another first port."
+            "listens there (`ss -ltnp`). kd takes the ports Slurm reserved for the step "
+            "(SLURM_STEP_RESV_PORTS, with MpiParams=ports=... in slurm.conf), else derives them "
+            "from the job (SLURM_JOB_ID), unless `KD_PORT` fixes them: unset KD_PORT, or choose "
+            "another first port."
         )
 
 

@@ -166,6 +166,28 @@ def test_slurm_cyclic_distribution_and_default_ports(environ):
     assert info.task_index == 1 and info.local_index == 0
 
 
+def test_slurm_reserved_ports_keep_jobs_apart_whose_ids_differ_by_6000(environ):
+    # Without a reservation both jobs would take 15000 + (id mod 6000) * 8 on
+    # the same nodes. Slurm reserves disjoint ports per step (MpiParams).
+    seen = []
+    for job, reserved in ((1, "31001-31002"), (6001, "31003-31004")):
+        environ(**_slurm(1, SLURM_JOB_ID=job, SLURM_STEP_RESV_PORTS=reserved))
+        seen.append(kd.cluster_info().cluster["worker"])
+    assert seen[0] == ("n9:31001", "n9:31002", "n10:31001", "n10:31002")
+    assert seen[1] == ("n9:31003", "n9:31004", "n10:31003", "n10:31004")
+    assert "SLURM_STEP_RESV_PORTS=31003-31004" in cluster_sources.detect().detail
+
+
+def test_slurm_too_few_reserved_ports_is_an_error_naming_them(environ):
+    environ(**_slurm(1, SLURM_STEP_RESV_PORTS="31001"))
+    with pytest.raises(cluster.ClusterConfigError,
+                       match=r"reserved 1 port\(s\).*SLURM_STEP_RESV_PORTS`=31001.*--resv-ports"):
+        kd.cluster_info()
+    environ(**_slurm(1, SLURM_STEP_RESV_PORTS="12x"))
+    with pytest.raises(cluster.ClusterConfigError, match=r"`SLURM_STEP_RESV_PORTS`='12x'"):
+        kd.cluster_info()
+
+
 @pytest.mark.cluster
 def test_slurm_uses_scontrol_when_on_path(environ, tmp_path):
     (tmp_path / "bin").mkdir()
