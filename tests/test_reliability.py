@@ -443,7 +443,7 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
     x, y = _xy(rows)
     model = _model()
     files_before = sorted(p.name for p in backup.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"does not match this run's data: " + match
+    with pytest.raises(CheckpointError, match=r"does not match this run: " + match
                        + r".*skip or repeat examples"):
         model.fit(x, y, batch_size=batch_size, epochs=2, verbose=0, shuffle=False,
                   callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
@@ -453,6 +453,116 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
         history = model.fit(*_xy(8), batch_size=4, epochs=2, verbose=0, shuffle=False,
                             callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
         assert history.epoch == [1]
+
+
+def _compiled(optimizer="sgd", loss="mse", bias=True):
+    import keras
+
+    import keras_distrib as kd
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((2,))
+    model = kd.Model(inputs, keras.layers.Dense(1, use_bias=bias)(inputs))
+    model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(optimizer="adam"), r"the optimizer is \{.*\"class\": \"Adam\".*the backup's was \{.*SGD"),
+    (dict(optimizer="lr"), r"the optimizer's `learning_rate` is 0\.02, the backup's was 0\.01"),
+    (dict(loss="mae"), r"the loss is \"mae\", the backup's was \"mse\""),
+    (dict(bias=False), r"the model's layer 1 \(Dense\) differs from the backup's \(Dense\)"),
+])
+def test_another_experiments_backup_is_refused_naming_what_changed(change, match, tmp_path):
+    import keras
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    x, y = _xy(8)
+    first = _compiled(optimizer=keras.optimizers.SGD(0.01))
+    first.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False,
+              callbacks=[kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+    if change.get("optimizer") == "lr":
+        change = dict(optimizer=keras.optimizers.SGD(0.02))
+    files_before = sorted(p.name for p in backup.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"does not match this run: " + match
+                       + r".*train something else.*give `backup_dir` another directory"):
+        _compiled(**change).fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                                callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert sorted(p.name for p in backup.rglob("*")) == files_before
+    # Contrast: the same experiment, built again, resumes.
+    history = _compiled(optimizer=keras.optimizers.SGD(0.01)).fit(
+        x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+        callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert history.epoch == [1]
+
+
+def test_a_dataset_of_unknown_length_resumed_with_another_batch_size_is_refused(tmp_path):
+    import tensorflow as tf
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    x, y = _xy(48)
+
+    def data(batch):  # `filter`: the dataset's length and batch shape are unknown
+        return tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: a[0] >= 0).batch(batch)
+
+    assert data(16).cardinality() == tf.data.UNKNOWN_CARDINALITY
+    backup = tmp_path / "backup"
+    _model().fit(data(16), epochs=1, verbose=0,
+                 callbacks=[kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+    with pytest.raises(CheckpointError, match=r"the global batch size is 32, the backup's was 16"):
+        _model().fit(data(32), epochs=2, verbose=0,
+                     callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    history = _model().fit(data(16), epochs=2, verbose=0,
+                           callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert history.epoch == [1]
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(global_batch_size="16"), r"`global_batch_size`='16' \(expected a whole number >= 1\).*edited by hand"),
+    (dict(global_batch_size=13.0), r"`global_batch_size`=13\.0 \(expected a whole number >= 1\)"),
+    (dict(run=None), r"does not record what defines its run .* an older kd wrote it"),
+])
+def test_an_old_or_hand_edited_progress_file_is_refused(edit, match, tmp_path):
+    import json
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    _backup_after_one_epoch(backup)
+    (ckpt,) = [p for p in backup.iterdir() if p.name.startswith("ckpt-")]
+    progress = json.loads((ckpt / "progress.json").read_text())
+    if edit.get("run", 1) is None:  # as kd wrote it before it recorded the run and the batch size
+        progress = {k: v for k, v in progress.items()
+                    if k not in ("run", "global_batch_size", "batches_per_epoch")}
+    else:
+        progress.update(edit)
+    (ckpt / "progress.json").write_text(json.dumps(progress))
+    with pytest.raises(CheckpointError, match=match):
+        _model().fit(*_xy(16), batch_size=8, epochs=2, verbose=0, shuffle=False,
+                     callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+
+
+def test_a_loss_that_is_inf_while_the_weights_stay_finite_writes_no_backup(tmp_path, caplog):
+    import numpy as np
+    import tensorflow as tf
+
+    def infinite(y_true, y_pred):  # inf from the first step; its gradient is 0
+        return tf.reduce_mean(y_pred * 0.0, axis=-1) + float("inf")
+
+    model = _compiled(loss=infinite)
+    backup = tmp_path / "backup"
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        _fit(model, backup, epochs=2, save_freq=1)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert "Training diverged (NaN or Inf: loss=inf) at epoch 0, step 1" in caplog.text
+    assert "Kept the backup" in caplog.text
+    assert not [n for n in os.listdir(backup) if n.startswith("ckpt-")]
 
 
 def _reachable(port):
