@@ -72,6 +72,15 @@ def validate_directory(directory, argument="directory"):
     directory = os.fspath(directory)
     if isinstance(directory, bytes):
         directory = os.fsdecode(directory)
+    try:
+        directory.encode("utf-8")
+    except UnicodeEncodeError:
+        # TensorFlow's file functions take UTF-8 paths only: it would fail at the first save.
+        raise CheckpointError(
+            f"`{argument}`={directory!r} is not valid UTF-8 (its bytes "
+            f"{os.fsencode(directory)!r}), and TensorFlow reads and writes UTF-8 paths only. "
+            "Rename the directory (or choose another) to a UTF-8 name."
+        ) from None
     if os.path.islink(directory) and not os.path.exists(directory):
         try:
             target = os.readlink(directory)

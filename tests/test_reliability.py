@@ -357,6 +357,38 @@ def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, m
     assert not [n for n in os.listdir(mount_point) if n.startswith(("ckpt-", ".tmp-kd-"))]
 
 
+@pytest.mark.cluster
+def test_a_full_disk_at_model_checkpoints_first_save_is_named(mount_point):
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * 4096)
+    os.close(fd)
+    target = mount_point / "model.keras"
+    with pytest.raises(CheckpointError, match=r"ModelCheckpoint could not write '.*volume/model\.keras': "
+                                              r"No space left on device\..*Free space in"):
+        _model().fit(*_xy(8), batch_size=4, epochs=1, verbose=0,
+                     callbacks=[kd.callbacks.ModelCheckpoint(str(target))])
+    assert not target.exists()
+    assert sorted(os.listdir(mount_point)) == ["filler"]
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_training(tmp_path):
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    name = os.fsdecode(os.fsencode(str(tmp_path)) + b"/backup-\xff")
+    with pytest.raises(CheckpointError, match=r"`backup_dir`=.*backup-\\udcff' is not valid UTF-8 .*"
+                                              r"b'.*backup-\\xff'.*Rename the directory"):
+        kd.callbacks.BackupAndRestore(name)
+    with pytest.raises(ValueError, match=r"`filepath`=.*is not valid UTF-8"):
+        kd.callbacks.ModelCheckpoint(name + ".keras")
+    assert os.listdir(tmp_path) == []
+
+
 # Environment values a cluster manager (or a typo) hands over.
 
 _SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
