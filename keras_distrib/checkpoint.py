@@ -501,6 +501,24 @@ class CheckpointManager:
         self.progress = progress
         return os.path.join(self.directory, name)
 
+    def relabel(self, *, epoch, step=0):
+        """Moves the newest checkpoint's position to (`epoch`, `step`), its state unchanged.
+
+        For a checkpoint whose state the new position describes as well: one
+        taken at an epoch's last step becomes the next epoch's start once that
+        epoch has ended, so a resume does not end it a second time. The new
+        progress.json replaces the old one atomically (chief only).
+        """
+        if not cluster.is_chief() or self.progress is None:
+            return
+        self._own()
+        latest = self.latest
+        if latest is None:
+            return
+        progress = dict(read_progress_file(latest), epoch=int(epoch), step=int(step))
+        files.atomic_write_text(os.path.join(latest, _PROGRESS), json.dumps(progress))
+        self.progress = progress
+
     def _prune(self, directory):
         """Keeps the newest `max_to_keep` complete checkpoints (the new one among them).
 

@@ -14,6 +14,7 @@ are killed. `keras_distrib.launcher` builds clusters on top of it.
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 
+from keras_distrib import _early_signals
 from keras_distrib import _guard
 from keras_distrib import tf_logs
 
@@ -51,10 +53,20 @@ RESTART_EXIT_CODE = 42
 # What a task logs once its backup is written, just before it exits 42; the
 # launcher reads it when the task is killed on its way out.
 SAVED_MESSAGE = "Backed up for the preemption"
+# What the launcher exits with when a task stopped on a configuration error
+# that a rerun would meet again (the recipe's loop then does not rerun it).
+CONFIG_EXIT_CODE = 2
+# The errors of kd (last words of a task's traceback) that mean exactly that:
+# the backup directory is another live run's, or the backup is another run's.
+_CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
+                           r"run: |does not record what defines its run)")
 # How long a parameter-server cluster's coordinator gets to report a lost
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0
 _TAIL_LINES = 20
+# Exit codes of a task ended by a stop signal before it handled it.
+_STOPPED_CODES = tuple(code for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGKILL)
+                       for code in (-sig, 128 + sig))
 
 
 @dataclasses.dataclass
@@ -362,7 +374,11 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     signalled = None
     stop_grace = GRACE_SECONDS
     lost_ps = None
+    running = []
     try:
+        early = _early_signals.take()
+        if early is not None:  # it came while kd started; nothing runs yet
+            raise SystemExit(128 + early)
         for spec in specs:
             log_path = None
             if log_dir:
@@ -387,6 +403,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                     break
                 if timeout is not None and time.monotonic() - started > timeout:
                     timed_out = True
+                    running = [t.label for t in tasks if t.process.poll() is None]
                     break
                 time.sleep(0.05)
                 continue
@@ -420,6 +437,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                     task.signal_group(signal.SIGTERM)
             if timeout is not None and time.monotonic() - started > timeout:
                 timed_out = True
+                running = [t.label for t in tasks if t.process.poll() is None]
                 break
             time.sleep(0.05)
     except SystemExit as stop:
@@ -427,8 +445,11 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         # it on, and give the tasks time to save (a preemption's grace).
         signalled = stop.code
         stop_grace = grace
-        sink(f"[launcher] got {signal.Signals(signalled - 128).name}; passing SIGTERM on, the "
-             f"tasks have {grace:g}s to save and exit")
+        name = signal.Signals(signalled - 128).name
+        if not tasks:
+            sink(f"[launcher] got {name} before any task started; none runs")
+        else:
+            sink(f"[launcher] got {name}; passing SIGTERM on, {_save_time(signalled - 128, grace)}")
     finally:
         with _signals_ignored():
             # The tasks are being stopped (and given the grace period to save):
@@ -440,11 +461,16 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         # A task that saved may still be killed on its way out (Slurm ends the
         # step once another node's task exited 42): its last words count.
         saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
-        code = RESTART_EXIT_CODE if saved else signalled
+        # A task the stop signal ended before it could handle it (still starting:
+        # no backup callback yet) lost nothing a restart would not redo: with
+        # Slurm's warning or a preemption, ask for the restart, not a failure.
+        stopped = [c for c in codes if c in (0, None) or c in _STOPPED_CODES]
+        restart = signalled - 128 in (signal.SIGTERM, signal.SIGUSR1) and len(stopped) == len(codes)
+        code = RESTART_EXIT_CODE if saved or restart else signalled
         sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
         return ClusterResult(code, results, signalled=True)
     if timed_out:
-        running = [r.label for r in results if r.returncode in (None, -9, -15)]
+        # Which tasks ran when the time was up (stopping them changed their codes since).
         sink(f"[launcher] timeout after {timeout:g}s; still running: {', '.join(running) or 'none'}")
         return ClusterResult(124, results, timed_out=True)
     if failed is not None:
@@ -454,6 +480,10 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         sink(f"[launcher] {result.label} exited with code {result.returncode}; stopped the others. Last lines:")
         for line in result.tail:
             sink(f"[launcher]   {line}")
+        if result.returncode == 1 and any(_CONFIG_ERROR.search(line) for line in result.tail):
+            code = CONFIG_EXIT_CODE
+            sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
+                 f"meet again (see above): exit {CONFIG_EXIT_CODE}.")
         if result.returncode is not None and result.returncode < 0:
             from keras_distrib import watchdog
 
@@ -465,6 +495,30 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
             sink(explanation)
         return ClusterResult(code, results, failed=result)
     return ClusterResult(0, results)
+
+
+def _slurm_kill_wait():
+    """Slurm's KillWait in seconds (SIGTERM to SIGKILL), or None where it cannot be read."""
+    try:
+        done = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                              timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"^KillWait\s*=\s*(\d+)", done.stdout, re.M)
+    return int(match.group(1)) if match else None
+
+
+def _save_time(signum, grace):
+    """What the tasks have to save: the grace period, or less where Slurm's SIGTERM kills sooner."""
+    if signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"):
+        # Slurm's SIGTERM (scancel, the time limit) comes with SIGKILL KillWait seconds later.
+        kill_wait = _slurm_kill_wait()
+        if kill_wait is None:
+            return (f"the tasks have until Slurm's SIGKILL to save and exit (KillWait seconds "
+                    f"after its SIGTERM, 30 by default; --grace-period {grace:g}s)")
+        return (f"the tasks have {min(grace, kill_wait):g}s to save and exit (Slurm's KillWait: "
+                f"SIGKILL {kill_wait}s after its SIGTERM)")
+    return f"the tasks have {grace:g}s to save and exit"
 
 
 @contextlib.contextmanager

@@ -410,20 +410,29 @@ def test_the_kubernetes_recipe_agrees_with_itself_and_with_kd():
     service, job = _kubernetes_recipe()
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
     # The pods' names: the headless Service is the pods' subdomain, its selector the Job.
     assert service["spec"]["clusterIP"] == "None" and service["metadata"]["name"] == pod["subdomain"]
     assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     assert env["KD_SERVICE"] == pod["subdomain"]
     assert int(env["KD_NUM_PODS"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
     assert job["spec"]["completionMode"] == "Indexed"
+    # Every task of a pod listens: KD_PORT + j for its j-th task (one per GPU).
     port = int(env.get("KD_PORT", cluster_sources.KUBERNETES_PORT))
-    assert service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"] == port
-    # The backup: on the volume every pod mounts, a claim shared by all (ReadWriteMany).
     command = container["command"]
+    tasks = (container["resources"]["limits"]["nvidia.com/gpu"]
+             if command[command.index("--per-node") + 1] == "gpu"
+             else int(command[command.index("--per-node") + 1]))
+    listening = set(range(port, port + tasks))
+    assert {p["containerPort"] for p in container["ports"]} == listening
+    assert {p["port"] for p in service["spec"]["ports"]} == listening
+    # The backup: on the volume every pod mounts, a claim shared by all (ReadWriteMany),
+    # in a folder of this Job's own (its uid, which restarted pods keep).
     backup = command[command.index("--backup-dir") + 1]
     (mount,) = container["volumeMounts"]
-    assert backup == mount["mountPath"]
+    assert backup == mount["mountPath"] + "/$(KD_RUN)"
+    assert env["KD_RUN"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     assert "persistentVolumeClaim" in volume
     # Restarts: a failed or preempted container (exit 42) is restarted in its pod, and the
@@ -448,10 +457,14 @@ def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volu
     service, job = _kubernetes_recipe()
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    # What Kubernetes gives the pods: the Job's uid (the same for restarted pods),
+    # expanded in the command where it says $(KD_RUN).
+    env = {item["name"]: item.get("value", "3f6c-job-uid") for item in container["env"]}
     volume = tmp_path / "volume"
-    command = [str(volume) if arg == container["volumeMounts"][0]["mountPath"] else arg
-               for arg in container["command"]]
+    mount = container["volumeMounts"][0]["mountPath"]
+    command = [arg.replace(mount, str(volume), 1).replace("$(KD_RUN)", env["KD_RUN"])
+               if arg.startswith(mount) else arg for arg in container["command"]]
+    volume = volume / env["KD_RUN"]
     shutil.copy(os.path.join(_harness.SCRIPTS, "slurm_train.py"), tmp_path / "train.py")
     reference = str(tmp_path / "one_device.npz")
     code, output = _harness.run_script("slurm_train.py", "--reference", "--backup-dir", "unused",

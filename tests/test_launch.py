@@ -45,6 +45,78 @@ def test_timeout_stops_a_hung_cluster():
 
 
 @pytest.mark.cluster
+def test_timeout_names_the_tasks_that_were_running_even_if_they_exit_cleanly():
+    # The tasks exit 42 on the launcher's SIGTERM (they saved): they still ran at the timeout.
+    result, output = _harness.run_cluster("exits_on_sigterm.py", workers=2, timeout=4)
+    assert result.returncode == 124 and result.timed_out
+    assert "timeout after 4s; still running: worker 0, worker 1" in output, output
+    assert not [pid for pid in _pids(output) if _harness.alive(pid)]
+
+
+@pytest.mark.cluster
+def test_a_backup_directory_in_use_ends_the_launch_with_the_configuration_exit_code(tmp_path):
+    from keras_distrib import files
+
+    backup = tmp_path / "backup"
+    lock = files.DirectoryLock(backup, "backup")
+    lock.acquire()  # another live run (this process) holds it
+    try:
+        result, output = _harness.run_cluster("backup_in_use.py", backup, workers=1, timeout=120)
+    finally:
+        lock.release()
+    # 2: a rerun would meet the same error, so the recipe's loop does not rerun it (1 would).
+    assert result.returncode == supervisor.CONFIG_EXIT_CODE == 2, output
+    assert "is in use by another run" in output and "TRAINED" not in output
+    assert "[launcher] worker 0 stopped on a configuration error that a rerun would meet again" in output
+
+
+def _descendants_with_tasks(pid, tasks):
+    from keras_distrib import _guard
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = _guard.descendants(pid)
+        # The launcher's guards and, under each, its task.
+        if len(found) >= 2 * tasks:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no {tasks} tasks under the launcher after 60s")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("when", ["launcher starting", "tasks starting"])
+def test_a_warning_signal_while_starting_asks_for_a_restart(when):
+    # Slurm's --signal=USR1@<s> reaches every process of the step: the agent
+    # while it imports TensorFlow, or its tasks while they do. Nothing trained
+    # yet, so the answer is a restart (42, the recipe requeues), not 138.
+    import signal as signals
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_distrib", "launch", "--workers", "2",
+         os.path.join(_harness.SCRIPTS, "hang.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_harness._env(),
+        start_new_session=True,
+    )
+    try:
+        if when == "launcher starting":
+            time.sleep(0.5)  # inside `import keras_distrib` (TensorFlow loads for seconds)
+            launcher.send_signal(signals.SIGUSR1)
+            pids = []
+        else:
+            pids = _descendants_with_tasks(launcher.pid, 2)
+            for pid in [*pids, launcher.pid]:  # the tasks first: they must survive it
+                os.kill(pid, signals.SIGUSR1)
+        output, _ = launcher.communicate(timeout=90)
+    finally:
+        _harness.kill_groups([launcher])
+    assert launcher.returncode == 42, output
+    assert "got SIGUSR1" in output, output
+    if when == "launcher starting":
+        assert "got SIGUSR1 before any task started; none runs" in output, output
+    assert not [pid for pid in pids if _harness.alive(pid)]
+
+
+@pytest.mark.cluster
 def test_function_target_returns_values():
     lines = []
     result = kd_launch.launch(launch_targets.whoami, workers=2, args=("x",), sink=lines.append, timeout=120)

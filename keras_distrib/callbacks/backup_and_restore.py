@@ -252,6 +252,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._exit_after_training = False
         self._diverged = False
         self._run = None
+        self._saved_at = None
+        self._last_step = None
 
     @property
     def epoch_interrupted(self):
@@ -314,6 +316,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._chunks = 0
         self._exit_after_training = False
         self._diverged = False
+        self._saved_at = self._last_step = None
         if self.save_on_preemption:
             self._handler = preemption.PreemptionHandler(
                 strategy=model.distribute_strategy, **self._preemption_settings
@@ -344,6 +347,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model),
                            run=self._run, **self._data_shape())
+        self._saved_at = (epoch, step)
 
     def _data_shape(self):
         """What the backup's position counts in: batches per epoch and the global batch size."""
@@ -419,6 +423,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         due = self.schedule.batch_done(batch)
         step = batch + 1
+        self._last_step = step
         self._chunks += 1
         decision = self._handler.check(self._chunks) if self._handler is not None else None
         if decision is not None:
@@ -436,8 +441,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(self._epoch, step, logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.schedule.per_epoch and not self._exit_after_training:
+        if self._exit_after_training:
+            return
+        if self.schedule.per_epoch:
             self._save(epoch + 1, 0, logs)
+        elif self._saved_at == (epoch, self._last_step):
+            # The backup was taken at this epoch's last step, and the epoch has
+            # now ended: a resume starts the next one, so the epoch is not ended twice.
+            self._manager.relabel(epoch=epoch + 1, step=0)
+            self._saved_at = (epoch + 1, 0)
 
     def on_train_end(self, logs=None):
         if self._handler is not None:
