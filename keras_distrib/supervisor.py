@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 from keras_distrib import _early_signals
 from keras_distrib import _guard
@@ -64,6 +65,11 @@ _CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |do
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0
 _TAIL_LINES = 20
+# The variable that marks every process of one task (see `token_processes`).
+TOKEN_VARIABLE = "KD_TASK_TOKEN"
+# How often (seconds) the launcher looks whether a guard is stopped, and how
+# long a stopped one is given before the launcher ends it and its task.
+GUARD_CHECK_SECONDS = 0.5
 # Exit codes of a task ended by a stop signal before it handled it.
 _STOPPED_CODES = tuple(code for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGKILL)
                        for code in (-sig, 128 + sig))
@@ -77,6 +83,7 @@ class TaskResult:
     task_index: int
     returncode: object  # int, or None if it was still running when stopped
     tail: list
+    guard_fault: object = None  # what happened to the task's guard, when it failed on its own
 
     @property
     def label(self):
@@ -210,9 +217,15 @@ class _Task:
         self._hide_notices = tf_logs.hides_notices(env)
         self._log = open(log_path, "a") if log_path else None
         self._sink_broken = None
+        # Every process of the task inherits it: found again if its guard is lost.
+        self.token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        self.guard_fault = None
+        self._stopped_since = None
+        self._checked_at = 0.0
+        self._exit_checked = False
         self.process = subprocess.Popen(
             guarded(argv, netns),
-            env=env,
+            env={**(os.environ if env is None else env), TOKEN_VARIABLE: self.token},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -247,6 +260,42 @@ class _Task:
                     self._sink_broken = error
         self.process.stdout.close()
 
+    def check_guard(self):
+        """Notices a guard that was killed or stopped on its own, and ends its task's processes.
+
+        Returns True when the guard failed (its task's processes are then ended here).
+        """
+        if self.guard_fault is not None or self._exit_checked:
+            return self.guard_fault is not None
+        code = self.process.poll()
+        if code is None:
+            now = time.monotonic()
+            if now - self._checked_at < GUARD_CHECK_SECONDS:
+                return False
+            self._checked_at = now
+            if _process_state(self.process.pid) not in ("T", "t"):
+                self._stopped_since = None
+                return False
+            self._stopped_since = self._stopped_since or now
+            if now - self._stopped_since < GUARD_CHECK_SECONDS:
+                return False
+            self.process.kill()  # SIGKILL ends a stopped process too
+            self.process.wait(timeout=10)
+            ended = end_token_processes(self.token)
+            self.guard_fault = (f"its guard (pid {self.process.pid}) was stopped (SIGSTOP or a "
+                                f"debugger), so nothing watched the task; the launcher ended the "
+                                f"guard and the task's {ended} process(es)")
+            return True
+        self._exit_checked = True
+        ended = end_token_processes(self.token)
+        if ended and code < 0:
+            # The guard died by a signal while its task ran: the signal was the guard's, not the task's.
+            self.guard_fault = (f"its guard (pid {self.process.pid}) was killed by signal {-code} "
+                                f"while the task still ran; the launcher ended the task's {ended} "
+                                "process(es)")
+            return True
+        return False
+
     def stop_guard(self):
         """Asks the guard to end every process of the task (daemons included)."""
         if self.process.poll() is None:
@@ -265,7 +314,52 @@ class _Task:
         self._reader.join(timeout=5)
         if self._log:
             self._log.close()
-        return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail))
+        return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail),
+                          self.guard_fault)
+
+
+def _process_state(pid):
+    """The state letter of `/proc/<pid>/stat` (R, S, T, Z...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def token_processes(token):
+    """Pids of this user's live processes whose environment holds the task's token."""
+    needle = f"{TOKEN_VARIABLE}={token}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+        except OSError:  # gone, or another user's
+            continue
+        if _process_state(name) not in (None, "Z"):
+            found.append(int(name))
+    return found
+
+
+def end_token_processes(token):
+    """SIGKILLs every process holding the task's token (daemons included); returns how many."""
+    ended = set()
+    for _ in range(20):  # new forks may appear while killing
+        pids = token_processes(token)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+    return len(ended)
 
 
 def _stop(tasks, grace=GRACE_SECONDS, servers=()):
@@ -299,6 +393,9 @@ def _stop(tasks, grace=GRACE_SECONDS, servers=()):
             task.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
+    for task in tasks:
+        # A guard killed on its own left its task's daemons to init: found by token.
+        end_token_processes(task.token)
 
 
 @dataclasses.dataclass
@@ -393,6 +490,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         told_followers = False
         reported = set()
         while True:
+            for task in tasks:
+                task.check_guard()
             codes = [t.process.poll() for t in tasks]
             failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
             if not watched:
@@ -484,7 +583,11 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
             code = CONFIG_EXIT_CODE
             sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
                  f"meet again (see above): exit {CONFIG_EXIT_CODE}.")
-        if result.returncode is not None and result.returncode < 0:
+        if result.guard_fault:
+            sink(f"[launcher] {result.label} failed because {result.guard_fault}. kd's guard "
+                 "ends a task's processes when the task or the launcher ends; stop the launcher "
+                 "or the task, not the guard.")
+        elif result.returncode is not None and result.returncode < 0:
             from keras_distrib import watchdog
 
             sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "

@@ -83,6 +83,44 @@ def test_no_task_child_or_daemon_outlives_the_launcher(how):
         assert launcher.returncode == 128 + signal.SIGHUP
 
 
+def _parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_killed_or_stopped_guard_still_ends_its_task_and_is_named(how):
+    # The guard between the launcher and worker 1 is killed (or stopped) on its
+    # own: worker 1's task, child and setsid daemon must still end, and the
+    # launcher must say it was the guard (not "out of memory"), within seconds.
+    launcher = _start_launcher("hang")
+    pids, guard = [], None
+    try:
+        families, lines = _read_families(launcher, 2)
+        assert len(families) == 2, lines
+        pids = [pid for family in families for pid in family]
+        task = next(family[0] for family, line in zip(families, [l for l in lines if "FAMILY " in l])
+                    if line.startswith("[worker 1]"))
+        guard = _parent(task)
+        started = time.monotonic()
+        os.kill(guard, how)
+        output = launcher.communicate(timeout=60)[0].decode("utf-8", "replace")
+        elapsed = time.monotonic() - started
+    finally:
+        if guard is not None and how == signal.SIGSTOP:
+            _kill_all([guard])
+        launcher.kill()
+        launcher.wait(timeout=10)
+        _kill_all(pids)
+    assert _survivors(pids) == [], output
+    what = ("was killed by signal 9 while the task still ran" if how == signal.SIGKILL
+            else "was stopped (SIGSTOP or a debugger)")
+    assert f"[launcher] worker 1 failed because its guard (pid {guard}) {what}" in output, output
+    assert "out of memory" not in output, output
+    assert launcher.returncode != 0 and elapsed < 20, (launcher.returncode, elapsed)
+
+
 @pytest.mark.cluster
 def test_daemons_left_by_a_finished_task_are_ended():
     lines = []
@@ -595,6 +633,45 @@ def test_a_loss_that_is_inf_while_the_weights_stay_finite_writes_no_backup(tmp_p
     assert "Training diverged (NaN or Inf: loss=inf) at epoch 0, step 1" in caplog.text
     assert "Kept the backup" in caplog.text
     assert not [n for n in os.listdir(backup) if n.startswith("ckpt-")]
+
+
+def test_a_resume_from_an_epochs_last_step_does_not_end_that_epoch_again(tmp_path):
+    import keras
+    import numpy as np
+
+    import keras_distrib as kd
+
+    ended = []
+
+    class Log(keras.callbacks.Callback):  # an append-style logger (as CSVLogger)
+        def on_epoch_end(self, epoch, logs=None):
+            ended.append(epoch)
+
+    class Killed(keras.callbacks.Callback):  # the job dies once epoch 0 has ended
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                raise KeyboardInterrupt("killed")
+
+    x, y = _xy(8)
+    backup = tmp_path / "backup"
+
+    def fit(*extra):
+        # save_freq=2 with 2 batches per epoch: the backup is taken at the epoch's last step.
+        model = _model()
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[
+            Log(), kd.callbacks.BackupAndRestore(str(backup), save_freq=2, save_on_preemption=False),
+            *extra])
+        return model
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(Killed())
+    resumed = fit()
+    assert ended == [0, 1]  # epoch 0 ended once, before the kill
+    # Against an uninterrupted run of the same batches.
+    reference = _model()
+    reference.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-5)
 
 
 def _reachable(port):
