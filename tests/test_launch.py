@@ -227,6 +227,33 @@ def test_taken_port_is_refused_before_starting(tmp_path):
     assert not marker.exists()
 
 
+def test_port_locks_are_private_removed_when_released_and_a_non_file_is_refused(tmp_path, monkeypatch):
+    import stat
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the shared temporary directory
+    port = kd_launch.pick_ports(1)[0]
+    folder = tmp_path / f"kd-locks-{os.getuid()}"
+    with kd_launch._reserve_ports([port]):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert (folder / f"kd-port-{port}.lock").read_text().strip() == str(os.getpid())
+        with pytest.raises(kd_launch.LaunchError, match=rf"port {port} is taken by another kd launch"):
+            with kd_launch._reserve_ports([port]):
+                pass
+    assert os.listdir(folder) == []  # removed when released
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("kd-port-")]
+    os.mkfifo(folder / f"kd-port-{port}.lock")
+    with pytest.raises(kd_launch.LaunchError, match=rf"kd-port-{port}\.lock' is not a regular file "
+                                                    r"\(a FIFO.*Remove it"):
+        with kd_launch._reserve_ports([port]):
+            pass
+    os.remove(folder / f"kd-port-{port}.lock")
+    folder.chmod(0o777)
+    with pytest.raises(kd_launch.LaunchError, match=r"kd-locks-\d+' is writable by others \(mode 777\)"):
+        with kd_launch._reserve_ports([port]):
+            pass
+
+
 @pytest.mark.cluster
 def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
     launcher = subprocess.Popen(
