@@ -362,8 +362,21 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
     specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
+    if not private_network:
+        sink(exposure_notice(spec))
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
                                 grace_period=grace_period, private_network=private_network)
+
+
+def exposure_notice(spec):
+    """The one line a local launch without `private_network` prints: what is open, and the fix."""
+    ports = sorted(int(address.rpartition(":")[2]) for addresses in spec.values()
+                   for address in addresses)
+    return (f"[launcher] note: the tasks' TensorFlow servers listen on every interface at "
+            f"port(s) {', '.join(map(str, ports))}, without authentication: anyone who reaches this "
+            "host there can run code as this user. --private-network (kd.launch(private_network="
+            "True)) keeps them on a loopback of their own (the tasks then have no outside "
+            "network); else firewall those ports.")
 
 
 def _script_argv(script, args):

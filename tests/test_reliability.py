@@ -5,6 +5,7 @@ Every process test has a timeout and kills what it started by pid.
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -705,6 +706,12 @@ def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
                               private_network=private)
     assert result.returncode == 0, lines
     assert seen == [not private], lines
+    # Exposed: one line at launch names the open port(s) and the fix; private: none.
+    notices = [line for line in lines if "without authentication" in line]
+    assert len(notices) == (0 if private else 1), lines
+    if not private:
+        assert re.search(r"^\[launcher\] note: .*listen on every interface at port\(s\) \d+, "
+                         r".*--private-network", notices[0]), notices
 
 
 @pytest.mark.cluster
