@@ -278,3 +278,18 @@ def test_keras_cross_entropy_still_reads_the_logits_kd_keeps(activation, loss):
     assert float(tf.reduce_max(tf.abs(lost - exact))) > 1.0
     kept_empty, _, _ = losses(tf.constant(False))
     assert [value.shape[0] for value in kept_empty] == [0, 0]
+
+
+def test_pipeline_batch_size_reads_tf_datas_batch_through_other_transformations():
+    # TensorFlow's private `_input_dataset` / `_batch_size`: fails loudly if they change.
+    import tensorflow as tf
+
+    from keras_distrib import _keras_compat
+
+    rows = tf.data.Dataset.range(100)
+    assert _keras_compat.pipeline_batch_size(
+        rows.filter(lambda x: x % 2 == 0).batch(16).map(lambda x: x * 2).prefetch(2)) == 16
+    assert _keras_compat.pipeline_batch_size(rows.padded_batch(5).shuffle(3)) == 5
+    assert _keras_compat.pipeline_batch_size(rows.batch(4).unbatch().batch(7)) == 7
+    assert _keras_compat.pipeline_batch_size(rows.batch(4).unbatch()) is None
+    assert _keras_compat.pipeline_batch_size(rows) is None
