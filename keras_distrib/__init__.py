@@ -13,6 +13,10 @@ from keras_distrib import tf_logs as _tf_logs  # noqa: E402  (imports no TensorF
 # TensorFlow's start-up notices are hidden unless TF_CPP_MIN_LOG_LEVEL asks
 # for them; kd's command line also sets the level its subprocesses inherit.
 _tf_logs.configure_command_line()
+if _tf_logs.is_command_line():
+    from keras_distrib import _early_signals as _early  # noqa: E402
+
+    _early.install()  # a stop signal while TensorFlow loads is kept for the launcher
 _tf_logs.import_tensorflow()
 
 from keras_distrib import callbacks

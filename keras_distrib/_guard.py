@@ -13,9 +13,11 @@ descendant when
   SIGUSR2), or asks for it with SIGUSR2 before its final SIGKILL,
 
 and exits with the task's status (a task killed by signal N: the guard
-kills itself with N). SIGTERM/SIGINT/SIGHUP/SIGUSR1 reach the task (through
-the process group, or from Slurm) and the task saves and exits; the guard
-ignores them.
+kills itself with N). SIGTERM/SIGINT/SIGHUP reach the task (through the
+process group, or from Slurm) and the task saves and exits; the guard
+ignores them. The task starts with SIGUSR1 ignored (kd's backup handler
+takes it over): Slurm's warning goes to every process of the step, and the
+launcher passes it on as SIGTERM.
 
 Only the standard library, no keras_distrib import: it starts in ~20 ms.
 """
@@ -196,7 +198,12 @@ def main(argv):
     task = os.fork()
     if task == 0:
         for signum in (*PASSED_ON, STOP_SIGNAL):
-            signal.signal(signum, signal.SIG_DFL)
+            if signum != signal.SIGUSR1:
+                signal.signal(signum, signal.SIG_DFL)
+        # SIGUSR1 stays ignored into the task: Slurm's warning (sent to every
+        # process of the step) must not kill a task still starting, before
+        # kd's handler is installed (exit 138); the launcher, warned too,
+        # passes SIGTERM on.
         try:
             os.execvp(command[0], command)
         except OSError as error:

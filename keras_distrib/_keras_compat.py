@@ -520,13 +520,42 @@ def set_epoch_batches(epoch_iterator, count):
     object.__setattr__(epoch_iterator, "reset", counted_reset)
     epoch_iterator._num_batches = count
 def data_batch_size(epoch_iterator):
-    """The global batch size of a Keras epoch iterator's data, or None where not static."""
+    """The global batch size of a Keras epoch iterator's data, or None where not known.
+
+    A `tf.data` pipeline whose batches have no static size (`filter`, a
+    last batch kept) is read through its transformations to its `batch`.
+    """
     adapter = getattr(epoch_iterator, "data_adapter", None)
     try:
         size = getattr(adapter, "batch_size", None)
     except Exception:  # noqa: BLE001 - an adapter may not know it
         return None
+    if size is None and isinstance(getattr(adapter, "_dataset", None), tf.data.Dataset):
+        size = pipeline_batch_size(adapter._dataset)
     return int(size) if isinstance(size, int) and size > 0 else None
+
+
+# Transformations after which a `batch` further up no longer sets the rows per element.
+_REBATCHING = ("Unbatch", "Rebatch", "FlatMap", "Interleave", "Window", "GroupBy", "Bucket",
+               "Scan", "Choose", "Sample", "Zip", "Concatenate")
+
+
+def pipeline_batch_size(dataset):
+    """The `batch_size` of the `batch` that makes `dataset`'s elements, or None.
+
+    Walks the pipeline from its end through transformations that keep each
+    element's rows (map, filter, prefetch, cache, take, skip, shuffle,
+    repeat...). TensorFlow's private `_input_dataset` / `_batch_size`.
+    """
+    while isinstance(dataset, tf.data.Dataset):
+        name = type(dataset).__name__
+        if any(word in name for word in _REBATCHING):
+            return None
+        if "Batch" in name and hasattr(dataset, "_batch_size"):
+            value = tf.get_static_value(dataset._batch_size)
+            return int(value) if value is not None and int(value) > 0 else None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
 
 
 def dataset_element_spec(epoch_iterator):

@@ -72,6 +72,15 @@ def validate_directory(directory, argument="directory"):
     directory = os.fspath(directory)
     if isinstance(directory, bytes):
         directory = os.fsdecode(directory)
+    try:
+        directory.encode("utf-8")
+    except UnicodeEncodeError:
+        # TensorFlow's file functions take UTF-8 paths only: it would fail at the first save.
+        raise CheckpointError(
+            f"`{argument}`={directory!r} is not valid UTF-8 (its bytes "
+            f"{os.fsencode(directory)!r}), and TensorFlow reads and writes UTF-8 paths only. "
+            "Rename the directory (or choose another) to a UTF-8 name."
+        ) from None
     if os.path.islink(directory) and not os.path.exists(directory):
         try:
             target = os.readlink(directory)
@@ -491,6 +500,24 @@ class CheckpointManager:
             files.remove_dead_staging(directory)
         self.progress = progress
         return os.path.join(self.directory, name)
+
+    def relabel(self, *, epoch, step=0):
+        """Moves the newest checkpoint's position to (`epoch`, `step`), its state unchanged.
+
+        For a checkpoint whose state the new position describes as well: one
+        taken at an epoch's last step becomes the next epoch's start once that
+        epoch has ended, so a resume does not end it a second time. The new
+        progress.json replaces the old one atomically (chief only).
+        """
+        if not cluster.is_chief() or self.progress is None:
+            return
+        self._own()
+        latest = self.latest
+        if latest is None:
+            return
+        progress = dict(read_progress_file(latest), epoch=int(epoch), step=int(step))
+        files.atomic_write_text(os.path.join(latest, _PROGRESS), json.dumps(progress))
+        self.progress = progress
 
     def _prune(self, directory):
         """Keeps the newest `max_to_keep` complete checkpoints (the new one among them).

@@ -18,8 +18,9 @@ Slurm (a task started by `srun`; the batch script itself is not a task):
     first port on each machine; the j-th task on a machine uses `KD_PORT +
     j`, counting the tasks of every node whose address resolves to that
     machine, so two Slurm nodes on one host get different ports), by
-    default derived from `SLURM_JOB_ID` (8 ports per job) so that two jobs
-    sharing a node do not collide.
+    default the ports Slurm reserved for the step (`SLURM_STEP_RESV_PORTS`,
+    where slurm.conf sets `MpiParams=ports=...`: no two steps on a node get
+    the same), else derived from `SLURM_JOB_ID` (8 ports per job).
 
 Kubernetes (an Indexed Job, or a JobSet's replicated Job), opted in by
 `KD_NUM_PODS`:
@@ -66,6 +67,7 @@ __all__ = [
     "slurm_hostnames",
     "slurm_node_addresses",
     "slurm_placement",
+    "slurm_reserved_ports",
     "task_ports",
     "tpu_placement",
 ]
@@ -108,6 +110,9 @@ class Placement:
             machine need different ports); empty when the ports are given.
         base_port: The first port on each machine (see `task_ports`), or
             None when every address names its own port (`KD_HOSTS`).
+        reserved_ports: The ports Slurm reserved for this step on every node
+            (`SLURM_STEP_RESV_PORTS`), in order; the j-th task on a machine
+            uses the j-th. Empty when the ports come from `base_port`.
     """
 
     source: str
@@ -119,6 +124,7 @@ class Placement:
     detail: str = ""
     machines: tuple = ()
     base_port: object = None
+    reserved_ports: tuple = ()
 
 
 def roles(count, ps=0):
@@ -279,17 +285,28 @@ def _port(environ, default):
     return port
 
 
-def task_ports(machines, base):
+def task_ports(machines, base, reserved=()):
     """Each task's port: `base` + its index among the tasks on the same machine.
+
+    With `reserved` (the ports Slurm reserved for the step), the j-th task on
+    a machine gets the j-th reserved port instead.
 
     Example:
         >>> task_ports(["10.0.0.1", "10.0.0.1", "10.0.0.2"], 15000)
         [15000, 15001, 15000]
+        >>> task_ports(["10.0.0.1", "10.0.0.1"], None, reserved=(12004, 12005))
+        [12004, 12005]
     """
     seen, ports = {}, []
     for machine in machines:
-        ports.append(base + seen.get(machine, 0))
-        seen[machine] = seen.get(machine, 0) + 1
+        index = seen.get(machine, 0)
+        if reserved and index >= len(reserved):
+            raise _config_error(
+                f"Slurm reserved {len(reserved)} port(s) for this step (`SLURM_STEP_RESV_PORTS`="
+                f"{_port_ranges(reserved)}), but {index + 1} or more tasks run on one machine. "
+                "Reserve one per task on a node: `srun --resv-ports=N` (N: the tasks per node).")
+        ports.append(reserved[index] if reserved else base + index)
+        seen[machine] = index + 1
     if ports and max(ports) > 65535:
         raise _config_error(
             f"The ports from {base} run past 65535 ({max(seen.values())} tasks on one machine); "
@@ -350,9 +367,47 @@ def slurm_node_addresses(hosts, environ=None):
 
 
 def _slurm_default_port(environ):
-    # Distinct per job, with room for 8 tasks per node below 65536.
+    # Without a reservation: per job, with room for 8 tasks per node below
+    # 65536; jobs whose ids differ by a multiple of 6000 share these.
     job = environ.get("SLURM_JOB_ID", "0")
     return 15000 + (int(job) % 6000) * 8 if job.isdigit() else 15000
+
+
+def _port_ranges(ports):
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in _runs(ports))
+
+
+def _runs(ports):
+    runs = []
+    for port in ports:
+        if runs and port == runs[-1][1] + 1:
+            runs[-1][1] = port
+        else:
+            runs.append([port, port])
+    return runs
+
+
+def slurm_reserved_ports(environ):
+    """The ports Slurm reserved for this job step, in order (empty: none).
+
+    Slurm reserves them (`SLURM_STEP_RESV_PORTS`, e.g. `12000-12003`) where
+    slurm.conf sets `MpiParams=ports=<first>-<last>`: the same ports on
+    every node of the step, and no other step of the cluster gets them
+    while it runs, so two jobs sharing a node cannot collide.
+
+    Example:
+        >>> slurm_reserved_ports({"SLURM_STEP_RESV_PORTS": "12000-12002,12007"})
+        (12000, 12001, 12002, 12007)
+    """
+    text = environ.get("SLURM_STEP_RESV_PORTS", "").strip()
+    ports = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        if not first.strip().isdigit() or not (last.strip() or first).isdigit():
+            raise _config_error(f"`SLURM_STEP_RESV_PORTS`={text!r}: expected port ranges "
+                                "like 12000-12003 (Slurm sets it for the step).")
+        ports.extend(range(int(first), int(last or first) + 1))
+    return tuple(ports)
 
 
 def _slurm_task_hosts(hosts, counts, distribution):
@@ -366,6 +421,15 @@ def _slurm_task_hosts(hosts, counts, distribution):
             node = (node + 1) % len(hosts)
         return placed
     return [(node, local) for node, count in enumerate(counts) for local in range(count)]
+
+
+def _port_origin(fixed, reserved):
+    if fixed:
+        return "KD_PORT"
+    if reserved:
+        return f"Slurm's reservation SLURM_STEP_RESV_PORTS={_port_ranges(reserved)}"
+    return ("SLURM_JOB_ID (not reserved: jobs whose ids differ by 6000 share them on a node; "
+            "set MpiParams=ports=<first>-<last> in slurm.conf so that Slurm reserves them)")
 
 
 def in_slurm_step(environ):
@@ -439,19 +503,22 @@ def slurm_placement(environ):
             "kd cannot place this Slurm task:\n  - " + "\n  - ".join(problems)
             + "\nStart the tasks with `srun` (block or cyclic distribution), or write TF_CONFIG."
         )
-    base = _port(environ, _slurm_default_port(environ))
+    fixed = bool(environ.get("KD_PORT", "").strip())
+    reserved = () if fixed else slurm_reserved_ports(environ)
+    base = _port(environ, reserved[0] if reserved else _slurm_default_port(environ))
     node_addresses = slurm_node_addresses(hosts, environ)
     machines = [resolve(address, "The Slurm node" if address == host else
                         f"The address of Slurm node {host!r} (NodeAddr)")
                 for host, address in zip(hosts, node_addresses)]
-    ports = task_ports([machines[n] for n, _ in placed], base)
+    ports = task_ports([machines[n] for n, _ in placed], base, reserved)
     addresses = tuple(f"{node_addresses[n]}:{port}" for (n, _), port in zip(placed, ports))
     return Placement(
         "slurm", addresses, rank, local_index=local, local_tasks=counts[node],
         ps=_ps_count(environ), machines=tuple(machines[n] for n, _ in placed), base_port=base,
+        reserved_ports=reserved,
         detail=(f"SLURM_PROCID={rank} of {count_name}={tasks} on {len(hosts)} node(s) from "
                 f"{nodes_name}={nodelist} ({per_node_name or 'even split'}, {distribution} "
-                f"distribution), ports from {'KD_PORT' if environ.get('KD_PORT') else 'SLURM_JOB_ID'}"),
+                f"distribution), ports from {_port_origin(fixed, reserved)}"),
     )
 
 

@@ -23,6 +23,7 @@ import os
 import pickle
 import shlex
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -93,47 +94,102 @@ def cluster_spec(workers, ps=0, chief=False, ports=None):
     return spec
 
 
+def lock_directory():
+    """This user's private directory for kd's port locks (created 0700; checked).
+
+    Raises:
+        LaunchError: the path is not a directory of this user's that only
+            this user can write (naming it, and the fix).
+    """
+    path = os.path.join(tempfile.gettempdir(), f"kd-locks-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise LaunchError(f"Cannot create kd's lock directory {path!r} ({error.strerror}); "
+                          "point TMPDIR at a writable directory.") from None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        what = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else
+                "not a directory" if not stat.S_ISDIR(info.st_mode) else
+                f"owned by uid {info.st_uid}" if info.st_uid != os.getuid() else
+                f"writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+        raise LaunchError(
+            f"kd's lock directory {path!r} is {what}: another user could block or fake this "
+            "user's port locks. Remove it (kd creates it again, private), or point TMPDIR elsewhere.")
+    return path
+
+
+def _open_lock(path):
+    """An fd of the regular lock file at `path`, created if missing; refuses anything else."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as error:
+        raise LaunchError(f"Cannot open the port lock {path!r} ({error.strerror}): remove "
+                          "whatever is there (kd writes a plain file).") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LaunchError(f"The port lock {path!r} is not a regular file (a FIFO, socket or "
+                          "device): kd did not write it. Remove it and launch again.")
+    return fd
+
+
 @contextlib.contextmanager
 def _reserve_ports(ports):
     """Holds a lock per port of `ports` (this host) while the launch runs.
 
     The free-port check cannot see a second launch started at the same
     moment: its tasks bind the ports seconds later. A lock file per port
-    (`kd-port-<port>.lock` in the temporary directory, released when this
-    process ends, however it ends) lets the second launch fail at once,
-    naming the port and the launch that holds it. A lock file kd cannot
-    open (another user's) is skipped: the bind check still applies.
+    (`kd-port-<port>.lock` in this user's private directory, `lock_directory`;
+    removed when released, and released when this process ends, however it
+    ends) lets the second launch fail at once, naming the port and the
+    launch that holds it. Another user's launch is not seen (their locks are
+    private); the bind check still applies.
 
     Raises:
-        LaunchError: another kd launch on this host holds one of `ports`.
+        LaunchError: another kd launch of this user holds one of `ports`, or
+            a lock's path holds something kd did not write.
     """
     held = []
     try:
+        folder = lock_directory() if ports else None
         for port in ports or ():
-            path = os.path.join(tempfile.gettempdir(), f"kd-port-{port}.lock")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            path = os.path.join(folder, f"kd-port-{port}.lock")
+            while True:
+                fd = _open_lock(path)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as error:
+                    holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                    os.close(fd)
+                    if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise LaunchError(f"Cannot lock {path!r} ({error.strerror}).") from None
+                    raise LaunchError(
+                        f"Invalid launch request:\n  - `ports`: port {port} is taken by another kd "
+                        f"launch on this host (pid {holder}, lock {path}); its task would fail "
+                        "with 'Could not start gRPC server'. Wait for that launch to end, give "
+                        "other ports, or leave `ports` out to pick free ones."
+                    ) from None
+                # The holder before us may have removed the file while we opened it.
+                try:
+                    same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
                 os.close(fd)
-                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    continue
-                raise LaunchError(
-                    f"Invalid launch request:\n  - `ports`: port {port} is taken by another kd "
-                    f"launch on this host (pid {holder}, lock {path}); its task would fail "
-                    "with 'Could not start gRPC server'. Wait for that launch to end, give "
-                    "other ports, or leave `ports` out to pick free ones."
-                ) from None
-            held.append(fd)
+            held.append((fd, path))
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        for fd in held:
+        for fd, path in held:
+            try:
+                os.unlink(path)  # while held: a waiting launch then sees another file
+            except OSError:
+                pass
             os.close(fd)
 
 
@@ -306,8 +362,21 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
     specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
+    if not private_network:
+        sink(exposure_notice(spec))
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
                                 grace_period=grace_period, private_network=private_network)
+
+
+def exposure_notice(spec):
+    """The one line a local launch without `private_network` prints: what is open, and the fix."""
+    ports = sorted(int(address.rpartition(":")[2]) for addresses in spec.values()
+                   for address in addresses)
+    return (f"[launcher] note: the tasks' TensorFlow servers listen on every interface at "
+            f"port(s) {', '.join(map(str, ports))}, without authentication: anyone who reaches this "
+            "host there can run code as this user. --private-network (kd.launch(private_network="
+            "True)) keeps them on a loopback of their own (the tasks then have no outside "
+            "network); else firewall those ports.")
 
 
 def _script_argv(script, args):
@@ -645,7 +714,7 @@ def node_tasks(per_node=1, ps=None, environ=None):
     if placement.base_port is not None:
         # Distinct on every machine, also for several nodes on one host.
         machines = [machine for machine in placement.machines for _ in range(count)]
-        ports = cluster_sources.task_ports(machines, placement.base_port)
+        ports = cluster_sources.task_ports(machines, placement.base_port, placement.reserved_ports)
     else:
         ports = [int(address.rpartition(":")[2]) + j
                  for address in placement.addresses for j in range(count)]
@@ -672,8 +741,10 @@ def _check_local_ports(spec, local):
     if taken:
         raise LaunchError(
             f"Port {', '.join(taken)} cannot be bound on this node: another job or process "
-            "listens there (`ss -ltnp`). kd derives the ports from the job (SLURM_JOB_ID) "
-            "unless `KD_PORT` fixes them: unset KD_PORT, or choose another first port."
+            "listens there (`ss -ltnp`). kd takes the ports Slurm reserved for the step "
+            "(SLURM_STEP_RESV_PORTS, with MpiParams=ports=... in slurm.conf), else derives them "
+            "from the job (SLURM_JOB_ID), unless `KD_PORT` fixes them: unset KD_PORT, or choose "
+            "another first port."
         )
 
 

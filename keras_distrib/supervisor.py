@@ -14,13 +14,16 @@ are killed. `keras_distrib.launcher` builds clusters on top of it.
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
+from keras_distrib import _early_signals
 from keras_distrib import _guard
 from keras_distrib import tf_logs
 
@@ -51,10 +54,25 @@ RESTART_EXIT_CODE = 42
 # What a task logs once its backup is written, just before it exits 42; the
 # launcher reads it when the task is killed on its way out.
 SAVED_MESSAGE = "Backed up for the preemption"
+# What the launcher exits with when a task stopped on a configuration error
+# that a rerun would meet again (the recipe's loop then does not rerun it).
+CONFIG_EXIT_CODE = 2
+# The errors of kd (last words of a task's traceback) that mean exactly that:
+# the backup directory is another live run's, or the backup is another run's.
+_CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
+                           r"run: |does not record what defines its run)")
 # How long a parameter-server cluster's coordinator gets to report a lost
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0
 _TAIL_LINES = 20
+# The variable that marks every process of one task (see `token_processes`).
+TOKEN_VARIABLE = "KD_TASK_TOKEN"
+# How often (seconds) the launcher looks whether a guard is stopped, and how
+# long a stopped one is given before the launcher ends it and its task.
+GUARD_CHECK_SECONDS = 0.5
+# Exit codes of a task ended by a stop signal before it handled it.
+_STOPPED_CODES = tuple(code for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGKILL)
+                       for code in (-sig, 128 + sig))
 
 
 @dataclasses.dataclass
@@ -65,6 +83,7 @@ class TaskResult:
     task_index: int
     returncode: object  # int, or None if it was still running when stopped
     tail: list
+    guard_fault: object = None  # what happened to the task's guard, when it failed on its own
 
     @property
     def label(self):
@@ -199,9 +218,15 @@ class _Task:
         self._hide_notices = tf_logs.hides_notices(env)
         self._log = open(log_path, "a") if log_path else None
         self._sink_broken = None
+        # Every process of the task inherits it: found again if its guard is lost.
+        self.token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        self.guard_fault = None
+        self._stopped_since = None
+        self._checked_at = 0.0
+        self._exit_checked = False
         self.process = subprocess.Popen(
             guarded(argv, netns),
-            env=env,
+            env={**(os.environ if env is None else env), TOKEN_VARIABLE: self.token},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -236,6 +261,42 @@ class _Task:
                     self._sink_broken = error
         self.process.stdout.close()
 
+    def check_guard(self):
+        """Notices a guard that was killed or stopped on its own, and ends its task's processes.
+
+        Returns True when the guard failed (its task's processes are then ended here).
+        """
+        if self.guard_fault is not None or self._exit_checked:
+            return self.guard_fault is not None
+        code = self.process.poll()
+        if code is None:
+            now = time.monotonic()
+            if now - self._checked_at < GUARD_CHECK_SECONDS:
+                return False
+            self._checked_at = now
+            if _process_state(self.process.pid) not in ("T", "t"):
+                self._stopped_since = None
+                return False
+            self._stopped_since = self._stopped_since or now
+            if now - self._stopped_since < GUARD_CHECK_SECONDS:
+                return False
+            self.process.kill()  # SIGKILL ends a stopped process too
+            self.process.wait(timeout=10)
+            ended = end_token_processes(self.token)
+            self.guard_fault = (f"its guard (pid {self.process.pid}) was stopped (SIGSTOP or a "
+                                f"debugger), so nothing watched the task; the launcher ended the "
+                                f"guard and the task's {ended} process(es)")
+            return True
+        self._exit_checked = True
+        ended = end_token_processes(self.token)
+        if ended and code < 0:
+            # The guard died by a signal while its task ran: the signal was the guard's, not the task's.
+            self.guard_fault = (f"its guard (pid {self.process.pid}) was killed by signal {-code} "
+                                f"while the task still ran; the launcher ended the task's {ended} "
+                                "process(es)")
+            return True
+        return False
+
     def stop_guard(self):
         """Asks the guard to end every process of the task (daemons included)."""
         if self.process.poll() is None:
@@ -254,7 +315,52 @@ class _Task:
         self._reader.join(timeout=5)
         if self._log:
             self._log.close()
-        return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail))
+        return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail),
+                          self.guard_fault)
+
+
+def _process_state(pid):
+    """The state letter of `/proc/<pid>/stat` (R, S, T, Z...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def token_processes(token):
+    """Pids of this user's live processes whose environment holds the task's token."""
+    needle = f"{TOKEN_VARIABLE}={token}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+        except OSError:  # gone, or another user's
+            continue
+        if _process_state(name) not in (None, "Z"):
+            found.append(int(name))
+    return found
+
+
+def end_token_processes(token):
+    """SIGKILLs every process holding the task's token (daemons included); returns how many."""
+    ended = set()
+    for _ in range(20):  # new forks may appear while killing
+        pids = token_processes(token)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+    return len(ended)
 
 
 def _stop(tasks, grace=GRACE_SECONDS, servers=()):
@@ -288,6 +394,9 @@ def _stop(tasks, grace=GRACE_SECONDS, servers=()):
             task.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
+    for task in tasks:
+        # A guard killed on its own left its task's daemons to init: found by token.
+        end_token_processes(task.token)
 
 
 @dataclasses.dataclass
@@ -363,7 +472,11 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     signalled = None
     stop_grace = GRACE_SECONDS
     lost_ps = None
+    running = []
     try:
+        early = _early_signals.take()
+        if early is not None:  # it came while kd started; nothing runs yet
+            raise SystemExit(128 + early)
         for spec in specs:
             log_path = None
             if log_dir:
@@ -378,6 +491,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         told_followers = False
         reported = set()
         while True:
+            for task in tasks:
+                task.check_guard()
             codes = [t.process.poll() for t in tasks]
             failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
             if not watched:
@@ -388,6 +503,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                     break
                 if timeout is not None and time.monotonic() - started > timeout:
                     timed_out = True
+                    running = [t.label for t in tasks if t.process.poll() is None]
                     break
                 time.sleep(0.05)
                 continue
@@ -421,6 +537,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                     task.signal_group(signal.SIGTERM)
             if timeout is not None and time.monotonic() - started > timeout:
                 timed_out = True
+                running = [t.label for t in tasks if t.process.poll() is None]
                 break
             time.sleep(0.05)
     except SystemExit as stop:
@@ -428,8 +545,11 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         # it on, and give the tasks time to save (a preemption's grace).
         signalled = stop.code
         stop_grace = grace
-        sink(f"[launcher] got {signal.Signals(signalled - 128).name}; passing SIGTERM on, the "
-             f"tasks have {grace:g}s to save and exit")
+        name = signal.Signals(signalled - 128).name
+        if not tasks:
+            sink(f"[launcher] got {name} before any task started; none runs")
+        else:
+            sink(f"[launcher] got {name}; passing SIGTERM on, {_save_time(signalled - 128, grace)}")
     finally:
         with _signals_ignored():
             # The tasks are being stopped (and given the grace period to save):
@@ -441,11 +561,16 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         # A task that saved may still be killed on its way out (Slurm ends the
         # step once another node's task exited 42): its last words count.
         saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
-        code = RESTART_EXIT_CODE if saved else signalled
+        # A task the stop signal ended before it could handle it (still starting:
+        # no backup callback yet) lost nothing a restart would not redo: with
+        # Slurm's warning or a preemption, ask for the restart, not a failure.
+        stopped = [c for c in codes if c in (0, None) or c in _STOPPED_CODES]
+        restart = signalled - 128 in (signal.SIGTERM, signal.SIGUSR1) and len(stopped) == len(codes)
+        code = RESTART_EXIT_CODE if saved or restart else signalled
         sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
         return ClusterResult(code, results, signalled=True)
     if timed_out:
-        running = [r.label for r in results if r.returncode in (None, -9, -15)]
+        # Which tasks ran when the time was up (stopping them changed their codes since).
         sink(f"[launcher] timeout after {timeout:g}s; still running: {', '.join(running) or 'none'}")
         return ClusterResult(124, results, timed_out=True)
     if failed is not None:
@@ -455,7 +580,15 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         sink(f"[launcher] {result.label} exited with code {result.returncode}; stopped the others. Last lines:")
         for line in result.tail:
             sink(f"[launcher]   {line}")
-        if result.returncode is not None and result.returncode < 0:
+        if result.returncode == 1 and any(_CONFIG_ERROR.search(line) for line in result.tail):
+            code = CONFIG_EXIT_CODE
+            sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
+                 f"meet again (see above): exit {CONFIG_EXIT_CODE}.")
+        if result.guard_fault:
+            sink(f"[launcher] {result.label} failed because {result.guard_fault}. kd's guard "
+                 "ends a task's processes when the task or the launcher ends; stop the launcher "
+                 "or the task, not the guard.")
+        elif result.returncode is not None and result.returncode < 0:
             from keras_distrib import watchdog
 
             sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
@@ -466,6 +599,30 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
             sink(explanation)
         return ClusterResult(code, results, failed=result)
     return ClusterResult(0, results)
+
+
+def _slurm_kill_wait():
+    """Slurm's KillWait in seconds (SIGTERM to SIGKILL), or None where it cannot be read."""
+    try:
+        done = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                              timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"^KillWait\s*=\s*(\d+)", done.stdout, re.M)
+    return int(match.group(1)) if match else None
+
+
+def _save_time(signum, grace):
+    """What the tasks have to save: the grace period, or less where Slurm's SIGTERM kills sooner."""
+    if signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"):
+        # Slurm's SIGTERM (scancel, the time limit) comes with SIGKILL KillWait seconds later.
+        kill_wait = _slurm_kill_wait()
+        if kill_wait is None:
+            return (f"the tasks have until Slurm's SIGKILL to save and exit (KillWait seconds "
+                    f"after its SIGTERM, 30 by default; --grace-period {grace:g}s)")
+        return (f"the tasks have {min(grace, kill_wait):g}s to save and exit (Slurm's KillWait: "
+                f"SIGKILL {kill_wait}s after its SIGTERM)")
+    return f"the tasks have {grace:g}s to save and exit"
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ Every job runs with `KD_SLURM_TEST=<directory>` in its environment, so the
 processes a test left behind are found (`leftovers`) and ended by pid.
 """
 
+import fcntl
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -18,12 +20,35 @@ import time
 
 import portpicker
 
+from keras_distrib import launcher
+
 NODES = ("kdn1", "kdn2")
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel")
 MARKER = "KD_SLURM_TEST"
 # A requeued job waits for its credential's lifetime + 1 s before it starts
 # again (120 s by default); 10 s keeps the requeue tests short.
 CRED_EXPIRE = 10
+# Ports Slurm reserves for job steps (MpiParams=ports): a block per cluster,
+# so that clusters of parallel test sessions on this host never share one.
+PORT_BLOCK = 64
+_BLOCKS = range(20000, 30000 - PORT_BLOCK, PORT_BLOCK)
+
+
+def _hold_port_block():
+    """(first port, lock fd) of a free block no other test cluster here holds."""
+    folder = os.path.join("/tmp", f"kd-slurm-test-ports-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for first in random.sample(list(_BLOCKS), len(_BLOCKS)):
+        fd = os.open(os.path.join(folder, f"{first}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        if all(launcher.port_is_free(port) for port in range(first, first + PORT_BLOCK)):
+            return first, fd
+        os.close(fd)
+    raise RuntimeError(f"no free block of {PORT_BLOCK} ports in 20000-29999 for Slurm's MpiParams")
 
 _CONF = """\
 ClusterName=kdtest
@@ -48,6 +73,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SwitchType=switch/none
 MpiDefault=none
+MpiParams=ports={resv_first}-{resv_last}
 MailProg=/bin/true
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
@@ -88,6 +114,7 @@ class Cluster:
     def __init__(self, root):
         self.root = str(root)
         self.processes = {}
+        self._port_lock = None
         self.conf = os.path.join(self.root, "slurm.conf")
         # The daemons' environment; commands (and so jobs) get the marker too.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
@@ -106,12 +133,14 @@ class Cluster:
                        check=True, capture_output=True, timeout=30)
         os.chmod(key, 0o400)
         ports = [portpicker.pick_unused_port() for _ in range(2 + len(NODES))]
+        resv_first, self._port_lock = _hold_port_block()
         nodes = "\n".join(
             f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=2 "
             "State=UNKNOWN" for name, port in zip(NODES, ports[2:]))
         with open(self.conf, "w") as f:
             f.write(_CONF.format(root=self.root, ctld_port=ports[0], slurmd_port=ports[1],
-                                 cred_expire=CRED_EXPIRE, nodes=nodes, node_list=",".join(NODES)))
+                                 cred_expire=CRED_EXPIRE, nodes=nodes, node_list=",".join(NODES),
+                                 resv_first=resv_first, resv_last=resv_first + PORT_BLOCK - 1))
         munge = os.path.join(self.root, "munge")
         self._daemon("munged", [_which("munged"), "--foreground", "--force",
                                 f"--socket={munge}/munge.sock", f"--key-file={key}",
@@ -173,6 +202,9 @@ class Cluster:
                 process.kill()
                 process.wait(timeout=15)
         self.kill_leftovers()
+        if self._port_lock is not None:
+            os.close(self._port_lock)
+            self._port_lock = None
 
     # Using it.
 

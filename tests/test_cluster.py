@@ -166,6 +166,28 @@ def test_slurm_cyclic_distribution_and_default_ports(environ):
     assert info.task_index == 1 and info.local_index == 0
 
 
+def test_slurm_reserved_ports_keep_jobs_apart_whose_ids_differ_by_6000(environ):
+    # Without a reservation both jobs would take 15000 + (id mod 6000) * 8 on
+    # the same nodes. Slurm reserves disjoint ports per step (MpiParams).
+    seen = []
+    for job, reserved in ((1, "31001-31002"), (6001, "31003-31004")):
+        environ(**_slurm(1, SLURM_JOB_ID=job, SLURM_STEP_RESV_PORTS=reserved))
+        seen.append(kd.cluster_info().cluster["worker"])
+    assert seen[0] == ("n9:31001", "n9:31002", "n10:31001", "n10:31002")
+    assert seen[1] == ("n9:31003", "n9:31004", "n10:31003", "n10:31004")
+    assert "SLURM_STEP_RESV_PORTS=31003-31004" in cluster_sources.detect().detail
+
+
+def test_slurm_too_few_reserved_ports_is_an_error_naming_them(environ):
+    environ(**_slurm(1, SLURM_STEP_RESV_PORTS="31001"))
+    with pytest.raises(cluster.ClusterConfigError,
+                       match=r"reserved 1 port\(s\).*SLURM_STEP_RESV_PORTS`=31001.*--resv-ports"):
+        kd.cluster_info()
+    environ(**_slurm(1, SLURM_STEP_RESV_PORTS="12x"))
+    with pytest.raises(cluster.ClusterConfigError, match=r"`SLURM_STEP_RESV_PORTS`='12x'"):
+        kd.cluster_info()
+
+
 @pytest.mark.cluster
 def test_slurm_uses_scontrol_when_on_path(environ, tmp_path):
     (tmp_path / "bin").mkdir()
@@ -388,20 +410,29 @@ def test_the_kubernetes_recipe_agrees_with_itself_and_with_kd():
     service, job = _kubernetes_recipe()
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
     # The pods' names: the headless Service is the pods' subdomain, its selector the Job.
     assert service["spec"]["clusterIP"] == "None" and service["metadata"]["name"] == pod["subdomain"]
     assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     assert env["KD_SERVICE"] == pod["subdomain"]
     assert int(env["KD_NUM_PODS"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
     assert job["spec"]["completionMode"] == "Indexed"
+    # Every task of a pod listens: KD_PORT + j for its j-th task (one per GPU).
     port = int(env.get("KD_PORT", cluster_sources.KUBERNETES_PORT))
-    assert service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"] == port
-    # The backup: on the volume every pod mounts, a claim shared by all (ReadWriteMany).
     command = container["command"]
+    tasks = (container["resources"]["limits"]["nvidia.com/gpu"]
+             if command[command.index("--per-node") + 1] == "gpu"
+             else int(command[command.index("--per-node") + 1]))
+    listening = set(range(port, port + tasks))
+    assert {p["containerPort"] for p in container["ports"]} == listening
+    assert {p["port"] for p in service["spec"]["ports"]} == listening
+    # The backup: on the volume every pod mounts, a claim shared by all (ReadWriteMany),
+    # in a folder of this Job's own (its uid, which restarted pods keep).
     backup = command[command.index("--backup-dir") + 1]
     (mount,) = container["volumeMounts"]
-    assert backup == mount["mountPath"]
+    assert backup == mount["mountPath"] + "/$(KD_RUN)"
+    assert env["KD_RUN"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     assert "persistentVolumeClaim" in volume
     # Restarts: a failed or preempted container (exit 42) is restarted in its pod, and the
@@ -426,10 +457,14 @@ def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volu
     service, job = _kubernetes_recipe()
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    # What Kubernetes gives the pods: the Job's uid (the same for restarted pods),
+    # expanded in the command where it says $(KD_RUN).
+    env = {item["name"]: item.get("value", "3f6c-job-uid") for item in container["env"]}
     volume = tmp_path / "volume"
-    command = [str(volume) if arg == container["volumeMounts"][0]["mountPath"] else arg
-               for arg in container["command"]]
+    mount = container["volumeMounts"][0]["mountPath"]
+    command = [arg.replace(mount, str(volume), 1).replace("$(KD_RUN)", env["KD_RUN"])
+               if arg.startswith(mount) else arg for arg in container["command"]]
+    volume = volume / env["KD_RUN"]
     shutil.copy(os.path.join(_harness.SCRIPTS, "slurm_train.py"), tmp_path / "train.py")
     reference = str(tmp_path / "one_device.npz")
     code, output = _harness.run_script("slurm_train.py", "--reference", "--backup-dir", "unused",

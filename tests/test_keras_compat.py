@@ -303,3 +303,18 @@ def test_keras_opens_the_iterators_per_epoch_kd_replays_on_resume(monkeypatch):
             for _begin, _end, iterator in source:
                 next(iterator)
     assert len(opened) == _keras_compat.iterators_before_epoch(source, 3) == 6
+
+
+def test_pipeline_batch_size_reads_tf_datas_batch_through_other_transformations():
+    # TensorFlow's private `_input_dataset` / `_batch_size`: fails loudly if they change.
+    import tensorflow as tf
+
+    from keras_distrib import _keras_compat
+
+    rows = tf.data.Dataset.range(100)
+    assert _keras_compat.pipeline_batch_size(
+        rows.filter(lambda x: x % 2 == 0).batch(16).map(lambda x: x * 2).prefetch(2)) == 16
+    assert _keras_compat.pipeline_batch_size(rows.padded_batch(5).shuffle(3)) == 5
+    assert _keras_compat.pipeline_batch_size(rows.batch(4).unbatch().batch(7)) == 7
+    assert _keras_compat.pipeline_batch_size(rows.batch(4).unbatch()) is None
+    assert _keras_compat.pipeline_batch_size(rows) is None

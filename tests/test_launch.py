@@ -45,6 +45,78 @@ def test_timeout_stops_a_hung_cluster():
 
 
 @pytest.mark.cluster
+def test_timeout_names_the_tasks_that_were_running_even_if_they_exit_cleanly():
+    # The tasks exit 42 on the launcher's SIGTERM (they saved): they still ran at the timeout.
+    result, output = _harness.run_cluster("exits_on_sigterm.py", workers=2, timeout=4)
+    assert result.returncode == 124 and result.timed_out
+    assert "timeout after 4s; still running: worker 0, worker 1" in output, output
+    assert not [pid for pid in _pids(output) if _harness.alive(pid)]
+
+
+@pytest.mark.cluster
+def test_a_backup_directory_in_use_ends_the_launch_with_the_configuration_exit_code(tmp_path):
+    from keras_distrib import files
+
+    backup = tmp_path / "backup"
+    lock = files.DirectoryLock(backup, "backup")
+    lock.acquire()  # another live run (this process) holds it
+    try:
+        result, output = _harness.run_cluster("backup_in_use.py", backup, workers=1, timeout=120)
+    finally:
+        lock.release()
+    # 2: a rerun would meet the same error, so the recipe's loop does not rerun it (1 would).
+    assert result.returncode == supervisor.CONFIG_EXIT_CODE == 2, output
+    assert "is in use by another run" in output and "TRAINED" not in output
+    assert "[launcher] worker 0 stopped on a configuration error that a rerun would meet again" in output
+
+
+def _descendants_with_tasks(pid, tasks):
+    from keras_distrib import _guard
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = _guard.descendants(pid)
+        # The launcher's guards and, under each, its task.
+        if len(found) >= 2 * tasks:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no {tasks} tasks under the launcher after 60s")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("when", ["launcher starting", "tasks starting"])
+def test_a_warning_signal_while_starting_asks_for_a_restart(when):
+    # Slurm's --signal=USR1@<s> reaches every process of the step: the agent
+    # while it imports TensorFlow, or its tasks while they do. Nothing trained
+    # yet, so the answer is a restart (42, the recipe requeues), not 138.
+    import signal as signals
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_distrib", "launch", "--workers", "2",
+         os.path.join(_harness.SCRIPTS, "hang.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_harness._env(),
+        start_new_session=True,
+    )
+    try:
+        if when == "launcher starting":
+            time.sleep(0.5)  # inside `import keras_distrib` (TensorFlow loads for seconds)
+            launcher.send_signal(signals.SIGUSR1)
+            pids = []
+        else:
+            pids = _descendants_with_tasks(launcher.pid, 2)
+            for pid in [*pids, launcher.pid]:  # the tasks first: they must survive it
+                os.kill(pid, signals.SIGUSR1)
+        output, _ = launcher.communicate(timeout=90)
+    finally:
+        _harness.kill_groups([launcher])
+    assert launcher.returncode == 42, output
+    assert "got SIGUSR1" in output, output
+    if when == "launcher starting":
+        assert "got SIGUSR1 before any task started; none runs" in output, output
+    assert not [pid for pid in pids if _harness.alive(pid)]
+
+
+@pytest.mark.cluster
 def test_function_target_returns_values():
     lines = []
     result = kd_launch.launch(launch_targets.whoami, workers=2, args=("x",), sink=lines.append, timeout=120)
@@ -156,6 +228,33 @@ def test_taken_port_is_refused_before_starting(tmp_path):
         with pytest.raises(kd_launch.LaunchError, match=r"`ports` lists 1 port\(s\) but the cluster has 2"):
             kd_launch.launch(str(script), workers=2, ports=[free])
     assert not marker.exists()
+
+
+def test_port_locks_are_private_removed_when_released_and_a_non_file_is_refused(tmp_path, monkeypatch):
+    import stat
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the shared temporary directory
+    port = kd_launch.pick_ports(1)[0]
+    folder = tmp_path / f"kd-locks-{os.getuid()}"
+    with kd_launch._reserve_ports([port]):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert (folder / f"kd-port-{port}.lock").read_text().strip() == str(os.getpid())
+        with pytest.raises(kd_launch.LaunchError, match=rf"port {port} is taken by another kd launch"):
+            with kd_launch._reserve_ports([port]):
+                pass
+    assert os.listdir(folder) == []  # removed when released
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("kd-port-")]
+    os.mkfifo(folder / f"kd-port-{port}.lock")
+    with pytest.raises(kd_launch.LaunchError, match=rf"kd-port-{port}\.lock' is not a regular file "
+                                                    r"\(a FIFO.*Remove it"):
+        with kd_launch._reserve_ports([port]):
+            pass
+    os.remove(folder / f"kd-port-{port}.lock")
+    folder.chmod(0o777)
+    with pytest.raises(kd_launch.LaunchError, match=r"kd-locks-\d+' is writable by others \(mode 777\)"):
+        with kd_launch._reserve_ports([port]):
+            pass
 
 
 @pytest.mark.cluster

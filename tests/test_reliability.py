@@ -5,6 +5,7 @@ Every process test has a timeout and kills what it started by pid.
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,44 @@ def test_no_task_child_or_daemon_outlives_the_launcher(how):
         _kill_all(pids)
     if how == signal.SIGHUP:
         assert launcher.returncode == 128 + signal.SIGHUP
+
+
+def _parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_killed_or_stopped_guard_still_ends_its_task_and_is_named(how):
+    # The guard between the launcher and worker 1 is killed (or stopped) on its
+    # own: worker 1's task, child and setsid daemon must still end, and the
+    # launcher must say it was the guard (not "out of memory"), within seconds.
+    launcher = _start_launcher("hang")
+    pids, guard = [], None
+    try:
+        families, lines = _read_families(launcher, 2)
+        assert len(families) == 2, lines
+        pids = [pid for family in families for pid in family]
+        task = next(family[0] for family, line in zip(families, [l for l in lines if "FAMILY " in l])
+                    if line.startswith("[worker 1]"))
+        guard = _parent(task)
+        started = time.monotonic()
+        os.kill(guard, how)
+        output = launcher.communicate(timeout=60)[0].decode("utf-8", "replace")
+        elapsed = time.monotonic() - started
+    finally:
+        if guard is not None and how == signal.SIGSTOP:
+            _kill_all([guard])
+        launcher.kill()
+        launcher.wait(timeout=10)
+        _kill_all(pids)
+    assert _survivors(pids) == [], output
+    what = ("was killed by signal 9 while the task still ran" if how == signal.SIGKILL
+            else "was stopped (SIGSTOP or a debugger)")
+    assert f"[launcher] worker 1 failed because its guard (pid {guard}) {what}" in output, output
+    assert "out of memory" not in output, output
+    assert launcher.returncode != 0 and elapsed < 20, (launcher.returncode, elapsed)
 
 
 @pytest.mark.cluster
@@ -357,6 +396,38 @@ def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, m
     assert not [n for n in os.listdir(mount_point) if n.startswith(("ckpt-", ".tmp-kd-"))]
 
 
+@pytest.mark.cluster
+def test_a_full_disk_at_model_checkpoints_first_save_is_named(mount_point):
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * 4096)
+    os.close(fd)
+    target = mount_point / "model.keras"
+    with pytest.raises(CheckpointError, match=r"ModelCheckpoint could not write '.*volume/model\.keras': "
+                                              r"No space left on device\..*Free space in"):
+        _model().fit(*_xy(8), batch_size=4, epochs=1, verbose=0,
+                     callbacks=[kd.callbacks.ModelCheckpoint(str(target))])
+    assert not target.exists()
+    assert sorted(os.listdir(mount_point)) == ["filler"]
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_training(tmp_path):
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    name = os.fsdecode(os.fsencode(str(tmp_path)) + b"/backup-\xff")
+    with pytest.raises(CheckpointError, match=r"`backup_dir`=.*backup-\\udcff' is not valid UTF-8 .*"
+                                              r"b'.*backup-\\xff'.*Rename the directory"):
+        kd.callbacks.BackupAndRestore(name)
+    with pytest.raises(ValueError, match=r"`filepath`=.*is not valid UTF-8"):
+        kd.callbacks.ModelCheckpoint(name + ".keras")
+    assert os.listdir(tmp_path) == []
+
+
 # Environment values a cluster manager (or a typo) hands over.
 
 _SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
@@ -443,7 +514,7 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
     x, y = _xy(rows)
     model = _model()
     files_before = sorted(p.name for p in backup.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"does not match this run's data: " + match
+    with pytest.raises(CheckpointError, match=r"does not match this run: " + match
                        + r".*skip or repeat examples"):
         model.fit(x, y, batch_size=batch_size, epochs=2, verbose=0, shuffle=False,
                   callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
@@ -453,6 +524,155 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
         history = model.fit(*_xy(8), batch_size=4, epochs=2, verbose=0, shuffle=False,
                             callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
         assert history.epoch == [1]
+
+
+def _compiled(optimizer="sgd", loss="mse", bias=True):
+    import keras
+
+    import keras_distrib as kd
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((2,))
+    model = kd.Model(inputs, keras.layers.Dense(1, use_bias=bias)(inputs))
+    model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(optimizer="adam"), r"the optimizer is \{.*\"class\": \"Adam\".*the backup's was \{.*SGD"),
+    (dict(optimizer="lr"), r"the optimizer's `learning_rate` is 0\.02, the backup's was 0\.01"),
+    (dict(loss="mae"), r"the loss is \"mae\", the backup's was \"mse\""),
+    (dict(bias=False), r"the model's layer 1 \(Dense\) differs from the backup's \(Dense\)"),
+])
+def test_another_experiments_backup_is_refused_naming_what_changed(change, match, tmp_path):
+    import keras
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    x, y = _xy(8)
+    first = _compiled(optimizer=keras.optimizers.SGD(0.01))
+    first.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False,
+              callbacks=[kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+    if change.get("optimizer") == "lr":
+        change = dict(optimizer=keras.optimizers.SGD(0.02))
+    files_before = sorted(p.name for p in backup.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"does not match this run: " + match
+                       + r".*train something else.*give `backup_dir` another directory"):
+        _compiled(**change).fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                                callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert sorted(p.name for p in backup.rglob("*")) == files_before
+    # Contrast: the same experiment, built again, resumes.
+    history = _compiled(optimizer=keras.optimizers.SGD(0.01)).fit(
+        x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+        callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert history.epoch == [1]
+
+
+def test_a_dataset_of_unknown_length_resumed_with_another_batch_size_is_refused(tmp_path):
+    import tensorflow as tf
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    x, y = _xy(48)
+
+    def data(batch):  # `filter`: the dataset's length and batch shape are unknown
+        return tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: a[0] >= 0).batch(batch)
+
+    assert data(16).cardinality() == tf.data.UNKNOWN_CARDINALITY
+    backup = tmp_path / "backup"
+    _model().fit(data(16), epochs=1, verbose=0,
+                 callbacks=[kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+    with pytest.raises(CheckpointError, match=r"the global batch size is 32, the backup's was 16"):
+        _model().fit(data(32), epochs=2, verbose=0,
+                     callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    history = _model().fit(data(16), epochs=2, verbose=0,
+                           callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+    assert history.epoch == [1]
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(global_batch_size="16"), r"`global_batch_size`='16' \(expected a whole number >= 1\).*edited by hand"),
+    (dict(global_batch_size=13.0), r"`global_batch_size`=13\.0 \(expected a whole number >= 1\)"),
+    (dict(run=None), r"does not record what defines its run .* an older kd wrote it"),
+])
+def test_an_old_or_hand_edited_progress_file_is_refused(edit, match, tmp_path):
+    import json
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    _backup_after_one_epoch(backup)
+    (ckpt,) = [p for p in backup.iterdir() if p.name.startswith("ckpt-")]
+    progress = json.loads((ckpt / "progress.json").read_text())
+    if edit.get("run", 1) is None:  # as kd wrote it before it recorded the run and the batch size
+        progress = {k: v for k, v in progress.items()
+                    if k not in ("run", "global_batch_size", "batches_per_epoch")}
+    else:
+        progress.update(edit)
+    (ckpt / "progress.json").write_text(json.dumps(progress))
+    with pytest.raises(CheckpointError, match=match):
+        _model().fit(*_xy(16), batch_size=8, epochs=2, verbose=0, shuffle=False,
+                     callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
+
+
+def test_a_loss_that_is_inf_while_the_weights_stay_finite_writes_no_backup(tmp_path, caplog):
+    import numpy as np
+    import tensorflow as tf
+
+    def infinite(y_true, y_pred):  # inf from the first step; its gradient is 0
+        return tf.reduce_mean(y_pred * 0.0, axis=-1) + float("inf")
+
+    model = _compiled(loss=infinite)
+    backup = tmp_path / "backup"
+    with caplog.at_level("WARNING", logger="keras_distrib"):
+        _fit(model, backup, epochs=2, save_freq=1)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert "Training diverged (NaN or Inf: loss=inf) at epoch 0, step 1" in caplog.text
+    assert "Kept the backup" in caplog.text
+    assert not [n for n in os.listdir(backup) if n.startswith("ckpt-")]
+
+
+def test_a_resume_from_an_epochs_last_step_does_not_end_that_epoch_again(tmp_path):
+    import keras
+    import numpy as np
+
+    import keras_distrib as kd
+
+    ended = []
+
+    class Log(keras.callbacks.Callback):  # an append-style logger (as CSVLogger)
+        def on_epoch_end(self, epoch, logs=None):
+            ended.append(epoch)
+
+    class Killed(keras.callbacks.Callback):  # the job dies once epoch 0 has ended
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                raise KeyboardInterrupt("killed")
+
+    x, y = _xy(8)
+    backup = tmp_path / "backup"
+
+    def fit(*extra):
+        # save_freq=2 with 2 batches per epoch: the backup is taken at the epoch's last step.
+        model = _model()
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[
+            Log(), kd.callbacks.BackupAndRestore(str(backup), save_freq=2, save_on_preemption=False),
+            *extra])
+        return model
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(Killed())
+    resumed = fit()
+    assert ended == [0, 1]  # epoch 0 ended once, before the kill
+    # Against an uninterrupted run of the same batches.
+    reference = _model()
+    reference.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-5)
 
 
 def _reachable(port):
@@ -486,6 +706,12 @@ def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
                               private_network=private)
     assert result.returncode == 0, lines
     assert seen == [not private], lines
+    # Exposed: one line at launch names the open port(s) and the fix; private: none.
+    notices = [line for line in lines if "without authentication" in line]
+    assert len(notices) == (0 if private else 1), lines
+    if not private:
+        assert re.search(r"^\[launcher\] note: .*listen on every interface at port\(s\) \d+, "
+                         r".*--private-network", notices[0]), notices
 
 
 @pytest.mark.cluster

@@ -151,6 +151,9 @@ def test_one_node_two_workers_scancel_then_resubmit_resumes_exactly(slurm, refer
     assert state == "CANCELLED", first[-4000:]
     assert not _no_leftovers(slurm)
     assert re.search(r"\[worker 0\] .*Preemption \(SIGTERM\): backed up epoch", first), first[-4000:]
+    # Slurm kills KillWait (10 s in this cluster) after its SIGTERM, whatever --grace-period says.
+    assert ("got SIGTERM; passing SIGTERM on, the tasks have 10s to save and exit (Slurm's "
+            "KillWait: SIGKILL 10s after its SIGTERM)") in first, first[-4000:]
     assert not (job_dir / "weights.npz").exists()
     job = _submit(slurm, job_dir, "--nodes=1", CPU_TASKS_PER_NODE="2")
     state, exit_code, _ = slurm.wait(job, 180)

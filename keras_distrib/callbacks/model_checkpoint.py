@@ -38,6 +38,7 @@ import keras
 import numpy as np
 
 from keras_distrib import _keras_compat
+from keras_distrib import checkpoint as checkpoint_lib
 from keras_distrib import cluster
 from keras_distrib import files
 from keras_distrib import validation
@@ -203,6 +204,12 @@ class ModelCheckpoint(keras.callbacks.Callback):
                 else:
                     self.model.save(temp, overwrite=True)
                 files.publish(temp, os.path.join(directory, base))
+            except OSError as error:
+                raise checkpoint_lib.CheckpointError(
+                    f"ModelCheckpoint could not write {name!r}: {error.strerror or error}. "
+                    "Nothing was replaced (an earlier file of that name is intact). Free space in "
+                    f"(or fix the permissions of) {folder!r}, or give `filepath` another folder."
+                ) from error
             finally:
                 if os.path.exists(temp):
                     os.remove(temp)
@@ -302,7 +309,12 @@ def placeholder_problems(filepath, *, batch_freq, known=()):
 
 
 def _location_problems(filepath):
-    """Where `filepath` would be written: not a directory, not under a file, writable."""
+    """Where `filepath` would be written: UTF-8, not a directory, not under a file, writable."""
+    try:
+        filepath.encode("utf-8")
+    except UnicodeEncodeError:
+        return [f"`filepath`={filepath!r} is not valid UTF-8 (its bytes {os.fsencode(filepath)!r}), "
+                "and TensorFlow and Keras write UTF-8 paths only; choose a UTF-8 name"]
     if os.path.isdir(filepath):
         return [f"`filepath`={filepath!r} is a directory; give a file path"]
     # The folder part may itself hold placeholders; the nearest existing
