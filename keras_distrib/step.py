@@ -280,7 +280,7 @@ def replica_logs(outputs, sources):
     return tree.pack_sequence_as(outputs, leaves)
 
 
-def step_logs(model, strategy, outputs, sources=None, extras=None, states=None):
+def step_logs(model, strategy, outputs, sources=None, extras=None, states=None, by_name=False):
     """Global logs for the outputs of a replica step (see `replica_logs`).
 
     Entries recorded in `sources` take their metric's global value; the
@@ -288,13 +288,20 @@ def step_logs(model, strategy, outputs, sources=None, extras=None, states=None):
     reduced). Nested dicts (Keras's `compile_metrics`) keep their nesting.
     `states`: the global metric states the step's gradient all-reduce
     brought, if any (no collective then; see `sum_with_metric_states`).
+    `by_name`: the step is kd's own (its outputs are its metrics' results),
+    so a top-level key naming a metric takes that metric's global value
+    even where its result was not recorded (a multi-output model's
+    per-output loss trackers, which Keras reads inside its compiled loss).
     """
     sources = sources or {}
-    metric_values = metric_results(model, states) if sources else {}
+    metric_values = metric_results(model, states) if sources or by_name else {}
     leaves = []
     for path, value in tree.flatten_with_path(outputs):
-        if path in sources and sources[path] in metric_values:
-            leaves.append(metric_values[sources[path]])
+        key = sources.get(path)
+        if key is None and by_name and len(path) == 1:
+            key = path[0]
+        if key is not None and key in metric_values:
+            leaves.append(metric_values[key])
         elif extras is not None and _path_key(path) in extras:
             leaves.append(extras[_path_key(path)])
         else:
@@ -464,7 +471,8 @@ class Step:
         if self.kind == "predict":
             return _keras_compat.concat_replicas(outputs, self.strategy)
         return step_logs(self.model, self.strategy, outputs, self._sources, extras,
-                         _global_states_of(self.strategy, states))
+                         _global_states_of(self.strategy, states),
+                         by_name=reports_only_metrics(self.model, self.kind))
 
     @tf.autograph.experimental.do_not_convert
     def _extras(self, outputs):
@@ -545,7 +553,8 @@ class Step:
 
     @tf.autograph.experimental.do_not_convert
     def _loop_logs(self, last, states):
-        return step_logs(self.model, self.strategy, self._outputs, self._sources, last, states)
+        return step_logs(self.model, self.strategy, self._outputs, self._sources, last, states,
+                         by_name=reports_only_metrics(self.model, self.kind))
 
     def _many_predictions(self, iterator, count, first):
         flat = tree.flatten(first)
