@@ -31,10 +31,14 @@ def test_kerashub_applications_and_kerastuner_match_one_device():
     for case in ("bert_classifier", "gpt2_causal_lm", "mobilenet_v2_frozen"):
         # assert_parity passed (every step, the history); float32 round-off only.
         assert results[case]["kd"] <= 2e-5 and not results[case]["float64_notes"], results[case]
-    # Plain Keras 3: KerasHub's bool padding masks cannot cross replicas, and a
-    # CNN fails when one replica gets no row of the last batch.
-    for case in ("bert_classifier", "gpt2_causal_lm", "mobilenet_v2_frozen"):
+    # Plain Keras 3: KerasHub's bool padding masks cannot cross replicas.
+    for case in ("bert_classifier", "gpt2_causal_lm"):
         assert isinstance(results[case]["keras"], str) and "Error" in results[case]["keras"], results[case]
+    # The frozen CNN with an empty replica in the last batch: plain Keras either
+    # fails (seen with earlier installs) or trains off one device (2.7e-3 with
+    # keras 3.15.1 / TensorFlow 2.21.0 as installed on 2026-11-25).
+    keras_cnn = results["mobilenet_v2_frozen"]["keras"]
+    assert (isinstance(keras_cnn, str) and "Error" in keras_cnn) or keras_cnn > 1e-3, keras_cnn
     # The KerasHub subclass, registered, reloads compiled and predicts the same.
     assert results["bert_classifier"]["reload"] == {
         "class": "ExactBertClassifier", "iterations": 3, "same_predictions": True}
