@@ -289,7 +289,9 @@ def reload_check(model_fn, data, strategy):
         path = os.path.join(directory, "task.keras")
         model.save(path)
         loaded = keras.saving.load_model(path)
-    same = all(np.array_equal(a, b) for a, b in zip(
+    # The trained model predicts on its replicas, the loaded one on one device:
+    # the same up to float32 round-off (the rows are split differently).
+    same = all(_relative(a, b) <= 2e-5 for a, b in zip(
         tf.nest.flatten(model.predict(x, verbose=0)), tf.nest.flatten(loaded.predict(x, verbose=0))))
     return {"class": type(loaded).__name__, "iterations": int(loaded.optimizer.iterations.numpy()),
             "same_predictions": bool(same)}
