@@ -100,6 +100,9 @@ class TrainLoop:
         """The compiled `Step` of `kind`, `steps_per_loop` steps per call."""
         if kind not in self._steps:
             self.model._check_exactness(training=kind == "train")
+            # As the model's own steps: a custom step's metrics, loss objects
+            # and trackers give one device's logs.
+            self.model._prepare_custom_step()
             self._steps[kind] = step_lib.Step(self.model, kind, steps=self.steps_per_loop)
         return self._steps[kind]
 
