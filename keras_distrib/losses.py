@@ -371,7 +371,8 @@ class GlobalReductionLoss(keras.losses.Loss):
                     # row: in deferred scale, R * n_r stands for N.
                     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
                     return tf.math.divide_no_nan(numerator, denominator * replicas)
-                if batch is not None and batch.knows_global_rows and _counts_rows(values):
+                if batch is not None and batch.knows_global_rows and _counts_rows(values) \
+                        and getattr(self, "rows_are_the_batch", True):
                     # N already known (a global BatchNormalization's
                     # all-reduce brought it): N rows of equal size, no
                     # all-reduce of the element count.
@@ -538,7 +539,12 @@ def _loss_object_call(keras_call):
         batch = current_batch()
         if batch is None or batch.in_forward or loss.reduction in (None, "none"):
             return keras_call(loss, y_true, y_pred, sample_weight)
-        return mark_share(GlobalReductionLoss(loss)(y_true, y_pred, sample_weight=sample_weight))
+        # A loss object of the user's may see other rows than the batch's (a
+        # GAN's concatenated real and generated images): its element count is
+        # all-reduced, never taken from the batch's N.
+        wrapped = GlobalReductionLoss(loss)
+        wrapped.rows_are_the_batch = False
+        return mark_share(wrapped(y_true, y_pred, sample_weight=sample_weight))
 
     return call
 
