@@ -561,11 +561,12 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         # A task that saved may still be killed on its way out (Slurm ends the
         # step once another node's task exited 42): its last words count.
         saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
-        # A task the stop signal ended before it could handle it (still starting:
-        # no backup callback yet) lost nothing a restart would not redo: with
-        # Slurm's warning or a preemption, ask for the restart, not a failure.
+        # A task the warning signal ended before it could handle it (still
+        # starting: no backup callback yet) lost nothing a restart would not
+        # redo: ask for the restart, not a failure. A SIGTERM is a stop
+        # (scancel, `kill`): 128 + 15 unless a task saved.
         stopped = [c for c in codes if c in (0, None) or c in _STOPPED_CODES]
-        restart = signalled - 128 in (signal.SIGTERM, signal.SIGUSR1) and len(stopped) == len(codes)
+        restart = signalled - 128 == signal.SIGUSR1 and len(stopped) == len(codes)
         code = RESTART_EXIT_CODE if saved or restart else signalled
         sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
         return ClusterResult(code, results, signalled=True)

@@ -499,13 +499,17 @@ def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
                 "kd.exact_optimizer(optimizer)."
             )
     if _is_own_code(_defining_module(model, "train_step")):
-        advice = ("call self.compute_loss(...), which kd makes exact, or kd.losses.global_mean"
-                  if kd_model else "use kd.DistributedModelMixin and self.compute_loss(...)")
-        causes.append(
-            f"a custom reduction in {type(model).__name__}.train_step: a loss averaged over the "
-            "replica's own rows (e.g. tf.reduce_mean) is a per-replica mean, wrong whenever the "
-            f"replicas' rows differ from the global batch; {advice}."
-        )
+        if kd_model:
+            what = ("a loss kd did not compute is taken as a mean over the replica's rows "
+                    "(exact for tf.reduce_mean of per-row terms); a sum, or a sum divided by a "
+                    "fixed batch size, is not one")
+            advice = "call self.compute_loss(...) or kd.losses.global_mean, which kd makes exact"
+        else:
+            what = ("a loss averaged over the replica's own rows (e.g. tf.reduce_mean) is a "
+                    "per-replica mean, wrong whenever the replicas' rows differ from the "
+                    "global batch")
+            advice = "use kd.DistributedModelMixin and self.compute_loss(...)"
+        causes.append(f"a custom reduction in {type(model).__name__}.train_step: {what}; {advice}.")
     loss = getattr(model, "loss", None)
     loss_module = getattr(loss, "__module__", None) or getattr(type(loss), "__module__", "")
     if loss is not None and not isinstance(loss, (str, dict, list, tuple)) and _is_own_code(loss_module):

@@ -100,8 +100,13 @@ def test_hand_written_recipe_matches_one_device(kind):
         assert "batch_variance_penalty" in results[("variance_penalty", dtype)]["error"]
         assert "cannot split" in results[("variance_penalty", dtype)]["error"]
         # A plain Keras model's per-replica BatchNormalization is refused, naming the fix.
+        # Under central storage Keras itself fails first (its moving statistics are
+        # aggregating variables without an aggregation): loud, before kd sees a loss.
         error = results[("batch_norm_keras_model", dtype)]["error"]
-        assert "batch_normalization" in error and "kd.Sequential" in error
+        if kind == "central_storage":
+            assert "You must specify an aggregation method" in error, error
+        else:
+            assert "batch_normalization" in error and "kd.Sequential" in error
 
 
 @pytest.mark.cluster

@@ -102,7 +102,25 @@ def clipped_keras():
 
 
 class HandMadeLoss(kd.Model):
-    """A train_step that averages the loss over the replica's own rows."""
+    """A train_step that divides its loss by a fixed batch size, not the replica's rows."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            # kd takes a plain-ops loss as a mean over the replica's rows
+            # (exact for tf.reduce_mean); a sum over 16 rows is not one.
+            loss = tf.reduce_sum(tf.square(self(x, training=True) - y)) / 16.0
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {}
+
+
+def hand_made_loss():
+    return build(HandMadeLoss)
+
+
+class RowMeanLoss(kd.Model):
+    """The same step with the loss a mean over the replica's rows, as Keras's guides write it."""
 
     def train_step(self, data):
         x, y = data
@@ -111,10 +129,6 @@ class HandMadeLoss(kd.Model):
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         return {}
-
-
-def hand_made_loss():
-    return build(HandMadeLoss)
 
 
 def test_good_model_matches_everywhere_in_process():
@@ -225,6 +239,9 @@ def test_custom_reduction_is_caught():
     with pytest.raises(AssertionError) as caught:
         kd.testing.assert_parity(hand_made_loss, (X, Y), batch_size=16)
     assert "likely cause: a custom reduction in HandMadeLoss.train_step" in str(caught.value)
+    # A mean over the replica's rows is what kd takes a plain-ops loss for: exact.
+    result = kd.testing.assert_parity(lambda: build(RowMeanLoss), (X, Y), batch_size=16)
+    assert max(result.values()) <= 2e-5
 
 
 def test_plain_model_is_caught_at_the_uneven_batch():
