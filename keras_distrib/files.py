@@ -143,6 +143,11 @@ def _owner_tag():
     return f"{host_tag()}-{os.getpid()}-{process_start_ticks(os.getpid()) or 0}"
 
 
+def own_scratch_prefix():
+    """The name every scratch directory of this process starts with (see `make_scratch`)."""
+    return f"{SCRATCH_PREFIX}{_owner_tag()}-"
+
+
 def _owned_by_dead_process(name, prefix):
     """Whether entry `name` (`<prefix><owner tag>-...`) belongs to a dead process here.
 
@@ -307,7 +312,7 @@ def make_scratch(label):
     safe = "".join(c for c in str(label) if c.isalnum()) or "kd"
     path = None
     try:
-        path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{_owner_tag()}-{safe}-", dir=parent)
+        path = tempfile.mkdtemp(prefix=f"{own_scratch_prefix()}{safe}-", dir=parent)
         # A full disk still lets a directory be made; a first write fails.
         probe = os.path.join(path, ".probe")
         with open(probe, "wb") as f:

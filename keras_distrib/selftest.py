@@ -224,12 +224,14 @@ def _sharding(strategy):
 
 def _checkpoints(strategy, directory, scratch_before):
     import keras_distrib as kd
+    from keras_distrib import files
 
     info = kd.cluster_info()
     _barrier(strategy)  # the chief's last file is in place before anyone looks
     expected = sorted(f"model-{epoch}.keras" for epoch in range(1, EPOCHS + 1))
     found = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    prefix = f"kd_{info.task_type}{info.task_index}_"
+    # A worker that is not the chief writes into scratch directories of its own.
+    prefix = files.own_scratch_prefix()
     leftovers = sorted(
         name for name in os.listdir(tempfile.gettempdir())
         if name.startswith(prefix) and name not in scratch_before

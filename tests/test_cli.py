@@ -72,3 +72,24 @@ def test_env_names_versions_devices_cluster_and_auto(monkeypatch, capsys):
 def test_commands_parse(argv):
     options = cli.build_parser().parse_args(argv)
     assert options.command == argv[0]
+
+
+def test_the_checkpoint_check_sees_a_left_scratch_directory(tmp_path):
+    # What a worker that is not the chief writes goes to scratch directories
+    # of its own (files.make_scratch); one left behind fails the check.
+    import tensorflow as tf
+
+    from keras_distrib import files
+
+    strategy = tf.distribute.get_strategy()
+    for epoch in range(1, selftest.EPOCHS + 1):
+        (tmp_path / f"model-{epoch}.keras").write_bytes(b"")
+    before = set(os.listdir(files.tempfile.gettempdir()))
+    assert selftest._checkpoints(strategy, str(tmp_path), before).endswith("wrote " + ", ".join(
+        f"model-{epoch}.keras" for epoch in range(1, selftest.EPOCHS + 1)))
+    left = files.make_scratch("worker1")
+    try:
+        with pytest.raises(selftest._Failed, match="left temporary directories: .*worker1"):
+            selftest._checkpoints(strategy, str(tmp_path), before)
+    finally:
+        files.remove_scratch(left)
