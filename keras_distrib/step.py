@@ -375,6 +375,61 @@ def _created_before_the_batch(next_creator, **kwargs):
         return next_creator(**kwargs)
 
 
+# TensorFlow's stateful random ops (`tf.random.normal`, `tf.random.Generator`,
+# ...): each device keeps its own state, so replicas cannot draw what one
+# device draws for the global batch. Keras draws statelessly (kd lays those
+# draws out, see models._global_batch_draw).
+STATEFUL_DRAWS = frozenset({
+    "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "StatefulStandardNormalV2", "StatefulUniform",
+    "StatefulUniformInt", "StatefulUniformFullInt", "StatefulTruncatedNormal",
+    "StatefulRandomBinomial",
+})
+
+
+def _stateful_draws(operations):
+    """The stateful random ops among `operations`, nested functions included."""
+    graph = operations[0].graph if operations else None
+    library = {}
+    if graph is not None and any(op.type in ("PartitionedCall", "StatefulPartitionedCall")
+                                 for op in operations):
+        graph_def = graph.as_graph_def()
+        library = {f.signature.name: f for f in graph_def.library.function}
+    found, seen = [], set()
+
+    def visit(nodes):
+        for node in nodes:
+            if node.op in STATEFUL_DRAWS:
+                found.append(f"{node.op} ({node.name!r})")
+            for attr in node.attr.values():
+                name = attr.func.name if attr.HasField("func") else None
+                if name in library and name not in seen:
+                    seen.add(name)
+                    visit(library[name].node_def)
+
+    visit(op.node_def for op in operations)
+    return found
+
+
+def refuse_stateful_draws(operations, owner):
+    """Refuses TensorFlow's stateful random ops in `owner`'s step on several replicas."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return
+    found = _stateful_draws(operations)
+    if found:
+        raise ValueError(
+            f"{owner} draws random numbers with TensorFlow's stateful ops: {', '.join(found)}. "
+            f"On {context.num_replicas_in_sync} replicas each device draws from its own state, "
+            "not the numbers one device draws for the global batch, so training would differ "
+            "from one device. Draw with Keras's random functions and a seed generator "
+            "(keras.random.normal(shape, seed=self.seed_generator), the generator a "
+            "keras.random.SeedGenerator made in __init__), which kd lays out over the global "
+            "batch, or draw in the input pipeline."
+        )
+
+
 def replica_function(model, kind, *, looped=False, sources=None):
     """One replica's step of `kind`, inside its `ReplicaBatch`.
 
@@ -410,7 +465,12 @@ def replica_function(model, kind, *, looped=False, sources=None):
         with tf.control_dependencies(arrived), \
                 replica.replica_batch(replica.batch_rows(x), plan) as batch, \
                 tf.variable_creator_scope(_created_before_the_batch):
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations()) if not tf.executing_eagerly() else None
             outputs = step_fn(data)
+            if first is not None:
+                refuse_stateful_draws(graph.get_operations()[first:],
+                                      f"{type(model).__name__}.{kind}_step")
             outputs = outputs if kind == "predict" else replica_logs(outputs, sources)
             return outputs, batch.global_metric_states
 

@@ -71,8 +71,14 @@ def test_plain_keras_under_the_strategy_is_wrong():
 
 @pytest.mark.cluster
 def test_draw_kd_cannot_lay_out_is_refused():
-    code, output = _harness.run_script("own_train_step.py", "mirrored2", "odd_draw", timeout=300)
+    code, output = _harness.run_script("own_train_step.py", "mirrored2", "odd_draw,tf_random",
+                                       timeout=300)
     assert code == 0, output[-4000:]
-    (result,) = _harness.results_of(output)
+    result, stateful = _harness.results_of(output)
     assert "kd: a random draw in a step on several replicas" in result.get("error", ""), result
     assert "k * the batch size" in result["error"] and result["error"].startswith("ValueError"), result
+    # TensorFlow's stateful random ops draw per device: refused, naming the op and the fix.
+    error = stateful.get("error", "")
+    assert "StatefulNoise.train_step draws random numbers with TensorFlow's stateful ops: " \
+           "RandomStandardNormal" in error, stateful
+    assert "keras.random.normal(shape, seed=self.seed_generator)" in error, stateful

@@ -157,6 +157,19 @@ def build(pattern, base):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
         return model, "fit"
 
+    if pattern == "tf_random":
+        class StatefulNoise(base):
+            def train_step(self, data):
+                x, y = data
+                # TensorFlow's stateful draw: each device keeps its own state (kd refuses it).
+                noisy = x + tf.random.normal(tf.shape(x), stddev=0.1, dtype=x.dtype)
+                return super().train_step((noisy, y))
+
+        _, inputs, outputs = _regressor(base, keras)
+        model = StatefulNoise(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model, "fit"
+
     if pattern == "gan":
         return _gan(base, keras, tf), "fit_images"
     if pattern == "vae":
