@@ -31,6 +31,7 @@ Importing keras_distrib patches no Keras or TensorFlow class.
 """
 
 import contextlib
+import functools
 import inspect
 import warnings
 import weakref
@@ -315,6 +316,25 @@ def replace_loss_object_call(make_call):
         return
     keras_loss.Loss.__call__ = make_call(keras_loss.Loss.__call__)
     _LOSS_CALL_REPLACED.append(True)
+
+
+def replace_tape_gradient(judge):
+    """Makes `tf.GradientTape.gradient` call `judge(target)` first (idempotent).
+
+    Not a Keras internal: TensorFlow's public tape, wrapped here with kd's
+    other replacements. `judge` returns at once outside a kd step.
+    """
+    current = tf.GradientTape.gradient
+    if getattr(current, "replaced_by_kd", False):
+        return
+
+    @functools.wraps(current)
+    def gradient(self, target, sources, *args, **kwargs):
+        judge(target)
+        return current(self, target, sources, *args, **kwargs)
+
+    gradient.replaced_by_kd = True
+    tf.GradientTape.gradient = gradient
 
 
 # Keras's TensorFlow random functions kd lays out over the global batch:

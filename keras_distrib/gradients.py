@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
+from keras_distrib import penalties
 from keras_distrib import replica
 from keras_distrib import step
 from keras_distrib import strategies
@@ -70,7 +71,7 @@ def all_reduce(gradients):
         present = _all_reduce_deferred(context, batch, present)
     else:
         if batch is not None and not batch.shares:
-            present = _row_weighted(batch, present)
+            present = _row_weighted(batch, present, batch.plain_loss_kind)
         present = _sum_with_metric_states(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
@@ -112,7 +113,7 @@ def _sum_with_metric_states(context, batch, tensors):
     return summed
 
 
-def _row_weighted(batch, gradients):
+def _row_weighted(batch, gradients, kind=None):
     """Gradients of a loss kd did not compute, weighted by the replica's rows.
 
     No loss share was computed in this step (no `compute_loss`, Keras loss
@@ -121,13 +122,45 @@ def _row_weighted(batch, gradients):
     per-row terms, as Keras's guides write a VAE's loss). One device's
     gradient of the global mean is sum_r (n_r / N) * gradient_r, exact for
     such a loss; a replica without rows adds nothing (its mean of no rows
-    is NaN).
+    is NaN). A loss the graph shows to be a sum over rows (`kind`
+    `penalties.ROW_SUM`, see `judge_target`: `tf.reduce_sum(...) / 16`)
+    adds up over replicas as it is: its gradients are summed unweighted.
     """
     def weighted(value):
-        fraction = tf.cast(batch.fraction, value.dtype)
-        return tf.where(batch.has_rows, value * fraction, tf.zeros_like(value))
+        if kind != penalties.ROW_SUM:
+            value = value * tf.cast(batch.fraction, value.dtype)
+        return tf.where(batch.has_rows, value, tf.zeros_like(value))
 
     return [_map_values(g, weighted) for g in gradients]
+
+
+def judge_target(target):
+    """Reads how `tape.gradient`'s `target` adds up over replicas, in a kd step.
+
+    A target kd did not compute (no loss share: plain ops on the replica's
+    rows) is judged from its graph (`penalties.kind_of`): a sum over rows
+    is summed over replicas as it is, and one that mixes the replica's rows
+    (a maximum over them, a statistic of this replica's rows combined with
+    its rows) has no exact split and is refused, naming the op. Anything
+    else is taken as a mean over rows (`_row_weighted`).
+    """
+    batch = replica.current_batch()
+    context = tf.distribute.get_replica_context()
+    if batch is None or context is None or context.num_replicas_in_sync == 1 \
+            or tf.executing_eagerly() or not isinstance(target, tf.Tensor) \
+            or batch.shares or replica.is_share(target):
+        return
+    kind = penalties.kind_of(target)
+    if isinstance(kind, penalties.Unknown) and kind.mixing:
+        raise ValueError(
+            f"The loss whose gradient the step takes is not one kd can split over "
+            f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
+            "from the whole batch; each replica would compute it from its own rows. Compute "
+            "the loss with self.compute_loss(...), a Keras loss object, "
+            "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "
+            "per-row terms."
+        )
+    batch.plain_loss_kind = kind if kind == penalties.ROW_SUM else None
 
 
 def _divided(gradients, global_rows):

@@ -565,7 +565,9 @@ def row_weighted(value):
     `keras.ops.mean` over them) is taken as a mean over those rows: the
     global-batch value is sum_r (n_r / N) * value_r, exact for any mean of
     per-row terms, and for a value every replica shares (a learning rate).
-    A replica without rows adds 0 (its mean of no rows is NaN). A recorded
+    A value its graph shows to be a sum over rows (`penalties.kind_of`)
+    adds up as it is. A replica without rows adds 0 (its mean of no rows
+    is NaN). A recorded
     loss share is returned as it is (its sum is already the global value).
 
     Outside a step on several replicas, returns `value`.
@@ -580,8 +582,9 @@ def row_weighted(value):
     if batch is None or context is None or context.num_replicas_in_sync == 1 or is_share(value):
         return value
     value = tf.convert_to_tensor(value)
-    fraction = tf.cast(batch.fraction, value.dtype)
-    return tf.where(batch.has_rows, value * fraction, tf.zeros_like(value))
+    if penalties.kind_of(value) != penalties.ROW_SUM:  # a sum over rows adds up as it is
+        value = value * tf.cast(batch.fraction, value.dtype)
+    return tf.where(batch.has_rows, value, tf.zeros_like(value))
 
 
 def _tracker_update(metric, keras_update):

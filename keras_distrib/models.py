@@ -1105,6 +1105,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         # replica steps; installed here, at the first step, not on import.
         kd_losses.exact_loss_objects()
         _keras_compat.replace_random_draws(_global_batch_draw)
+        _keras_compat.replace_tape_gradient(gradients.judge_target)
         for optimizer in self._optimizers():
             gradients.install(optimizer)
         metrics = list(self.metrics)

@@ -54,6 +54,7 @@ _SHAPE = "shape"  # the shape of a ROWS tensor (entry 0: the row count)
 _COUNT = "count"  # the replica's row count
 _DRAW = "draw"  # random numbers drawn per replica, one per row
 _STATIC = "static"  # an integer constant cast to a number, maybe the static row count
+_OPTIONAL = "optional"  # the replica's next batch as an Optional (get_next_as_optional)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,9 @@ def _binary(op, kinds):
                            "(e.g. the batch mean of a plain Keras BatchNormalization)")
     if op.type in ("Add", "AddV2", "Sub") and len(kind_set) == 1 and a in statistics:
         return a
+    if op.type in ("Add", "AddV2", "Sub") and kind_set == {ROW_MEAN, FIXED}:
+        # A mean plus a term of the weights: weighted by n_r / N, both add up.
+        return ROW_MEAN
     if op.type in ("Mul", "MulNoNan") and FIXED in kind_set and kind_set & statistics:
         return (kind_set - {FIXED}).pop()
     if op.type in ("RealDiv", "Div", "DivNoNan") and b == FIXED and a in statistics:
@@ -187,6 +191,9 @@ def _binary(op, kinds):
         return _binary(op, [FIXED if k == _STATIC else k for k in kinds])
     if _COUNT in kind_set and kind_set <= {_COUNT, FIXED}:
         return _COUNT if op.type in ("Mul", "Maximum") else Unknown(op.name)
+    if kind_set & statistics and kind_set <= statistics | {FIXED}:
+        return _mixing(op, "combines sums or means over this replica's rows into a value that "
+                           "is neither one sum nor one mean over the rows")
     return Unknown(op.name)
 
 
@@ -263,6 +270,17 @@ def _kind_of_op_output(op, index, kinds):
     if kind_type in _DATA:
         output = op.outputs[index]
         return ROWS if (_rank(output) or 0) >= 1 else Unknown(op.name)
+    if kind_type == "IteratorGetNextAsOptional":
+        return _OPTIONAL
+    if _OPTIONAL in kinds:
+        # The batch taken out of its Optional (`fit`'s input: a cond on
+        # `has_value()`), or the condition itself.
+        if kind_type == "OptionalHasValue":
+            return FIXED
+        output = op.outputs[index]
+        if kind_type in ("If", "StatelessIf") and (_rank(output) or 0) >= 1:
+            return ROWS
+        return Unknown(op.name)
     if unknown is not None:
         return unknown
     if kind_type.startswith(_STATELESS_RANDOM_PREFIX):
@@ -277,8 +295,13 @@ def _kind_of_op_output(op, index, kinds):
         return _STATIC
     if kind_type in _IDENTITY or kind_type in _UNARY:
         kind = kinds[0]
-        if kind in (ROW_SUM, ROW_MEAN, _COUNT, _SHAPE):
+        if kind in (ROW_SUM, ROW_MEAN) and kind_type not in _LINEAR_UNARY:
+            return _mixing(op, "is a nonlinear function of a sum or mean over this replica's "
+                               "rows only")
+        if kind in (_COUNT, _SHAPE):
             return kind if kind_type in _LINEAR_UNARY else Unknown(op.name)
+        if kind in (ROW_SUM, ROW_MEAN):
+            return kind
         return kind
     if kind_type in _BINARY:
         return _binary(op, kinds)

@@ -119,6 +119,9 @@ class ReplicaBatch:
         self.global_metric_states = None
         self.seed_draws = {}  # id of a SeedGenerator -> (its state read, draws) in this step
         self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
+        # How the next gradients' plain-ops loss adds up (gradients.judge_target):
+        # penalties.ROW_SUM, else a mean over rows.
+        self.plain_loss_kind = None
         self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
         self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
 

@@ -500,9 +500,10 @@ def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
             )
     if _is_own_code(_defining_module(model, "train_step")):
         if kd_model:
-            what = ("a loss kd did not compute is taken as a mean over the replica's rows "
-                    "(exact for tf.reduce_mean of per-row terms); a sum, or a sum divided by a "
-                    "fixed batch size, is not one")
+            what = ("kd reads a loss it did not compute from its graph (a mean or a sum of "
+                    "per-row terms is exact, a batch statistic is refused); one through ops it "
+                    "cannot follow is taken as a mean over the replica's rows, which it may "
+                    "not be")
             advice = "call self.compute_loss(...) or kd.losses.global_mean, which kd makes exact"
         else:
             what = ("a loss averaged over the replica's own rows (e.g. tf.reduce_mean) is a "

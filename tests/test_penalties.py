@@ -58,15 +58,20 @@ def test_sums_means_and_constants(penalty, expected):
 
 
 def test_what_has_no_split_is_unknown():
-    variance, squared_sum, mixed = _kinds([
+    variance, squared_sum, mixed, product, mean_plus = _kinds([
         keras.layers.Dense(4),
         _Adds(lambda x: tf.reduce_mean(tf.square(x - tf.reduce_mean(x, axis=0)))),
         _Adds(lambda x: tf.square(tf.reduce_sum(x))),
         _Adds(lambda x: tf.reduce_sum(x) + 1.0),  # a sum plus a constant: no one weight
+        _Adds(lambda x: tf.reduce_mean(x) * tf.reduce_mean(tf.abs(x))),
+        _Adds(lambda x: tf.reduce_mean(x) + 1.0),  # a mean plus a constant: n_r / N splits both
     ])
     assert isinstance(variance, penalties.Unknown) and "statistic" in variance.mixing
-    assert isinstance(squared_sum, penalties.Unknown) and not squared_sum.mixing
-    assert isinstance(mixed, penalties.Unknown)
+    assert isinstance(squared_sum, penalties.Unknown)
+    assert "(Square) is a nonlinear function of a sum or mean" in squared_sum.mixing
+    assert isinstance(mixed, penalties.Unknown) and "neither one sum nor one mean" in mixed.mixing
+    assert isinstance(product, penalties.Unknown) and "(Mul) combines sums or means" in product.mixing
+    assert mean_plus == penalties.ROW_MEAN
 
 
 def test_eager_tensors_are_unknown():

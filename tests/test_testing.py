@@ -101,34 +101,38 @@ def clipped_keras():
     return model
 
 
-class HandMadeLoss(kd.Model):
-    """A train_step that divides its loss by a fixed batch size, not the replica's rows."""
+class OwnLoss(kd.Model):
+    """A train_step whose loss is plain ops on the replica's rows (`LOSS` picks which)."""
+
+    LOSS = "mean"
 
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
-            # kd takes a plain-ops loss as a mean over the replica's rows
-            # (exact for tf.reduce_mean); a sum over 16 rows is not one.
-            loss = tf.reduce_sum(tf.square(self(x, training=True) - y)) / 16.0
+            errors = tf.square(self(x, training=True) - y)
+            if self.LOSS == "mean":  # as Keras's guides write it: exact
+                loss = tf.reduce_mean(errors)
+            elif self.LOSS == "sum":  # a sum over a fixed batch size: exact
+                loss = tf.reduce_sum(errors) / 16.0
+            elif self.LOSS == "rmse":  # no split over replicas: refused at the first step
+                loss = tf.sqrt(tf.reduce_mean(errors))
+            else:  # later rows weigh more: an op kd does not follow, taken as a mean
+                loss = tf.reduce_mean(tf.math.cumsum(errors, axis=0)) / 8.0
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         return {}
+
+
+class HandMadeLoss(OwnLoss):
+    LOSS = "top_k"
 
 
 def hand_made_loss():
     return build(HandMadeLoss)
 
 
-class RowMeanLoss(kd.Model):
-    """The same step with the loss a mean over the replica's rows, as Keras's guides write it."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
-        gradients = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
-        return {}
+def own_loss(kind):
+    return lambda: build(type(f"{kind.title()}Loss", (OwnLoss,), {"LOSS": kind}))
 
 
 def test_good_model_matches_everywhere_in_process():
@@ -239,9 +243,15 @@ def test_custom_reduction_is_caught():
     with pytest.raises(AssertionError) as caught:
         kd.testing.assert_parity(hand_made_loss, (X, Y), batch_size=16)
     assert "likely cause: a custom reduction in HandMadeLoss.train_step" in str(caught.value)
-    # A mean over the replica's rows is what kd takes a plain-ops loss for: exact.
-    result = kd.testing.assert_parity(lambda: build(RowMeanLoss), (X, Y), batch_size=16)
-    assert max(result.values()) <= 2e-5
+    # A mean or a sum over the replica's rows: kd reads which from the graph, exact.
+    for kind in ("mean", "sum"):
+        result = kd.testing.assert_parity(own_loss(kind), (X, Y), batch_size=16)
+        assert max(result.values()) <= 2e-5, kind
+    # A loss with no split over replicas is refused at the first step, naming the op.
+    with pytest.raises(AssertionError) as caught:
+        kd.testing.assert_parity(own_loss("rmse"), (X, Y), batch_size=16)
+    assert "(Sqrt) is a nonlinear function of a sum or mean over this replica's rows" \
+        in str(caught.value)
 
 
 def test_plain_model_is_caught_at_the_uneven_batch():
