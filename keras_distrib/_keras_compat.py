@@ -61,6 +61,7 @@ from keras.src.losses import loss as keras_loss
 from keras.src.models import functional as keras_functional
 from keras.src.models import model as keras_model
 from keras.src.trainers import compile_utils
+from keras.src.trainers.data_adapters import array_data_adapter
 from keras.src.trainers.data_adapters import array_slicing
 from keras.src.utils import python_utils
 from keras.src.utils import tracking
@@ -117,6 +118,7 @@ PRIVATE_NAMES = (
     ("keras.src.backend.tensorflow.trainer", "potentially_ragged_concat", "function(tensors)"),
     ("keras.src.backend.tensorflow.trainer", "convert_to_np_if_not_ragged", "function(x)"),
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "function(arrays, validation_split)"),
+    ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter", "class: Keras's adapter of in-memory arrays"),
     ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
     ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
     ("keras.src.models.functional", "Functional", "class"),
@@ -518,6 +520,17 @@ def skip_batch_agreement(epoch_iterator):
     batches, one per replica, none runs out first: the caller checks that.
     """
     epoch_iterator._distributed_dataset._enable_get_next_as_optional = False
+
+
+def batches_from_arrays(epoch_iterator):
+    """Whether Keras made an epoch iterator's dataset from in-memory arrays (`ArrayDataAdapter`).
+
+    Such a dataset is sharded across workers by data: TensorFlow splits every
+    global batch into one batch per replica (empty ones included), so every
+    worker holds as many batches as the global dataset, one per replica.
+    """
+    return isinstance(getattr(epoch_iterator, "data_adapter", None),
+                      array_data_adapter.ArrayDataAdapter)
 
 
 def agrees_on_batches(iterator):

@@ -473,9 +473,14 @@ def epoch_source(model, *, x, y=None, sample_weight=None, batch_size=None, steps
         distribute_strategy=strategy,
         steps_per_execution=steps_per_call,
     )
-    if (steps is None and isinstance(x, tf.distribute.DistributedDataset)
-            and strategies.traits(strategy).is_multi_worker):
-        join_workers(source, strategy)
+    if steps is None and strategies.traits(strategy).is_multi_worker:
+        if isinstance(x, tf.distribute.DistributedDataset):
+            join_workers(source, strategy)
+        elif _keras_compat.batches_from_arrays(source):
+            # Every worker holds the global batch count, one batch per replica
+            # and step (an empty one where a last batch has too few rows): no
+            # worker runs out first, so the steps need not agree on it.
+            _keras_compat.skip_batch_agreement(source)
     return source
 
 

@@ -89,11 +89,12 @@ def test_what_needs_more_collectives_says_why():
 
 @pytest.mark.cluster
 def test_collective_ops_in_the_step_graphs_of_two_workers():
-    # Per worker (one replica each). From arrays, TensorFlow's multi-worker
-    # iterator all-reduces at every batch whether any worker has one left
-    # (+1 per step; Keras and tf-keras pay it too); from a `dataset_fn`, kd
-    # knows every worker's batch count (loop.join_workers) and skips it.
-    # Predictions are gathered to every worker (4 gathers, and the agreement).
+    # Per worker (one replica each). TensorFlow's multi-worker iterator
+    # all-reduces at every batch whether any worker has one left (Keras and
+    # tf-keras pay it: +1 per step); kd skips it where every worker's batch
+    # count is known to be the same: from arrays (TensorFlow splits each global
+    # batch into one per replica) and from a `dataset_fn` (loop.join_workers).
+    # Predictions are gathered to every worker (4 gathers).
     result, output = _harness.run_cluster("collectives_cluster.py", "0,1,3", "1,3",
                                           workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]
@@ -103,14 +104,13 @@ def test_collective_ops_in_the_step_graphs_of_two_workers():
     for item in counted:
         figures = {kind: (item[kind]["step"], item[kind]["call"], item[kind]["read"])
                    for kind in ("train", "test")}
+        assert figures == {"train": (1, 0, 0), "test": (0, 0, 1)}, item
         if item["input"] == "dataset_fn":
-            assert figures == {"train": (1, 0, 0), "test": (0, 0, 1)}, item
             continue
-        each_call = (1, 1, 1) if item["spe"] > 1 else (2, 0, 1)
-        assert figures == {"train": (2, 0, 0), "test": (1, 0, 1)}, item
+        each_call = (0, 1, 1) if item["spe"] > 1 else (1, 0, 1)
         test_each_call = item["test_each_call"]
         assert (test_each_call["step"], test_each_call["call"], test_each_call["read"]) == each_call
-        assert item["predict"]["ops"] == {"CollectiveReduceV2": 1, "CollectiveGatherV2": 4}
+        assert item["predict"]["ops"] == {"CollectiveGatherV2": 4}
 
 
 def test_graph_collectives_counts_ops_in_nested_functions_and_loop_bodies():
@@ -144,3 +144,19 @@ def test_count_refuses_a_model_that_is_not_kd():
     model.compile("sgd", "mse")
     with pytest.raises(ValueError, match=r"`model` is a Sequential; `count` counts the steps of a kd"):
         collectives.count(model, np.ones((4, 2)), np.ones((4, 1)))
+
+
+@pytest.mark.cluster
+def test_arrays_on_workers_with_two_replicas_each_skip_the_agreement_exactly():
+    # 2 workers x 2 replicas: 225 rows (a last batch of 1 row) and 3 rows (an
+    # empty replica), float64, against one device in each worker's process.
+    result, output = _harness.run_cluster("arrays_workers.py", workers=2, timeout=600)
+    assert result.returncode == 0, output[-4000:]
+    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
+    found = _harness.results_of("\n".join(lines))
+    assert sorted(r["rows"] for r in found) == [3, 3, 225, 225], output[-4000:]
+    for item in found:
+        assert item["replicas"] == 4, item
+        for name in ("weights", "logs", "evaluate", "predict", "validation"):
+            assert item[name] < 1e-12, item
+        assert (item["train"], item["test"]) == (1, 0), item

@@ -32,7 +32,7 @@ class BatchLogs(keras.callbacks.Callback):
         pass
 
 
-def counted(metrics, spe):
+def compiled_model(metrics, spe):
     with strategy.scope():
         model = kd.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
                                keras.layers.Dense(1)])
@@ -41,6 +41,11 @@ def counted(metrics, spe):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, 6)).astype("float32")
     y = rng.normal(size=(ROWS, 1)).astype("float32")
+    return model, x, y
+
+
+def counted(metrics, spe):
+    model, x, y = compiled_model(metrics, spe)
     counts = collectives.count(model, x, y, batch_size=8)
     model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[BatchLogs()])
     counts["test_each_call"] = collectives.traced(model)["test"]
@@ -49,14 +54,7 @@ def counted(metrics, spe):
 
 def counted_dataset_fn(metrics, spe):
     """The same from a `dataset_fn` (every worker's batch count known: kd.join_workers)."""
-    with strategy.scope():
-        model = kd.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                               keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=METRICS[metrics](),
-                      steps_per_execution=spe)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, 6)).astype("float32")
-    y = rng.normal(size=(ROWS, 1)).astype("float32")
+    model, x, y = compiled_model(metrics, spe)
 
     def dataset_fn(context):
         shard = tf.data.Dataset.from_tensor_slices((x, y)).shard(
