@@ -963,6 +963,45 @@ def fix_variables(variables):
         elif isinstance(inner, sharded_variable.ShardedVariable) and "numpy" not in fixed:
             for name in ("numpy", "__array__"):
                 object.__setattr__(variable, name, _sharded_readable(inner, name))
+            serialize, restore = _sharded_checkpointing(inner)
+            object.__setattr__(variable, "_serialize_to_tensors", serialize)
+            object.__setattr__(variable, "_restore_from_tensors", restore)
+
+
+def _sharded_checkpointing(inner):
+    """A partitioned Keras weight's checkpoint: one entry per shard.
+
+    Keras's variable writes `{"VARIABLE_VALUE": value}`, which TensorFlow
+    cannot save for a `ShardedVariable` (no device: the first backup of a
+    parameter-server run with a `variable_partitioner` failed). Each shard
+    is written under its own key, on its parameter server; a backup restores
+    into the same partitioning only (`BackupAndRestore` records it and
+    refuses another by name: the optimizer's state is per shard too).
+    """
+    keys = [f"VARIABLE_VALUE_part_{i}" for i in range(len(inner.variables))]
+
+    def serialize():
+        return {key: shard.read_value() for key, shard in zip(keys, inner.variables)}
+
+    def restore(restored_tensors):
+        return tf.group([shard.assign(restored_tensors[key])
+                         for key, shard in zip(keys, inner.variables)])
+
+    return serialize, restore
+
+
+def weight_partitions(model):
+    """`{weight index: rows of each part}` for the weights a `variable_partitioner` split.
+
+    Keyed by the weight's index in `model.weights` (paths carry the model's
+    own name, which another process may number otherwise).
+    """
+    parts = {}
+    for index, weight in enumerate(model.weights):
+        inner = getattr(weight, "_value", None)
+        if isinstance(inner, sharded_variable.ShardedVariable):
+            parts[str(index)] = [int(shard.shape[0]) for shard in inner.variables]
+    return parts
 
 
 def write_from_first_replica(variables):

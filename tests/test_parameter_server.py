@@ -96,3 +96,23 @@ def test_inputs_evaluation_and_resume_as_tensorflow_guides_write_them():
     assert result["resumed_epochs"] == 2
     assert result["iterations_after_resume"] == result["iterations_at_stop"] + 2 * 3
     assert result["backup_cleared"]
+
+
+@pytest.mark.cluster
+def test_a_backup_of_partitioned_weights_resumes_or_is_refused_by_name():
+    # Keras's variable cannot write a ShardedVariable (AttributeError at the
+    # first backup); kd writes each part. Another partitioning is refused
+    # before anything is restored, naming the weight and the fix.
+    code, output = _harness.run_script("ps_partitioned_resume.py", timeout=400)
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    for shards, now in ((3, "3 parts of [2, 1, 1] rows"), (None, "not partitioned")):
+        error = result[f"refusal_{shards}"]
+        assert error.startswith("CheckpointError: "), error
+        # Layers are numbered anew in this process (`dense_2/kernel`).
+        assert re.search(rf"the weight `sequential_\d+/dense_\d+/kernel` is {re.escape(now)} over "
+                         r"the parameter servers, the backup's was 2 parts of \[2, 2\] rows", error), error
+        assert "resume with the backup's `variable_partitioner`" in error, error
+    assert result["backup_kept"]
+    assert result["resumed_epochs"] == 2
+    assert result["restored_difference"] == 0.0

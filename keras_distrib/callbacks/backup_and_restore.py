@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import _keras_compat
 from keras_distrib import checkpoint as checkpoint_lib
 from keras_distrib import models
 from keras_distrib import preemption
@@ -126,19 +127,26 @@ def run_record(model):
     """What defines a training run of `model`, as the backup records it.
 
     The architecture (each layer's class, settings and weights' shapes), the
-    optimizer with its configuration (learning rate, clipping, ...) and the
-    loss; `BackupAndRestore` adds the global batch size and the batches per
-    epoch. Taken when training begins, before a backup is restored, so a
-    learning rate that a callback lowers later does not change it.
+    optimizer with its configuration (learning rate, clipping, ...), the
+    loss, and the parts a parameter server's `variable_partitioner` split
+    weights into (the optimizer's state is per part); `BackupAndRestore`
+    adds the global batch size and the batches per epoch. Taken when
+    training begins, before a backup is restored, so a learning rate that a
+    callback lowers later does not change it.
 
     Returns:
-        A dict of JSON data: `model`, `optimizer`, `loss`.
+        A dict of JSON data: `model`, `optimizer`, `loss`, and `partitions`
+        where a weight is partitioned.
     """
     layers = [_layer_signature(layer) for layer in _leaf_layers(model)]
     if not layers:
         layers = [_layer_signature(model)]
-    return {"model": layers, "optimizer": _describe(model.optimizer),
-            "loss": _describe(getattr(model, "loss", None))}
+    record = {"model": layers, "optimizer": _describe(model.optimizer),
+              "loss": _describe(getattr(model, "loss", None))}
+    partitions = _keras_compat.weight_partitions(model)
+    if partitions:
+        record["partitions"] = partitions
+    return record
 
 
 def _short(value, limit=80):
@@ -146,8 +154,11 @@ def _short(value, limit=80):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _run_changes(saved, now):
-    """How this run differs from the backup's record, one phrase per difference."""
+def _run_changes(saved, now, weights=()):
+    """How this run differs from the backup's record, one phrase per difference.
+
+    `weights`: this model's weights (to name a weight whose partition changed).
+    """
     changes = []
     old_layers, new_layers = saved.get("model"), now["model"]
     if old_layers != new_layers:
@@ -170,6 +181,15 @@ def _run_changes(saved, now):
             changes.append(f"the optimizer is {_short(new_opt)}, the backup's was {_short(old_opt)}")
     if saved.get("loss") != now["loss"]:
         changes.append(f"the loss is {_short(now['loss'])}, the backup's was {_short(saved.get('loss'))}")
+    old_parts, new_parts = saved.get("partitions") or {}, now.get("partitions") or {}
+    for index in sorted(set(old_parts) | set(new_parts), key=int):
+        if old_parts.get(index) != new_parts.get(index):
+            describe = lambda rows: f"{len(rows)} parts of {rows} rows" if rows else "not partitioned"
+            name = weights[int(index)].path if int(index) < len(weights) else f"number {index}"
+            changes.append(
+                f"the weight `{name}` is {describe(new_parts.get(index))} over the parameter "
+                f"servers, the backup's was {describe(old_parts.get(index))} (the optimizer's "
+                "state is kept per part: resume with the backup's `variable_partitioner`)")
     return changes
 
 
@@ -378,7 +398,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "batch size): an older kd wrote it, and kd cannot check that it belongs to this "
                 "run. Finish it with the kd version that wrote it, or " + fresh[fresh.index("give"):])
         now = self._data_shape()
-        problems = _run_changes(run, self._run)
+        problems = _run_changes(run, self._run, self.model.weights)
         for key, what in (("global_batch_size", "global batch size"),
                           ("batches_per_epoch", "batches per epoch")):
             saved = progress.get(key)
