@@ -360,13 +360,18 @@ def replace_random_draws(make_draw):
         setattr(keras_tf_random, name, draw)
 
 
+def _replace_on_instance(owner, name, make):
+    """Sets `owner.<name>` to `make(owner, owner.<name>)` on the instance, once."""
+    if getattr(vars(owner).get(name), "replaced_by_kd", False):
+        return
+    replacement = make(owner, getattr(owner, name))
+    replacement.replaced_by_kd = True
+    object.__setattr__(owner, name, replacement)
+
+
 def replace_metric_result(metric, make_result):
     """Makes `metric.result()` call `make_result(metric, keras_result)` (idempotent)."""
-    if getattr(vars(metric).get("result"), "replaced_by_kd", False):
-        return
-    result = make_result(metric, metric.result)
-    result.replaced_by_kd = True
-    object.__setattr__(metric, "result", result)
+    _replace_on_instance(metric, "result", make_result)
 
 
 def replace_mean_update(metric, make_update):
@@ -375,13 +380,8 @@ def replace_mean_update(metric, make_update):
     Only metrics whose `update_state` is Mean's own (trackers fed values, not
     `MeanMetricWrapper`s fed `y_true, y_pred`). Idempotent.
     """
-    if type(metric).update_state is not keras.metrics.Mean.update_state:
-        return
-    if getattr(vars(metric).get("update_state"), "replaced_by_kd", False):
-        return
-    update = make_update(metric, metric.update_state)
-    update.replaced_by_kd = True
-    object.__setattr__(metric, "update_state", update)
+    if type(metric).update_state is keras.metrics.Mean.update_state:
+        _replace_on_instance(metric, "update_state", make_update)
 
 
 def mean_variables(metric):
@@ -1022,11 +1022,7 @@ def write_from_first_replica(variables):
 
 def replace_seed_next(generator, make_next):
     """Makes `generator.next` call `make_next(generator, keras_next)` (idempotent)."""
-    if getattr(vars(generator).get("next"), "replaced_by_kd", False):
-        return
-    next_seed = make_next(generator, generator.next)
-    next_seed.replaced_by_kd = True
-    object.__setattr__(generator, "next", next_seed)
+    _replace_on_instance(generator, "next", make_next)
 
 
 def write_seed_state_from_last_replica(generator, before_write=None):

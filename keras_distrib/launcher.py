@@ -421,13 +421,28 @@ def _resolve_target(target, args):
 _SERVER_ARGV = [sys.executable, "-u", "-P", "-m", "keras_distrib._task_entry", "--server"]
 
 
+def _with_values(values_dir, run):
+    """`run()`'s result; with `values_dir` (a function target), the tasks' return values too.
+
+    The directory is removed in any case.
+    """
+    try:
+        result = run()
+        if values_dir is not None:
+            result.values = _task_entry_values(values_dir)
+        return result
+    finally:
+        if values_dir is not None:
+            files.remove_scratch(values_dir)
+
+
 def _attempts(run, *, max_restarts, sink, what, values_dir=None):
     """Runs `run(attempt)` until it succeeds, is signalled, or restarts run out.
 
-    With `values_dir` (a function target), the tasks' return values are
-    collected into the result, and the directory is removed in any case.
+    With `values_dir`, see `_with_values`.
     """
-    try:
+
+    def attempts():
         attempt, quick = 0, 0
         while True:
             started = time.monotonic()
@@ -435,7 +450,7 @@ def _attempts(run, *, max_restarts, sink, what, values_dir=None):
                 result = run(attempt)
             result.restarts = attempt
             if result.returncode == 0 or result.signalled or attempt >= max_restarts:
-                break
+                return result
             attempt += 1
             # A failure soon after the start would fail again at once: back off.
             quick = quick + 1 if time.monotonic() - started < RESTART_BACKOFF_MAX else 0
@@ -448,13 +463,9 @@ def _attempts(run, *, max_restarts, sink, what, values_dir=None):
                 except SystemExit as stop:
                     result.signalled = True
                     result.returncode = stop.code
-                    break
-        if values_dir is not None:
-            result.values = _task_entry_values(values_dir)
-        return result
-    finally:
-        if values_dir is not None:
-            files.remove_scratch(values_dir)
+                    return result
+
+    return _with_values(values_dir, attempts)
 
 
 def _script_target(target):
@@ -597,8 +608,9 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
                      evaluator, grace_period, verbose, private_network, max_restarts,
                      min_workers=None):
     argv_for, values_dir = _resolve_target(target, args)
-    lost = []
-    try:
+
+    def elastic():
+        lost = []
         while True:
             count = workers - len(lost)
             result = _attempts(
@@ -612,19 +624,15 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
             )
             worker = lost_worker(result) if min_workers is not None else None
             if worker is None or count - 1 < min_workers:
-                break
+                result.lost = lost
+                return result
             # Elastic: the worker failed through every restart; the survivors
             # go on from the last backup (renumbered 0..count-2).
             lost.append(worker.label)
             sink(f"[launcher] {worker.label} failed {max_restarts + 1} time(s) in a row: going on "
                  f"with {count - 1} worker(s) from the last backup (`min_workers`={min_workers})")
-        result.lost = lost
-        if values_dir is not None:
-            result.values = _task_entry_values(values_dir)
-        return result
-    finally:
-        if values_dir is not None:
-            files.remove_scratch(values_dir)
+
+    return _with_values(values_dir, elastic)
 
 
 def _task_entry_values(values_dir):

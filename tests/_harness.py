@@ -68,6 +68,20 @@ def results_of(output):
     return [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
 
 
+def task_results(output):
+    """The JSON objects launched tasks printed on 'RESULT ' lines (`[worker 0] RESULT {...}`)."""
+    return results_of("\n".join(line.split("] ", 1)[1] for line in output.splitlines()
+                                 if "] RESULT " in line))
+
+
+def results_by_task(output):
+    """`task_results(output)` by the `task` each names (a list per task)."""
+    by_task = {}
+    for item in task_results(output):
+        by_task.setdefault(item["task"], []).append(item)
+    return by_task
+
+
 def run_cluster(name, *args, workers=2, timeout=300, **kwargs):
     """Runs tests/scripts/<name> on `workers` local processes (via kd.launch)."""
     lines = []

@@ -98,8 +98,7 @@ def test_collective_ops_in_the_step_graphs_of_two_workers():
     result, output = _harness.run_cluster("collectives_cluster.py", "0,1,3", "1,3",
                                           workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    counted = _harness.results_of("\n".join(lines))
+    counted = _harness.task_results(output)
     assert len(counted) == 2 * 3 * 2 * 2
     for item in counted:
         figures = {kind: (item[kind]["step"], item[kind]["call"], item[kind]["read"])
@@ -152,8 +151,7 @@ def test_arrays_on_workers_with_two_replicas_each_skip_the_agreement_exactly():
     # empty replica), float64, against one device in each worker's process.
     result, output = _harness.run_cluster("arrays_workers.py", workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    found = _harness.results_of("\n".join(lines))
+    found = _harness.task_results(output)
     assert sorted(r["rows"] for r in found) == [3, 3, 225, 225], output[-4000:]
     for item in found:
         assert item["replicas"] == 4, item

@@ -23,8 +23,7 @@ def _write_files(folder, rows, count):
 def _ids_across_workers(*args):
     result, output = _harness.run_cluster("shard_ids.py", 2, *args, workers=2, timeout=180)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
+    results = _harness.task_results(output)
     assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
     assert {r["replicas"] for r in results} == {4}
     # The traits record kd's modules compare (strategies.traits), asked of a real cluster.
@@ -71,8 +70,7 @@ def test_dataset_fn_with_shard_files(tmp_path):
 def test_training_on_distributed_pipeline_matches_one_device(tmp_path):
     result, output = _harness.run_cluster("shard_ids.py", 2, "train", 37, tmp_path, workers=2, timeout=180)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    for value in _harness.results_of("\n".join(lines)):
+    for value in _harness.task_results(output):
         assert value["diff"] <= 1e-5, value
         assert value["direct_diff"] <= 1e-5, value
 

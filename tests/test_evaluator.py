@@ -96,8 +96,7 @@ def test_evaluator_task_beside_two_workers(tmp_path):
         "sidecar_cluster.py", directory, best, workers=2, evaluator=True, timeout=300
     )
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    by_task = {r["task"]: r for r in _harness.results_of("\n".join(lines))}
+    by_task = {r["task"]: r for r in _harness.task_results(output)}
     assert sorted(by_task) == ["evaluator 0", "worker 0", "worker 1"]
     evaluations = by_task["evaluator 0"]["evaluations"]
     assert evaluations, output[-4000:]

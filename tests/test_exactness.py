@@ -97,10 +97,7 @@ def _cluster_results(path, features):
         "exactness.py", path, ",".join(features), workers=2, timeout=600
     )
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    by_task = {}
-    for item in _harness.results_of("\n".join(lines)):
-        by_task.setdefault(item["task"], []).append(item)
+    by_task = _harness.results_by_task(output)
     assert sorted(by_task) == ["worker 0", "worker 1"]
     return by_task
 
@@ -182,8 +179,7 @@ def test_workers_with_unequal_batch_counts_take_every_step():
     """
     result, output = _harness.run_cluster("unequal_workers.py", workers=2, timeout=300)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
+    results = _harness.task_results(output)
     assert len(results) == 6, output[-4000:]
     for item in results:
         if item["mode"] == "plain":

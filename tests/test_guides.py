@@ -16,8 +16,7 @@ TOLERANCE = 1e-5
 
 
 def _worker_results(output):
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    return {r["task"]: r for r in _harness.results_of("\n".join(lines))}
+    return {r["task"]: r for r in _harness.task_results(output)}
 
 
 @pytest.mark.cluster

@@ -184,8 +184,7 @@ def test_cli_reports_bad_arguments():
 def test_parameter_server_cluster_runs_the_script_as_coordinator():
     result, output = _harness.run_cluster("ps_coordinator.py", "launched", workers=2, ps=1, timeout=180)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    (value,) = _harness.results_of("\n".join(lines))
+    (value,) = _harness.task_results(output)
     assert value == {"total": 10.0, "devices": ["/job:ps/replica:0"], "workers": 2,
                      "kind": "parameter_server"}
     assert "[worker 1] worker 1 server listening" in output
@@ -297,8 +296,7 @@ def test_workers_train_to_identical_weights(workers):
     (single,) = _harness.results_of(output)
     result, output = _harness.run_cluster("train_identical.py", workers=workers, timeout=240)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
+    results = _harness.task_results(output)
     assert sorted(r["task"] for r in results) == [f"worker {i}" for i in range(workers)]
     assert len({r["digest"] for r in results}) == 1  # bit-identical on every worker
     import numpy as np

@@ -90,23 +90,24 @@ def test_hand_written_recipe_matches_one_device(kind):
             assert "error" not in result, result
             assert result["weights"] < tolerance, result
             assert result.get("losses", 0.0) < tolerance, result
-        # Contrasts: the former rule (every term by n_r / N) and plain Keras are off.
-        assert results[("penalties_old_rule", dtype)]["weights"] > 1e-3
-        assert results[("penalties_keras", dtype)]["weights"] > 1e-3
-        # `model.losses` read after a collective holds the other replica's terms: refused.
-        assert "Read `model.losses` right after the forward pass" in \
-            results[("penalties_late_read", dtype)]["error"]
-        # A penalty that is no sum or mean over rows is refused, naming the op.
-        assert "batch_variance_penalty" in results[("variance_penalty", dtype)]["error"]
-        assert "cannot split" in results[("variance_penalty", dtype)]["error"]
-        # A plain Keras model's per-replica BatchNormalization is refused, naming the fix.
-        # Under central storage Keras itself fails first (its moving statistics are
-        # aggregating variables without an aggregation): loud, before kd sees a loss.
-        error = results[("batch_norm_keras_model", dtype)]["error"]
-        if kind == "central_storage":
-            assert "You must specify an aggregation method" in error, error
-        else:
-            assert "batch_normalization" in error and "kd.Sequential" in error
+    # The contrasts and refusals, in float64 (the script runs them once).
+    # The former rule (every term by n_r / N) and plain Keras are off.
+    assert results[("penalties_old_rule", "float64")]["weights"] > 1e-3
+    assert results[("penalties_keras", "float64")]["weights"] > 1e-3
+    # `model.losses` read after a collective holds the other replica's terms: refused.
+    assert "Read `model.losses` right after the forward pass" in \
+        results[("penalties_late_read", "float64")]["error"]
+    # A penalty that is no sum or mean over rows is refused, naming the op.
+    assert "batch_variance_penalty" in results[("variance_penalty", "float64")]["error"]
+    assert "cannot split" in results[("variance_penalty", "float64")]["error"]
+    # A plain Keras model's per-replica BatchNormalization is refused, naming the fix.
+    # Under central storage Keras itself fails first (its moving statistics are
+    # aggregating variables without an aggregation): loud, before kd sees a loss.
+    error = results[("batch_norm_keras_model", "float64")]["error"]
+    if kind == "central_storage":
+        assert "You must specify an aggregation method" in error, error
+    else:
+        assert "batch_normalization" in error and "kd.Sequential" in error
 
 
 @pytest.mark.cluster
@@ -115,8 +116,7 @@ def test_hand_written_recipe_on_two_workers():
     result, output = _harness.run_cluster(
         "loop_layout.py", "multi_worker", "penalties", "batch_norm", workers=2, timeout=1500)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
+    results = _harness.task_results(output)
     assert len(results) == 8, output[-4000:]  # 2 cases, 2 dtypes, 2 workers
     for item in results:
         assert "error" not in item, item

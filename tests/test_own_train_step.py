@@ -46,10 +46,7 @@ def test_patterns_on_two_worker_processes():
     result, output = _harness.run_cluster("own_train_step.py", "multi_worker", ",".join(patterns),
                                           "float64", workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    by_task = {}
-    for item in _harness.results_of("\n".join(lines)):
-        by_task.setdefault(item["task"], []).append(item)
+    by_task = _harness.results_by_task(output)
     assert sorted(by_task) == ["worker 0", "worker 1"]
     for results in by_task.values():
         _check(results, patterns, TOLERANCE["float64"])

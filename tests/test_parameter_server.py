@@ -51,7 +51,7 @@ def test_launched_cluster_survives_a_killed_worker():
     output = "\n".join(lines)
     assert result.returncode == 0, output[-4000:]
     assert "[launcher] worker 1 server exited with code -9" in output
-    (value,) = _harness.results_of("\n".join(l.split("] ", 1)[1] for l in lines if "] RESULT " in l))
+    (value,) = _harness.task_results(output)
     _check(value)
 
 

@@ -719,8 +719,7 @@ def test_a_two_worker_tensorflow_cluster_trains_in_a_private_network():
     result, output = _harness.run_cluster("train_identical.py", workers=2, timeout=240,
                                           private_network=True)
     assert result.returncode == 0, output[-4000:]
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    results = _harness.results_of("\n".join(lines))
+    results = _harness.task_results(output)
     assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"]
     assert len({r["digest"] for r in results}) == 1
 
