@@ -132,8 +132,11 @@ def test_two_nodes_run_into_the_time_limit_and_resume_exactly(slurm, reference, 
     assert (state, exit_code, restarts) == ("COMPLETED", "0:0", 1), output[-5000:]
     assert output.count("[launcher] slurm node: starting worker") == 4, output[-5000:]  # 2 agents x 2 runs
     assert output.count("[launcher] got SIGUSR1; passing SIGTERM on") == 2, output[-5000:]
-    saves = re.findall(r"\[worker [01]\] .*Preemption \(SIGUSR1\): backed up epoch \d+, step", output)
-    assert len(saves) == 2, output[-5000:]
+    # Slurm's warning reaches each worker and its agent, which passes SIGTERM on:
+    # a worker names whichever came first (SIGTERM first under load), and both save.
+    saves = re.findall(r"\[worker ([01])\] .*Preemption \(SIG(?:USR1|TERM)\): backed up epoch \d+, "
+                       r"step", output)
+    assert sorted(saves) == ["0", "1"], output[-5000:]
     assert output.count("DONE tf_config 2 worker") == 2, output[-5000:]
     assert _harness.saved_weights_diff(reference, str(job_dir / "weights.npz")) <= _TOLERANCE
     assert not _no_leftovers(slurm)
