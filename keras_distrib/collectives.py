@@ -45,25 +45,35 @@ def graph_collectives(graph_def):
         loop's body (a `While`'s `body`, and what it calls), which run once per
         iteration; `call` the others, which run once per call.
     """
-    library = {function.signature.name: function for function in graph_def.library.function}
     counts = {"step": {}, "call": {}}
+    for node, in_loop in walk(graph_def.node, graph_def.library):
+        if _is_collective(node.op):
+            where = counts["step" if in_loop else "call"]
+            where[node.op] = where.get(node.op, 0) + 1
+    return counts
+
+
+def walk(nodes, library):
+    """`(node, in_loop)` for `nodes` and the nodes of every function they call, at each call.
+
+    `library` is a graph's `FunctionDefLibrary`; `in_loop` says whether the
+    node runs inside a loop's body (a `While`'s `body` or `cond`).
+    """
+    functions = {function.signature.name: function for function in library.function}
 
     def visit(nodes, in_loop):
         for node in nodes:
-            if _is_collective(node.op):
-                where = counts["step" if in_loop else "call"]
-                where[node.op] = where.get(node.op, 0) + 1
+            yield node, in_loop
             for key, attr in node.attr.items():
                 names = [attr.func.name] if attr.HasField("func") else []
                 if attr.HasField("list"):
                     names += [function.name for function in attr.list.func]
                 for name in names:
-                    if name in library:
+                    if name in functions:
                         body = node.op in _LOOPS and key in ("body", "cond")
-                        visit(library[name].node_def, in_loop or body)
+                        yield from visit(functions[name].node_def, in_loop or body)
 
-    visit(graph_def.node, False)
-    return counts
+    return visit(nodes, False)
 
 
 def _local_replicas(strategy):

@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib import collectives
 from keras_distrib import replica
 from keras_distrib import strategies
 from keras_distrib import validation
@@ -390,26 +391,15 @@ STATEFUL_DRAWS = frozenset({
 
 def _stateful_draws(operations):
     """The stateful random ops among `operations`, nested functions included."""
-    graph = operations[0].graph if operations else None
-    library = {}
-    if graph is not None and any(op.type in ("PartitionedCall", "StatefulPartitionedCall")
-                                 for op in operations):
-        graph_def = graph.as_graph_def()
-        library = {f.signature.name: f for f in graph_def.library.function}
-    found, seen = [], set()
-
-    def visit(nodes):
-        for node in nodes:
-            if node.op in STATEFUL_DRAWS:
-                found.append(f"{node.op} ({node.name!r})")
-            for attr in node.attr.values():
-                name = attr.func.name if attr.HasField("func") else None
-                if name in library and name not in seen:
-                    seen.add(name)
-                    visit(library[name].node_def)
-
-    visit(op.node_def for op in operations)
-    return found
+    if not operations:
+        return []
+    library = operations[0].graph.as_graph_def().library if any(
+        op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in operations) \
+        else tf.compat.v1.GraphDef().library
+    found = {f"{node.op} ({node.name!r})": None
+             for node, _ in collectives.walk([op.node_def for op in operations], library)
+             if node.op in STATEFUL_DRAWS}
+    return list(found)
 
 
 def refuse_stateful_draws(operations, owner):
