@@ -19,31 +19,38 @@ if _tf_logs.is_command_line():
     _early.install()  # a stop signal while TensorFlow loads is kept for the launcher
 _tf_logs.import_tensorflow()
 
-from keras_distrib import callbacks
+# The layout (docs/API.md, "How it works"): `cluster` (who am I, devices,
+# strategies, processes) < `checkpointing` < `training` < `testing` <
+# `commands`, over the floor (`_keras_compat`, `validation`, `files`, ...).
+# `callbacks`, `data`, `gradients`, `losses`, `loop` and `models` are the
+# public paths of modules in `training` (re-exports); `cluster` is the package.
+from keras_distrib.training import callbacks
 from keras_distrib import cluster
-from keras_distrib import data
-from keras_distrib import gradients
-from keras_distrib import losses
-from keras_distrib.checkpoint import CheckpointError
-from keras_distrib.checkpoint import CheckpointManager
-from keras_distrib.cluster import ClusterConfigError
-from keras_distrib.cluster import ClusterInfo
-from keras_distrib.cluster import cluster_info
-from keras_distrib.cluster import is_chief
-from keras_distrib.data import describe_input
-from keras_distrib.data import distribute_dataset
-from keras_distrib.data import replay_epochs
-from keras_distrib.devices import virtual_devices
-from keras_distrib.evaluator import SidecarEvaluator
-from keras_distrib.gradients import exact_optimizer
-from keras_distrib.launcher import LaunchError
-from keras_distrib.launcher import launch
-from keras_distrib.inprocess_cluster import local_cluster
-from keras_distrib.models import DistributedModelMixin
-from keras_distrib.models import Model
-from keras_distrib.models import Sequential
-from keras_distrib.strategies import make_strategy
-from keras_distrib.train_loop import TrainLoop
+from keras_distrib.training import data
+from keras_distrib.training import gradients
+from keras_distrib.training import loop
+from keras_distrib.training import losses
+from keras_distrib.training import models
+from keras_distrib.checkpointing.checkpoint import CheckpointError
+from keras_distrib.checkpointing.checkpoint import CheckpointManager
+from keras_distrib.checkpointing.evaluator import SidecarEvaluator
+from keras_distrib.cluster.devices import virtual_devices
+from keras_distrib.cluster.info import ClusterConfigError
+from keras_distrib.cluster.info import ClusterInfo
+from keras_distrib.cluster.info import cluster_info
+from keras_distrib.cluster.info import is_chief
+from keras_distrib.cluster.inprocess import local_cluster
+from keras_distrib.cluster.launcher import LaunchError
+from keras_distrib.cluster.launcher import launch
+from keras_distrib.cluster.strategies import make_strategy
+from keras_distrib.training.data import describe_input
+from keras_distrib.training.data import distribute_dataset
+from keras_distrib.training.data import replay_epochs
+from keras_distrib.training.gradients import exact_optimizer
+from keras_distrib.training.models import DistributedModelMixin
+from keras_distrib.training.models import Model
+from keras_distrib.training.models import Sequential
+from keras_distrib.training.train_loop import TrainLoop
 
 __version__ = "0.1.0"
 

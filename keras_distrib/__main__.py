@@ -1,5 +1,5 @@
 import sys
 
-from keras_distrib.cli import main
+from keras_distrib.commands.cli import main
 
 sys.exit(main())

@@ -60,12 +60,12 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
-from keras_distrib import data as data_lib
-from keras_distrib import devices
-from keras_distrib import launcher
-from keras_distrib import models
+from keras_distrib.training import data as data_lib
+from keras_distrib.cluster import devices
+from keras_distrib.cluster import launcher
+from keras_distrib.training import models
 from keras_distrib import report
-from keras_distrib import strategies
+from keras_distrib.cluster import strategies
 from keras_distrib import validation
 
 __all__ = [
@@ -100,7 +100,7 @@ def _task_entry():
     # Imported when used: `keras_distrib._task_entry` is also the module that
     # launched tasks run with `python -m`, and importing it with the package
     # makes Python warn in every task (runpy's "found in sys.modules").
-    from keras_distrib import _task_entry as module
+    from keras_distrib.cluster import _task_entry as module
 
     return module
 
@@ -177,7 +177,7 @@ class ClusterError(AssertionError):
 
 def _cluster_task(kind, workers, spec, args):
     """What each launched process runs: `fn(strategy, *args)` (see run_in_cluster)."""
-    from keras_distrib import inprocess_cluster
+    from keras_distrib.cluster import inprocess as inprocess_cluster
 
     try:
         function = _task_entry()._resolve(spec)
@@ -364,7 +364,7 @@ def _train(model, arrays, *, batch_size, steps, path, per_epoch):
                           epochs=math.ceil(steps / steps_per_epoch), shuffle=False)
     fit = model.fit
     if path == "loop":
-        from keras_distrib import train_loop
+        from keras_distrib.training import train_loop
 
         fit = train_loop.TrainLoop(model).fit
     history = fit(**kwargs, verbose=0, callbacks=[recorder])

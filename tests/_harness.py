@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-import keras_distrib.launcher as kd_launch
+import keras_distrib.cluster.launcher as kd_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")

@@ -20,7 +20,7 @@ import time
 
 import portpicker
 
-from keras_distrib import launcher
+from keras_distrib.cluster import launcher
 
 NODES = ("kdn1", "kdn2")
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel")

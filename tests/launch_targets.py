@@ -4,7 +4,7 @@ import os
 
 
 def whoami(tag):
-    from keras_distrib import cluster
+    from keras_distrib.cluster import info as cluster
 
     info = cluster.cluster_info()
     return {"tag": tag, "task": info.label, "chief": info.is_chief, "workers": info.num_workers, "pid": os.getpid()}

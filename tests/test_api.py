@@ -18,7 +18,7 @@ import re
 import pytest
 
 import keras_distrib as kd
-from keras_distrib import cli
+from keras_distrib.commands import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "keras_distrib")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from keras_distrib import bench
+from keras_distrib.commands import bench
 
 
 def test_bad_arguments_are_refused(capsys):

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from keras_distrib import bench_network
-from keras_distrib import cli
+from keras_distrib.commands import bench_network
+from keras_distrib.commands import cli
 
 
 def _leftovers(pid):
@@ -143,7 +143,7 @@ def test_a_run_ended_midway_leaves_nothing(network_ready, ending):
     # The SIGTERM run takes the veth link (no delay: no netem needed), so its
     # bridge namespace and veth pairs are torn down under test too.
     link = ["--link", "veth", "--delays", "0"] if ending == "sigterm" else ["--delays", "1"]
-    argv = [sys.executable, "-m", "keras_distrib.bench_network", "--workers", "2", *link,
+    argv = [sys.executable, "-m", "keras_distrib.commands.bench_network", "--workers", "2", *link,
             "--steps", "200", "--repeats", "1", "--timeout", "5" if ending == "timeout" else "100"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})

@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib import loop as kd_loop
-from keras_distrib import step as kd_step
+from keras_distrib.training import loop as kd_loop
+from keras_distrib.training import step as kd_step
 from tests import _harness
 
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from keras_distrib import cli
-from keras_distrib import environment
-from keras_distrib import selftest
+from keras_distrib.commands import cli
+from keras_distrib.commands import environment
+from keras_distrib.commands import selftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

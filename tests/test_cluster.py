@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from keras_distrib import cluster
-from keras_distrib import cluster_sources
+from keras_distrib.cluster import info as cluster
+from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib import files
 from tests import _harness
 

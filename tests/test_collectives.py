@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_distrib import collectives
+from keras_distrib.training import collectives
 from tests import _harness
 
 METRIC_CASES = ["metrics0", "metrics1", "metrics3", "metrics3_spe3"]

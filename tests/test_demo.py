@@ -9,7 +9,7 @@ import pytest
 
 import numpy as np
 
-from keras_distrib import demo
+from keras_distrib.commands import demo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

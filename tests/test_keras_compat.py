@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
-from keras_distrib import losses as kd_losses
+from keras_distrib.training import losses as kd_losses
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
 
@@ -287,7 +287,7 @@ def test_keras_opens_the_iterators_per_epoch_kd_replays_on_resume(monkeypatch):
     import tensorflow as tf
 
     import keras_distrib as kd
-    from keras_distrib import loop as kd_loop
+    from keras_distrib.training import loop as kd_loop
 
     opened = []
     rows = tf.data.Dataset.from_tensor_slices((np.ones((6, 1)), np.ones((6, 1)))).batch(2)

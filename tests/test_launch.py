@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-import keras_distrib.launcher as kd_launch
-from keras_distrib import cluster_sources
-from keras_distrib import supervisor
+import keras_distrib.cluster.launcher as kd_launch
+from keras_distrib.cluster import sources as cluster_sources
+from keras_distrib.cluster import supervisor
 from tests import _harness, launch_targets
 
 
@@ -71,7 +71,7 @@ def test_a_backup_directory_in_use_ends_the_launch_with_the_configuration_exit_c
 
 
 def _descendants_with_tasks(pid, tasks):
-    from keras_distrib import _guard
+    from keras_distrib.cluster import _guard
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

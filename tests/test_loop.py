@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib import loop as kd_loop
+from keras_distrib.training import loop as kd_loop
 from tests import _harness
 
 @pytest.mark.cluster

@@ -42,7 +42,7 @@ def test_launched_cluster_survives_a_killed_worker():
         if "[chief 0] KILL_NOW" in line:
             os.kill(pids["worker 1"], signal.SIGKILL)
 
-    from keras_distrib import launcher
+    from keras_distrib.cluster import launcher
 
     result = launcher.launch(
         os.path.join(_harness.SCRIPTS, "ps_fit.py"), workers=2, ps=2, args=("launched", "fit", "kill"),

@@ -8,7 +8,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from keras_distrib import penalties
+from keras_distrib.training import penalties
 
 
 def _kinds(layers, *, static_rows=None):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from keras_distrib import preemption
+from keras_distrib.cluster import preemption
 from tests import _harness
 
 
@@ -131,7 +131,7 @@ def test_no_signal_check_calls_no_tensorflow_and_no_key_value_store():
     assert decisions == {None}
     touched = sorted(m for m in entered if m.startswith(("tensorflow", "keras.", "keras_distrib._keras_compat")))
     assert not touched, touched
-    assert "keras_distrib.preemption" in entered  # the profiler saw the checks
+    assert "keras_distrib.cluster.preemption" in entered  # the profiler saw the checks
 
 
 @pytest.mark.parametrize(

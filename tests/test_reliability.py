@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import keras_distrib.launcher as kd_launch
+import keras_distrib.cluster.launcher as kd_launch
 from tests import _harness
 
 FAMILY = os.path.join(_harness.SCRIPTS, "family.py")
@@ -336,7 +336,7 @@ def test_divergence_keeps_the_last_finite_backup(tmp_path, caplog):
     import keras
     import numpy as np
 
-    from keras_distrib import checkpoint
+    from keras_distrib.checkpointing import checkpoint
 
     class Diverge(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -437,7 +437,8 @@ _K8S = {"KD_NUM_PODS": "2", "JOB_COMPLETION_INDEX": "0", "HOSTNAME": "train-0", 
 
 @pytest.mark.cluster
 def test_a_malformed_node_list_from_scontrol_is_refused(tmp_path):
-    from keras_distrib import cluster, cluster_sources
+    from keras_distrib.cluster import info as cluster
+    from keras_distrib.cluster import sources as cluster_sources
 
     fake = tmp_path / "scontrol"
     fake.write_text("#!/bin/sh\necho \"$3\"\n")  # echoes the list back, as for a bad list
@@ -457,7 +458,8 @@ def test_a_malformed_node_list_from_scontrol_is_refused(tmp_path):
      r"cluster\['worker'\]\[0\]: 'my host' is not a host name"),
 ])
 def test_cluster_environment_values_are_checked(environ, match):
-    from keras_distrib import cluster, cluster_sources
+    from keras_distrib.cluster import info as cluster
+    from keras_distrib.cluster import sources as cluster_sources
 
     with pytest.raises(cluster.ClusterConfigError, match=match):
         if "TF_CONFIG" in environ:
@@ -468,7 +470,7 @@ def test_cluster_environment_values_are_checked(environ, match):
 
 @pytest.mark.parametrize("value", ["1e-300", "0.001", "0.5"])
 def test_a_watchdog_shorter_than_a_second_is_refused(value):
-    from keras_distrib import watchdog
+    from keras_distrib.cluster import watchdog
 
     with pytest.raises(ValueError, match=rf"`KD_WATCHDOG`='{value}': .*a number >= 1"):
         watchdog.from_environment(environ={"KD_WATCHDOG": value})

@@ -102,7 +102,7 @@ def test_second_mirrored_strategy_in_one_process():
 def test_traits_are_asked_once_and_frozen():
     import dataclasses
 
-    from keras_distrib import strategies
+    from keras_distrib.cluster import strategies
 
     strategy = kd.make_strategy("one_device")
     found = strategies.traits(strategy)
@@ -115,7 +115,7 @@ def test_traits_are_asked_once_and_frozen():
 
 
 def test_traits_of_an_unknown_strategy_are_refused():
-    from keras_distrib import strategies
+    from keras_distrib.cluster import strategies
 
     with pytest.raises(TypeError, match=r"`strategy`=.* is not a strategy kd supports"):
         strategies.traits(object())

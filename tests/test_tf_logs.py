@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from keras_distrib import launcher
-from keras_distrib import supervisor
+from keras_distrib.cluster import launcher
+from keras_distrib.cluster import supervisor
 from keras_distrib import tf_logs
 
 NOTICE = "I0000 00:00:1795439466.606127   18429 cudart_stub.cc:31] Could not find cuda drivers on your machine"
@@ -98,11 +98,11 @@ def test_command_line_level(monkeypatch):
 
 @pytest.mark.cluster
 def test_launched_task_entry_runs_without_runpy_warning():
-    # Launched tasks run `python -m keras_distrib._task_entry`; if importing the
+    # Launched tasks run `python -m keras_distrib.cluster._task_entry`; if importing the
     # package imported that module too, every task would print runpy's
     # "found in sys.modules" RuntimeWarning.
     process = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", "keras_distrib._task_entry", "--help"],
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "keras_distrib.cluster._task_entry", "--help"],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2"},
     )

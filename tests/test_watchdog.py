@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from keras_distrib import launcher
-from keras_distrib import watchdog
+from keras_distrib.cluster import launcher
+from keras_distrib.cluster import watchdog
 from tests import _harness
 
 

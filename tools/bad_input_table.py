@@ -37,7 +37,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
-from keras_distrib import cli  # noqa: E402
+from keras_distrib.commands import cli  # noqa: E402
 from tests import test_bad_input  # noqa: E402
 
 NAN = math.nan

@@ -37,7 +37,7 @@ def _model(kind, model_class, keras):
         x = keras.layers.Dense(64, activation="relu")(x)
         return model_class(inputs, keras.layers.Dense(10)(x))
     if kind in ("mlp", "cnn"):
-        from keras_distrib import bench
+        from keras_distrib.commands import bench
 
         return bench._model(kind, model_class)  # the benchmark's own models
     inputs = keras.Input((28, 28, 1))

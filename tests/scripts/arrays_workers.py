@@ -19,7 +19,7 @@ strategy = kd.make_strategy("multi_worker")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_distrib import collectives  # noqa: E402
+from keras_distrib.training import collectives  # noqa: E402
 
 keras.config.set_floatx("float64")
 

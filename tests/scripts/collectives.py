@@ -18,7 +18,7 @@ kd.virtual_devices(1 if KIND == "one_device" else 2)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_distrib import collectives  # noqa: E402
+from keras_distrib.training import collectives  # noqa: E402
 
 ROWS = 16
 

@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_distrib import collectives  # noqa: E402
+from keras_distrib.training import collectives  # noqa: E402
 
 ROWS = 32
 METRICS = {0: lambda: [], 1: lambda: ["mae"],

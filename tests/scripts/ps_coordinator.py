@@ -7,7 +7,7 @@ import json
 import sys
 
 import keras_distrib as kd
-from keras_distrib import strategies
+from keras_distrib.cluster import strategies
 
 if sys.argv[1] == "local":
     resolver = kd.local_cluster(workers=2, ps=1)

@@ -16,7 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_distrib import parameter_server  # noqa: E402
+from keras_distrib.training import parameter_server  # noqa: E402
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(96, 4)).astype("float32")

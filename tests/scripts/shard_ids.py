@@ -18,7 +18,7 @@ if devices > 1:
     kd.virtual_devices(devices)
 info = kd.cluster_info()
 strategy = kd.make_strategy("multi_worker" if info.num_workers > 1 else "mirrored")
-from keras_distrib import strategies  # noqa: E402
+from keras_distrib.cluster import strategies  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -5,7 +5,7 @@ import os
 import keras_distrib as kd
 
 kd.virtual_devices(2)
-from keras_distrib import strategies  # noqa: E402
+from keras_distrib.cluster import strategies  # noqa: E402
 
 auto = kd.make_strategy()
 result = {

@@ -1,0 +1,796 @@
+"""Launch a cluster: one process per task, each with its own TF_CONFIG.
+
+`launch` (and `keras-distrib launch --workers N`) starts a whole cluster on
+localhost: it picks free ports, writes each task's TF_CONFIG, splits the
+GPUs, and runs the tasks under `keras_distrib.supervisor` (prefixed logs,
+first failure stops all, timeout), restarting the whole cluster on fresh
+ports up to `max_restarts` times.
+
+`launch_node` (and `keras-distrib launch` without `--workers`, under `srun`
+or in a Kubernetes Job) is the per-node agent of a cluster a cluster manager
+started: it reads the cluster from Slurm's or Kubernetes' environment (see
+`keras_distrib.cluster_sources`) and starts this node's tasks, one per node
+or one per GPU, with the same supervision.
+"""
+
+import collections.abc
+import contextlib
+import errno
+import fcntl
+import importlib.util
+import json
+import os
+import pickle
+import shlex
+import socket
+import stat
+import sys
+import tempfile
+import time
+
+import portpicker
+
+from keras_distrib.cluster import info as cluster_lib
+from keras_distrib.cluster import sources as cluster_sources
+from keras_distrib import files
+from keras_distrib.cluster import supervisor
+from keras_distrib import tf_logs
+from keras_distrib import validation
+from keras_distrib.cluster.supervisor import ClusterResult  # noqa: F401 (public result type)
+from keras_distrib.cluster.supervisor import TaskResult  # noqa: F401
+
+__all__ = [
+    "ClusterResult",
+    "LaunchError",
+    "TaskResult",
+    "launch",
+    "launch_node",
+    "node_tasks",
+]
+
+# Seconds the tasks get to save and exit when the launcher is told to stop
+# (a preemption); below Slurm's KillWait and Kubernetes' default grace (30 s).
+DEFAULT_GRACE_PERIOD = 25.0
+# Restarts wait RESTART_BACKOFF * 2**(n-1) seconds (at most RESTART_BACKOFF_MAX)
+# after an attempt that lasted under RESTART_BACKOFF_MAX; a longer attempt restarts at once.
+RESTART_BACKOFF = 1.0
+RESTART_BACKOFF_MAX = 60.0
+MAX_RESTARTS = 1000
+
+
+class LaunchError(ValueError):
+    """The launch request is invalid; nothing was started."""
+
+
+def pick_ports(count):
+    """`count` distinct free TCP ports on localhost."""
+    ports = []
+    while len(ports) < count:
+        port = portpicker.pick_unused_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def port_is_free(port):
+    """Whether `port` can be bound on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_spec(workers, ps=0, chief=False, ports=None):
+    """A `{"worker": ["localhost:p", ...], ...}` cluster dict on localhost."""
+    counts = {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
+    ports = list(ports) if ports is not None else pick_ports(sum(counts.values()))
+    spec = {}
+    for task_type in ("chief", "worker", "ps"):
+        if counts[task_type]:
+            spec[task_type] = [f"localhost:{ports.pop(0)}" for _ in range(counts[task_type])]
+    return spec
+
+
+def lock_directory():
+    """This user's private directory for kd's port locks (created 0700; checked).
+
+    Raises:
+        LaunchError: the path is not a directory of this user's that only
+            this user can write (naming it, and the fix).
+    """
+    path = os.path.join(tempfile.gettempdir(), f"kd-locks-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise LaunchError(f"Cannot create kd's lock directory {path!r} ({error.strerror}); "
+                          "point TMPDIR at a writable directory.") from None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        what = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else
+                "not a directory" if not stat.S_ISDIR(info.st_mode) else
+                f"owned by uid {info.st_uid}" if info.st_uid != os.getuid() else
+                f"writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+        raise LaunchError(
+            f"kd's lock directory {path!r} is {what}: another user could block or fake this "
+            "user's port locks. Remove it (kd creates it again, private), or point TMPDIR elsewhere.")
+    return path
+
+
+def _open_lock(path):
+    """An fd of the regular lock file at `path`, created if missing; refuses anything else."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as error:
+        raise LaunchError(f"Cannot open the port lock {path!r} ({error.strerror}): remove "
+                          "whatever is there (kd writes a plain file).") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LaunchError(f"The port lock {path!r} is not a regular file (a FIFO, socket or "
+                          "device): kd did not write it. Remove it and launch again.")
+    return fd
+
+
+@contextlib.contextmanager
+def _reserve_ports(ports):
+    """Holds a lock per port of `ports` (this host) while the launch runs.
+
+    The free-port check cannot see a second launch started at the same
+    moment: its tasks bind the ports seconds later. A lock file per port
+    (`kd-port-<port>.lock` in this user's private directory, `lock_directory`;
+    removed when released, and released when this process ends, however it
+    ends) lets the second launch fail at once, naming the port and the
+    launch that holds it. Another user's launch is not seen (their locks are
+    private); the bind check still applies.
+
+    Raises:
+        LaunchError: another kd launch of this user holds one of `ports`, or
+            a lock's path holds something kd did not write.
+    """
+    held = []
+    try:
+        folder = lock_directory() if ports else None
+        for port in ports or ():
+            path = os.path.join(folder, f"kd-port-{port}.lock")
+            while True:
+                fd = _open_lock(path)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as error:
+                    holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                    os.close(fd)
+                    if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise LaunchError(f"Cannot lock {path!r} ({error.strerror}).") from None
+                    raise LaunchError(
+                        f"Invalid launch request:\n  - `ports`: port {port} is taken by another kd "
+                        f"launch on this host (pid {holder}, lock {path}); its task would fail "
+                        "with 'Could not start gRPC server'. Wait for that launch to end, give "
+                        "other ports, or leave `ports` out to pick free ones."
+                    ) from None
+                # The holder before us may have removed the file while we opened it.
+                try:
+                    same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+            held.append((fd, path))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        for fd, path in held:
+            try:
+                os.unlink(path)  # while held: a waiting launch then sees another file
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def tf_config(spec, task_type, task_index):
+    return json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_index}})
+
+
+def _port_problems(ports):
+    if isinstance(ports, (str, bytes)) or not isinstance(ports, (list, tuple)):
+        return [f"`ports`={ports!r}: expected a list of port numbers, one per task"]
+    problems = []
+    bad = [p for p in ports if not validation.is_whole(p, 1) or p > 65535]
+    if bad:
+        problems.append(f"`ports` {bad}: expected whole numbers in 1..65535")
+    repeated = sorted({p for p in ports if ports.count(p) > 1 and p not in bad})
+    if repeated:
+        problems.append(
+            f"`ports` lists {repeated} more than once; every task needs its own port "
+            "(the second server would fail with 'Could not start gRPC server')"
+        )
+    return problems
+
+
+def _args_problems(args, script):
+    if isinstance(args, (str, bytes)):
+        try:
+            example = shlex.split(os.fsdecode(args))
+        except ValueError:  # unbalanced quotes
+            example = [os.fsdecode(args)]
+        return [
+            f"`args`={args!r} is a string, which would be split into characters; pass a "
+            f"list of arguments, e.g. `args`={example!r}"
+        ]
+    if not isinstance(args, (list, tuple)):
+        return [f"`args`={args!r}: expected a list or tuple of arguments"]
+    if script:
+        bad = [a for a in args if isinstance(a, bool) or not isinstance(a, (str, int, float, os.PathLike))]
+        if bad:
+            return [
+                f"`args` items {bad!r} are not command-line values; a script takes "
+                "strings (or numbers and paths, converted with str())"
+            ]
+        return []
+    try:
+        pickle.dumps(tuple(args))
+    except Exception as error:  # noqa: BLE001 - pickling raises many types
+        return [
+            f"`args` cannot be sent to the tasks ({type(error).__name__}: {error}); "
+            "a function target takes picklable arguments"
+        ]
+    return []
+
+
+def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), script=True,
+             env=None, log_dir=None, sink=print, evaluator=False, verbose=False):
+    """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
+    problems = []
+    if not validation.is_whole(workers, 1):
+        problems.append(f"`workers`={workers!r}: expected a whole number >= 1")
+    if not validation.is_whole(ps, 0):
+        problems.append(f"`ps`={ps!r}: expected a whole number >= 0")
+    if not isinstance(chief, bool):
+        problems.append(f"`chief`={chief!r}: expected True or False")
+    elif ps and chief:
+        problems.append(
+            "`chief` with `ps`: in a parameter-server cluster the script itself "
+            "is the coordinator (chief); drop `chief`"
+        )
+    if not validation.is_whole(max_restarts, 0) or max_restarts > MAX_RESTARTS:
+        problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number in "
+                        f"0..{MAX_RESTARTS} (each restart waits up to {RESTART_BACKOFF_MAX:g}s "
+                        "after a quick failure)")
+    if timeout is not None and not validation.is_seconds(timeout):
+        problems.append(
+            f"`timeout`={timeout!r}: expected a finite number of seconds > 0, or None for "
+            "no limit"
+        )
+    problems.extend(_args_problems(args, script))
+    if env is not None and (
+        not isinstance(env, collections.abc.Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        problems.append(
+            f"`env` must map names to strings (like os.environ), got {type(env).__name__}"
+            + (f" with non-string entries {[k for k, v in env.items() if not isinstance(v, str)]}"
+               if isinstance(env, collections.abc.Mapping) else "")
+        )
+    if log_dir is not None:
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            problems.append(f"`log_dir`={log_dir!r}: expected a directory path, or None")
+        elif os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            problems.append(f"`log_dir`={os.fspath(log_dir)!r} is a file; give a directory")
+    if not isinstance(evaluator, bool):
+        problems.append(f"`evaluator`={evaluator!r}: expected True or False")
+    if not isinstance(verbose, bool):
+        problems.append(f"`verbose`={verbose!r}: expected True or False")
+    if not callable(sink):
+        problems.append(f"`sink`={sink!r}: expected a callable taking one line (like print)")
+    if ports is not None:
+        port_problems = _port_problems(ports)
+        problems.extend(port_problems)
+        counts_valid = (validation.is_whole(workers, 1) and validation.is_whole(ps, 0)
+                        and isinstance(chief, bool))
+        if not port_problems and counts_valid:
+            needed = workers + ps + (1 if (chief or ps) else 0)
+            if len(ports) != needed:
+                problems.append(
+                    f"`ports` lists {len(ports)} port(s) but the cluster has {needed} "
+                    "task(s); give one port per task, or leave `ports` out to pick free ones"
+                )
+            taken = [p for p in ports if not port_is_free(p)]
+            if taken:
+                problems.append(
+                    f"`ports` {taken} already in use on localhost; stop what listens "
+                    "there, or leave `ports` out to pick free ones"
+                )
+    if problems:
+        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+
+
+def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=None, verbose=False):
+    """One `TaskSpec` per task of `spec` (or of `local` labels), with its TF_CONFIG and GPU share."""
+    base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
+    base_env["PYTHONUNBUFFERED"] = "1"
+    if "PYTHONPATH" in base_env:
+        # An empty (or '.') entry means the working directory: a module there
+        # would be imported before the real one (what -P keeps out).
+        kept = [p for p in base_env["PYTHONPATH"].split(os.pathsep) if p not in ("", ".")]
+        base_env["PYTHONPATH"] = os.pathsep.join(kept)
+    trainers = [
+        f"{t} {i}" for t in ("chief", "worker") for i in range(len(spec.get(t, ())))
+        if not (ps and t == "chief") and (local is None or f"{t} {i}" in local)
+    ]
+    gpu_share = supervisor.split_gpus(supervisor.visible_gpus(base_env), trainers)
+    specs = []
+    for task_type, addresses in spec.items():
+        for index in range(len(addresses)):
+            if local is not None and f"{task_type} {index}" not in local:
+                continue
+            task_env = dict(base_env)
+            task_env["TF_CONFIG"] = tf_config(spec, task_type, index)
+            task_env["KD_TASK"] = f"{task_type} {index}"
+            task_env["CUDA_VISIBLE_DEVICES"] = gpu_share.get(f"{task_type} {index}", "")
+            # In a parameter-server cluster, worker and ps tasks run servers
+            # that never exit on their own: the coordinator's exit ends the run.
+            server = bool(ps) and task_type in ("worker", "ps")
+            argv = server_argv if server else argv_for(task_type, index)
+            specs.append(supervisor.TaskSpec(task_type, index, argv, task_env, watched=not server,
+                                             vital=task_type == "ps"))
+    if evaluator:
+        # Outside the cluster spec, as TensorFlow's evaluator task: it reads
+        # the chief's checkpoints and is stopped when training ends.
+        task_env = dict(base_env)
+        task_env["TF_CONFIG"] = tf_config(spec, "evaluator", 0)
+        task_env["KD_TASK"] = "evaluator 0"
+        task_env["CUDA_VISIBLE_DEVICES"] = ""
+        specs.append(supervisor.TaskSpec("evaluator", 0, argv_for("evaluator", 0), task_env, follower=True))
+    return specs
+
+
+def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
+             sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
+             grace_period=None, verbose=False, private_network=False):
+    """Starts one cluster and waits for it. See `launch` for the arguments.
+
+    `argv_for(task_type, task_index)` gives each task's command line; with
+    `ps` tasks, worker and ps tasks run `server_argv` instead and only the
+    chief (the coordinator) runs the script.
+    """
+    spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
+    specs = _task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
+                        verbose=verbose)
+    if not private_network:
+        sink(exposure_notice(spec))
+    return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                                grace_period=grace_period, private_network=private_network)
+
+
+def exposure_notice(spec):
+    """The one line a local launch without `private_network` prints: what is open, and the fix."""
+    ports = sorted(int(address.rpartition(":")[2]) for addresses in spec.values()
+                   for address in addresses)
+    return (f"[launcher] note: the tasks' TensorFlow servers listen on every interface at "
+            f"port(s) {', '.join(map(str, ports))}, without authentication: anyone who reaches this "
+            "host there can run code as this user. --private-network (kd.launch(private_network="
+            "True)) keeps them on a loopback of their own (the tasks then have no outside "
+            "network); else firewall those ports.")
+
+
+def _script_argv(script, args):
+    return lambda task_type, index: [sys.executable, "-u", script, *args]
+
+
+def _grace_problems(grace_period):
+    if grace_period is None or validation.is_seconds(grace_period, zero=True):
+        return []
+    return [f"`grace_period`={grace_period!r}: expected a finite number of seconds >= 0"]
+
+
+def _resolve_target(target, args):
+    """`(argv_for, values_dir)` for a script path or an importable function."""
+    from keras_distrib.cluster import _task_entry
+
+    if isinstance(target, str) and ":" not in target:
+        if not os.path.isfile(target):
+            raise LaunchError(
+                f"`target`={target!r} is not a file. Pass the path of a Python "
+                "script, a function, or 'package.module:function'."
+            )
+        return _script_argv(target, [str(a) for a in args]), None
+    try:
+        spec = _task_entry.function_spec(target)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    module = spec.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise LaunchError(
+            f"`target`={target!r}: module {module!r} cannot be found on sys.path, so no "
+            "task could import it. Check the spelling, or pass a script path."
+        )
+    values_dir = files.make_scratch("launch")
+    return _task_entry.argv_factory(spec, args, values_dir), values_dir
+
+
+_SERVER_ARGV = [sys.executable, "-u", "-P", "-m", "keras_distrib.cluster._task_entry", "--server"]
+
+
+def _with_values(values_dir, run):
+    """`run()`'s result; with `values_dir` (a function target), the tasks' return values too.
+
+    The directory is removed in any case.
+    """
+    try:
+        result = run()
+        if values_dir is not None:
+            result.values = _task_entry_values(values_dir)
+        return result
+    finally:
+        if values_dir is not None:
+            files.remove_scratch(values_dir)
+
+
+def _attempts(run, *, max_restarts, sink, what, values_dir=None):
+    """Runs `run(attempt)` until it succeeds, is signalled, or restarts run out.
+
+    With `values_dir`, see `_with_values`.
+    """
+
+    def attempts():
+        attempt, quick = 0, 0
+        while True:
+            started = time.monotonic()
+            with supervisor.signals_stop_the_cluster():
+                result = run(attempt)
+            result.restarts = attempt
+            if result.returncode == 0 or result.signalled or attempt >= max_restarts:
+                return result
+            attempt += 1
+            # A failure soon after the start would fail again at once: back off.
+            quick = quick + 1 if time.monotonic() - started < RESTART_BACKOFF_MAX else 0
+            wait = min(RESTART_BACKOFF * 2 ** (quick - 1), RESTART_BACKOFF_MAX) if quick else 0.0
+            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})"
+                 + (f" in {wait:g}s" if wait else ""))
+            with supervisor.signals_stop_the_cluster():
+                try:
+                    time.sleep(wait)
+                except SystemExit as stop:
+                    result.signalled = True
+                    result.returncode = stop.code
+                    return result
+
+    return _with_values(values_dir, attempts)
+
+
+def _script_target(target):
+    """`target` as a string or callable, and whether it is a script."""
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    return target, isinstance(target, str) and ":" not in target
+
+
+def _check_private_network(private_network):
+    if not isinstance(private_network, bool):
+        raise LaunchError(f"Invalid launch request:\n  - `private_network`={private_network!r}: "
+                          "expected True or False")
+    if private_network:
+        try:
+            supervisor.PrivateNetwork().close()
+        except OSError as error:
+            raise LaunchError(str(error)) from None
+
+
+def _check_grace_period(grace_period):
+    problems = _grace_problems(grace_period)
+    if problems:
+        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+
+
+def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
+           timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=False,
+           min_workers=None):
+    """Runs `target` on a local cluster and returns a `ClusterResult`.
+
+    Args:
+        target: A script path, or an importable function given as a callable
+            or as `"package.module:function"`; a function is called with
+            `*args` in every task and its return value is collected.
+        workers: Worker processes (>= 1).
+        ps: Parameter-server tasks; then workers run servers and `target`
+            runs once, as the coordinator.
+        chief: Add a separate chief task.
+        args: Command-line arguments (script) or positional arguments
+            (function).
+        max_restarts: Restart the whole cluster on fresh ports up to this
+            many times after a failure (a task that saved a backup on
+            preemption exits with 42, which also restarts it).
+        timeout: Seconds for each attempt; `None` for no limit.
+        log_dir: Also write each task's output to `DIR/<type>_<index>.log`.
+        env: Environment for the tasks (this process's by default).
+        sink: Where prefixed output lines go (`print` by default).
+        ports: Explicit localhost ports, one per task (chief, workers, ps);
+            free ones are picked when `None`. The first attempt only. A
+            second kd launch on this host given one of the same ports while
+            this one runs is refused at once, naming the port.
+        evaluator: Also run `target` as an `evaluator` task (TF_CONFIG task
+            type "evaluator", outside the cluster spec), e.g. a
+            `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
+            the run waits for it.
+        grace_period: When this process gets SIGTERM or SIGINT, the seconds
+            the tasks get (after the same signal) to save and exit before
+            they are killed. The run then ends without a restart.
+        verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
+            output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`
+            and TensorFlow's start-up notices are dropped from their output
+            (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
+            `env` is kept either way. `log_dir` files keep every line.
+        private_network: Run the tasks in a network namespace of their own
+            with only loopback (`supervisor.PrivateNetwork`; root or
+            unprivileged user namespaces). TensorFlow's servers listen on
+            every interface and have no authentication: this keeps every
+            other host (and other network namespaces) off their ports. The
+            tasks then reach no network either (no downloads).
+        min_workers: Elastic training. When a worker still fails after
+            `max_restarts` restarts (its node gone, say), go on without it:
+            the cluster starts again with one worker fewer (and
+            `max_restarts` restarts again), as long as at least
+            `min_workers` remain; training resumes from the last backup,
+            and kd's model does not depend on the worker count. `None`
+            (default): the run ends with the failure.
+
+    Returns:
+        A `ClusterResult` (`lost` lists the workers given up on, in order);
+        for a function target, `.values` maps each task
+        label to its return value.
+
+    Raises:
+        LaunchError: invalid arguments, or `ports` held by another kd launch
+            on this host (nothing is started).
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> result = kd.launch("train.py", workers=2, args=["--epochs", "3"])  # doctest: +SKIP
+        >>> result.returncode  # doctest: +SKIP
+        0
+    """
+    target, script = _script_target(target)
+    validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
+             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
+    _check_grace_period(grace_period)
+    _check_min_workers(min_workers, workers, ps)
+    _check_private_network(private_network)
+    with _reserve_ports(ports):
+        return _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
+                                timeout=timeout, env=env, sink=sink, log_dir=log_dir,
+                                ports=ports, evaluator=evaluator, grace_period=grace_period,
+                                verbose=verbose, private_network=private_network,
+                                max_restarts=max_restarts, min_workers=min_workers)
+
+
+def _check_min_workers(min_workers, workers, ps):
+    if min_workers is None:
+        return
+    problem = None
+    if not validation.is_whole(min_workers, 1):
+        problem = f"`min_workers`={min_workers!r}: expected a whole number >= 1, or None"
+    elif validation.is_whole(workers, 1) and min_workers > workers:
+        problem = (f"`min_workers`={min_workers} is more than the {workers} workers launched; "
+                   f"give at most {workers}")
+    elif ps:
+        problem = (f"`min_workers`={min_workers} with `ps`={ps}: a parameter-server cluster's "
+                   "coordinator already carries on without a lost worker (its steps run on the "
+                   "others); drop `min_workers`")
+    if problem:
+        raise LaunchError("Invalid launch request:\n  - " + problem)
+
+
+def lost_worker(result):
+    """The worker a failed attempt is pinned on (`TaskResult`), or None.
+
+    A worker that exited with an error (or was killed) and was the first
+    task to fail; not a preemption's save (exit 42), a timeout or a stop.
+    """
+    failed = result.failed
+    if (result.returncode == 0 or result.signalled or result.timed_out or failed is None
+            or failed.task_type != "worker" or failed.returncode == supervisor.RESTART_EXIT_CODE):
+        return None
+    return failed
+
+
+def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, log_dir, ports,
+                     evaluator, grace_period, verbose, private_network, max_restarts,
+                     min_workers=None):
+    argv_for, values_dir = _resolve_target(target, args)
+
+    def elastic():
+        lost = []
+        while True:
+            count = workers - len(lost)
+            result = _attempts(
+                lambda attempt: run_once(
+                    argv_for, workers=count, ps=ps, chief=chief, timeout=timeout,
+                    env=env, sink=sink, log_dir=log_dir, server_argv=_SERVER_ARGV,
+                    ports=ports if attempt == 0 and not lost else None, evaluator=evaluator,
+                    grace_period=grace_period, verbose=verbose, private_network=private_network,
+                ),
+                max_restarts=max_restarts, sink=sink, what="the cluster",
+            )
+            worker = lost_worker(result) if min_workers is not None else None
+            if worker is None or count - 1 < min_workers:
+                result.lost = lost
+                return result
+            # Elastic: the worker failed through every restart; the survivors
+            # go on from the last backup (renumbered 0..count-2).
+            lost.append(worker.label)
+            sink(f"[launcher] {worker.label} failed {max_restarts + 1} time(s) in a row: going on "
+                 f"with {count - 1} worker(s) from the last backup (`min_workers`={min_workers})")
+
+    return _with_values(values_dir, elastic)
+
+
+def _task_entry_values(values_dir):
+    from keras_distrib.cluster import _task_entry
+
+    return _task_entry.collect_values(values_dir)
+
+
+# The per-node agent.
+
+
+def _per_node_count(per_node, environ):
+    if per_node == "gpu":
+        gpus = supervisor.visible_gpus(environ)
+        if not gpus:
+            listed = environ.get("CUDA_VISIBLE_DEVICES")
+            shown = ("nvidia-smi lists none" if listed is None else
+                     f"CUDA_VISIBLE_DEVICES={listed!r} hides every GPU" if listed.strip() else
+                     "CUDA_VISIBLE_DEVICES is empty")
+            raise LaunchError(
+                f"`per_node`='gpu': this node shows no GPU ({shown}), so there is no task to "
+                "start. Use `--per-node N` for N CPU tasks, or request GPUs from the cluster manager "
+                "(e.g. `#SBATCH --gpus-per-node=4`, or `nvidia.com/gpu` in the pod's limits)."
+            )
+        return len(gpus)
+    if not validation.is_whole(per_node, 1):
+        raise LaunchError(f"`per_node`={per_node!r}: expected a whole number >= 1, or 'gpu' "
+                          "(one task per visible GPU).")
+    return per_node
+
+
+def node_tasks(per_node=1, ps=None, environ=None):
+    """This node's share of the cluster: `(source, cluster spec, local task labels)`.
+
+    The cluster manager (Slurm, Kubernetes) started one agent per node;
+    each starts `per_node` tasks, so agent `a`'s task `j` has rank
+    `a * per_node + j` and port `agent port + j`. `ps` (else `KD_PS`)
+    parameter servers follow the chief, as in `cluster_sources.roles`.
+    Under TF_CONFIG the agent runs the one task it names.
+
+    Raises:
+        LaunchError: no cluster manager is found, several agents share a
+            node, `per_node` is invalid, or `ps` leaves no worker.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    count = _per_node_count(per_node, environ)
+    if ps is not None and not validation.is_whole(ps, 0):
+        raise LaunchError(f"`ps`={ps!r}: expected a whole number >= 0")
+    if environ.get("TF_CONFIG", "").strip():
+        info = cluster_lib.parse_tf_config(environ["TF_CONFIG"])
+        if count != 1 or ps:
+            raise LaunchError(
+                "TF_CONFIG names one task, so the agent runs exactly that one: drop "
+                "`--per-node`/`--ps`, or unset TF_CONFIG to read Slurm's or Kubernetes' variables."
+            )
+        if info.task_type is None:
+            raise LaunchError("TF_CONFIG is empty: there is no task to run.")
+        return "tf_config", {k: list(v) for k, v in info.cluster.items()}, [info.label]
+    try:
+        placement = cluster_sources.detect(environ)
+    except cluster_lib.ClusterConfigError as error:
+        raise LaunchError(str(error)) from None
+    if placement is None or placement.source == "tpu":
+        found = "a TPU pod, which TensorFlow drives from one process" if placement else "no cluster"
+        raise LaunchError(
+            f"`keras-distrib launch` without `--workers` is the per-node agent of a Slurm or "
+            f"Kubernetes job, but this environment shows {found} (no `srun` task, no "
+            "KD_NUM_PODS, no TF_CONFIG). Run `keras-distrib launch --workers N script.py` for a "
+            "local cluster, or `python script.py` directly."
+        )
+    if placement.local_tasks > 1:
+        raise LaunchError(
+            f"{placement.local_tasks} agents run on this node; the agent starts the node's tasks "
+            "itself, so run one per node: `srun --ntasks-per-node=1 keras-distrib launch "
+            "--per-node N script.py` (or start the tasks with srun directly, without the agent)."
+        )
+    ps = placement.ps if ps is None else ps
+    total = len(placement.addresses) * count
+    if ps and total < ps + 2:
+        raise LaunchError(
+            f"`ps`={ps} leaves no worker among the {total} task(s) ({len(placement.addresses)} "
+            f"node(s) x {count} per node); a parameter-server cluster needs a chief, the ps "
+            "tasks and at least one worker."
+        )
+    layout = cluster_sources.roles(total, ps)
+    hosts = [address.rpartition(":")[0] for address in placement.addresses for _ in range(count)]
+    if placement.base_port is not None:
+        # Distinct on every machine, also for several nodes on one host.
+        machines = [machine for machine in placement.machines for _ in range(count)]
+        ports = cluster_sources.task_ports(machines, placement.base_port, placement.reserved_ports)
+    else:
+        ports = [int(address.rpartition(":")[2]) + j
+                 for address in placement.addresses for j in range(count)]
+    spec, local = {}, []
+    for rank, ((task_type, index), host, port) in enumerate(zip(layout, hosts, ports)):
+        spec.setdefault(task_type, []).append(f"{host}:{port}")
+        if rank // count == placement.rank:
+            local.append(f"{task_type} {index}")
+    return placement.source, spec, local
+
+
+def _check_local_ports(spec, local):
+    """Refuses to start when a port of this node's tasks is taken, naming it."""
+    taken = []
+    for label in local:
+        task_type, index = label.split()
+        port = int(spec[task_type][int(index)].rpartition(":")[2])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", port))
+            except OSError as error:
+                taken.append(f"{port} ({label}: {error.strerror})")
+    if taken:
+        raise LaunchError(
+            f"Port {', '.join(taken)} cannot be bound on this node: another job or process "
+            "listens there (`ss -ltnp`). kd takes the ports Slurm reserved for the step "
+            "(SLURM_STEP_RESV_PORTS, with MpiParams=ports=... in slurm.conf), else derives them "
+            "from the job (SLURM_JOB_ID), unless `KD_PORT` fixes them: unset KD_PORT, or choose "
+            "another first port."
+        )
+
+
+def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout=None,
+                log_dir=None, env=None, sink=print, grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
+    """Runs this node's tasks of a cluster a cluster manager started; returns a `ClusterResult`.
+
+    The per-node agent behind `keras-distrib launch` (without `--workers`)
+    under `srun` or in a Kubernetes Job: see `node_tasks` for which tasks
+    run here. Each task gets its TF_CONFIG and, with `per_node="gpu"`, its
+    own GPU. Supervision is `launch`'s: prefixed logs, the first failure
+    stops this node's tasks, `max_restarts` restarts them (on the same
+    ports; the other nodes' agents restart theirs), and a SIGTERM (a
+    preemption) is passed on with `grace_period` seconds to save.
+
+    Raises:
+        LaunchError: see `node_tasks`, and `launch`'s argument checks.
+
+    Example:
+        >>> import keras_distrib as kd
+        >>> from keras_distrib import launcher
+        >>> launcher.launch_node("train.py", per_node="gpu")  # doctest: +SKIP
+    """
+    target, script = _script_target(target)
+    validate(1, 0, False, max_restarts, timeout, args=args, script=script, env=env,
+             log_dir=log_dir, sink=sink, verbose=verbose)
+    _check_grace_period(grace_period)
+    source, spec, local = node_tasks(per_node, ps, env)
+    _check_local_ports(spec, local)
+    sink = supervisor.whole_lines(sink)
+    argv_for, values_dir = _resolve_target(target, args)
+    has_ps = bool(spec.get("ps"))
+    sink(f"[launcher] {source} node: starting {', '.join(local)} of "
+         f"{sum(len(v) for v in spec.values())} task(s)")
+    return _attempts(
+        lambda attempt: supervisor.run_tasks(
+            _task_specs(spec, argv_for, ps=has_ps, env=env, server_argv=_SERVER_ARGV,
+                        local=set(local), verbose=verbose),
+            timeout=timeout, sink=sink, log_dir=log_dir, grace_period=grace_period),
+        max_restarts=max_restarts, sink=sink, what="this node's tasks", values_dir=values_dir,
+    )

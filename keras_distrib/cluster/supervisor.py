@@ -1,0 +1,674 @@
+"""Process supervision: start tasks, relay their output, stop them all.
+
+`run_tasks` starts one process per task (each in its own process group, under
+a guard, `keras_distrib._guard`, that ends the task's children and daemons when
+the task exits and when this process dies, even by SIGKILL), prefixes every output line with the task
+(`[worker 1] ...`), and stops everything at the first failure, at the
+timeout, or when this process gets SIGTERM/SIGINT/SIGHUP. No process outlives it.
+A SIGTERM to this process (a preemption: Slurm or Kubernetes stopping the
+node) is passed on to the tasks, which get `grace_period` seconds to save a
+backup and exit (kd's tasks exit with `RESTART_EXIT_CODE`, 42) before they
+are killed. `keras_distrib.launcher` builds clusters on top of it.
+"""
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from keras_distrib import _early_signals
+from keras_distrib.cluster import _guard
+from keras_distrib import tf_logs
+
+__all__ = [
+    "ClusterResult",
+    "PrivateNetwork",
+    "RESTART_EXIT_CODE",
+    "STOP_SIGNALS",
+    "TaskResult",
+    "TaskSpec",
+    "ignore_stop_signals",
+    "run_tasks",
+    "signals_stop_the_cluster",
+    "split_gpus",
+    "visible_gpus",
+    "whole_lines",
+]
+
+GRACE_SECONDS = 5.0
+# Signals to the launcher that stop the cluster, the tasks getting SIGTERM and
+# the grace period to save: SIGTERM (a preemption, `scancel`), SIGINT
+# (Ctrl-C) and SIGUSR1 (Slurm's `--signal=USR1@<seconds>` before a time limit).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+# What a task exits with after saving a backup on preemption: restart me.
+# (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
+# platforms too.) `keras_distrib.preemption` uses the same value.
+RESTART_EXIT_CODE = 42
+# What a task logs once its backup is written, just before it exits 42; the
+# launcher reads it when the task is killed on its way out.
+SAVED_MESSAGE = "Backed up for the preemption"
+# What the launcher exits with when a task stopped on a configuration error
+# that a rerun would meet again (the recipe's loop then does not rerun it).
+CONFIG_EXIT_CODE = 2
+# The errors of kd (last words of a task's traceback) that mean exactly that:
+# the backup directory is another live run's, or the backup is another run's.
+_CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
+                           r"run: |does not record what defines its run)")
+# How long a parameter-server cluster's coordinator gets to report a lost
+# ps task itself before the launcher stops the cluster.
+PS_LOSS_WAIT = 30.0
+_TAIL_LINES = 20
+# The variable that marks every process of one task (see `token_processes`).
+TOKEN_VARIABLE = "KD_TASK_TOKEN"
+# How often (seconds) the launcher looks whether a guard is stopped, and how
+# long a stopped one is given before the launcher ends it and its task.
+GUARD_CHECK_SECONDS = 0.5
+# Exit codes of a task ended by a stop signal before it handled it.
+_STOPPED_CODES = tuple(code for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGKILL)
+                       for code in (-sig, 128 + sig))
+
+
+@dataclasses.dataclass
+class TaskResult:
+    """How one task ended."""
+
+    task_type: str
+    task_index: int
+    returncode: object  # int, or None if it was still running when stopped
+    tail: list
+    guard_fault: object = None  # what happened to the task's guard, when it failed on its own
+
+    @property
+    def label(self):
+        return f"{self.task_type} {self.task_index}"
+
+
+@dataclasses.dataclass
+class ClusterResult:
+    """How a launched cluster ended: the failing task (if any) and all tasks."""
+
+    returncode: int
+    tasks: list
+    failed: object = None
+    timed_out: bool = False
+    restarts: int = 0
+    signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
+    lost: list = dataclasses.field(default_factory=list)  # workers given up on (`min_workers`)
+
+
+def whole_lines(sink):
+    """`sink`, called by one thread at a time; `print` becomes a whole-line write and flush.
+
+    The tasks' reader threads share the sink: each line reaches the
+    launcher's output in one write, never merged with another task's (nor,
+    through `srun`, with another node's agent: stdout is flushed per line).
+    """
+    if getattr(sink, "whole_lines", False):
+        return sink
+    lock = threading.Lock()
+
+    def write(line):
+        with lock:
+            if sink is print:
+                stream = sys.stdout
+                stream.write(f"{line}\n")
+                stream.flush()
+            else:
+                sink(line)
+
+    write.whole_lines = True
+    return write
+
+
+def visible_gpus(env=None):
+    """GPU ids this launcher may hand out: CUDA_VISIBLE_DEVICES, else nvidia-smi."""
+    env = os.environ if env is None else env
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        output = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(output.splitlines()) if line.startswith("GPU ")]
+
+
+def split_gpus(gpus, tasks):
+    """Gives each training task its own contiguous share of `gpus`.
+
+    Returns {task label: CUDA_VISIBLE_DEVICES value}; "" (CPU only) for every
+    task when there are no GPUs or fewer GPUs than tasks.
+    """
+    if not gpus or len(gpus) < len(tasks):
+        return {task: "" for task in tasks}
+    share = len(gpus) // len(tasks)
+    return {task: ",".join(gpus[i * share:(i + 1) * share]) for i, task in enumerate(tasks)}
+
+
+def guarded(argv, netns=None):
+    """`argv` started under `keras_distrib._guard`: none of the task's processes outlives it.
+
+    The guard is run by file path with `-I -S` (isolated: neither the working
+    directory nor PYTHONPATH is searched); it ends the task's children and
+    daemons when the task exits and when this process dies, even by SIGKILL.
+    """
+    extra = ["--netns", str(netns)] if netns else []
+    return [sys.executable, "-I", "-S", _guard.__file__, str(os.getpid()), *extra, *argv]
+
+
+class PrivateNetwork:
+    """A network namespace with only loopback, for one local cluster's tasks.
+
+    TensorFlow's gRPC server listens on every interface (`0.0.0.0` and
+    `[::]`) whatever TF_CONFIG names, and its distributed runtime has no
+    authentication: anyone who reaches a task's port runs TensorFlow ops as
+    the training user. Inside this namespace the tasks reach each other on
+    `localhost` and nothing outside reaches them (nor do they reach the
+    network). Needs root, or unprivileged user namespaces.
+    """
+
+    def __init__(self):
+        self.holder = subprocess.Popen(
+            [sys.executable, "-I", "-S", _guard.__file__, "--hold-netns"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        ready = self.holder.stdout.readline().strip()
+        if ready != "READY":
+            error = self.holder.stderr.read().strip().splitlines()
+            self.close()
+            raise OSError(
+                "`private_network`: could not create a network namespace for the tasks ("
+                + (error[-1] if error else "no reason given") + "). It needs root, or "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); or "
+                "launch without it and firewall the tasks' ports (README, Security)."
+            )
+
+    @property
+    def pid(self):
+        """The holder process's pid: the tasks join `/proc/<pid>/ns/net`."""
+        return self.holder.pid
+
+    def close(self):
+        """Ends the holder; the namespace goes away with its last process."""
+        if self.holder.poll() is None:
+            self.holder.kill()
+        self.holder.wait(timeout=10)
+        for stream in (self.holder.stdin, self.holder.stdout, self.holder.stderr):
+            stream.close()
+
+
+class _Task:
+    def __init__(self, task_type, task_index, argv, env, sink, log_path, netns=None):
+        self.task_type = task_type
+        self.task_index = task_index
+        self.tail = []
+        self._sink = sink
+        # TensorFlow's start-up notices, repeated by every task (see tf_logs).
+        self._hide_notices = tf_logs.hides_notices(env)
+        self._log = open(log_path, "a") if log_path else None
+        self._sink_broken = None
+        # Every process of the task inherits it: found again if its guard is lost.
+        self.token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        self.guard_fault = None
+        self._stopped_since = None
+        self._checked_at = 0.0
+        self._exit_checked = False
+        self.process = subprocess.Popen(
+            guarded(argv, netns),
+            env={**(os.environ if env is None else env), TOKEN_VARIABLE: self.token},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            # Bytes that are not UTF-8 are shown escaped (`\xff`), never stop the reader.
+            encoding="utf-8",
+            errors="backslashreplace",
+            bufsize=1,
+        )
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    @property
+    def label(self):
+        return f"{self.task_type} {self.task_index}"
+
+    def _pump(self):
+        prefix = f"[{self.label}] "
+        for line in self.process.stdout:
+            line = line.rstrip("\n")
+            if self._log:
+                self._log.write(line + "\n")
+                self._log.flush()
+            if self._hide_notices and tf_logs.is_startup_notice(line):
+                continue
+            self.tail = (self.tail + [line])[-_TAIL_LINES:]
+            if self._sink_broken is None:
+                try:
+                    self._sink(prefix + line)
+                except Exception as error:  # noqa: BLE001 - e.g. BrokenPipeError under `| head`
+                    # Keep reading: a task blocked on a full pipe would never end.
+                    self._sink_broken = error
+        self.process.stdout.close()
+
+    def check_guard(self):
+        """Notices a guard that was killed or stopped on its own, and ends its task's processes.
+
+        Returns True when the guard failed (its task's processes are then ended here).
+        """
+        if self.guard_fault is not None or self._exit_checked:
+            return self.guard_fault is not None
+        code = self.process.poll()
+        if code is None:
+            now = time.monotonic()
+            if now - self._checked_at < GUARD_CHECK_SECONDS:
+                return False
+            self._checked_at = now
+            if _process_state(self.process.pid) not in ("T", "t"):
+                self._stopped_since = None
+                return False
+            self._stopped_since = self._stopped_since or now
+            if now - self._stopped_since < GUARD_CHECK_SECONDS:
+                return False
+            self.process.kill()  # SIGKILL ends a stopped process too
+            self.process.wait(timeout=10)
+            ended = end_token_processes(self.token)
+            self.guard_fault = (f"its guard (pid {self.process.pid}) was stopped (SIGSTOP or a "
+                                f"debugger), so nothing watched the task; the launcher ended the "
+                                f"guard and the task's {ended} process(es)")
+            return True
+        self._exit_checked = True
+        ended = end_token_processes(self.token)
+        if ended and code < 0:
+            # The guard died by a signal while its task ran: the signal was the guard's, not the task's.
+            self.guard_fault = (f"its guard (pid {self.process.pid}) was killed by signal {-code} "
+                                f"while the task still ran; the launcher ended the task's {ended} "
+                                "process(es)")
+            return True
+        return False
+
+    def stop_guard(self):
+        """Asks the guard to end every process of the task (daemons included)."""
+        if self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, _guard.STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
+
+    def signal_group(self, signum):
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def finish(self):
+        self._reader.join(timeout=5)
+        if self._log:
+            self._log.close()
+        return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail),
+                          self.guard_fault)
+
+
+def _process_state(pid):
+    """The state letter of `/proc/<pid>/stat` (R, S, T, Z...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def token_processes(token):
+    """Pids of this user's live processes whose environment holds the task's token."""
+    needle = f"{TOKEN_VARIABLE}={token}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+        except OSError:  # gone, or another user's
+            continue
+        if _process_state(name) not in (None, "Z"):
+            found.append(int(name))
+    return found
+
+
+def end_token_processes(token):
+    """SIGKILLs every process holding the task's token (daemons included); returns how many."""
+    ended = set()
+    for _ in range(20):  # new forks may appear while killing
+        pids = token_processes(token)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+    return len(ended)
+
+
+def _stop(tasks, grace=GRACE_SECONDS, servers=()):
+    """SIGTERM every live task's process group, then SIGKILL after `grace`.
+
+    `servers` (a parameter-server cluster's ps and worker servers) serve on
+    after SIGTERM, for the coordinator's final backup: the grace waits for
+    the other tasks only, then SIGKILL ends the servers too.
+    """
+    live = [t for t in tasks if t.process.poll() is None]
+    for task in live:
+        task.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for task in live:
+        if task in servers:
+            continue
+        try:
+            task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for task in tasks:
+        task.stop_guard()
+    for task in tasks:
+        try:
+            task.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        # The group may hold grandchildren even after the leader exited.
+        task.signal_group(signal.SIGKILL)
+        try:
+            task.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for task in tasks:
+        # A guard killed on its own left its task's daemons to init: found by token.
+        end_token_processes(task.token)
+
+
+@dataclasses.dataclass
+class TaskSpec:
+    """One process to start: its task, command line and environment."""
+
+    task_type: str
+    task_index: int
+    argv: list
+    env: dict
+    watched: bool = True  # False: its exit does not end the run (ps-cluster servers)
+    follower: bool = False  # stopped (SIGTERM) when the other watched tasks end, e.g. an evaluator
+    vital: bool = False  # unwatched, but its exit ends the run (a ps task holds variables)
+
+    @property
+    def label(self):
+        return f"{self.task_type} {self.task_index}"
+
+
+def _said_saved(result):
+    return any(SAVED_MESSAGE in line for line in result.tail[-5:])
+
+
+def _lost_peer_message(result, own_label, service_task):
+    """kd's explanation when a task ended because the cluster lost another task, else None."""
+    from keras_distrib.cluster import watchdog
+
+    lost = watchdog.lost_tasks("\n".join(result.tail), own_label, service_task)
+    return f"[launcher] {watchdog.lost_task_message(lost, own_label)}" if lost else None
+
+
+def _ps_lost_message(task, code):
+    return (f"[launcher] {task.label} server exited with code {code}: the parameter servers "
+            "hold the model's variables, so training cannot go on without it. Restart the "
+            "job (--max-restarts; training resumes from its backup).")
+
+
+def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None,
+              private_network=False):
+    """Starts every task, waits, and stops them all; returns a `ClusterResult`.
+
+    The run ends when every watched task exited 0, when a watched task
+    fails (the others are stopped: SIGTERM, then SIGKILL after
+    `GRACE_SECONDS`), or at `timeout` seconds (exit code 124). Followers
+    (an evaluator) get SIGTERM once every other watched task exited 0, and
+    the run waits for them to finish. A vital task (a ps server) that exits
+    ends the run too, once the others had `PS_LOSS_WAIT` seconds to report it.
+
+    When this process gets SIGTERM/SIGINT (inside `signals_stop_the_cluster`)
+    the tasks get SIGTERM and `grace_period` seconds (default
+    `GRACE_SECONDS`) to save and exit; the result's code is
+    `RESTART_EXIT_CODE` if a task saved for a restart, else 128 + signal.
+
+    With `private_network`, the tasks run in one network namespace of their
+    own (`PrivateNetwork`): reachable from nowhere else.
+    """
+    network = PrivateNetwork() if private_network else None
+    try:
+        return _run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                          grace_period=grace_period, netns=network and network.pid)
+    finally:
+        if network is not None:
+            network.close()
+
+
+def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
+    grace = GRACE_SECONDS if grace_period is None else grace_period
+    sink = whole_lines(sink)
+    tasks = []
+    started = time.monotonic()
+    timed_out = False
+    failed = None
+    signalled = None
+    stop_grace = GRACE_SECONDS
+    lost_ps = None
+    running = []
+    try:
+        early = _early_signals.take()
+        if early is not None:  # it came while kd started; nothing runs yet
+            raise SystemExit(128 + early)
+        for spec in specs:
+            log_path = None
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+                log_path = os.path.join(log_dir, f"{spec.task_type}_{spec.task_index}.log")
+            tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path,
+                               netns))
+        watched = [t for t, spec in zip(tasks, specs) if spec.watched]
+        followers = [t for t, spec in zip(tasks, specs) if spec.follower]
+        leaders = [t for t in watched if t not in followers]
+        vital = [t for t, spec in zip(tasks, specs) if spec.vital]
+        told_followers = False
+        reported = set()
+        while True:
+            for task in tasks:
+                task.check_guard()
+            codes = [t.process.poll() for t in tasks]
+            failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
+            if not watched:
+                # A node that runs only servers (a per-node agent's ps and
+                # worker tasks): they end once the coordinator is gone.
+                if all(code is not None for code in codes):
+                    failed = next((t for t, code in zip(tasks, codes) if code != 0), None)
+                    break
+                if timeout is not None and time.monotonic() - started > timeout:
+                    timed_out = True
+                    running = [t.label for t in tasks if t.process.poll() is None]
+                    break
+                time.sleep(0.05)
+                continue
+            for task, code in zip(tasks, codes):
+                if code is None or task in watched or task.label in reported:
+                    continue
+                reported.add(task.label)
+                if task in vital:
+                    sink(_ps_lost_message(task, code))
+                    lost_ps = lost_ps or (task, time.monotonic())
+                else:
+                    # A parameter-server cluster's coordinator retries the steps of
+                    # a lost worker elsewhere: report it, keep the cluster running.
+                    sink(f"[launcher] {task.label} server exited with code {code}; "
+                         "the coordinator carries on without it")
+            if failures:
+                failed = failures[0]
+                if failed.process.returncode == RESTART_EXIT_CODE:
+                    # It saved for a preemption; the others are saving the same step.
+                    stop_grace = grace
+                break
+            if lost_ps and time.monotonic() - lost_ps[1] > PS_LOSS_WAIT:
+                failed = lost_ps[0]
+                break
+            if all(t.process.poll() == 0 for t in watched):
+                break
+            if followers and not told_followers and all(t.process.poll() == 0 for t in leaders):
+                told_followers = True
+                sink("[launcher] training ended; stopping " + ", ".join(t.label for t in followers))
+                for task in followers:
+                    task.signal_group(signal.SIGTERM)
+            if timeout is not None and time.monotonic() - started > timeout:
+                timed_out = True
+                running = [t.label for t in tasks if t.process.poll() is None]
+                break
+            time.sleep(0.05)
+    except SystemExit as stop:
+        # SIGTERM/SIGINT to the launcher (see signals_stop_the_cluster): pass
+        # it on, and give the tasks time to save (a preemption's grace).
+        signalled = stop.code
+        stop_grace = grace
+        name = signal.Signals(signalled - 128).name
+        if not tasks:
+            sink(f"[launcher] got {name} before any task started; none runs")
+        else:
+            sink(f"[launcher] got {name}; passing SIGTERM on, {_save_time(signalled - 128, grace)}")
+    finally:
+        with _signals_ignored():
+            # The tasks are being stopped (and given the grace period to save):
+            # a second signal must not cut that short.
+            _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
+    results = [t.finish() for t in tasks]
+    if signalled is not None:
+        codes = [r.returncode for r in results]
+        # A task that saved may still be killed on its way out (Slurm ends the
+        # step once another node's task exited 42): its last words count.
+        saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
+        # A task the warning signal ended before it could handle it (still
+        # starting: no backup callback yet) lost nothing a restart would not
+        # redo: ask for the restart, not a failure. A SIGTERM is a stop
+        # (scancel, `kill`): 128 + 15 unless a task saved.
+        stopped = [c for c in codes if c in (0, None) or c in _STOPPED_CODES]
+        restart = signalled - 128 == signal.SIGUSR1 and len(stopped) == len(codes)
+        code = RESTART_EXIT_CODE if saved or restart else signalled
+        sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
+        return ClusterResult(code, results, signalled=True)
+    if timed_out:
+        # Which tasks ran when the time was up (stopping them changed their codes since).
+        sink(f"[launcher] timeout after {timeout:g}s; still running: {', '.join(running) or 'none'}")
+        return ClusterResult(124, results, timed_out=True)
+    if failed is not None:
+        result = next(r for r in results if r.label == failed.label)
+        code = result.returncode if result.returncode is not None else 1
+        code = code if code > 0 else 128 - code  # killed by a signal
+        sink(f"[launcher] {result.label} exited with code {result.returncode}; stopped the others. Last lines:")
+        for line in result.tail:
+            sink(f"[launcher]   {line}")
+        if result.returncode == 1 and any(_CONFIG_ERROR.search(line) for line in result.tail):
+            code = CONFIG_EXIT_CODE
+            sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
+                 f"meet again (see above): exit {CONFIG_EXIT_CODE}.")
+        if result.guard_fault:
+            sink(f"[launcher] {result.label} failed because {result.guard_fault}. kd's guard "
+                 "ends a task's processes when the task or the launcher ends; stop the launcher "
+                 "or the task, not the guard.")
+        elif result.returncode is not None and result.returncode < 0:
+            from keras_distrib.cluster import watchdog
+
+            sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
+                 f"a preemption without grace, or by hand). {watchdog.ADVICE}")
+        service_task = "chief 0" if any(r.task_type == "chief" for r in results) else "worker 0"
+        explanation = _lost_peer_message(result, result.label, service_task)
+        if explanation:
+            sink(explanation)
+        return ClusterResult(code, results, failed=result)
+    return ClusterResult(0, results)
+
+
+def _slurm_kill_wait():
+    """Slurm's KillWait in seconds (SIGTERM to SIGKILL), or None where it cannot be read."""
+    try:
+        done = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                              timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"^KillWait\s*=\s*(\d+)", done.stdout, re.M)
+    return int(match.group(1)) if match else None
+
+
+def _save_time(signum, grace):
+    """What the tasks have to save: the grace period, or less where Slurm's SIGTERM kills sooner."""
+    if signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"):
+        # Slurm's SIGTERM (scancel, the time limit) comes with SIGKILL KillWait seconds later.
+        kill_wait = _slurm_kill_wait()
+        if kill_wait is None:
+            return (f"the tasks have until Slurm's SIGKILL to save and exit (KillWait seconds "
+                    f"after its SIGTERM, 30 by default; --grace-period {grace:g}s)")
+        return (f"the tasks have {min(grace, kill_wait):g}s to save and exit (Slurm's KillWait: "
+                f"SIGKILL {kill_wait}s after its SIGTERM)")
+    return f"the tasks have {grace:g}s to save and exit"
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ignore_stop_signals():
+    """After the run: the exit code is decided, a late signal must not change it.
+
+    Under `srun --kill-on-bad-exit=1`, the first node's agent to exit 42
+    makes Slurm send SIGTERM to the others, which are then exiting 42 too.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def signals_stop_the_cluster():
+    """A signal of `STOP_SIGNALS` to the launcher unwinds it, so its `finally` stops every task.
+
+    The tasks then get SIGTERM and the grace period to save (SIGUSR1 is
+    Slurm's warning before a time limit, `--signal=USR1@<seconds>`).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+

@@ -1,0 +1,242 @@
+"""The `keras-distrib` command: `launch` a cluster, print its `tf-config`, run the `demo`,
+`test` this machine, print the `env`ironment, or `bench`mark (`bench --network`:
+worker processes over a link with latency).
+
+`launch --workers N` starts a local cluster; `launch` without `--workers`
+under `srun` or in a Kubernetes Job is the per-node agent
+(`keras_distrib.launcher.launch_node`). `tf-config` prints the cluster kd
+finds here, as TF_CONFIG, and where it found it.
+"""
+
+import argparse
+import json
+import sys
+
+from keras_distrib.cluster import info as cluster_lib
+from keras_distrib.cluster import sources as cluster_sources
+from keras_distrib.cluster import supervisor
+from keras_distrib.cluster import launcher as launch_lib
+
+__all__ = [
+    "build_parser",
+    "main",
+]
+
+
+def _per_node(value):
+    if value == "gpu":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'gpu', got {value!r}") from None
+
+
+def _in_cluster_manager():
+    import os
+
+    return bool(os.environ.get("TF_CONFIG", "").strip()
+                or cluster_sources.in_slurm_step(os.environ)
+                or os.environ.get("KD_NUM_PODS", "").strip())
+
+
+def _launch(options):
+    agent = options.workers is None and _in_cluster_manager()
+    try:
+        if agent:
+            if options.min_workers is not None:
+                raise launch_lib.LaunchError(
+                    "`--min-workers` is for a local cluster (`--workers N`): under Slurm or "
+                    "Kubernetes the job's recipe starts the survivors again (README, \"Elastic runs\")."
+                )
+            if options.chief or options.evaluator or options.private_network:
+                raise launch_lib.LaunchError(
+                    "`--chief`, `--evaluator` and `--private-network` describe a local cluster; the per-node agent "
+                    "takes its cluster from Slurm or Kubernetes (use `--ps M` for parameter servers)."
+                )
+            result = launch_lib.launch_node(
+                options.script, per_node=options.per_node or 1, ps=options.ps,
+                args=options.args, max_restarts=options.max_restarts, timeout=options.timeout,
+                log_dir=options.log_dir, grace_period=options.grace_period,
+                verbose=options.verbose,
+            )
+        else:
+            if options.per_node is not None:
+                raise launch_lib.LaunchError(
+                    "`--per-node` is for the per-node agent under srun or a Kubernetes Job; "
+                    "on one machine give `--workers N`."
+                )
+            result = launch_lib.launch(
+                options.script,
+                workers=2 if options.workers is None else options.workers,
+                ps=options.ps or 0,
+                chief=options.chief,
+                args=options.args,
+                max_restarts=options.max_restarts,
+                timeout=options.timeout,
+                log_dir=options.log_dir,
+                evaluator=options.evaluator,
+                grace_period=options.grace_period,
+                verbose=options.verbose,
+                min_workers=options.min_workers,
+                private_network=options.private_network,
+            )
+    except launch_lib.LaunchError as error:
+        print(f"keras-distrib launch: {error}", file=sys.stderr)
+        return 2
+    supervisor.ignore_stop_signals()
+    return result.returncode
+
+
+def _tf_config(options):
+    try:
+        if options.per_node is not None or options.ps is not None:
+            source, spec, local = launch_lib.node_tasks(options.per_node or 1, options.ps)
+            tasks = []
+            for label in local:
+                task_type, index = label.split()
+                tasks.append({"task": label, "TF_CONFIG": {
+                    "cluster": spec, "task": {"type": task_type, "index": int(index)}}})
+            report = {"source": source, "tasks": tasks}
+        else:
+            info = cluster_lib.cluster_info()
+            report = {"source": info.source, "task": info.label or None, "TF_CONFIG": info.tf_config}
+    except (cluster_lib.ClusterConfigError, launch_lib.LaunchError) as error:
+        print(f"keras-distrib tf-config: {error}", file=sys.stderr)
+        return 2
+    if options.export:
+        config = report.get("TF_CONFIG") if "tasks" not in report else (
+            report["tasks"][0]["TF_CONFIG"] if len(report["tasks"]) == 1 else None)
+        if config is None and report.get("source") is not None:
+            print("keras-distrib tf-config: --export needs exactly one task here", file=sys.stderr)
+            return 2
+        print("export TF_CONFIG=" + ("''" if config is None else "'" + json.dumps(config) + "'"))
+        return 0
+    print(json.dumps(report, indent=None if options.compact else 2))
+    return 0
+
+
+def _demo(options):
+    from keras_distrib.commands import demo
+
+    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
+
+
+def _test(options):
+    from keras_distrib.commands import selftest
+
+    return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
+                         directory=options.dir)
+
+
+def _env(options):
+    from keras_distrib.commands import environment
+
+    return environment.main()
+
+
+def build_parser():
+    """The `keras-distrib` argument parser (launch, tf-config, demo, bench)."""
+    parser = argparse.ArgumentParser(
+        prog="keras-distrib", description="Exact tf.distribute training for Keras 3."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    launch = commands.add_parser(
+        "launch", help="run a script on a local cluster (--workers N), or as the per-node "
+        "agent of a Slurm/Kubernetes job (no --workers)",
+    )
+    launch.add_argument("--workers", type=int, default=None,
+                        help="worker processes of a local cluster (default 2; without it under "
+                        "srun or a Kubernetes Job, start this node's tasks)")
+    launch.add_argument("--per-node", type=_per_node, default=None,
+                        help="agent: tasks on this node, a number or 'gpu' (one per GPU; default 1)")
+    launch.add_argument("--ps", type=int, default=None, help="parameter-server tasks")
+    launch.add_argument("--chief", action="store_true", help="add a separate chief task")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the cluster up to K times (0..1000; quick failures back off)")
+    launch.add_argument("--min-workers", type=int, default=None,
+                        help="elastic: a worker that fails through every restart is given up "
+                        "on and the others go on from the last backup, down to M workers")
+    launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
+    launch.add_argument("--log-dir", default=None, help="also write each task's log here")
+    launch.add_argument("--grace-period", type=float, default=launch_lib.DEFAULT_GRACE_PERIOD,
+                        help="seconds the tasks get to save and exit when the launcher gets "
+                        "SIGTERM (a preemption; default %(default)g); kd's tasks then exit 42")
+    launch.add_argument("--evaluator", action="store_true",
+                        help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
+    launch.add_argument("--verbose", action="store_true",
+                        help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
+    launch.add_argument("--private-network", action="store_true",
+                        help="local cluster: run the tasks in a network namespace of their own, "
+                        "so no other host reaches TensorFlow's unauthenticated ports (needs root "
+                        "or user namespaces; the tasks reach no network either)")
+    launch.add_argument("script", help="the Python script every task runs")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    launch.set_defaults(run=_launch)
+
+    tf_config = commands.add_parser(
+        "tf-config", help="print the cluster kd finds here (TF_CONFIG, Slurm, Kubernetes, TPU) "
+        "as TF_CONFIG, with its source",
+    )
+    tf_config.add_argument("--per-node", type=_per_node, default=None,
+                           help="as `launch --per-node`: the TF_CONFIG of each of this node's tasks")
+    tf_config.add_argument("--ps", type=int, default=None, help="as `launch --ps`")
+    tf_config.add_argument("--export", action="store_true", help="print `export TF_CONFIG='...'`")
+    tf_config.add_argument("--compact", action="store_true", help="one line of JSON")
+    tf_config.set_defaults(run=_tf_config)
+
+    demo = commands.add_parser("demo", help="show exact distributed training on this machine")
+    demo.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
+    demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
+    demo.add_argument("--verbose", action="store_true",
+                      help="show every stage's output: epochs, TensorFlow's logs, tracebacks")
+    demo.set_defaults(run=_demo)
+
+    test = commands.add_parser(
+        "test", help="check this machine (or cluster) in a minute: devices, collectives, "
+        "training against one device, sharding, chief-only checkpoints",
+    )
+    test.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    test.add_argument("--timeout", type=float, default=120, help="seconds for the worker processes")
+    test.add_argument("--verbose", action="store_true",
+                      help="show the worker processes' output and TensorFlow's logs")
+    test.add_argument("--dir", default=None,
+                      help="where the checkpoint check writes inside a TF_CONFIG cluster "
+                      "(shared storage); a temporary directory by default")
+    test.set_defaults(run=_test)
+
+    env = commands.add_parser(
+        "env", help="versions, devices, cluster source and the strategy 'auto' picks (for bug reports)"
+    )
+    env.set_defaults(run=_env)
+
+    commands.add_parser(
+        "bench", help="steps/second of plain Keras, kd fit and kd.TrainLoop, as ratios "
+        "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH]); "
+        "with --network, of kd fit, tf-keras fit and TensorFlow's tutorial loop on worker processes "
+        "joined by a link with latency ([--workers 2,4] [--delays 0,1,5] [--link auto|veth|relay] "
+        "[--steps S] [--repeats R] [--timeout S] [--json PATH]; root)",
+    )
+    return parser
+
+
+def main(argv=None):
+    """Runs the `keras-distrib` command line; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and "--network" in argv[1:]:
+        # Worker processes over a link with latency (`keras-distrib bench --network --help`).
+        from keras_distrib.commands import bench_network
+
+        return bench_network.main([arg for arg in argv[1:] if arg != "--network"])
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own options (see `keras-distrib bench --help`).
+        from keras_distrib.commands import bench
+
+        return bench.main(argv[1:])
+    options = build_parser().parse_args(argv)
+    return options.run(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

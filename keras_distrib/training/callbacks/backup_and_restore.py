@@ -1,0 +1,495 @@
+"""`kd.callbacks.BackupAndRestore`: resume an interrupted `fit` at the exact step.
+
+Saves the model, the optimizer (with its step counter), the metric state and
+the position in the epoch. On restart, the callback exposes that position
+(`restored_position`, a `DataPosition`); kd's loop begins at the saved epoch
+and moves the data past the batches already trained, without training them,
+so the run continues with exactly the batch it would have trained next
+(exact for input pipelines whose order does not depend on the run's history:
+`shuffle=False`, or a dataset shuffled from a fixed seed per epoch).
+
+On SIGTERM or SIGUSR1 (a preemption, Slurm's warning before a time limit, or
+the launcher stopping a cluster) every worker
+saves at the same agreed step and the process exits with
+`kd.preemption.RESTART_EXIT_CODE` (42) to be restarted
+(`keras_distrib.preemption`: the agreement goes through the coordination
+service from background threads; no collective runs per step).
+"""
+
+import hashlib
+import json
+import logging
+import math
+import re
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import _keras_compat
+from keras_distrib.checkpointing import checkpoint as checkpoint_lib
+from keras_distrib.training import models
+from keras_distrib.cluster import preemption
+from keras_distrib import validation
+from keras_distrib.training.loop import DataPosition
+from keras_distrib.training.callbacks import _schedule
+
+logger = logging.getLogger("keras_distrib")
+
+__all__ = [
+    "BackupAndRestore",
+    "metric_state",
+    "run_record",
+    "set_metric_state",
+]
+
+
+def metric_state(model):
+    """Global values of every metric variable (summed over replicas)."""
+    return [np.asarray(v.numpy()).tolist() for m in model.metrics for v in m.variables]
+
+
+def set_metric_state(model, values, source="The backup"):
+    """Restores metric variables saved by `metric_state` (the same model's)."""
+    variables = [v for m in model.metrics for v in m.variables]
+    if not isinstance(values, list):
+        raise checkpoint_lib.CheckpointError(
+            f"{source} holds no metric state (`metrics`={values!r}); it was not written by "
+            "kd.callbacks.BackupAndRestore. Point `backup_dir` to a directory of its own."
+        )
+    if len(values) != len(variables):
+        raise checkpoint_lib.CheckpointError(
+            f"The backup holds {len(values)} metric values but the model has "
+            f"{len(variables)} metric variables; it was written by another model."
+        )
+    with model.distribute_strategy.scope():
+        for variable, value in zip(variables, values):
+            variable.assign(np.asarray(value, dtype=variable.dtype))
+
+
+def _without_names(value):
+    """`value` (a config) without `name` entries: Keras numbers auto-names per process."""
+    if isinstance(value, dict):
+        return {str(k): _without_names(v) for k, v in value.items() if k != "name"}
+    if isinstance(value, (list, tuple)):
+        return [_without_names(v) for v in value]
+    return value
+
+
+def _plain(value):
+    """`value` as JSON data: objects by their repr, without memory addresses."""
+    text = json.dumps(_without_names(value), sort_keys=True, default=repr)
+    # Floats to float32's 7 digits: a learning rate held in a float32 variable reads 0.02.
+    return json.loads(re.sub(r" at 0x[0-9a-fA-F]+", "", text),
+                      parse_float=lambda number: float(f"{float(number):.7g}"))
+
+
+def _digest(value):
+    return hashlib.sha256(json.dumps(_plain(value), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _describe(value):
+    """A loss or optimizer as JSON data: its class and configuration (names left out)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if hasattr(value, "get_config"):
+        try:
+            return _plain({"class": type(value).__name__, **value.get_config()})
+        except Exception:  # noqa: BLE001 - a config that cannot be made: the class alone
+            return {"class": type(value).__name__}
+    return getattr(value, "__qualname__", type(value).__name__)
+
+
+def _leaf_layers(layer):
+    for child in getattr(layer, "layers", None) or ():
+        if getattr(child, "layers", None):
+            yield from _leaf_layers(child)
+        else:
+            yield child
+
+
+def _layer_signature(layer):
+    """`Class:digest` of a layer's settings (its name aside) and weights' shapes and dtypes."""
+    try:
+        config = layer.get_config()
+    except Exception:  # noqa: BLE001 - layers of your own may have none
+        config = {}
+    shapes = [[list(weight.shape), str(weight.dtype)] for weight in layer.weights]
+    return f"{type(layer).__name__}:{_digest([config, shapes])}"
+
+
+def run_record(model):
+    """What defines a training run of `model`, as the backup records it.
+
+    The architecture (each layer's class, settings and weights' shapes), the
+    optimizer with its configuration (learning rate, clipping, ...), the
+    loss, and the parts a parameter server's `variable_partitioner` split
+    weights into (the optimizer's state is per part); `BackupAndRestore`
+    adds the global batch size and the batches per epoch. Taken when
+    training begins, before a backup is restored, so a learning rate that a
+    callback lowers later does not change it.
+
+    Returns:
+        A dict of JSON data: `model`, `optimizer`, `loss`, and `partitions`
+        where a weight is partitioned.
+    """
+    layers = [_layer_signature(layer) for layer in _leaf_layers(model)]
+    if not layers:
+        layers = [_layer_signature(model)]
+    record = {"model": layers, "optimizer": _describe(model.optimizer),
+              "loss": _describe(getattr(model, "loss", None))}
+    partitions = _keras_compat.weight_partitions(model)
+    if partitions:
+        record["partitions"] = partitions
+    return record
+
+
+def _short(value, limit=80):
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _run_changes(saved, now, weights=()):
+    """How this run differs from the backup's record, one phrase per difference.
+
+    `weights`: this model's weights (to name a weight whose partition changed).
+    """
+    changes = []
+    old_layers, new_layers = saved.get("model"), now["model"]
+    if old_layers != new_layers:
+        if not isinstance(old_layers, list) or len(old_layers) != len(new_layers):
+            count = len(old_layers) if isinstance(old_layers, list) else "?"
+            changes.append(f"the model has {len(new_layers)} layers, the backup's had {count}")
+        else:
+            index = next(i for i, (a, b) in enumerate(zip(old_layers, new_layers)) if a != b)
+            changes.append(
+                f"the model's layer {index} ({new_layers[index].split(':')[0]}) differs from the "
+                f"backup's ({str(old_layers[index]).split(':')[0]}) in its settings or weights' shapes")
+    old_opt, new_opt = saved.get("optimizer"), now["optimizer"]
+    if old_opt != new_opt:
+        if isinstance(old_opt, dict) and isinstance(new_opt, dict) and old_opt.get("class") == new_opt.get("class"):
+            for key in sorted(set(old_opt) | set(new_opt)):
+                if old_opt.get(key) != new_opt.get(key):
+                    changes.append(f"the optimizer's `{key}` is {_short(new_opt.get(key))}, the "
+                                   f"backup's was {_short(old_opt.get(key))}")
+        else:
+            changes.append(f"the optimizer is {_short(new_opt)}, the backup's was {_short(old_opt)}")
+    if saved.get("loss") != now["loss"]:
+        changes.append(f"the loss is {_short(now['loss'])}, the backup's was {_short(saved.get('loss'))}")
+    old_parts, new_parts = saved.get("partitions") or {}, now.get("partitions") or {}
+    for index in sorted(set(old_parts) | set(new_parts), key=int):
+        if old_parts.get(index) != new_parts.get(index):
+            describe = lambda rows: f"{len(rows)} parts of {rows} rows" if rows else "not partitioned"
+            name = weights[int(index)].path if int(index) < len(weights) else f"number {index}"
+            changes.append(
+                f"the weight `{name}` is {describe(new_parts.get(index))} over the parameter "
+                f"servers, the backup's was {describe(old_parts.get(index))} (the optimizer's "
+                "state is kept per part: resume with the backup's `variable_partitioner`)")
+    return changes
+
+
+def _non_finite_losses(logs):
+    """`name=value` of the logged losses that are NaN or Inf (the epoch's mean so far)."""
+    bad = []
+    for name, value in (logs or {}).items():
+        if name == "loss" or name.endswith("_loss"):
+            try:
+                number = float(np.asarray(value))
+            except (TypeError, ValueError):
+                continue
+            if not math.isfinite(number):
+                bad.append(f"{name}={number}")
+    return bad
+
+
+def _non_finite_weights(model):
+    """Names of the model's weights holding NaN or Inf (empty when all are finite)."""
+    bad = []
+    for weight in model.weights:
+        if "float" in str(weight.dtype):
+            values = np.asarray(weight.numpy(), dtype=np.float64)
+            if not np.all(np.isfinite(values)):
+                bad.append(weight.path)
+    return bad
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up training state so an interrupted `fit` resumes exactly.
+
+    Args:
+        backup_dir: Directory for the backup (the chief's is kept; other
+            workers write to scratch space that is removed).
+        save_freq: `"epoch"`, or a number of batches between backups.
+        delete_checkpoint: Remove the backup after training completes.
+        save_on_preemption: On SIGTERM or SIGUSR1 (or when `termination_watcher`
+            fires), every worker backs up at the same agreed step, then the
+            process exits with code 42 (`kd.preemption.RESTART_EXIT_CODE`)
+            so that `keras-distrib launch --max-restarts`, Slurm's requeue
+            or a Kubernetes Job restarts it; the restart resumes exactly.
+            The agreement costs nothing per step.
+        grace_period: Seconds between the signal and the forced kill that
+            training may use: 0 (default) saves at the first agreed step and
+            exits; more saves then, trains on, and saves again before the
+            grace period ends (as TensorFlow's PreemptionCheckpointHandler).
+        termination_watcher: Optional `callable() -> bool`, polled every
+            second, True when termination is imminent (e.g. a cloud's
+            maintenance notice); it acts like SIGTERM.
+
+    Only the chief writes (and locks) `backup_dir`: a second live run on
+    the same directory is refused at the start of training, before it
+    restores or writes anything; the lock of a run that died is taken over.
+
+    Raises:
+        CheckpointError: `backup_dir` is a file or not writable; at the
+            start of training, the directory is in use by another live run,
+            or holds only damaged backups.
+        ValueError: invalid `save_freq`, or the model is not a kd model
+            (when the callback is given to `fit`).
+    """
+
+    def __init__(self, backup_dir, *, save_freq="epoch", delete_checkpoint=True,
+                 save_on_preemption=True, grace_period=0.0, termination_watcher=None):
+        super().__init__()
+        self.backup_dir = checkpoint_lib.validate_directory(backup_dir, "backup_dir")
+        self.schedule = _schedule.SaveSchedule(save_freq)
+        self.delete_checkpoint = delete_checkpoint
+        self.save_on_preemption = save_on_preemption
+        # Validated here, before anything trains (ValueError names the argument).
+        self._preemption_settings = dict(grace_period=grace_period, watcher=termination_watcher)
+        preemption.PreemptionHandler(**self._preemption_settings)
+        self._manager = None
+        self._epoch = 0
+        self._resume = None
+        self.restored_position = None
+        self._handler = None
+        self._runner = None
+        self._chunks = 0
+        self._exit_after_training = False
+        self._diverged = False
+        self._run = None
+        self._saved_at = None
+        self._last_step = None
+
+    @property
+    def epoch_interrupted(self):
+        """True once a preemption's backup stopped the epoch part-way (kd's loop then
+        ends training without ending that epoch: the restart finishes it)."""
+        return self._exit_after_training
+
+    def set_model(self, model):
+        """Sets the model; refuses a plain `keras.Model` (see below) before anything is written."""
+        # A plain keras.Model divides each replica's loss by its own rows and
+        # does not follow kd's resume position (it would train batches twice):
+        # refuse it when the model becomes known, before anything is written.
+        if not isinstance(model, models.DistributedModelMixin):
+            raise ValueError(
+                f"`model` is a plain {type(model).__name__}, and kd.callbacks.BackupAndRestore "
+                "needs a kd model: a plain model's steps and resume position are not kd's, so a "
+                "resumed run would retrain batches and drift from one device. Build the model as "
+                "kd.Model(inputs, outputs) or kd.Sequential, or put kd.DistributedModelMixin "
+                "first in your model class's bases; or use keras.callbacks.BackupAndRestore "
+                "with a plain Keras model."
+            )
+        super().set_model(model)
+
+    def _checkpoint(self):
+        model = self.model
+        items = {"model": model}
+        if model.optimizer is not None:
+            items["optimizer"] = model.optimizer
+        return tf.train.Checkpoint(**items)
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if model.optimizer is not None and not model.optimizer.built:
+            with model.distribute_strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+        self._run = run_record(model)
+        self._manager = checkpoint_lib.CheckpointManager(self._checkpoint(), self.backup_dir)
+        latest = self._manager.latest
+        if latest is not None:
+            # Before restoring anything: another run's backup must not touch this model.
+            try:
+                before = self._manager.read_progress(latest)
+            except checkpoint_lib.CheckpointError:
+                before = None  # damaged: `restore` falls back past it, saying so
+            if before is not None:
+                self._check_data_matches(before, latest)
+        progress = self._manager.restore_or_initialize()
+        self.restored_position = None
+        if progress is not None:
+            if "metrics" not in progress:
+                raise checkpoint_lib.CheckpointError(
+                    f"The checkpoint {self._manager.restored_path!r} in `backup_dir` has no "
+                    "metric state: it was not written by kd.callbacks.BackupAndRestore (a "
+                    "kd.CheckpointManager's, perhaps). Give the callback a directory of its own."
+                )
+            self._check_data_matches(progress, self._manager.restored_path)
+            self.restored_position = DataPosition(progress["epoch"], progress["step"])
+            if progress["step"] > 0:
+                self._resume = progress
+        self._chunks = 0
+        self._exit_after_training = False
+        self._diverged = False
+        self._saved_at = self._last_step = None
+        if self.save_on_preemption:
+            self._handler = preemption.PreemptionHandler(
+                strategy=model.distribute_strategy, **self._preemption_settings
+            )
+            self._handler.start()
+
+    def set_runner(self, runner):
+        """The loop's runner (kd's loop calls this before training begins)."""
+        self._runner = runner
+
+    def _save(self, epoch, step, logs=None):
+        if self._runner is not None:
+            # Steps scheduled on parameter-server workers may still be running:
+            # the backup must hold exactly the steps its position counts.
+            self._runner.wait()
+        # A loss that is NaN or Inf diverged as surely as a weight that is
+        # (the weights may stay finite: a step whose gradient is zero or NaN-free).
+        bad = _non_finite_weights(self.model) + _non_finite_losses(logs)
+        if bad:
+            # Diverged: the backup in place is the last good state; keep it.
+            self._diverged = True
+            logger.warning(
+                "Training diverged (NaN or Inf: %s) at epoch %d, step %d, so the backup was not "
+                "written; %s keeps the last finite state%s. Lower the learning rate (or clip "
+                "gradients) and resume from it.", ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""),
+                epoch, step, self.backup_dir,
+                f" ({self._manager.latest})" if self._manager.latest else " (none was written yet)")
+            return
+        self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model),
+                           run=self._run, **self._data_shape())
+        self._saved_at = (epoch, step)
+
+    def _data_shape(self):
+        """What the backup's position counts in: batches per epoch and the global batch size."""
+        params = self.params or {}
+        return {key: params.get(name) for key, name in
+                (("batches_per_epoch", "steps"), ("global_batch_size", "batch_size"))
+                if isinstance(params.get(name), int)}
+
+    def _check_data_matches(self, progress, path):
+        """Refuses to resume a backup of another run, or whose position no longer means the same examples."""
+        fresh = ("Resume with what it was written with, or give `backup_dir` another directory "
+                 "(or delete this backup) to start from scratch.")
+        malformed = [f"`{key}`={progress[key]!r} (expected a whole number >= 1)"
+                     for key in ("global_batch_size", "batches_per_epoch")
+                     if key in progress and not validation.is_whole(progress[key], 1)]
+        run = progress.get("run")
+        if run is not None and not (isinstance(run, dict) and isinstance(run.get("model"), list)):
+            malformed.append(f"`run`={_short(run)} (expected kd's record of the run)")
+        if malformed:
+            self._manager.close()
+            raise checkpoint_lib.CheckpointError(
+                f"The backup {path!r} has a progress.json kd did not write: " + "; ".join(malformed)
+                + ". It may have been edited by hand; kd cannot tell which run it belongs to. " + fresh)
+        if run is None:
+            self._manager.close()
+            raise checkpoint_lib.CheckpointError(
+                f"The backup {path!r} does not record what defines its run (model, optimizer, loss, "
+                "batch size): an older kd wrote it, and kd cannot check that it belongs to this "
+                "run. Finish it with the kd version that wrote it, or " + fresh[fresh.index("give"):])
+        now = self._data_shape()
+        problems = _run_changes(run, self._run, self.model.weights)
+        for key, what in (("global_batch_size", "global batch size"),
+                          ("batches_per_epoch", "batches per epoch")):
+            saved = progress.get(key)
+            if saved is not None and key in now and now[key] != saved:
+                problems.append(f"the {what} is {now[key]}, the backup's was {saved}")
+        batches = now.get("batches_per_epoch")
+        if batches is not None and progress["step"] > batches:
+            problems.append(f"the backup's position, step {progress['step']} of epoch "
+                            f"{progress['epoch']}, is past the epoch's {batches} batches")
+        if problems:
+            self._manager.close()
+            raise checkpoint_lib.CheckpointError(
+                f"The backup {path!r} does not match this run: " + "; ".join(problems)
+                + ". Resuming it would train something else, or skip or repeat examples. " + fresh
+            )
+        if progress["step"] > 0 and ("global_batch_size" not in now
+                                     or "global_batch_size" not in progress):
+            logger.warning(
+                "Resuming %s at epoch %d, step %d: the global batch size of %s is not known, so "
+                "kd cannot check that the %d batches it skips are the ones the backup trained. "
+                "Resume with the same data and batch size.", path, progress["epoch"],
+                progress["step"], "this run's data" if "global_batch_size" not in now
+                else "the backup's run", progress["step"])
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self.schedule.new_epoch()
+        resume = self._resume
+        if resume is not None and resume["epoch"] == epoch:
+            # The loop skips the batches the backup holds; their metric
+            # state comes from the backup.
+            set_metric_state(self.model, resume["metrics"], f"The backup in {self.backup_dir!r}")
+            self.schedule.batch_done(resume["step"] - 1)
+        self._resume = None
+
+    def on_train_chunk_end(self, batch, logs=None):
+        """After a chunk of steps ending at index `batch`: back up if due or preempted.
+
+        kd's loop calls it on the main thread, between steps; it is not
+        `on_train_batch_end`, so that Keras can keep dispatching that (and
+        the logs' conversion to NumPy) from a background thread.
+        """
+        due = self.schedule.batch_done(batch)
+        step = batch + 1
+        self._last_step = step
+        self._chunks += 1
+        decision = self._handler.check(self._chunks) if self._handler is not None else None
+        if decision is not None:
+            started = time.monotonic()
+            self._save(self._epoch, step, logs)
+            self._handler.saved(time.monotonic() - started)
+            logger.warning("Preemption (%s): backed up epoch %d, step %d (chunk %d)%s.",
+                           self._handler.reason or "agreed by another worker", self._epoch, step,
+                           self._chunks, "" if decision == preemption.EXIT else "; training on")
+            if decision == preemption.EXIT:
+                self.model.stop_training = True
+                self._exit_after_training = True
+            return
+        if due:
+            self._save(self._epoch, step, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._exit_after_training:
+            return
+        if self.schedule.per_epoch:
+            self._save(epoch + 1, 0, logs)
+        elif self._saved_at == (epoch, self._last_step):
+            # The backup was taken at this epoch's last step, and the epoch has
+            # now ended: a resume starts the next one, so the epoch is not ended twice.
+            self._manager.relabel(epoch=epoch + 1, step=0)
+            self._saved_at = (epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        if self._handler is not None:
+            self._handler.stop()
+        if self._exit_after_training:
+            self._manager.close()
+            self._handler.exit()
+        self._handler = None
+        if self._diverged:
+            logger.warning("Kept the backup in %s: training diverged, and it holds the last "
+                           "finite weights.", self.backup_dir)
+            self._manager.close()
+            return
+        try:
+            if self.delete_checkpoint:
+                self._manager.delete_all()
+            else:
+                self._manager.mark_finished()
+        except (OSError, checkpoint_lib.CheckpointError) as error:
+            # Training is complete: a failing clean-up must not fail it.
+            logger.warning("Training finished, but cleaning up the backup in %s failed (%s); "
+                           "remove it by hand.", self.backup_dir, error)
+        self._manager.close()

@@ -1,0 +1,90 @@
+"""The one front door of `fit`, `evaluate` and `predict`.
+
+`kd.Model.fit/evaluate/predict` and `kd.TrainLoop.fit/evaluate/predict`
+both come through here: the same arguments, the same validation (before any
+step runs), and the one place that decides between the local loop
+(`keras_distrib.loop`: one device, mirrored, multi-worker) and
+parameter-server training (`keras_distrib.parameter_server`). What differs
+between the two callers is only where the compiled steps come from:
+`steps_for(kind)` returns the `Step` of `kind` ("train", "test",
+"predict"), the model's own (`steps_per_execution` steps per call) or the
+loop's (`steps_per_loop`).
+"""
+
+from keras_distrib.training import loop
+from keras_distrib.training import parameter_server
+from keras_distrib.cluster import strategies
+from keras_distrib import validation
+
+__all__ = ["evaluate", "fit", "on_parameter_server", "predict"]
+
+
+def on_parameter_server(model):
+    """Whether `model`'s steps are scheduled on parameter-server workers (else the local loop)."""
+    return strategies.traits(model.distribute_strategy).is_parameter_server
+
+
+def fit(model, steps_for, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
+        callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+        class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+        validation_steps=None, validation_batch_size=None, validation_freq=1):
+    """`Model.fit` for `model`, with its steps from `steps_for`; returns the History."""
+    validation.validate_inputs(
+        model, x, y, sample_weight, method="fit", validation_data=validation_data,
+        epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch, validation_split=validation_split,
+        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
+        class_weight=class_weight, callbacks=callbacks,
+    )
+    arguments = dict(
+        batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+        validation_split=validation_split, validation_data=validation_data,
+        shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
+        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq,
+    )
+    if on_parameter_server(model):
+        train = steps_for("train")
+        return parameter_server.fit(model, x, y, steps_per_call=train.steps, **arguments)
+    return loop.fit(model, steps_for("train"), x, y, evaluate_steps=steps_for("test"), **arguments)
+
+
+def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto",
+             sample_weight=None, steps=None, callbacks=None, return_dict=False, shards=None):
+    """`Model.evaluate` for `model`; `shards` splits it over parameter-server workers."""
+    validation.validate_inputs(model, x, y, sample_weight, method="evaluate",
+                               batch_size=batch_size, steps=steps, verbose=verbose,
+                               callbacks=callbacks, return_dict=return_dict)
+    strategy = model.distribute_strategy
+    if on_parameter_server(model):
+        return parameter_server.evaluate(
+            model, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
+            steps=steps, callbacks=callbacks, return_dict=return_dict, shards=shards,
+        )
+    if shards:
+        raise validation.InputError(
+            f"`shards`={shards!r}: sharded evaluation is for ParameterServerStrategy; "
+            f"under {type(strategy).__name__} evaluation is already distributed over the "
+            "replicas. Leave `shards` out."
+        )
+    return loop.evaluate(
+        model, steps_for("test"), x, y, batch_size=batch_size, verbose=verbose,
+        sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+        return_dict=return_dict,
+    )
+
+
+def predict(model, steps_for, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    """`Model.predict` for `model`: every row once, in input order."""
+    validation.validate_inputs(model, x, method="predict", batch_size=batch_size, steps=steps,
+                               verbose=verbose, callbacks=callbacks)
+    if on_parameter_server(model):
+        return parameter_server.predict(
+            model, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        )
+    return loop.predict(
+        model, steps_for("predict"), x, batch_size=batch_size, verbose=verbose,
+        steps_count=steps, callbacks=callbacks,
+    )

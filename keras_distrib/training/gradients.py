@@ -1,0 +1,288 @@
+"""kd's gradient pipeline: one all-reduce, then the optimizer as on one device.
+
+On one device, Keras's optimizer sees the gradient of the batch loss and
+runs: unscale (loss scaling) -> accumulate (`gradient_accumulation_steps`)
+-> clip (`clipnorm`, `clipvalue`, `global_clipnorm`) -> weight decay and
+update -> EMA and the step counter. Keras 3 under a `tf.distribute` strategy
+runs the same steps on each replica's *partial* gradient and all-reduces only
+at the update: clipping then sees a fraction of the gradient (weights end up
+0.3-1.7 relative off after a few steps) and accumulation crashes with
+several replicas.
+
+kd's models give their optimizer a different first step: each replica's
+gradient of its loss share is summed over all replicas at once (one
+all-reduce, SUM), so every replica holds the gradient one device computes.
+The optimizer's own pipeline then runs unchanged, in one-device order, on
+that gradient, and its own all-reduce is skipped. A non-finite value on any
+replica makes the summed gradient non-finite everywhere, so a
+`LossScaleOptimizer` skips the step on every replica and worker together.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_distrib import _keras_compat
+from keras_distrib.training import penalties
+from keras_distrib.training import replica
+from keras_distrib.training import step
+from keras_distrib.cluster import strategies
+
+__all__ = [
+    "all_reduce",
+    "exact_optimizer",
+    "install",
+]
+
+
+def all_reduce(gradients):
+    """Sums per-replica gradients over every replica (one all-reduce).
+
+    Sparse gradients (`tf.IndexedSlices`, from `Embedding`) are gathered,
+    not summed densely: every replica's slices, in replica order, as one
+    device holds them for the whole batch (Keras's optimizers treat repeated
+    indices slice by slice: Adam squares each one). `None` entries stay
+    `None`. Outside a replica context, or with one replica in sync, returns
+    `gradients`.
+
+    Inside a step looped in one compiled function, sparse gradients are
+    concatenated on one device instead of gathered by a collective (see
+    `_all_reduce_in_loop`).
+
+    Raises:
+        step.SparseGradientInLoop: a sparse gradient in a looped step across
+            worker processes, or in an XLA-compiled step. TensorFlow fixes
+            the shape of a collective at its first loop iteration, and a
+            gather's shape changes with the batch; kd's step then runs one
+            step per call instead.
+    """
+    gradients = list(gradients)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return gradients
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return gradients
+    batch = replica.current_batch()
+    if batch is not None and batch.plan.looped and any(
+        isinstance(g, tf.IndexedSlices) for g in present
+    ):
+        return _all_reduce_in_loop(context, batch, gradients)
+    if batch is not None and batch.deferred:
+        present = _all_reduce_deferred(context, batch, present)
+    else:
+        if batch is not None and not batch.shares:
+            present = _row_weighted(batch, present, batch.plain_loss_kind)
+        present = _sum_with_metric_states(context, batch, present)
+    summed = iter(present)
+    return [None if g is None else next(summed) for g in gradients]
+
+
+def _all_reduce_deferred(context, batch, gradients):
+    """All-reduces gradients of loss shares in deferred scale, with the row count.
+
+    Each replica's gradient is of its share times N / (R * n_r) (see
+    `replica.ReplicaBatch.defer`): multiplied by R * n_r, summed, and divided
+    by N, which travels in the same all-reduce, it is the gradient one
+    device computes. One collective: nothing in the step waited for N.
+    """
+    dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
+    scaled = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in gradients]
+    *summed, global_rows = _sum_with_metric_states(
+        context, batch, scaled + [tf.cast(batch.local_rows, dtype)]
+    )
+    batch.learn_global_rows(global_rows)
+    return _divided(summed, global_rows)
+
+
+def _sum_with_metric_states(context, batch, tensors):
+    """Sums `tensors` over the replicas, with the metric states kd's step packed in.
+
+    kd's own `train_step` updates its metrics before the update and leaves
+    their variables on the replica's batch (`ReplicaBatch.metric_variables`):
+    each replica's local state rides in the same all-reduce, and the global
+    state (what a read in cross-replica context sums) is kept on the batch
+    for the step's logs (`ReplicaBatch.global_metric_states`). The logs then
+    cost no collective of their own.
+    """
+    variables = batch.metric_variables if batch is not None else None
+    # Updates waiting for N (a per-output loss tracker in deferred scale) add
+    # to the states after this all-reduce: the logs are read after the step then.
+    if not variables or batch.waits_for_global_rows or not step.packs_metric_states(variables):
+        return replica.sum_packed(context, tensors)
+    summed, batch.global_metric_states = step.sum_with_metric_states(context, tensors, variables)
+    return summed
+
+
+def _row_weighted(batch, gradients, kind=None):
+    """Gradients of a loss kd did not compute, weighted by the replica's rows.
+
+    No loss share was computed in this step (no `compute_loss`, Keras loss
+    object, or `kd.losses` call): the loss came from plain ops on the
+    replica's rows, and kd takes it as their mean (`keras.ops.mean` of
+    per-row terms, as Keras's guides write a VAE's loss). One device's
+    gradient of the global mean is sum_r (n_r / N) * gradient_r, exact for
+    such a loss; a replica without rows adds nothing (its mean of no rows
+    is NaN). A loss the graph shows to be a sum over rows (`kind`
+    `penalties.ROW_SUM`, see `judge_target`: `tf.reduce_sum(...) / 16`)
+    adds up over replicas as it is: its gradients are summed unweighted.
+    """
+    def weighted(value):
+        if kind != penalties.ROW_SUM:
+            value = value * tf.cast(batch.fraction, value.dtype)
+        return tf.where(batch.has_rows, value, tf.zeros_like(value))
+
+    return [_map_values(g, weighted) for g in gradients]
+
+
+def judge_target(target):
+    """Reads how `tape.gradient`'s `target` adds up over replicas, in a kd step.
+
+    A target kd did not compute (no loss share: plain ops on the replica's
+    rows) is judged from its graph (`penalties.kind_of`): a sum over rows
+    is summed over replicas as it is, and one that mixes the replica's rows
+    (a maximum over them, a statistic of this replica's rows combined with
+    its rows) has no exact split and is refused, naming the op. Anything
+    else is taken as a mean over rows (`_row_weighted`).
+    """
+    batch = replica.current_batch()
+    context = tf.distribute.get_replica_context()
+    if batch is None or context is None or context.num_replicas_in_sync == 1 \
+            or tf.executing_eagerly() or not isinstance(target, tf.Tensor) \
+            or batch.shares or replica.is_share(target):
+        return
+    kind = penalties.kind_of(target)
+    if isinstance(kind, penalties.Unknown) and kind.mixing:
+        raise ValueError(
+            f"The loss whose gradient the step takes is not one kd can split over "
+            f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
+            "from the whole batch; each replica would compute it from its own rows. Compute "
+            "the loss with self.compute_loss(...), a Keras loss object, "
+            "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "
+            "per-row terms."
+        )
+    batch.plain_loss_kind = kind if kind == penalties.ROW_SUM else None
+
+
+def _divided(gradients, global_rows):
+    """Sums of deferred-scale gradients divided by N: the one-device gradients."""
+    return [
+        _map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(global_rows, v.dtype)))
+        for g in gradients
+    ]
+
+
+def _map_values(gradient, function):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(function(gradient.values), gradient.indices, gradient.dense_shape)
+    return function(gradient)
+
+
+def _all_reduce_in_loop(context, batch, gradients):
+    """`all_reduce` for a step inside a compiled loop, with sparse gradients.
+
+    A collective keeps the shape of its first loop iteration, and a gather's
+    shape changes with the batch (an uneven last batch, an empty replica),
+    so the sparse gradients are not gathered by a collective: the dense ones
+    are summed as always (with the row count, in deferred scale), and the
+    sparse ones concatenated in cross-replica context on one device
+    (`tf.distribute.ReductionToOneDevice`: every replica's slices, in
+    replica order, as a collective gather gives them), which any shape can
+    take. That needs every replica in this process; across worker
+    processes, or inside an XLA cluster, the step runs one step per call
+    instead.
+    """
+    strategy = tf.distribute.get_strategy()
+    if strategies.traits(strategy).is_multi_worker or _keras_compat.in_xla_context():
+        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+    sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
+    dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
+    if batch.deferred:
+        sparse = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
+        dense = _all_reduce_deferred(context, batch, dense)
+    elif dense:
+        dense = _sum_with_metric_states(context, batch, dense)
+    gathered = context.merge_call(_concat_slices, args=tuple(sparse))
+    if batch.deferred:
+        gathered = _divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce
+    summed, gathered = iter(dense), iter(gathered)
+    return [
+        None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)
+        for g in gradients
+    ]
+
+
+def _concat_slices(strategy, *per_replica):
+    # Cross-replica context: each argument holds every replica's slices.
+    concat = tf.distribute.ReductionToOneDevice()
+    return concat.batch_reduce(tf.distribute.ReduceOp.SUM, [(v, v) for v in per_replica])
+
+
+def _build_outside_replicas(optimizer, variables):
+    """Builds an unbuilt `optimizer` on `variables` once, for every replica.
+
+    Keras builds an optimizer at its first `apply`. In a hand-written loop
+    that is inside `strategy.run`, on a replica's thread while a function is
+    traced: the slot variables (Adagrad's accumulators, Adam's moments) then
+    take their initial values from that replica's graph, and the first step
+    fails with "You must feed a value for placeholder tensor". kd builds the
+    optimizer in cross-replica context instead (one `merge_call`), lifted out
+    of the function under the strategy's scope, as `optimizer.build` in the
+    scope before the loop would. Nothing happens when the optimizer is built,
+    outside a replica context, or without a strategy.
+    """
+    if optimizer.built or variables is None or not tf.distribute.has_strategy():
+        return
+    if tf.distribute.in_cross_replica_context():
+        return
+    variables = list(variables)
+
+    def build(strategy):
+        if optimizer.built:
+            return
+        with tf.init_scope(), strategy.scope():
+            optimizer.build(variables)
+            optimizer.built = True
+
+    tf.distribute.get_replica_context().merge_call(build)
+
+
+def exact_optimizer(optimizer):
+    """Gives a Keras optimizer kd's gradient pipeline; returns the optimizer.
+
+    kd models do this when they compile. Call it yourself for the optimizer
+    of a hand-written loop: its `apply_gradients` then sums the replicas'
+    gradients first and clips, accumulates and unscales the global gradient,
+    as one device does. It needs no `optimizer.build` first: an unbuilt
+    optimizer builds its slots once, for every replica, at the first step.
+    Idempotent; other optimizers are not affected.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer` (a `LossScaleOptimizer`
+            included), created in the strategy's scope.
+
+    Returns:
+        `optimizer` itself.
+
+    Raises:
+        TypeError: `optimizer` is not a Keras optimizer.
+
+    Example:
+        >>> import keras, keras_distrib as kd
+        >>> optimizer = kd.exact_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+        >>> optimizer is kd.exact_optimizer(optimizer)
+        True
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"`optimizer` must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}. "
+            "Create it with keras.optimizers (e.g. keras.optimizers.Adam(1e-3))."
+        )
+    _keras_compat.install_gradient_pipeline(optimizer, all_reduce, _build_outside_replicas)
+    return optimizer
+
+
+def install(optimizer):
+    """`exact_optimizer` for a model's optimizer, which may be None."""
+    if optimizer is not None:
+        exact_optimizer(optimizer)
+    return optimizer

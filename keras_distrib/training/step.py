@@ -1,0 +1,810 @@
+"""The step: replica steps under `strategy.run`, several per compiled call.
+
+`Step` is the one place in keras_distrib that calls `strategy.run`. `fit`,
+`evaluate` and `predict` of kd models, `kd.TrainLoop`, the functions a
+parameter-server coordinator schedules on its workers and the coordinator's
+own exact evaluation all call a `Step`, so they cannot drift apart.
+
+A step function runs up to k replica steps in one `tf.function` (a
+`tf.range` loop: the graph does not grow with k) and returns global
+results. Train and test logs are read from the metric variables in
+cross-replica context, where SyncOnRead variables are summed over every
+replica and worker: the true global values (Keras averages each replica's
+local results, wrong whenever replicas hold different numbers of rows),
+all-reduced together in one flat buffer per dtype. kd's own training step
+brings them instead: its metric states travel in the gradient all-reduce
+(`sum_with_metric_states`), so its logs cost no collective of their own.
+Predictions come back concatenated in input order.
+"""
+
+import functools
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from keras_distrib import _keras_compat
+from keras_distrib.training import collectives
+from keras_distrib.training import replica
+from keras_distrib.cluster import strategies
+from keras_distrib import validation
+
+__all__ = [
+    "SparseGradientInLoop",
+    "Step",
+    "metric_names",
+    "metric_results",
+    "metrics_only",
+    "on_replica_device",
+    "packs_metric_states",
+    "plan_for",
+    "reduce_mean",
+    "replica_function",
+    "reports_only_metrics",
+    "shard_evaluator",
+    "step_logs",
+    "sum_with_metric_states",
+    "whole_step_xla",
+]
+
+KINDS = ("train", "test", "predict")
+
+
+class SparseGradientInLoop(Exception):
+    """A sparse gradient met inside a compiled multi-step loop, where kd cannot gather it.
+
+    TensorFlow fixes the shape of a collective at its first loop iteration,
+    and gathering sparse (`tf.IndexedSlices`) gradients changes shape with
+    the batch. With every replica in this process kd gathers them without a
+    collective (see `gradients.all_reduce`); across worker processes, or in
+    an XLA-compiled step, the step runs one step per compiled call instead.
+    """
+
+
+class _CompositeInLoop(Exception):
+    """Ragged or sparse predictions, which a compiled loop cannot stack (one step per call then)."""
+
+
+class _CarriedOutputs(Exception):
+    """The step returns values the loop did not expect; traced again to carry them.
+
+    Only a custom step that returns values other than metrics does this: the
+    loop learns their specs from the first trace and carries them from then on.
+    """
+
+
+# The loop's assertion that it ran a step: no batch was left (StopIteration).
+_NO_BATCH = "kd step: the iterator holds no batch"
+
+
+@tf.autograph.experimental.do_not_convert
+def _next_batch(iterator, agrees):
+    """The next batch as an optional; without the workers' agreement when `agrees` is False.
+
+    A distributed iterator that does not agree (`loop.join_workers`: every
+    worker holds the same known number of batches) fetches with `next`.
+    """
+    if agrees:
+        return iterator.get_next_as_optional()
+    return tf.experimental.Optional.from_value(next(iterator))
+
+
+@tf.autograph.experimental.do_not_convert
+def _zeros_of(specs):
+    if specs is None:
+        return {}
+    return tree.map_structure(
+        lambda spec: tf.zeros([d or 0 for d in spec.shape] if spec.shape.rank is not None else [],
+                              spec.dtype),
+        specs,
+    )
+
+
+def _invariants(values, specs):
+    if specs is None:
+        return []
+    return list(zip(tree.flatten(values), [spec.shape for spec in tree.flatten(specs)]))
+
+
+def _same_specs(specs, carried):
+    try:
+        tree.assert_same_structure(specs, carried)
+    except (TypeError, ValueError):
+        return False
+    return all(
+        a.dtype == b.dtype and b.shape.is_compatible_with(a.shape)
+        for a, b in zip(tree.flatten(specs), tree.flatten(carried))
+    )
+
+
+def metric_results(model, states=None):
+    """Every model metric's value; global when read in cross-replica context.
+
+    Under mirrored and multi-worker mirrored strategies, every metric
+    variable is summed over the replicas in one packed all-reduce (one
+    collective per read of the logs and dtype; reading them one by one would
+    make one per variable, each a round trip across workers). `states`: the
+    global values of `model.metrics_variables`, when the step's gradient
+    all-reduce brought them (see `sum_with_metric_states`); no collective then.
+    """
+    variables = list(model.metrics_variables)
+    values = states if states is not None else _global_values(model.distribute_strategy, variables)
+    if values is None:
+        return _read_results(model)
+    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        return _read_results(model)
+
+
+_BATCHED_READS = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+_SUMMED = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
+
+
+def packs_metric_states(variables):
+    """Whether every one of `variables` is stored per replica, summed or averaged on read."""
+    return all(_keras_compat.sync_on_read_aggregation(v) in _SUMMED for v in variables)
+
+
+def sum_with_metric_states(context, tensors, variables):
+    """Sums `tensors` and the local states of metric `variables` over the replicas, packed.
+
+    One all-reduce per dtype (`replica.sum_packed`), in replica context.
+    Returns the summed `tensors` and each variable's global value: its sum
+    over the replicas, divided by the replicas in sync for a MEAN variable,
+    as a read in cross-replica context gives it. Every variable must pass
+    `packs_metric_states`.
+    """
+    tensors = list(tensors)
+    states = [tf.convert_to_tensor(v.value, v.dtype) for v in variables]
+    summed = replica.sum_packed(context, tensors + states)
+    replicas = context.num_replicas_in_sync
+    values = [
+        value / tf.cast(replicas, value.dtype)
+        if _keras_compat.sync_on_read_aggregation(variable) == tf.VariableAggregation.MEAN
+        else value
+        for variable, value in zip(variables, summed[len(tensors):])
+    ]
+    return summed[:len(tensors)], values
+
+
+def _global_values(strategy, variables):
+    """The global values of `variables` (metric state), all-reduced together, or None.
+
+    One packed all-reduce per dtype of every per-replica variable (TensorFlow's
+    `batch_reduce_to` on SyncOnRead variables falls back to one collective
+    per variable). None outside cross-replica context, with one replica, or
+    under a strategy whose metric variables are not per replica (those read
+    as they are).
+    """
+    if tf.distribute.get_replica_context() is not None and tf.distribute.has_strategy():
+        return None
+    if not isinstance(strategy, _BATCHED_READS) or strategy.num_replicas_in_sync == 1:
+        return None
+    packed = [i for i, v in enumerate(variables) if packs_metric_states([v])]
+    values = [None if i in packed else tf.convert_to_tensor(v.value)
+              for i, v in enumerate(variables)]
+    if not packed:
+        return values
+
+    def replica_read():
+        context = tf.distribute.get_replica_context()
+        return sum_with_metric_states(context, [], [variables[i] for i in packed])[1]
+
+    with strategy.scope():
+        reduced = strategy.run(replica_read)
+    for index, value in zip(packed, reduced):
+        values[index] = strategy.experimental_local_results(value)[0]
+    return values
+
+
+def _global_states_of(strategy, states):
+    """The global metric states a replica step returned (identical on every replica), or None."""
+    if states is None:
+        return None
+    return [strategy.experimental_local_results(value)[0] for value in states]
+
+
+def _read_results(model):
+    results = {}
+    for metric in model.metrics:
+        value = metric.result()
+        if isinstance(value, dict):
+            results.update(value)
+        else:
+            results[metric.name] = value
+    return results
+
+
+def metric_names(model):
+    """Log keys the model's metrics produce, without reading any variable.
+
+    The keys are those of the metrics' results computed eagerly on zero
+    state (Keras names compiled metrics when it reports them: `out0_mae`
+    for a model with several outputs), so no read or collective enters a
+    traced step.
+    """
+    names = set()
+    for metric in model.metrics:
+        names.update(_keras_compat.compile_metric_names(metric))
+        names.add(metric.name)
+    variables = list(model.metrics_variables)
+    with tf.init_scope():
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        with keras.StatelessScope(state_mapping=list(zip(variables, zeros))):
+            names.update(_read_results(model))
+    return names
+
+
+def reduce_mean(strategy, value):
+    """Mean over replicas of a per-replica value (what Keras calls "auto")."""
+    if isinstance(value, tf.distribute.DistributedValues) or strategies.traits(strategy).is_multi_worker:
+        return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+    return value
+
+
+def _path_key(path):
+    return "/".join(map(str, path))
+
+
+def replica_logs(outputs, sources):
+    """What a replica step returns, ready to be reduced over the replicas (replica context).
+
+    A custom step may return anything; one device's value of each entry is
+    what kd's logs report:
+
+    - a metric's `result()` (also inside Keras's nested `compile_metrics`):
+      recorded in `sources` (path -> log key), read later as the metric's
+      global value;
+    - a loss share kd computed (`compute_loss`, a Keras loss object,
+      `kd.losses`): its sum over replicas, so times R before the mean;
+    - any other scalar: taken as a mean over the replica's rows (or a value
+      every replica shares), weighted by n_r / N (`kd.losses.row_weighted`),
+      times R before the mean;
+    - anything else: Keras's mean over replicas.
+    """
+    from keras_distrib.training import losses as kd_losses  # losses imports replica, not step
+
+    batch = replica.current_batch()
+    if batch is None:
+        return outputs
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync if context is not None else 1
+    leaves = []
+    for path, value in tree.flatten_with_path(outputs):
+        record = batch.metric_results.get(id(value))
+        if record is not None and record[0] is value:
+            sources[path] = record[1]
+        elif replicas > 1 and tf.is_tensor(value) and value.dtype.is_floating \
+                and value.shape.rank == 0:
+            value = kd_losses.row_weighted(value) * tf.cast(replicas, value.dtype)
+        leaves.append(value)
+    return tree.pack_sequence_as(outputs, leaves)
+
+
+def step_logs(model, strategy, outputs, sources=None, extras=None, states=None, by_name=False):
+    """Global logs for the outputs of a replica step (see `replica_logs`).
+
+    Entries recorded in `sources` take their metric's global value; the
+    others are averaged over replicas (`extras`, by path, when already
+    reduced). Nested dicts (Keras's `compile_metrics`) keep their nesting.
+    `states`: the global metric states the step's gradient all-reduce
+    brought, if any (no collective then; see `sum_with_metric_states`).
+    `by_name`: the step is kd's own (its outputs are its metrics' results),
+    so a top-level key naming a metric takes that metric's global value
+    even where its result was not recorded (a multi-output model's
+    per-output loss trackers, which Keras reads inside its compiled loss).
+    """
+    sources = sources or {}
+    metric_values = metric_results(model, states) if sources or by_name else {}
+    leaves = []
+    for path, value in tree.flatten_with_path(outputs):
+        key = sources.get(path)
+        if key is None and by_name and len(path) == 1:
+            key = path[0]
+        if key is not None and key in metric_values:
+            leaves.append(metric_values[key])
+        elif extras is not None and _path_key(path) in extras:
+            leaves.append(extras[_path_key(path)])
+        else:
+            leaves.append(reduce_mean(strategy, value))
+    return tree.pack_sequence_as(outputs, leaves)
+
+
+def metrics_only(step_method):
+    """Marks a kd `train_step`/`test_step` whose outputs are its metrics' results.
+
+    Such a step's logs can be read from the metrics alone, so a loop may read
+    them once instead of after every call (`reports_only_metrics`).
+    """
+    step_method.kd_metrics_only = True
+    return step_method
+
+
+def reports_only_metrics(model, kind):
+    """Whether `model`'s `kind` step is kd's own (its logs are its metrics' results)."""
+    return getattr(getattr(type(model), f"{kind}_step", None), "kd_metrics_only", False) is True
+
+
+def whole_step_xla(strategy):
+    """Whether XLA may compile a whole replica step under `strategy`.
+
+    A step all-reduces (row counts, gradients). TensorFlow only lowers that
+    into XLA for one replica, TPUs, or mirrored replicas that are all GPUs;
+    elsewhere a synchronization inside a compiled function fails.
+    """
+    traits = strategies.traits(strategy)
+    if traits.replicas == 1 or traits.is_tpu:
+        return True
+    devices = tuple(getattr(strategy.extended, "worker_devices", ()))
+    return bool(devices) and all("GPU" in d.upper() for d in devices) and not traits.is_multi_worker
+
+
+def on_replica_device(function):
+    """Calls `function` placed on the current replica's device."""
+
+    def placed(*args, **kwargs):
+        # XLA compiles for the device the call is placed on; without this,
+        # every replica's cluster lands on the first device and cannot reach
+        # the other replicas' variables.
+        context = tf.distribute.get_replica_context()
+        devices = tf.nest.flatten(getattr(context, "devices", None) or [None])
+        with tf.device(devices[0]):
+            return function(*args, **kwargs)
+
+    return placed
+
+
+def plan_for(model, *, looped=False):
+    """The `StepPlan` for `model` under its strategy (see replica.StepPlan)."""
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
+    jit = bool(model.jit_compile) and not model.run_eagerly
+    return replica.StepPlan(
+        pad_empty=replicas > 1 and not strategies.traits(strategy).is_tpu,
+        xla_forward=jit and not whole_step_xla(strategy),
+        looped=bool(looped),
+    )
+
+
+def _created_before_the_batch(next_creator, **kwargs):
+    # A variable a step creates on its first trace (a model built by its
+    # first call, a lazily built metric) must not wait for the step's batch:
+    # tf.function then cannot lift its initializer out of the traced graph,
+    # and XLA (`jit_compile=True`) refuses a function that initializes
+    # variables in place.
+    with tf.control_dependencies(None):
+        return next_creator(**kwargs)
+
+
+# TensorFlow's stateful random ops (`tf.random.normal`, `tf.random.Generator`,
+# ...): each device keeps its own state, so replicas cannot draw what one
+# device draws for the global batch. Keras draws statelessly (kd lays those
+# draws out, see models._global_batch_draw).
+STATEFUL_DRAWS = frozenset({
+    "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "StatefulStandardNormalV2", "StatefulUniform",
+    "StatefulUniformInt", "StatefulUniformFullInt", "StatefulTruncatedNormal",
+    "StatefulRandomBinomial",
+})
+
+
+def _stateful_draws(operations):
+    """The stateful random ops among `operations`, nested functions included."""
+    if not operations:
+        return []
+    library = operations[0].graph.as_graph_def().library if any(
+        op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in operations) \
+        else tf.compat.v1.GraphDef().library
+    found = {f"{node.op} ({node.name!r})": None
+             for node, _ in collectives.walk([op.node_def for op in operations], library)
+             if node.op in STATEFUL_DRAWS}
+    return list(found)
+
+
+def refuse_stateful_draws(operations, owner):
+    """Refuses TensorFlow's stateful random ops in `owner`'s step on several replicas."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return
+    found = _stateful_draws(operations)
+    if found:
+        raise ValueError(
+            f"{owner} draws random numbers with TensorFlow's stateful ops: {', '.join(found)}. "
+            f"On {context.num_replicas_in_sync} replicas each device draws from its own state, "
+            "not the numbers one device draws for the global batch, so training would differ "
+            "from one device. Draw with Keras's random functions and a seed generator "
+            "(keras.random.normal(shape, seed=self.seed_generator), the generator a "
+            "keras.random.SeedGenerator made in __init__), which kd lays out over the global "
+            "batch, or draw in the input pipeline."
+        )
+
+
+def replica_function(model, kind, *, looped=False, sources=None):
+    """One replica's step of `kind`, inside its `ReplicaBatch`.
+
+    Returns `(outputs, states)`: the step's outputs, and the global metric
+    states its gradient all-reduce brought (kd's own `train_step`; see
+    `sum_with_metric_states`), else None.
+
+    Keras's Optional inputs become None, and the replica's batch (row
+    counts, the plan) is open around the model's step, so an overridden
+    `train_step` gets kd's arithmetic too. With `jit_compile=True`, the
+    whole step is compiled by XLA where the strategy allows it; otherwise
+    (several CPU replicas) the forward and backward passes are
+    (`StepPlan.xla_forward`), and the all-reduces run outside XLA.
+    """
+    step_fn = {"train": model.train_step, "test": model.test_step,
+               "predict": model.predict_step}[kind]
+    plan = plan_for(model, looped=looped)
+    sources = {} if sources is None else sources
+
+    # Not converted by AutoGraph, as Keras 3 does not convert its steps: a
+    # step holds no Python control flow on tensors, and converting it (and
+    # every function it calls, again on each replica's thread) was most of
+    # kd's extra time to the first step.
+    @tf.autograph.experimental.do_not_convert
+    def replica_step(data):
+        data = _keras_compat.autoconvert_optionals(data)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        # Nothing of the step runs before its batch arrives: a step whose
+        # input ends (OutOfRangeError, the end of an epoch of unknown
+        # length) would otherwise still count itself in
+        # `optimizer.iterations`, which depends on no data.
+        arrived = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
+        with tf.control_dependencies(arrived), \
+                replica.replica_batch(replica.batch_rows(x), plan) as batch, \
+                tf.variable_creator_scope(_created_before_the_batch):
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations()) if not tf.executing_eagerly() else None
+            outputs = step_fn(data)
+            if first is not None:
+                refuse_stateful_draws(graph.get_operations()[first:],
+                                      f"{type(model).__name__}.{kind}_step")
+            outputs = outputs if kind == "predict" else replica_logs(outputs, sources)
+            return outputs, batch.global_metric_states
+
+    if not model.jit_compile or model.run_eagerly or plan.xla_forward:
+        return replica_step
+    return on_replica_device(tf.function(replica_step, jit_compile=True, reduce_retracing=True))
+
+
+class Step:
+    """Runs `model`'s `kind` steps under its strategy, up to `steps` per call.
+
+    Args:
+        model: A compiled Keras model created in its strategy's scope.
+        kind: `"train"`, `"test"` or `"predict"`.
+        steps: Steps per compiled call (`steps_per_execution`,
+            `steps_per_loop`).
+
+    Calling `step(iterator)` runs up to `steps` steps (`count` if given),
+    fewer when the iterator runs out, and returns the global logs (train,
+    test) or the predictions of every row in order (predict). It raises
+    `StopIteration` when the iterator holds no batch at all. An evaluation
+    step called with `logs=False` returns `{}` and reads no metric (no
+    collective): `read_logs()` reads them once, at the end.
+    """
+
+    def __init__(self, model, kind, *, steps=1):
+        if kind not in KINDS:
+            raise ValueError(f"`kind`={kind!r}: expected one of {list(KINDS)}.")
+        if not validation.is_whole(steps, 1):
+            raise ValueError(f"`steps`={steps!r}: expected a whole number >= 1.")
+        self.model = model
+        self.kind = kind
+        self.steps = steps
+        self.strategy = model.distribute_strategy
+        strategies.check_collective_keys(self.strategy)
+        # Which of a step's outputs are metric results (path -> log key), learnt while tracing.
+        self._sources = {}
+        self._single = replica_function(model, kind, sources=self._sources)
+        self._looped = replica_function(model, kind, looped=True, sources=self._sources)
+        # Collectives inside a compiled loop keep their first iteration's
+        # shape; gathering predictions across workers (or sparse gradients,
+        # see SparseGradientInLoop) changes shape with the batch.
+        self._looping = not (kind == "predict" and strategies.traits(self.strategy).is_multi_worker)
+        # What the looped step returns besides metrics, learnt while tracing.
+        self._carried_specs = None
+        self._outputs = None  # the structure the looped step returns
+        self._states_carried = False
+        self._compile()
+
+    # Compiled functions.
+
+    @tf.autograph.experimental.do_not_convert
+    def _run(self, data, looped=False):
+        return self.strategy.run(self._looped if looped else self._single, args=(data,))
+
+    @tf.autograph.experimental.do_not_convert
+    def _finish(self, outputs, extras, states=None):
+        if self.kind == "predict":
+            return _keras_compat.concat_replicas(outputs, self.strategy)
+        return step_logs(self.model, self.strategy, outputs, self._sources, extras,
+                         _global_states_of(self.strategy, states),
+                         by_name=reports_only_metrics(self.model, self.kind))
+
+    @tf.autograph.experimental.do_not_convert
+    def _extras(self, outputs):
+        # Outputs of a custom step that are not metric results (usually none), by path.
+        if self.kind == "predict":
+            return {}
+        return {_path_key(path): reduce_mean(self.strategy, value)
+                for path, value in tree.flatten_with_path(outputs) if path not in self._sources}
+
+    def _one(self, iterator, logs=True):
+        outputs, states = self._run(next(iterator))
+        if not logs:
+            return {}
+        return self._finish(outputs, self._extras(outputs), states)
+
+    def _many(self, iterator, count, logs=True):
+        if self.kind == "predict":
+            first = self._finish(self._run(next(iterator))[0], {})
+            return self._many_predictions(iterator, count, first)
+        # Every step runs inside the loop, so the replica step is traced once
+        # (per replica thread). The logs are read from the metrics after the
+        # loop; what else the step returns (reduced) is carried out of it,
+        # in the shapes the previous trace recorded (see _CarriedOutputs).
+        # Each iteration fetches its batch first. (Fetching the next batch at
+        # the end of an iteration, under `if steps < count`, keeps the step
+        # out of a `tf.cond` and traces faster, ResNet spe=10 6.4 -> 5.7 CPU s
+        # to the first step, but the fetch inside a `tf.cond` made every
+        # looped step as slow as a call of one step: MLP spe=50 1.00x of
+        # spe=1, against 1.71x this way.)
+        # The global metric states, when the step's gradient all-reduce
+        # brings them (see sum_with_metric_states), are carried out too: the
+        # logs then cost no collective.
+        carried = self._carried_specs
+        last = _zeros_of(carried)
+        states = self._no_states()
+        agrees = _keras_compat.agrees_on_batches(iterator)
+        steps = tf.constant(0)
+        for _ in tf.range(count):
+            tf.autograph.experimental.set_loop_options(shape_invariants=_invariants(last, carried))
+            optional = _next_batch(iterator, agrees)
+            if not optional.has_value():
+                break
+            outputs, step_states = self._run(optional.get_value(), looped=True)
+            last = self._carry(outputs, carried)
+            states = self._carry_states(step_states, states)
+            steps += 1
+        tf.debugging.assert_positive(steps, message=_NO_BATCH)
+        if not logs:
+            return {}
+        return self._loop_logs(last, states if self._states_carried else None)
+
+    @tf.autograph.experimental.do_not_convert
+    def _no_states(self):
+        self._states_carried = False
+        return [tf.zeros(v.shape, v.dtype) for v in self.model.metrics_variables]
+
+    @tf.autograph.experimental.do_not_convert
+    def _carry_states(self, step_states, states):
+        if step_states is None:
+            return states
+        self._states_carried = True
+        return _global_states_of(self.strategy, step_states)
+
+    @tf.autograph.experimental.do_not_convert
+    def _carry(self, outputs, carried):
+        """The outputs to carry out of the loop; records their specs while tracing."""
+        self._outputs = outputs
+        values = self._extras(outputs)
+        if tf.executing_eagerly():  # run_eagerly: nothing is traced
+            return values
+        specs = tree.map_structure(tf.type_spec_from_value, values)
+        if carried is None and not values:
+            self._carried_specs = specs  # nothing to carry, as the loop assumed
+        elif carried is None or not _same_specs(specs, carried):
+            self._carried_specs = specs
+            raise _CarriedOutputs()
+        return values
+
+    @tf.autograph.experimental.do_not_convert
+    def _loop_logs(self, last, states):
+        return step_logs(self.model, self.strategy, self._outputs, self._sources, last, states,
+                         by_name=reports_only_metrics(self.model, self.kind))
+
+    def _many_predictions(self, iterator, count, first):
+        flat = tree.flatten(first)
+        if not all(isinstance(t, tf.Tensor) for t in flat):
+            raise _CompositeInLoop()
+        arrays = [
+            tf.TensorArray(t.dtype, size=0, dynamic_size=True, infer_shape=False).write(0, t)
+            for t in flat
+        ]
+        index = tf.constant(1)
+        for _ in tf.range(count - 1):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            outputs = tree.flatten(self._finish(self._run(optional.get_value(), looped=True)[0], {}))
+            arrays = [a.write(index, t) for a, t in zip(arrays, outputs)]
+            index += 1
+        return tree.pack_sequence_as(first, [a.concat() for a in arrays])
+
+    def _skip(self, iterator, count):
+        skipped = tf.constant(0)
+        for _ in tf.range(count):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            skipped += 1
+        return skipped
+
+    def _compile(self):
+        functions = {"one": self._one, "many": self._many, "skip": self._skip,
+                     "quiet_one": functools.partial(self._one, logs=False),
+                     "quiet_many": functools.partial(self._many, logs=False)}
+        self._functions = {k: self._compiled(f) for k, f in functions.items()}
+        self._read_function = None
+
+    @tf.autograph.experimental.do_not_convert
+    def _read(self):
+        return metric_results(self.model)
+
+    def read_logs(self):
+        """The metrics' global values, read once: one packed all-reduce per dtype.
+
+        What a loop calls once at the end of an evaluation whose steps ran
+        with `logs=False`.
+        """
+        if self._read_function is None:
+            self._read_function = self._compiled(self._read)
+        return self._read_function()
+
+    def _compiled(self, function):
+        if self.model.run_eagerly:
+            return function
+        return tf.function(function, reduce_retracing=True)
+
+    # Calling.
+
+    def __call__(self, iterator, count=None, *, logs=True):
+        count = self.steps if count is None else int(count)
+        functions = self._functions
+        # Without logs (evaluation whose logs are read once, at its end:
+        # `read_logs`) a call reads no metric and makes no collective for it.
+        quiet = "" if logs or self.kind != "test" else "quiet_"
+        try:
+            # With more than one step per call, every call (a last, shorter
+            # one too) runs the looped function: one trace, not two.
+            if count == 1 and self.steps == 1:
+                return functions[quiet + "one"](iterator)
+            if self._looping:
+                try:
+                    return self._call_many(iterator, count, quiet)
+                except SparseGradientInLoop:
+                    self._looping = False
+                    _warn_stepwise(self.model, count)
+                except _CompositeInLoop:  # ragged or sparse predictions
+                    self._looping = False
+            return self._stepwise(iterator, count, quiet)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+        except tf.errors.InvalidArgumentError as error:
+            if replica.DRAW_REFUSAL in str(error.message):
+                raise ValueError(replica.DRAW_REFUSAL) from None
+            raise
+
+    def _call_many(self, iterator, count, quiet=""):
+        for attempt in range(3):
+            try:
+                return self._functions[quiet + "many"](iterator, tf.constant(count))
+            except _CarriedOutputs:
+                if attempt == 2:
+                    raise
+                # A new function: one whose first trace failed may keep
+                # what that trace left behind instead of tracing again.
+                self._functions[quiet + "many"] = self._compiled(
+                    functools.partial(self._many, logs=not quiet))
+            except tf.errors.InvalidArgumentError as error:
+                if _NO_BATCH in str(error.message):
+                    raise StopIteration from None
+                raise
+
+    def _stepwise(self, iterator, count, quiet=""):
+        results = []
+        for _ in range(count):
+            try:
+                results.append(self._functions[quiet + "one"](iterator))
+            except tf.errors.OutOfRangeError:
+                break
+        if not results:
+            raise StopIteration
+        if self.kind != "predict":
+            return results[-1]
+        return tree.map_structure(lambda *parts: tf.concat(parts, axis=0), *results)
+
+    def compiled_functions(self):
+        """The graphs TensorFlow traced for this step, by function.
+
+        `{"one": [...], "many": [...], "quiet_one": [...], "quiet_many": [...],
+        "read": [...]}`: the `ConcreteFunction`s of the call of one step, of
+        the looped call of several, the same without logs (`logs=False`), and
+        of the separate read of the logs (`read_logs`); empty lists when not
+        traced (or with `run_eagerly`). What `keras_distrib.collectives`
+        counts.
+        """
+        functions = {**self._functions, "read": self._read_function}
+        return {name: [] if self.model.run_eagerly or function is None
+                else _keras_compat.concrete_functions(function)
+                for name, function in functions.items() if name != "skip"}
+
+    def skip(self, iterator, count):
+        """Moves `iterator` past up to `count` batches without running them.
+
+        Resuming mid-epoch: the batches the backup already holds. Returns
+        the number of batches skipped.
+        """
+        if count <= 0:
+            return 0
+        return int(self._functions["skip"](iterator, tf.constant(int(count))))
+
+    def scheduled(self):
+        """A function for a parameter-server coordinator to schedule.
+
+        `function(iterator, count)` runs `count` steps on the worker that
+        runs it, each on the next batch of that worker's iterator, and
+        returns the global logs (read from the parameter servers).
+        """
+        strategy = self.strategy
+        model = self.model
+        single = self._single
+
+        @tf.function
+        def run_on_worker(iterator, count):
+            for _ in tf.range(count):
+                strategy.run(single, args=(next(iterator),))
+            return metric_results(model)
+
+        return run_on_worker
+
+
+def _warn_stepwise(model, count):
+    warnings.warn(
+        f"{model.name}: {count} steps per call run as {count} calls of one step: the "
+        "model has sparse gradients (e.g. from an Embedding), which cannot be all-gathered "
+        "inside a compiled loop. The results are exact either way.",
+        stacklevel=3,
+    )
+
+
+def shard_evaluator(model):
+    """What a worker runs over one shard of evaluation data: the metric state it adds up to.
+
+    Parameter-server evaluation sharded over the workers
+    (`pss_evaluation_shards`): the coordinator schedules it on each shard and
+    sums the states.
+
+    The metrics update inside a `keras.StatelessScope` that starts from their
+    reset values, so each shard's result is its own, whatever else ran.
+    """
+    strategy = model.distribute_strategy
+    replica_step = replica_function(model, "test")
+    variables = list(model.metrics_variables)
+
+    def current(scope):
+        return [tf.convert_to_tensor(scope.get_current_value(v), v.dtype) for v in variables]
+
+    def replica_update(data, state):
+        # The scope is entered on the replica's own thread (the strategy
+        # runs replica functions on threads of their own).
+        with keras.StatelessScope(state_mapping=list(zip(variables, state))) as scope:
+            replica_step(data)
+        return current(scope)
+
+    @tf.function
+    def evaluate_shard(iterator):
+        with keras.StatelessScope() as scope:
+            for metric in model.metrics:
+                metric.reset_state()
+        state = current(scope)
+        optional = iterator.get_next_as_optional()
+        while optional.has_value():
+            state = strategy.run(replica_update, args=(optional.get_value(), state))
+            optional = iterator.get_next_as_optional()
+        return state
+
+    return evaluate_shard
