@@ -24,13 +24,13 @@ _tf_logs.import_tensorflow()
 # `commands`, over the floor (`_keras_compat`, `validation`, `files`, ...).
 # `callbacks`, `data`, `gradients`, `losses`, `loop` and `models` are the
 # public paths of modules in `training` (re-exports); `cluster` is the package.
-from keras_distrib.training import callbacks
+from keras_distrib import callbacks
 from keras_distrib import cluster
-from keras_distrib.training import data
-from keras_distrib.training import gradients
-from keras_distrib.training import loop
-from keras_distrib.training import losses
-from keras_distrib.training import models
+from keras_distrib import data
+from keras_distrib import gradients
+from keras_distrib import loop
+from keras_distrib import losses
+from keras_distrib import models
 from keras_distrib.checkpointing.checkpoint import CheckpointError
 from keras_distrib.checkpointing.checkpoint import CheckpointManager
 from keras_distrib.checkpointing.evaluator import SidecarEvaluator

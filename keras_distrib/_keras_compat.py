@@ -442,7 +442,7 @@ def functional_init(model, args, kwargs):
 class ModelHooks:
     """The private Keras methods kd models override, forwarding to kd's own.
 
-    `keras_distrib.models.DistributedModelMixin` inherits this, so the
+    `keras_distrib.training.models.DistributedModelMixin` inherits this, so the
     overrides of private names live here.
     """
 
@@ -1112,7 +1112,7 @@ def optimizer_variables(model):
 
 
 # ---------------------------------------------------------------------------
-# The optimizer's gradient pipeline (see keras_distrib/gradients.py).
+# The optimizer's gradient pipeline (see keras_distrib/training/gradients.py).
 #
 # Keras's TF optimizer all-reduces inside `_backend_update_step`, after it
 # has unscaled, accumulated and clipped each replica's partial gradient.
@@ -1263,7 +1263,7 @@ def _apply_in_cross_replica(optimizer, distribution, grads, variables):
 
 
 # ---------------------------------------------------------------------------
-# Per-replica forward-pass bookkeeping (see keras_distrib/models.py).
+# Per-replica forward-pass bookkeeping (see keras_distrib/training/models.py).
 
 _LOSS_RECORDING_LAYERS = weakref.WeakSet()
 _BATCH_NORM_LAYERS = weakref.WeakSet()

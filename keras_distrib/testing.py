@@ -97,7 +97,7 @@ _CLUSTER_TIMEOUT = 300
 
 
 def _task_entry():
-    # Imported when used: `keras_distrib._task_entry` is also the module that
+    # Imported when used: `keras_distrib.cluster._task_entry` is also the module that
     # launched tasks run with `python -m`, and importing it with the package
     # makes Python warn in every task (runpy's "found in sys.modules").
     from keras_distrib.cluster import _task_entry as module

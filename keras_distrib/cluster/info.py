@@ -1,7 +1,7 @@
 """Who am I in the cluster: TF_CONFIG, Slurm, Kubernetes or TPU; the chief; where to write.
 
 `cluster_info()` reads TF_CONFIG when it is set, else the cluster manager's
-environment (`keras_distrib.cluster_sources`: Slurm, Kubernetes Indexed Jobs
+environment (`keras_distrib.cluster.sources`: Slurm, Kubernetes Indexed Jobs
 and JobSets, TPU pods), so a script needs no change between a laptop and a
 cluster. Every file writer in keras_distrib asks this module for its
 directory, so the rule "only the chief's files persist" lives in one place.
@@ -291,7 +291,7 @@ def cluster_info(tf_config=None):
     Reads the `TF_CONFIG` environment variable when it is set; otherwise the
     cluster manager's environment: a Slurm task started by `srun`, a pod of
     a Kubernetes Indexed Job or JobSet (with `KD_NUM_PODS` set), or a TPU
-    pod's client (see `keras_distrib.cluster_sources` for the variables).
+    pod's client (see `keras_distrib.cluster.sources` for the variables).
     `source` says which; nothing found means a single process.
 
     Args:

@@ -2,14 +2,14 @@
 
 `launch` (and `keras-distrib launch --workers N`) starts a whole cluster on
 localhost: it picks free ports, writes each task's TF_CONFIG, splits the
-GPUs, and runs the tasks under `keras_distrib.supervisor` (prefixed logs,
+GPUs, and runs the tasks under `keras_distrib.cluster.supervisor` (prefixed logs,
 first failure stops all, timeout), restarting the whole cluster on fresh
 ports up to `max_restarts` times.
 
 `launch_node` (and `keras-distrib launch` without `--workers`, under `srun`
 or in a Kubernetes Job) is the per-node agent of a cluster a cluster manager
 started: it reads the cluster from Slurm's or Kubernetes' environment (see
-`keras_distrib.cluster_sources`) and starts this node's tasks, one per node
+`keras_distrib.cluster.sources`) and starts this node's tasks, one per node
 or one per GPU, with the same supervision.
 """
 
@@ -773,7 +773,7 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
 
     Example:
         >>> import keras_distrib as kd
-        >>> from keras_distrib import launcher
+        >>> from keras_distrib.cluster import launcher
         >>> launcher.launch_node("train.py", per_node="gpu")  # doctest: +SKIP
     """
     target, script = _script_target(target)

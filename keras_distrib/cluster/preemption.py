@@ -100,7 +100,7 @@ class PreemptionHandler:
 
     Example:
         >>> import keras_distrib as kd
-        >>> from keras_distrib import preemption
+        >>> from keras_distrib.cluster import preemption
         >>> handler = preemption.PreemptionHandler()
         >>> handler.start()
         >>> handler.check(step=1) is None  # no signal: carry on

@@ -587,7 +587,7 @@ def traits(strategy=None):
 
     Example:
         >>> import keras_distrib as kd
-        >>> from keras_distrib import strategies
+        >>> from keras_distrib.cluster import strategies
         >>> strategies.traits(kd.make_strategy("default")).kind
         'default'
     """

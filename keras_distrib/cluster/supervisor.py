@@ -1,14 +1,14 @@
 """Process supervision: start tasks, relay their output, stop them all.
 
 `run_tasks` starts one process per task (each in its own process group, under
-a guard, `keras_distrib._guard`, that ends the task's children and daemons when
+a guard, `keras_distrib.cluster._guard`, that ends the task's children and daemons when
 the task exits and when this process dies, even by SIGKILL), prefixes every output line with the task
 (`[worker 1] ...`), and stops everything at the first failure, at the
 timeout, or when this process gets SIGTERM/SIGINT/SIGHUP. No process outlives it.
 A SIGTERM to this process (a preemption: Slurm or Kubernetes stopping the
 node) is passed on to the tasks, which get `grace_period` seconds to save a
 backup and exit (kd's tasks exit with `RESTART_EXIT_CODE`, 42) before they
-are killed. `keras_distrib.launcher` builds clusters on top of it.
+are killed. `keras_distrib.cluster.launcher` builds clusters on top of it.
 """
 
 import contextlib
@@ -49,7 +49,7 @@ GRACE_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # What a task exits with after saving a backup on preemption: restart me.
 # (TensorFlow's PreemptionCheckpointHandler exits with 42 outside Google's
-# platforms too.) `keras_distrib.preemption` uses the same value.
+# platforms too.) `keras_distrib.cluster.preemption` uses the same value.
 RESTART_EXIT_CODE = 42
 # What a task logs once its backup is written, just before it exits 42; the
 # launcher reads it when the task is killed on its way out.
@@ -157,7 +157,7 @@ def split_gpus(gpus, tasks):
 
 
 def guarded(argv, netns=None):
-    """`argv` started under `keras_distrib._guard`: none of the task's processes outlives it.
+    """`argv` started under `keras_distrib.cluster._guard`: none of the task's processes outlives it.
 
     The guard is run by file path with `-I -S` (isolated: neither the working
     directory nor PYTHONPATH is searched); it ends the task's children and

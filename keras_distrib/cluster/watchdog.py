@@ -122,7 +122,7 @@ def from_environment(strategy=None, environ=None):
         ValueError: `KD_WATCHDOG` is not a number of seconds >= `MIN_SECONDS`.
 
     Example:
-        >>> from keras_distrib import watchdog
+        >>> from keras_distrib.cluster import watchdog
         >>> watchdog.from_environment(environ={}) is None
         True
         >>> watchdog.from_environment(environ={"KD_WATCHDOG": "30"}).seconds
@@ -174,7 +174,7 @@ class Watchdog:
         sink: Where the report goes (default: stderr and the kd logger).
 
     Example:
-        >>> from keras_distrib.watchdog import Watchdog
+        >>> from keras_distrib.cluster.watchdog import Watchdog
         >>> with Watchdog(60) as watch:
         ...     watch.step(epoch=0, batch=3)
     """

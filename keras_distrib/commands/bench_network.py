@@ -76,7 +76,7 @@ SUBNET = "10.213.0"
 WORKER_PORT = 12345
 PROBE_PORT = 12346
 LINKS = ("auto", "veth", "relay")
-# Report name -> the variant of `keras_distrib.bench` it times.
+# Report name -> the variant of `keras_distrib.commands.bench` it times.
 VARIANTS = {
     "kd_fit": "kd_fit_mirrored",
     "tf_keras_fit": "tf_keras_fit_mirrored",
@@ -559,7 +559,7 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
             missing and how to fix it), a worker failed, or `timeout` passed.
 
     Example:
-        >>> from keras_distrib import bench_network
+        >>> from keras_distrib.commands import bench_network
         >>> report = bench_network.run(workers=(2,), delays=(1,), steps=5,
         ...                            repeats=1)  # doctest: +SKIP
         >>> report["round_trip_ms"]["2"]["1"] >= 2.0  # doctest: +SKIP

@@ -4,7 +4,7 @@ worker processes over a link with latency).
 
 `launch --workers N` starts a local cluster; `launch` without `--workers`
 under `srun` or in a Kubernetes Job is the per-node agent
-(`keras_distrib.launcher.launch_node`). `tf-config` prints the cluster kd
+(`keras_distrib.cluster.launcher.launch_node`). `tf-config` prints the cluster kd
 finds here, as TF_CONFIG, and where it found it.
 """
 

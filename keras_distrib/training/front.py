@@ -3,8 +3,8 @@
 `kd.Model.fit/evaluate/predict` and `kd.TrainLoop.fit/evaluate/predict`
 both come through here: the same arguments, the same validation (before any
 step runs), and the one place that decides between the local loop
-(`keras_distrib.loop`: one device, mirrored, multi-worker) and
-parameter-server training (`keras_distrib.parameter_server`). What differs
+(`keras_distrib.training.loop`: one device, mirrored, multi-worker) and
+parameter-server training (`keras_distrib.training.parameter_server`). What differs
 between the two callers is only where the compiled steps come from:
 `steps_for(kind)` returns the `Step` of `kind` ("train", "test",
 "predict"), the model's own (`steps_per_execution` steps per call) or the

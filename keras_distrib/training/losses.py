@@ -166,7 +166,7 @@ def scale_regularization(losses, *, local_rows=None):
     """This replica's share of the `add_loss` and regularization terms.
 
     Each term adds up over replicas according to what it is, which kd reads
-    from the graph that computes it (`keras_distrib.penalties`):
+    from the graph that computes it (`keras_distrib.training.penalties`):
 
     - a term of the weights alone (weight regularizers, a constant) is the
       same on every replica: each contributes 1/R of it;

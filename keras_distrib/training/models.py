@@ -2,8 +2,8 @@
 
 The steps below handle one replica's batch and nothing else; the distributed
 wrapping (`strategy.run`, reductions, several steps per call) is
-`keras_distrib.step`, and the epochs, callbacks and resume are
-`keras_distrib.loop`, both shared with `kd.TrainLoop` and parameter-server
+`keras_distrib.training.step`, and the epochs, callbacks and resume are
+`keras_distrib.training.loop`, both shared with `kd.TrainLoop` and parameter-server
 training.
 """
 
@@ -721,7 +721,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     count (all-reduced every step), counts regularization and `add_loss`
     once across replicas, and reports global loss and metrics. The optimizer
     all-reduces gradients before it unscales, accumulates and clips them, as
-    one device would (`keras_distrib.gradients`).
+    one device would (`keras_distrib.training.gradients`).
 
     A subclass may override `train_step` as Keras's guides do: call
     `self(x, training=True)`, `self.compute_loss(...)` and
@@ -878,7 +878,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
         Keras divides these terms by R. kd weighs a sum over the batch's rows
         (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph, see
-        `keras_distrib.penalties`) whole, since the replicas' sums add up to
+        `keras_distrib.training.penalties`) whole, since the replicas' sums add up to
         one device's, and every other term by n_r / N, which keeps means over
         rows (activity regularizers) exact on uneven batches and counts a
         term of the weights alone once. Replicas without rows contribute
@@ -1077,7 +1077,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 + "\n  - ".join(problems)
             )
 
-    # The compiled steps (Keras's names; each is a `keras_distrib.step.Step`).
+    # The compiled steps (Keras's names; each is a `keras_distrib.training.step.Step`).
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         """`keras.Model.compute_loss`: in a kd step, this replica's share of the global loss.
@@ -1138,7 +1138,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             self.predict_function = self._make_step("predict")
         return self.predict_function
 
-    # fit, evaluate and predict run kd's loop (keras_distrib.loop).
+    # fit, evaluate and predict run kd's loop (keras_distrib.training.loop).
 
     def _step_of(self, kind):
         return {"train": self.make_train_function, "test": self.make_test_function,
@@ -1148,7 +1148,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
-        """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.loop`)."""
+        """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.training.loop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy(training=True)
         return front.fit(

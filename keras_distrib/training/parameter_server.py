@@ -3,8 +3,8 @@
 Keras 3 dropped parameter-server training. Here the process that calls
 `fit` is the coordinator: it owns a `ClusterCoordinator`, gives every worker
 its own dataset (repeated, so epochs are counted in steps), and kd's loop
-(`keras_distrib.loop`: epochs, callbacks, progress, backup) schedules chunks
-of training steps (`keras_distrib.step.Step.scheduled`) on the workers.
+(`keras_distrib.training.loop`: epochs, callbacks, progress, backup) schedules chunks
+of training steps (`keras_distrib.training.step.Step.scheduled`) on the workers.
 Workers update the variables on the parameter servers asynchronously;
 keras_distrib makes those updates atomic, so the optimizer's step counter
 and the metrics count every step.

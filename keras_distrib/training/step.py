@@ -724,7 +724,7 @@ class Step:
         "read": [...]}`: the `ConcreteFunction`s of the call of one step, of
         the looped call of several, the same without logs (`logs=False`), and
         of the separate read of the logs (`read_logs`); empty lists when not
-        traced (or with `run_eagerly`). What `keras_distrib.collectives`
+        traced (or with `run_eagerly`). What `keras_distrib.training.collectives`
         counts.
         """
         functions = {**self._functions, "read": self._read_function}

@@ -1,7 +1,7 @@
 """`kd.TrainLoop`: a kd model's compiled steps, for `fit`-like calls and hand-written loops.
 
-It sits above the loop engine (`keras_distrib.loop`), the front door
-(`keras_distrib.front`) and the models: it runs the same compiled `Step`s
+It sits above the loop engine (`keras_distrib.training.loop`), the front door
+(`keras_distrib.training.front`) and the models: it runs the same compiled `Step`s
 and the same outer loop as `Model.fit`, so the two cannot drift.
 """
 
@@ -175,7 +175,7 @@ class TrainLoop:
             backup_dir=None, backup_freq="epoch"):
         """Trains like `Model.fit` and returns its `keras.callbacks.History`.
 
-        The same front door as `Model.fit` (`keras_distrib.front`): the same
+        The same front door as `Model.fit` (`keras_distrib.training.front`): the same
         arguments and checks. With `backup_dir`, a
         `kd.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq)` is
         added: a restarted run resumes at the saved epoch and step.

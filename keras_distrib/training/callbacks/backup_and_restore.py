@@ -12,7 +12,7 @@ On SIGTERM or SIGUSR1 (a preemption, Slurm's warning before a time limit, or
 the launcher stopping a cluster) every worker
 saves at the same agreed step and the process exits with
 `kd.preemption.RESTART_EXIT_CODE` (42) to be restarted
-(`keras_distrib.preemption`: the agreement goes through the coordination
+(`keras_distrib.cluster.preemption`: the agreement goes through the coordination
 service from background threads; no collective runs per step).
 """
 
