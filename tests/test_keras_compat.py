@@ -1,7 +1,7 @@
 """Fails loudly when Keras or TensorFlow change what kd relies on.
 
 Every private Keras/TensorFlow name keras_distrib touches is listed in
-`_keras_compat.PRIVATE_NAMES` and used only inside `_keras_compat.py`. These
+`_keras_compat.PRIVATE_NAMES` and used only inside `_keras_compat/`. These
 tests resolve each listed name on the installed versions, scan the package
 for private access elsewhere, check that importing kd patches no class,
 and pin the Keras behaviours kd corrects.
@@ -120,7 +120,7 @@ def _private_uses(tree):
 
 def _own_names(trees):
     """Private names kd defines itself (functions, methods, attributes, modules)."""
-    names = {os.path.splitext(f)[0] for f in os.listdir(PACKAGE)}
+    names = {os.path.splitext(f)[0] for _, folders, files in os.walk(PACKAGE) for f in folders + files}
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -148,15 +148,15 @@ def test_no_private_keras_or_tensorflow_names_outside_compat():
                 path = os.path.join(folder, file)
                 with open(path) as f:
                     sources[os.path.relpath(path, PACKAGE)] = ast.parse(f.read())
-    own = _own_names(tree for path, tree in sources.items() if path != "_keras_compat.py")
+    own = _own_names(tree for path, tree in sources.items() if not path.startswith("_keras_compat" + os.sep))
     outside = {}
     for path, tree in sources.items():
-        if path == "_keras_compat.py":
+        if path.startswith("_keras_compat" + os.sep):
             continue
         foreign = [u for u in _private_uses(tree) if ("." in u or u not in own) and u not in _PYTHON_API]
         if foreign:
             outside[path] = sorted(set(foreign))
-    assert not outside, f"private Keras/TF names outside _keras_compat.py: {outside}"
+    assert not outside, f"private Keras/TF names outside _keras_compat/: {outside}"
 
 
 _SNAPSHOT = r"""

@@ -1,0 +1,229 @@
+"""Keras's compiled losses, loss objects, trackers and metrics; random draws; the tape.
+
+Part of `keras_distrib._keras_compat`: only these modules touch `keras.src`,
+`tensorflow.python` or private attributes of Keras/TensorFlow objects.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+from tensorflow.python.distribute import device_util
+from tensorflow.python.distribute import values as tf_values
+from keras.src.backend.tensorflow import random as keras_tf_random
+from keras.src.losses import loss as keras_loss
+from keras.src.trainers import compile_utils
+from keras.src.utils import tracking
+
+__all__ = [
+    "CompileLoss",
+    "RANDOM_DRAWS",
+    "backend_variable",
+    "compile_loss_arguments",
+    "compiled_loss",
+    "compiled_losses",
+    "compute_loss",
+    "default_reduce_destination",
+    "exit_summary_contexts",
+    "loss_tracker",
+    "mean_variables",
+    "replace_compile_losses",
+    "replace_loss_object_call",
+    "replace_mean_update",
+    "replace_metric_result",
+    "replace_random_draws",
+    "replace_tape_gradient",
+    "set_compiled_loss",
+    "set_loss_tracker",
+    "squeeze_or_expand_to_same_rank",
+    "sync_on_read_aggregation",
+    "unscale_for_tracker",
+]
+
+
+def squeeze_or_expand_to_same_rank(x1, x2):
+    """Keras's rank alignment of losses and weights (as `Loss.__call__` does it)."""
+    return keras_loss.squeeze_or_expand_to_same_rank(x1, x2)
+
+
+CompileLoss = compile_utils.CompileLoss
+
+
+def replace_compile_losses(compile_loss, wrap_loss, make_tracker):
+    """After `CompileLoss.build`: wraps each loss and replaces each per-output tracker.
+
+    `wrap_loss(loss)` returns the loss to use; `make_tracker(name)` the
+    tracker for a per-output `<name>_loss`.
+    """
+    compile_loss._flat_losses = [
+        entry._replace(loss=wrap_loss(entry.loss)) for entry in compile_loss._flat_losses
+    ]
+    trackers = [make_tracker(metric.name) for metric in compile_loss._metrics]
+    compile_loss._metrics.clear()
+    compile_loss._metrics.extend(trackers)
+
+
+def sync_on_read_aggregation(variable):
+    """The `tf.VariableAggregation` of a Keras variable stored on-read per replica, else None.
+
+    Keras metric variables are (`synchronization=ON_READ`): each replica adds
+    to its own copy, and a read in cross-replica context aggregates them.
+    """
+    inner = getattr(variable, "_value", None)
+    if not isinstance(inner, tf_values.SyncOnReadVariable):
+        return None
+    return inner.aggregation
+
+
+def backend_variable(variable):
+    """The TensorFlow variable behind a Keras variable (distributed under a strategy)."""
+    return variable._value
+
+
+def default_reduce_destination(strategy):
+    """Where `strategy.reduce` puts its result: the current device, else the default one."""
+    return device_util.current() or strategy.extended._default_device or "/device:CPU:0"
+
+
+def compiled_losses(compile_loss):
+    """The loss objects of a built `CompileLoss`, one per output (None before it is built)."""
+    if not compile_loss.built:
+        return None
+    return [entry.loss for entry in compile_loss._flat_losses]
+
+
+def compiled_loss(model):
+    """The model's `CompileLoss` (None before compile or without a loss)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compile_loss_arguments(compile_loss):
+    """What `compile` gave a `CompileLoss`: (loss, loss_weights, output_names)."""
+    return compile_loss._user_loss, compile_loss._user_loss_weights, compile_loss.output_names
+
+
+@tracking.no_automatic_dependency_tracking
+def set_compiled_loss(model, compile_loss):
+    """Replaces the model's `CompileLoss`."""
+    model._compile_loss = compile_loss
+
+
+def loss_tracker(model):
+    """The model's `loss` tracker (None before compile)."""
+    return getattr(model, "_loss_tracker", None)
+
+
+@tracking.no_automatic_dependency_tracking
+def set_loss_tracker(model, tracker):
+    """Replaces the model's loss tracker."""
+    model._loss_tracker = tracker
+
+
+def exit_summary_contexts(callback, ignore):
+    """Exits every summary-writer context a Keras TensorBoard callback has entered.
+
+    Keras's TensorBoard keeps them on a stack (`_prev_summary_state`) while
+    it writes; errors of the types in `ignore` are passed over.
+    """
+    while getattr(callback, "_prev_summary_state", None):
+        writer_context, step_context = callback._prev_summary_state.pop()
+        for part in (step_context, writer_context):
+            try:
+                part.__exit__(None, None, None)
+            except ignore:
+                pass
+
+
+def unscale_for_tracker(share):
+    """The value Keras's trackers expect: the replica loss times R."""
+    return keras_loss.unscale_loss_for_distribution(share)
+
+
+_LOSS_CALL_REPLACED = []
+
+
+def replace_loss_object_call(make_call):
+    """Makes every `keras.losses.Loss` object call `make_call(keras_call)` (once, idempotent).
+
+    `keras_call(loss, y_true, y_pred, sample_weight)` is Keras's own
+    `Loss.__call__`. Subclasses with a `__call__` of their own (Keras's
+    `CompileLoss`, kd's wrappers) are not affected.
+    """
+    if _LOSS_CALL_REPLACED:
+        return
+    keras_loss.Loss.__call__ = make_call(keras_loss.Loss.__call__)
+    _LOSS_CALL_REPLACED.append(True)
+
+
+def replace_tape_gradient(judge):
+    """Makes `tf.GradientTape.gradient` call `judge(target)` first (idempotent).
+
+    Not a Keras internal: TensorFlow's public tape, wrapped here with kd's
+    other replacements. `judge` returns at once outside a kd step.
+    """
+    current = tf.GradientTape.gradient
+    if getattr(current, "replaced_by_kd", False):
+        return
+
+    @functools.wraps(current)
+    def gradient(self, target, sources, *args, **kwargs):
+        judge(target)
+        return current(self, target, sources, *args, **kwargs)
+
+    gradient.replaced_by_kd = True
+    tf.GradientTape.gradient = gradient
+
+
+# Keras's TensorFlow random functions kd lays out over the global batch:
+# name -> whether the first argument is a shape (else an input tensor).
+RANDOM_DRAWS = {"normal": True, "uniform": True, "truncated_normal": True, "randint": True,
+                "dropout": False, "categorical": False}
+
+
+def replace_random_draws(make_draw):
+    """Makes Keras's random functions call `make_draw(name, shaped, keras_draw)` (idempotent).
+
+    Every `keras.random.*` call of those in `RANDOM_DRAWS` (Keras's layers
+    included) goes through the backend module patched here.
+    """
+    for name, shaped in RANDOM_DRAWS.items():
+        current = getattr(keras_tf_random, name)
+        if getattr(current, "replaced_by_kd", False):
+            continue
+        draw = make_draw(name, shaped, current)
+        draw.replaced_by_kd = True
+        setattr(keras_tf_random, name, draw)
+
+
+def _replace_on_instance(owner, name, make):
+    """Sets `owner.<name>` to `make(owner, owner.<name>)` on the instance, once."""
+    if getattr(vars(owner).get(name), "replaced_by_kd", False):
+        return
+    replacement = make(owner, getattr(owner, name))
+    replacement.replaced_by_kd = True
+    object.__setattr__(owner, name, replacement)
+
+
+def replace_metric_result(metric, make_result):
+    """Makes `metric.result()` call `make_result(metric, keras_result)` (idempotent)."""
+    _replace_on_instance(metric, "result", make_result)
+
+
+def replace_mean_update(metric, make_update):
+    """Makes a `keras.metrics.Mean`'s `update_state` call `make_update(metric, keras_update)`.
+
+    Only metrics whose `update_state` is Mean's own (trackers fed values, not
+    `MeanMetricWrapper`s fed `y_true, y_pred`). Idempotent.
+    """
+    if type(metric).update_state is keras.metrics.Mean.update_state:
+        _replace_on_instance(metric, "update_state", make_update)
+
+
+def mean_variables(metric):
+    """A `keras.metrics.Mean`'s (total, count) variables."""
+    return metric.total, metric.count
+
+
+def compute_loss(model, **kwargs):
+    """Keras's `_compute_loss` (compute_loss with its backward-compatible arguments)."""
+    return model._compute_loss(**kwargs)

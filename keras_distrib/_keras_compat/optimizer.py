@@ -1,0 +1,166 @@
+"""The optimizer's gradient pipeline: Keras's all-reduce skipped, its conditionals in cross-replica context.
+
+Part of `keras_distrib._keras_compat`: only these modules touch `keras.src`,
+`tensorflow.python` or private attributes of Keras/TensorFlow objects.
+"""
+
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.distribute import ps_values
+
+__all__ = [
+    "base_optimizer",
+    "has_gradient_pipeline",
+    "install_gradient_pipeline",
+]
+
+
+#
+# Keras's TF optimizer all-reduces inside `_backend_update_step`, after it
+# has unscaled, accumulated and clipped each replica's partial gradient.
+# kd all-reduces first (in `apply`), so these hooks make the optimizer skip
+# its own reduction, and run the conditionals of `_backend_apply_gradients`
+# (accumulation, EMA overwrite) in cross-replica context, where TensorFlow
+# allows a `merge_call` inside a branch. Both are set on the optimizer
+# instance only: other optimizers keep Keras's behaviour.
+
+_PIPELINE_OPTIMIZERS = weakref.WeakSet()
+_REPLICA_THREAD_STRATEGIES = (
+    tf.distribute.MirroredStrategy,
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.experimental.CentralStorageStrategy,
+)
+
+
+def base_optimizer(optimizer):
+    """The optimizer that applies updates (a LossScaleOptimizer's inner one)."""
+    return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
+def has_gradient_pipeline(optimizer):
+    """Whether kd's gradient pipeline is installed on `optimizer`."""
+    return optimizer in _PIPELINE_OPTIMIZERS
+
+
+def install_gradient_pipeline(optimizer, aggregate, prepare):
+    """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
+
+    `prepare(optimizer, trainable_variables)` runs first (kd builds an
+    unbuilt optimizer there); `aggregate` all-reduces the replicas'
+    gradients; after it every replica holds the global gradient, and the
+    optimizer's own reduction is skipped.
+    """
+    if optimizer in _PIPELINE_OPTIMIZERS:
+        return
+    outer_apply = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        prepare(optimizer, trainable_variables)
+        return outer_apply(aggregate(list(grads)), trainable_variables)
+
+    object.__setattr__(optimizer, "apply", apply)
+    base = base_optimizer(optimizer)
+    object.__setattr__(base, "_all_reduce_sum_gradients", lambda grads_and_vars: list(grads_and_vars))
+    backend_apply = base._backend_apply_gradients
+
+    def backend_apply_gradients(grads, trainable_variables):
+        if not _needs_cross_replica_conditionals(base):
+            return backend_apply(grads, trainable_variables)
+        context = tf.distribute.get_replica_context()
+        context.merge_call(
+            lambda distribution, grads: _apply_in_cross_replica(
+                base, distribution, grads, trainable_variables
+            ),
+            args=(grads,),
+        )
+
+    object.__setattr__(base, "_backend_apply_gradients", backend_apply_gradients)
+    object.__setattr__(base, "assign", _first_replica_optimizer_assign(base.assign))
+    _PIPELINE_OPTIMIZERS.add(optimizer)
+
+
+def _first_replica_optimizer_assign(optimizer_assign):
+    """`optimizer.assign` that writes central-storage state from replica 0.
+
+    Keras's optimizer assigns some state in each replica (Nadam's
+    momentum-cache product, before its cross-replica update), to a variable
+    without an aggregation: under CentralStorageStrategy TensorFlow refuses
+    that ("You must specify an aggregation method"). Every replica computes
+    the same value from the same all-reduced state, so replica 0 writes it,
+    as `write_from_first_replica` does for BatchNormalization.
+    """
+
+    def assign(variable, value):
+        inner = getattr(variable, "_value", None)
+        context = tf.distribute.get_replica_context()
+        if (
+            not isinstance(inner, ps_values.AggregatingVariable)
+            or inner.aggregation != tf.VariableAggregation.NONE
+            or context is None
+            or context.num_replicas_in_sync == 1
+        ):
+            return optimizer_assign(variable, value)
+        stored = inner.get()
+        value = tf.cast(value, stored.dtype)
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        tf.cond(first, lambda: stored.assign(value).op, tf.no_op)
+
+    assign.__name__ = "assign"
+    return assign
+
+
+def _needs_cross_replica_conditionals(optimizer):
+    if tf.distribute.get_replica_context() is None or not tf.distribute.has_strategy():
+        return False
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return False
+    if not isinstance(tf.distribute.get_strategy(), _REPLICA_THREAD_STRATEGIES):
+        return False
+    return bool(optimizer.gradient_accumulation_steps) or bool(
+        optimizer.use_ema and optimizer.ema_overwrite_frequency
+    )
+
+
+def _apply_in_cross_replica(optimizer, distribution, grads, variables):
+    """Keras's `_backend_apply_gradients`, its `cond`s in cross-replica context.
+
+    Every replica holds the same (all-reduced) gradient, so each branch runs
+    the same replica function on every replica, as one device would run it.
+    """
+
+    def on_replicas(function):
+        return lambda: distribution.extended.call_for_each_replica(function, args=(grads,))
+
+    def update(step_grads):
+        step_grads = optimizer._clip_gradients(step_grads)
+        optimizer._apply_weight_decay(variables)
+        optimizer._backend_update_step(step_grads, variables, optimizer.learning_rate)
+
+    steps = optimizer.gradient_accumulation_steps
+    if steps:
+        accumulators = [
+            optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables
+        ]
+
+        def update_with_accumulated(step_grads):
+            update([(g + a) / steps for g, a in zip(step_grads, accumulators)])
+            optimizer._backend_reset_gradient_accumulators()
+
+        def accumulate(step_grads):
+            optimizer._backend_increment_gradient_accumulators(step_grads, accumulators)
+
+        is_update_step = tf.equal((optimizer._iterations + 1) % steps, 0)
+        tf.cond(is_update_step, on_replicas(update_with_accumulated), on_replicas(accumulate))
+    else:
+        on_replicas(update)()
+    if optimizer.use_ema:
+        trainable = optimizer._trainable_variables
+        on_replicas(lambda _: optimizer._update_model_variables_moving_average(trainable))()
+        if optimizer.ema_overwrite_frequency:
+            overwrite = tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+            tf.cond(
+                overwrite,
+                on_replicas(lambda _: optimizer._overwrite_model_variables_with_average_value(trainable)),
+                lambda: None,
+            )

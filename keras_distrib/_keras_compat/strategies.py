@@ -1,0 +1,254 @@
+"""tf.distribute strategy internals: multi-worker, parameter servers, collectives, the coordination service.
+
+Part of `keras_distrib._keras_compat`: only these modules touch `keras.src`,
+`tensorflow.python` or private attributes of Keras/TensorFlow objects.
+"""
+
+import contextlib
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute.coordinator import values as coordinator_values
+from tensorflow.python.eager import context as tf_context
+from tensorflow.python.ops import control_flow_util
+
+from keras_distrib._keras_compat.data import epoch_iterator
+from keras_distrib._keras_compat.data import serialized_graph
+
+__all__ = [
+    "KeyExists",
+    "KeyMissing",
+    "collective_key_base",
+    "cpu_replicas_per_worker",
+    "dataset_calls_python",
+    "dataset_ops_used",
+    "default_strategy",
+    "in_xla_context",
+    "is_multi_worker",
+    "isolated_mirrored_strategy",
+    "iterators_before_epoch",
+    "key_value_delete",
+    "key_value_get",
+    "key_value_insert",
+    "optimizer_strategy",
+    "parameter_server_workers",
+    "per_worker_iterator",
+    "reshuffles_each_iteration",
+]
+
+
+def in_xla_context():
+    """Whether the graph being built is compiled by XLA (`jit_compile=True`)."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def is_multi_worker(strategy):
+    """Whether the strategy runs in multi-worker mode (several processes)."""
+    extended = strategy.extended
+    return bool(getattr(extended, "_in_multi_worker_mode", lambda: False)())
+
+
+def per_worker_iterator(coordinator, dataset_for_worker):
+    """A parameter-server iterator whose worker i reads `dataset_for_worker(i)`.
+
+    `ClusterCoordinator.create_per_worker_dataset` runs one function on every
+    worker, so each worker's `dataset_fn(input_context)` would see the same
+    default context; here each worker gets its own function (and so its own
+    input pipeline id). Workers that restart rebuild their iterator.
+    """
+    iterators = []
+    for index, worker in enumerate(coordinator._cluster.workers):
+        dataset_fn = tf.function(lambda index=index: dataset_for_worker(index)).get_concrete_function()
+        remote = worker.create_resource(lambda dataset_fn=dataset_fn: iter(dataset_fn()))
+        remote._type_spec = input_lib.get_iterator_spec_from_dataset(
+            coordinator.strategy, dataset_fn.structured_outputs
+        )
+        iterators.append(remote)
+    return coordinator_values.PerWorkerDistributedIterator(tuple(iterators))
+
+
+class KeyExists(Exception):
+    """The coordination service already holds the key (keys are written once)."""
+
+
+class KeyMissing(Exception):
+    """The key did not appear within the timeout."""
+
+
+def key_value_insert(key, value):
+    """Writes `key` in the coordination service's store (multi-worker jobs).
+
+    Raises:
+        KeyExists: the key was already written (by any task).
+    """
+    try:
+        tf_context.context().set_config_key_value(key, value)
+    except tf.errors.AlreadyExistsError:
+        raise KeyExists(key) from None
+
+
+def key_value_get(key, timeout_ms):
+    """Reads `key`, waiting up to `timeout_ms` (> 0) for it to be written.
+
+    Raises:
+        KeyMissing: not written within the timeout.
+    """
+    try:
+        return tf_context.context().get_config_key_value(key, int(max(1, timeout_ms)))
+    except (tf.errors.DeadlineExceededError, tf.errors.NotFoundError):
+        raise KeyMissing(key) from None
+
+
+def key_value_delete(key):
+    """Deletes `key` (and keys under it) from the store; absent keys are ignored."""
+    tf_context.context().delete_config_key_value(key)
+
+
+def parameter_server_workers(strategy):
+    """The number of workers of a ParameterServerStrategy's cluster."""
+    return strategy.extended._num_workers
+
+
+def dataset_ops_used(dataset):
+    """The op types in a dataset's graph (its functions included)."""
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized_graph(dataset).numpy())
+    ops = {node.op for node in graph.node}
+    for function in graph.library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
+
+
+def iterators_before_epoch(epoch_iterator, epochs):
+    """How many iterators a Keras epoch iterator opens over its data in `epochs` epochs.
+
+    Keras opens one at the start of each epoch and, when it knows the
+    epoch's batch count, one more as an epoch ends (for the next epoch,
+    which opens its own anyway): 2 per epoch. A dataset that reshuffles
+    each iteration draws a new order for each, so the k-th epoch trains on
+    its 2k-th order. None with `steps_per_epoch` (epochs go on from an
+    iterator already open, or open one when the data runs out).
+    """
+    if epoch_iterator.steps_per_epoch is not None:
+        return None
+    return epochs * (2 if epoch_iterator._num_batches else 1)
+
+
+def reshuffles_each_iteration(dataset):
+    """Whether `dataset` (or a dataset it reads) shuffles anew each time it is iterated.
+
+    For a distributed dataset, its dataset before distribution; None where
+    that cannot be told (a `dataset_fn`'s datasets).
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        dataset = getattr(dataset, "_original_dataset", None)
+        if not isinstance(dataset, tf.data.Dataset):
+            return None
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "_reshuffle_each_iteration", False) is True:
+            return True
+        pending.extend(current._inputs())
+    return False
+
+
+def dataset_calls_python(dataset, op_types):
+    """Whether a dataset's functions (map, flat_map, from_generator's) use any of `op_types`.
+
+    Walks the dataset's inputs and the graphs of their functions, without
+    serializing the dataset (which would copy every constant it holds, e.g.
+    the arrays of `from_tensor_slices`).
+    """
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in current._functions():
+            graphs = [wrapper.function.graph]
+            while graphs:
+                graph = graphs.pop()
+                if any(op.type in op_types for op in graph.get_operations()):
+                    return True
+                graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
+        pending.extend(current._inputs())
+    return False
+
+
+def default_strategy():
+    """TensorFlow's default (no-op) strategy, even inside another's scope."""
+    return distribute_lib._get_default_strategy()
+
+
+_COLLECTIVE_KEY_BASES = iter(range(100_000, 2**30, 100_000))
+
+
+def isolated_mirrored_strategy(devices, cross_device_ops=None):
+    """A `MirroredStrategy` whose collectives no other strategy here can collide with.
+
+    TensorFlow caches each collective's parameters (shape included) by
+    group and instance key for the life of the process, and every
+    MirroredStrategy numbers its collectives from the same start: a second
+    strategy's all-reduce then meets the first one's cached shape and fails
+    ("Shape mismatch in the collective instance"), and every collective
+    after it. TensorFlow's own tests give each strategy a key base of its
+    own (strategy_combinations.py); so does this, on a subclass, so
+    MirroredStrategy itself is untouched.
+    """
+    isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
+                    {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
+    return isolated(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def collective_key_base(strategy):
+    """The base of a `MirroredStrategy`'s collective keys; None if it runs no collectives.
+
+    Only a MirroredStrategy whose replicas all-reduce with collective ops
+    (`tf.distribute` picks them for CPUs and for GPUs without NCCL) has
+    keys that can collide; one reducing to one device or with NCCL has none.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return None
+    extended = strategy.extended
+    ops = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
+    if not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+        return None
+    return strategy._collective_key_base
+
+
+def optimizer_strategy(optimizer, default):
+    """The strategy an optimizer was created under (TF backend), or `default`."""
+    return getattr(optimizer, "_distribution_strategy", default)
+
+
+@contextlib.contextmanager
+def cpu_replicas_per_worker(count):
+    """Lets MultiWorkerMirroredStrategy use `count` logical CPUs per worker.
+
+    TensorFlow gives a multi-worker strategy one replica per worker on CPU
+    (it only counts GPUs and TPUs); with virtual CPU devices we want one per
+    device, as on a multi-GPU worker. The local-device lookup is swapped
+    only while the strategy is constructed.
+    """
+    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices
+
+    def local_devices(self, cluster_resolver, worker_device):
+        devices, device_type = original(self, cluster_resolver, worker_device)
+        if device_type != "CPU" or count <= 1:
+            return devices, device_type
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(count)), "CPU"
+
+    extended._initialize_local_devices = local_devices
+    try:
+        yield
+    finally:
+        extended._initialize_local_devices = original
