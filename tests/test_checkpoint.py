@@ -46,7 +46,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(mode, reference, tmp_path):
 def test_sigterm_saves_then_restart_resumes_at_the_saved_step(reference, tmp_path):
     backup, out = tmp_path / "backup", str(tmp_path / "out.npz")
     code, output = _harness.run_script("resume.py", "fit", backup, out, 9, "TERM")
-    assert code == 42, output[-3000:]  # kd.preemption.RESTART_EXIT_CODE
+    assert code == 42, output[-3000:]  # keras_distrib.cluster.preemption.RESTART_EXIT_CODE
     progress = kd.CheckpointManager(tf.train.Checkpoint(), backup).read_progress()
     # SIGTERM in a callback after global step 9; kd's backup hook runs after the
     # callbacks, so it backs up step 9 = epoch 1 (6 steps per epoch), step 3.

@@ -28,6 +28,7 @@ kd.virtual_devices(1 if KIND == "multi_worker" else 2)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from keras_distrib.training import replica  # noqa: E402
 
 STRATEGY = kd.make_strategy(KIND)  # one per process: strategies would share collective keys
 CASES = sys.argv[2:]
@@ -88,7 +89,7 @@ def old_rule(losses, rows):
     """kd's former `scale_regularization`: every term weighted by n_r / N."""
     total = tf.add_n([tf.cast(l, keras.config.floatx()) for l in losses])
     rows = tf.cast(rows, total.dtype)
-    return tf.math.divide_no_nan(rows, kd.replica.replica_sum(rows)) * total
+    return tf.math.divide_no_nan(rows, replica.replica_sum(rows)) * total
 
 
 def train(model, optimizer, strategy, *, rule):
