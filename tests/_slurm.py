@@ -245,6 +245,26 @@ class Cluster:
             time.sleep(0.5)
         raise AssertionError(f"job {job} still {self.state(job)} after {timeout}s\n" + self.logs())
 
+    def lose_node(self, name):
+        """Takes node `name` away for good, as a failed machine: its slurmd stops answering
+        (SIGSTOP), every process of a job on it is killed, and the node is marked DOWN (what
+        slurmctld does itself after `SlurmdTimeout`). `restore_node` brings it back."""
+        os.kill(self.processes[f"slurmd {name}"].pid, signal.SIGSTOP)
+        needle = f"SLURMD_NODENAME={name}".encode()
+        for pid in self.leftovers():
+            if _pid_environ_has(pid, needle):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.run(["scontrol", "update", f"NodeName={name}", "State=DOWN", "Reason=lost by a test"])
+
+    def restore_node(self, name, timeout=60):
+        """Node `name` back in service after `lose_node` (idle, like the others)."""
+        os.kill(self.processes[f"slurmd {name}"].pid, signal.SIGCONT)
+        self.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
+        self._wait(self._nodes_idle, timeout, f"node {name} back in service")
+
     def leftovers(self):
         """Pids of processes started by this cluster's jobs that still run."""
         needle = f"{MARKER}={self.root}".encode()

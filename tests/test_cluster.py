@@ -446,14 +446,17 @@ def test_the_kubernetes_recipe_agrees_with_itself_and_with_kd():
 
 
 @pytest.mark.cluster
-def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volume(tmp_path):
+def test_the_kubernetes_recipes_pods_restart_resume_and_go_on_with_the_survivors(tmp_path):
     # The container's command, as written, in 2 "pods" (processes) with the
     # recipe's environment plus what Kubernetes sets (JOB_COMPLETION_INDEX,
     # HOSTNAME, one GPU each in CUDA_VISIBLE_DEVICES: this machine has none,
     # so TensorFlow runs on CPU) and KD_HOSTS (the pods' DNS names do not
     # exist here). The backup volume is a directory both mount. A drain
     # (SIGTERM to both) makes them save and exit 42; OnFailure restarts the
-    # containers, which resume from the volume and end as one device does.
+    # containers, which resume from the volume. Then pod 1's node is lost for
+    # good (SIGKILL, never restarted): pod 0 fails, and the README's elastic
+    # step (a new Job of 1 pod, KD_NUM_PODS=1, the old Job's KD_RUN) resumes
+    # from the volume and ends as one device does.
     service, job = _kubernetes_recipe()
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -474,10 +477,11 @@ def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volu
     pods = int(env["KD_NUM_PODS"])
     name = job["metadata"]["name"]
 
-    def start(slow):
+    def start(slow, pods=pods):
         processes = []
         for index in range(pods):
             pod_env = {**_harness._env(), **env, "JOB_COMPLETION_INDEX": str(index),
+                       "KD_NUM_PODS": str(pods),
                        "HOSTNAME": f"{name}-{index}", "CUDA_VISIBLE_DEVICES": "0",
                        "KD_HOSTS": ",".join(f"localhost:{port + i}" for i in range(pods)),
                        "KD_SLURM_OUT": str(volume / "weights.npz"), "KD_SLURM_SLOW": slow}
@@ -496,17 +500,31 @@ def test_the_kubernetes_recipes_pods_restart_on_failure_and_resume_from_the_volu
             _harness.kill_groups(processes)
         return results
 
+    def backups():
+        return {n for n in os.listdir(volume) if n.startswith("ckpt")} if volume.is_dir() else set()
+
+    def wait_for_backup(processes, besides=()):
+        deadline = time.monotonic() + 120
+        while not backups() - set(besides):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), (
+                "no new backup", backups())
+            time.sleep(0.3)
+
     processes = start("0.5")
-    deadline = time.monotonic() + 120
-    while not (volume.is_dir() and any(n.startswith("ckpt") for n in os.listdir(volume))):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in processes), "no backup"
-        time.sleep(0.5)
+    wait_for_backup(processes)
     for process in processes:
         process.send_signal(signal.SIGTERM)  # the node drain's SIGTERM to each container
     first = finish(processes)
     assert [code for code, _ in first] == [42, 42], "\n".join(out[-2000:] for _, out in first)
     assert not (volume / "weights.npz").exists()
-    second = finish(start("0"))  # restartPolicy: OnFailure
-    assert [code for code, _ in second] == [0, 0], "\n".join(out[-2000:] for _, out in second)
-    assert "[launcher] kubernetes node: starting worker 0 of 2 task(s)" in second[0][1]
+    drained = backups()
+    processes = start("0.5")  # restartPolicy: OnFailure
+    wait_for_backup(processes, besides=drained)
+    _harness.kill_groups(processes[1:])  # pod 1's node is gone: it never comes back
+    second = finish(processes)
+    assert second[0][0] not in (0, 42), second[0][1][-3000:]
+    assert not (volume / "weights.npz").exists()
+    third = finish(start("0", pods=1))  # a new Job: 1 pod, the old Job's KD_RUN
+    assert [code for code, _ in third] == [0], third[0][1][-3000:]
+    assert "[launcher] kubernetes node: starting worker 0 of 1 task(s)" in third[0][1]
     assert _harness.saved_weights_diff(reference, str(volume / "weights.npz")) <= 1e-5

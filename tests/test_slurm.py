@@ -30,11 +30,12 @@ if _MISSING and os.environ.get("CI", "").lower() != "true":
 _TOLERANCE = 1e-5
 
 
-def _readme_script():
+def _readme_script(heading=r"^### Slurm\n"):
+    """The first ```bash block after `heading` (a regular expression) in README.md."""
     with open(os.path.join(_harness.REPO, "README.md")) as f:
         text = f.read()
-    match = re.search(r"^### Slurm\n.*?^```bash\n(.*?)^```", text, re.S | re.M)
-    assert match, "README.md has no ```bash block under '### Slurm'"
+    match = re.search(heading + r".*?^```bash\n(.*?)^```", text, re.S | re.M)
+    assert match, f"README.md has no ```bash block after {heading!r}"
     return match.group(1)
 
 
@@ -197,3 +198,30 @@ def test_keras_distrib_test_under_srun_names_slurm_and_passes(slurm):
     for worker in (0, 1):
         assert f"[worker {worker}] in the cluster of Slurm: 2 workers; this is worker {worker}" in output
         assert re.search(rf"\[worker {worker}\] All \d+ checks passed", output), output[-4000:]
+
+
+def test_the_elastic_recipe_goes_on_with_the_node_left_and_ends_as_one_device(slurm, reference, tmp_path):
+    # The README's elastic script, verbatim, on both nodes (2 workers each);
+    # after a backup node kdn2 is lost for good. Slurm ends the step and keeps
+    # the job (--no-kill); the loop starts the step again on kdn1 alone, whose
+    # 2 workers resume from the 4 workers' backup and end as one device.
+    job_dir = _job_dir(tmp_path)
+    (job_dir / "elastic.sbatch").write_text(_readme_script(r"^\*\*Elastic Slurm job\.\*\*"))
+    job = _submit(slurm, job_dir, "--nodes=2", script="elastic.sbatch", MIN_NODES="1",
+                  CPU_TASKS_PER_NODE="2", KD_SLURM_SLOW="0.5")
+    backup = job_dir / "backup"
+    _wait_for(lambda: _output(job_dir).count(" READY ") == 4
+              and any(n.startswith("ckpt") for n in os.listdir(backup)),
+              180, "4 workers training and a backup", job_dir, slurm)
+    try:
+        slurm.lose_node("kdn2")
+        state, exit_code, _ = slurm.wait(job, 240)
+    finally:
+        slurm.restore_node("kdn2")
+    output = _output(job_dir)
+    assert (state, exit_code) == ("COMPLETED", "0:0"), output[-5000:]
+    assert "[launcher] slurm node: starting worker 2, worker 3 of 4 task(s)" in output, output[-5000:]
+    assert "[launcher] slurm node: starting worker 0, worker 1 of 2 task(s)" in output, output[-5000:]
+    assert output.count("DONE tf_config 2 worker") == 2 and "DONE tf_config 4" not in output, output[-5000:]
+    assert _harness.saved_weights_diff(reference, str(job_dir / "weights.npz")) <= _TOLERANCE
+    assert not _no_leftovers(slurm)
