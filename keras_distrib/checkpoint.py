@@ -4,20 +4,7 @@ The code lives in `keras_distrib.checkpointing.checkpoint`; this module only re-
 names, so `keras_distrib.checkpoint` and imports from it keep working.
 """
 
-from keras_distrib.checkpointing.checkpoint import checkpoint_number
-from keras_distrib.checkpointing.checkpoint import data_problems
-from keras_distrib.checkpointing.checkpoint import file_problems
-from keras_distrib.checkpointing.checkpoint import read_progress_file
-from keras_distrib.checkpointing.checkpoint import validate_directory
-from keras_distrib.checkpointing.checkpoint import CheckpointError
-from keras_distrib.checkpointing.checkpoint import CheckpointManager
+from keras_distrib.checkpointing import checkpoint as _implementation
+from keras_distrib.checkpointing.checkpoint import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "checkpoint_number",
-    "data_problems",
-    "file_problems",
-    "read_progress_file",
-    "validate_directory",
-]
+__all__ = _implementation.__all__

@@ -4,12 +4,7 @@ The code lives in `keras_distrib.training.collectives`; this module only re-expo
 names, so `keras_distrib.collectives` and imports from it keep working.
 """
 
-from keras_distrib.training.collectives import count
-from keras_distrib.training.collectives import graph_collectives
-from keras_distrib.training.collectives import traced
+from keras_distrib.training import collectives as _implementation
+from keras_distrib.training.collectives import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "count",
-    "graph_collectives",
-    "traced",
-]
+__all__ = _implementation.__all__

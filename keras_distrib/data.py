@@ -4,18 +4,7 @@ The code lives in `keras_distrib.training.data`; this module only re-exports its
 names, so `keras_distrib.data` and imports from it keep working.
 """
 
-from keras_distrib.training.data import describe_input
-from keras_distrib.training.data import distribute_dataset
-from keras_distrib.training.data import file_count
-from keras_distrib.training.data import replay_epochs
-from keras_distrib.training.data import replica_split
-from keras_distrib.training.data import shard_files
+from keras_distrib.training import data as _implementation
+from keras_distrib.training.data import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "describe_input",
-    "distribute_dataset",
-    "file_count",
-    "replay_epochs",
-    "replica_split",
-    "shard_files",
-]
+__all__ = _implementation.__all__

@@ -4,12 +4,7 @@ The code lives in `keras_distrib.training.gradients`; this module only re-export
 names, so `keras_distrib.gradients` and imports from it keep working.
 """
 
-from keras_distrib.training.gradients import all_reduce
-from keras_distrib.training.gradients import exact_optimizer
-from keras_distrib.training.gradients import install
+from keras_distrib.training import gradients as _implementation
+from keras_distrib.training.gradients import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "all_reduce",
-    "exact_optimizer",
-    "install",
-]
+__all__ = _implementation.__all__

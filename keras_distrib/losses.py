@@ -4,14 +4,7 @@ The code lives in `keras_distrib.training.losses`; this module only re-exports i
 names, so `keras_distrib.losses` and imports from it keep working.
 """
 
-from keras_distrib.training.losses import global_mean
-from keras_distrib.training.losses import global_share
-from keras_distrib.training.losses import row_weighted
-from keras_distrib.training.losses import scale_regularization
+from keras_distrib.training import losses as _implementation
+from keras_distrib.training.losses import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "global_mean",
-    "global_share",
-    "row_weighted",
-    "scale_regularization",
-]
+__all__ = _implementation.__all__

@@ -4,22 +4,7 @@ The code lives in `keras_distrib.training.penalties`; this module only re-export
 names, so `keras_distrib.penalties` and imports from it keep working.
 """
 
-from keras_distrib.training.penalties import FIXED
-from keras_distrib.training.penalties import ROW_MEAN
-from keras_distrib.training.penalties import ROW_SUM
-from keras_distrib.training.penalties import kind_of
-from keras_distrib.training.penalties import mark_global
-from keras_distrib.training.penalties import mark_rows
-from keras_distrib.training.penalties import row_mixing
-from keras_distrib.training.penalties import Unknown
+from keras_distrib.training import penalties as _implementation
+from keras_distrib.training.penalties import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "FIXED",
-    "ROW_MEAN",
-    "ROW_SUM",
-    "Unknown",
-    "kind_of",
-    "mark_global",
-    "mark_rows",
-    "row_mixing",
-]
+__all__ = _implementation.__all__

@@ -5,12 +5,7 @@ re-exports it, so `from keras_distrib.callbacks import BackupAndRestore`
 keeps working.
 """
 
-from keras_distrib.training.callbacks import BackupAndRestore
-from keras_distrib.training.callbacks import ModelCheckpoint
-from keras_distrib.training.callbacks import TensorBoard
+from keras_distrib.training import callbacks as _implementation
+from keras_distrib.training.callbacks import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "BackupAndRestore",
-    "ModelCheckpoint",
-    "TensorBoard",
-]
+__all__ = _implementation.__all__

@@ -15,26 +15,7 @@ This package is also the public path `kd.cluster` (docs/API.md): it re-exports
 the names of `info`.
 """
 
-from keras_distrib.cluster.info import SOURCES
-from keras_distrib.cluster.info import ClusterConfigError
-from keras_distrib.cluster.info import ClusterInfo
-from keras_distrib.cluster.info import chief_verbose
-from keras_distrib.cluster.info import cluster_info
-from keras_distrib.cluster.info import cluster_resolver
-from keras_distrib.cluster.info import from_placement
-from keras_distrib.cluster.info import is_chief
-from keras_distrib.cluster.info import parse_tf_config
-from keras_distrib.cluster.info import writer_directory
+from keras_distrib.cluster import info as _implementation
+from keras_distrib.cluster.info import *  # noqa: F401,F403  (the names of its __all__)
 
-__all__ = [
-    "ClusterConfigError",
-    "ClusterInfo",
-    "SOURCES",
-    "chief_verbose",
-    "cluster_info",
-    "cluster_resolver",
-    "from_placement",
-    "is_chief",
-    "parse_tf_config",
-    "writer_directory",
-]
+__all__ = _implementation.__all__

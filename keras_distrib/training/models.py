@@ -37,6 +37,7 @@ __all__ = [
     "Sequential",
     "global_moments",
     "layer_state",
+    "random_states",
     "unregistered_class_warning",
     "unsupported_settings",
 ]
