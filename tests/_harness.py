@@ -1,18 +1,24 @@
 """Run a strategy configuration in its own process, or a cluster of them.
 
 A process holds one device layout and one collective group size, so every
-multi-replica configuration runs in a fresh interpreter. Every process that
-is started has a timeout and is killed (with its process group) on exit.
+multi-replica configuration runs in a process of its own: a child forked from
+a warm interpreter (tests/_warm.py: TensorFlow imported once, its runtime not
+started), or a fresh interpreter where the environment differs in what is
+read at import. Every process that is started has a timeout and is killed
+(with its process group) on exit.
 """
 
 import atexit
 import json
 import os
+import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -43,10 +49,22 @@ def _env():
 
 
 def run_script(name, *args, timeout=300):
-    """Runs tests/scripts/<name> in a new process; returns (returncode, output)."""
-    argv = [sys.executable, "-u", os.path.join(SCRIPTS, name), *map(str, args)]
+    """Runs tests/scripts/<name> in a new process; returns (returncode, output).
+
+    The process is a fork of the warm interpreter when its environment
+    allows (see `_Warm`), else a fresh `python -u`; the script cannot tell.
+    KD_TESTS_FRESH_PROCESSES=1 gives every script a fresh interpreter.
+    """
+    argv = [os.path.join(SCRIPTS, name), *map(str, args)]
+    env = _env()
+    if _WARM.serves(env):
+        return _WARM.run(argv, env, timeout)
+    return _run_fresh([sys.executable, "-u", *argv], env, timeout)
+
+
+def _run_fresh(argv, env, timeout):
     process = subprocess.Popen(
-        argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
     try:
@@ -54,13 +72,132 @@ def run_script(name, *args, timeout=300):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        raise AssertionError(f"{name} {args} timed out after {timeout}s:\n{output[-4000:]}")
+        raise AssertionError(f"{argv[2:]} timed out after {timeout}s:\n{output[-4000:]}")
     finally:
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return process.returncode, output
+
+
+# Environment variables TensorFlow, Keras, kd or Python read while they
+# import: a script whose values differ runs in a fresh interpreter.
+_IMPORT_TIME = ("TF_", "KERAS_", "CUDA_", "XLA_", "PYTHON", "OMP_", "MKL_", "LD_")
+
+
+def _import_time(env):
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME)}
+
+
+class _Warm:
+    """This process's warm interpreter (tests/_warm.py), started at first use.
+
+    Importing TensorFlow, Keras and kd is about 5 CPU seconds a process; a
+    child forked after the imports starts in a fraction of a second. One
+    request at a time (a second caller at the same time gets a fresh
+    interpreter); the warm process ends with this one.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._process = None
+        self._channel = None
+        self._answers = None
+        self._env = None
+        self._broken = False
+
+    def serves(self, env):
+        if self._broken or env.get("KD_TESTS_FRESH_PROCESSES") == "1":
+            return False
+        if self._process is None:
+            return True
+        return _import_time(env) == _import_time(self._env)
+
+    def _start(self, env):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._errors = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(
+            [sys.executable, "-u", os.path.join(REPO, "tests", "_warm.py"), str(theirs.fileno())],
+            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            stdout=self._errors, stderr=self._errors, start_new_session=True,
+        )
+        theirs.close()
+        self._channel = mine
+        self._answers = mine.makefile("r")
+        self._env = env
+        atexit.register(self.close)
+
+    def close(self):
+        if self._process is not None:
+            self._channel.close()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_groups([self._process])
+
+    def _answer(self, prefix):
+        line = self._answers.readline()
+        if not line.startswith(prefix):
+            self._broken = True
+            self._errors.seek(0)
+            raise AssertionError(f"the warm interpreter (tests/_warm.py) ended: {line!r}\n"
+                                 f"{self._errors.read()[-4000:].decode(errors='replace')}")
+        return int(line.split()[1])
+
+    def run(self, argv, env, timeout):
+        if not self._lock.acquire(blocking=False):
+            return _run_fresh([sys.executable, "-u", *argv], env, timeout)
+        try:
+            if self._process is None:
+                self._start(env)
+            read, write = os.pipe()
+            try:
+                request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}) + "\n"
+                socket.send_fds(self._channel, [request.encode()], [write])
+            finally:
+                os.close(write)
+            pid = self._answer("PID ")
+            try:
+                output = _read_until_closed(read, timeout)
+            except TimeoutError:
+                output = None
+                _kill_group(pid)
+            finally:
+                os.close(read)
+            status = self._answer("STATUS ")  # the zygote reaped the child
+            _kill_group(pid)  # what the script left in its group
+            if output is None:
+                raise AssertionError(f"{argv} timed out after {timeout}s")
+            return os.waitstatus_to_exitcode(status), output
+        finally:
+            self._lock.release()
+
+
+def _read_until_closed(descriptor, timeout):
+    """The text written to pipe `descriptor` until every writer closed it."""
+    deadline = time.monotonic() + timeout
+    chunks = []
+    with selectors.DefaultSelector() as selector:
+        selector.register(descriptor, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                raise TimeoutError
+            chunk = os.read(descriptor, 1 << 16)
+            if not chunk:
+                return b"".join(chunks).decode(errors="replace")
+            chunks.append(chunk)
+
+
+def _kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_WARM = _Warm()
 
 
 def results_of(output):
