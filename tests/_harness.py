@@ -105,6 +105,7 @@ class _Warm:
         self._channel = None
         self._answers = None
         self._env = None
+        self._errors = None
         self._broken = False
 
     def serves(self, env):
@@ -159,34 +160,31 @@ class _Warm:
                 os.close(write)
             pid = self._answer("PID ")
             try:
-                output = _read_until_closed(read, timeout)
-            except TimeoutError:
-                output = None
-                _kill_group(pid)
+                output, ended = _read_until_closed(read, timeout)
             finally:
                 os.close(read)
-            status = self._answer("STATUS ")  # the zygote reaped the child
+            if not ended:
+                _kill_group(pid)
+            status = self._answer("STATUS ")  # the warm interpreter reaped the child
             _kill_group(pid)  # what the script left in its group
-            if output is None:
-                raise AssertionError(f"{argv} timed out after {timeout}s")
+            if not ended:
+                raise AssertionError(f"{argv} timed out after {timeout}s:\n{output[-4000:]}")
             return os.waitstatus_to_exitcode(status), output
         finally:
             self._lock.release()
 
 
 def _read_until_closed(descriptor, timeout):
-    """The text written to pipe `descriptor` until every writer closed it."""
+    """(text, True) written to pipe `descriptor` until every writer closed it; (text so far, False) at the timeout."""
     deadline = time.monotonic() + timeout
     chunks = []
     with selectors.DefaultSelector() as selector:
         selector.register(descriptor, selectors.EVENT_READ)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not selector.select(left):
-                raise TimeoutError
-            chunk = os.read(descriptor, 1 << 16)
+            chunk = os.read(descriptor, 1 << 16) if left > 0 and selector.select(left) else None
             if not chunk:
-                return b"".join(chunks).decode(errors="replace")
+                return b"".join(chunks).decode(errors="replace"), chunk is not None
             chunks.append(chunk)
 
 

@@ -1,0 +1,72 @@
+"""The suite's process harness: a warm child is what a fresh interpreter is.
+
+tests/_harness.py runs each script in a child forked from a warm interpreter
+(TensorFlow imported once). These tests run a script that reports what it
+sees both ways, and compare the warm child with a fresh `python -u`.
+"""
+
+import os
+
+import pytest
+
+from tests import _harness
+
+
+def _facts(output):
+    (facts,) = _harness.results_of(output)
+    return facts
+
+
+def _run(*args):
+    code, output = _harness.run_script("interpreter_facts.py", *args, timeout=120)
+    return code, output, _facts(output)
+
+
+@pytest.mark.cluster
+def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
+    monkeypatch.setenv("KD_PROBE", "set by this test")  # not read at import: the warm path serves it
+    results = {}
+    for fresh in (False, True):
+        if fresh:
+            monkeypatch.setenv("KD_TESTS_FRESH_PROCESSES", "1")
+        for mode, args, expected_code in (("exit", [3], 3), ("raise", [], 1)):
+            code, output, facts = _run(mode, *args)
+            assert code == expected_code, output[-3000:]
+            assert "to stderr" in output, output[-3000:]
+            if mode == "raise":
+                assert "RuntimeError: the script's own error" in output, output[-3000:]
+            results[fresh, mode] = facts
+    for mode in ("exit", "raise"):
+        warm, fresh = results[False, mode], results[True, mode]
+        assert warm.pop("parent") != os.getpid(), warm  # forked by the warm interpreter
+        assert fresh.pop("parent") == os.getpid(), fresh
+        assert warm == fresh, (warm, fresh)
+        assert warm["devices"] == 2 and warm["own_session"] and warm["name"] == "__main__", warm
+        assert warm["probe"] == "set by this test" and warm["path0"] == _harness.SCRIPTS, warm
+
+
+@pytest.mark.cluster
+def test_os_exit_and_an_import_time_variable(monkeypatch, tmp_path):
+    code, output, facts = _run("os_exit", 5)
+    assert code == 5 and facts["parent"] != os.getpid(), output[-3000:]
+    # KERAS_HOME is read while Keras imports: a fresh interpreter, not the warm one.
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    code, output, facts = _run("exit", 0)
+    assert code == 0 and facts["parent"] == os.getpid(), output[-3000:]
+
+
+@pytest.mark.cluster
+def test_a_script_past_its_timeout_is_killed_with_its_group():
+    with pytest.raises(AssertionError, match=r"timed out after 3s") as caught:
+        _harness.run_script("hang.py", timeout=3)
+    pid = int(str(caught.value).split("PID ")[1].split()[0])
+    assert not _harness.survivors([pid]), pid
+    # The warm interpreter serves the next script.
+    code, output, facts = _run("exit", 0)
+    assert code == 0 and facts["parent"] != os.getpid(), output[-3000:]
+
+
+def test_an_unmarked_test_cannot_start_a_script():
+    # tests/conftest.py refuses a process to a test without the marker, the warm path too.
+    with pytest.raises(AssertionError, match="is not marked `@pytest.mark.cluster`"):
+        _harness.run_script("interpreter_facts.py", "exit", 0)
