@@ -9,7 +9,6 @@ stale: a test without it that starts a process fails, naming the marker.
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -40,21 +39,34 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def _processes_need_the_cluster_marker(request, monkeypatch):
-    if request.node.get_closest_marker("cluster") is not None:
-        return
-    nodeid = request.node.nodeid
+# The id of the running test while it has no cluster marker: set for its whole
+# protocol, so that a module or session fixture it sets up is held to it too.
+UNMARKED_VARIABLE = "KD_TESTS_UNMARKED"
 
-    def refuse(self, args, *unused_args, **unused_kwargs):
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    unmarked = item.get_closest_marker("cluster") is None
+    if unmarked:
+        os.environ[UNMARKED_VARIABLE] = item.nodeid  # tests/_harness.py then skips its warm path
+    try:
+        yield
+    finally:
+        os.environ.pop(UNMARKED_VARIABLE, None)
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _refuse_unmarked(self, args, *more_args, **kwargs):
+    nodeid = os.environ.get(UNMARKED_VARIABLE)
+    if nodeid is not None:
         raise AssertionError(
             f"{nodeid} starts a process ({args!r:.120}) but is not marked "
             f"`@pytest.mark.cluster`: add the marker, so that `-m \"not cluster\"` "
             f"keeps running only tests that stay in this process."
         )
+    _popen_init(self, args, *more_args, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    # The harness's warm interpreter forks without Popen: send its scripts to Popen.
-    harness = sys.modules.get("tests._harness")
-    if harness is not None:
-        monkeypatch.setattr(harness._WARM, "serves", lambda env: False)
+
+subprocess.Popen.__init__ = _refuse_unmarked

@@ -102,11 +102,13 @@ def four_replicas():
     return result
 
 
+@pytest.mark.cluster
 def test_global_batch_not_divisible_is_explained(four_replicas):
     assert "`global_batch_size`=30 is not divisible by the 4 replicas in sync" in four_replicas["error"]
     assert "Use a multiple of 4 (e.g. 28 or 32)" in four_replicas["error"]
 
 
+@pytest.mark.cluster
 def test_describe_input_reports_tensorflows_real_split(four_replicas):
     # The reference is TensorFlow itself: the rows each replica receives.
     for split in four_replicas["splits"]:
