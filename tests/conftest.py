@@ -39,13 +39,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-# The id of the running test while it has no cluster marker: set for its whole
-# protocol, so that a module or session fixture it sets up is held to it too.
+# The id of the running test while it has no cluster marker: set while it is
+# set up (module and session fixtures it asks for included) and while it runs.
+# Not at teardown: the last test of a module or run also finalizes fixtures it
+# does not own (the Slurm cluster's `scancel`).
 UNMARKED_VARIABLE = "KD_TESTS_UNMARKED"
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+def _hold_unmarked(item):
     unmarked = item.get_closest_marker("cluster") is None
     if unmarked:
         os.environ[UNMARKED_VARIABLE] = item.nodeid  # tests/_harness.py then skips its warm path
@@ -53,6 +54,16 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         os.environ.pop(UNMARKED_VARIABLE, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _hold_unmarked(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _hold_unmarked(item)
 
 
 _popen_init = subprocess.Popen.__init__
