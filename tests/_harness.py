@@ -70,14 +70,11 @@ def _run_fresh(argv, env, timeout):
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_group(process.pid)
         output, _ = process.communicate()
         raise AssertionError(f"{argv[2:]} timed out after {timeout}s:\n{output[-4000:]}")
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(process.pid)
     return process.returncode, output
 
 
