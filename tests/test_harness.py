@@ -24,6 +24,7 @@ def _run(*args):
 
 @pytest.mark.cluster
 def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
+    monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)  # these tests are about the warm path
     monkeypatch.setenv("KD_PROBE", "set by this test")  # not read at import: the warm path serves it
     results = {}
     for fresh in (False, True):
@@ -47,6 +48,7 @@ def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
 
 @pytest.mark.cluster
 def test_os_exit_and_an_import_time_variable(monkeypatch, tmp_path):
+    monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)
     code, output, facts = _run("os_exit", 5)
     assert code == 5 and facts["parent"] != os.getpid(), output[-3000:]
     # KERAS_HOME is read while Keras imports: a fresh interpreter, not the warm one.
@@ -56,7 +58,8 @@ def test_os_exit_and_an_import_time_variable(monkeypatch, tmp_path):
 
 
 @pytest.mark.cluster
-def test_a_script_past_its_timeout_is_killed_with_its_group():
+def test_a_script_past_its_timeout_is_killed_with_its_group(monkeypatch):
+    monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)
     with pytest.raises(AssertionError, match=r"timed out after 3s") as caught:
         _harness.run_script("hang.py", timeout=3)
     pid = int(str(caught.value).split("PID ")[1].split()[0])
