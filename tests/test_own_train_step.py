@@ -27,8 +27,11 @@ def _check(results, patterns, tolerance):
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("config,dtype", [("mirrored2", "float64"), ("mirrored2", "float32"),
-                                          ("central_storage2", "float64")])
+# float64 is the strict comparison (1e-9); float32 under mirrored is what
+# tutorials/own_train_step runs (its test checks 2e-5), so here it is in `-m full`.
+@pytest.mark.parametrize("config,dtype", [
+    ("mirrored2", "float64"), pytest.param("mirrored2", "float32", marks=pytest.mark.full),
+    ("central_storage2", "float64")])
 def test_patterns_match_one_device(config, dtype):
     code, output = _harness.run_script("own_train_step.py", config, ",".join(PATTERNS), dtype,
                                        timeout=600)
