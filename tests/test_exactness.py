@@ -103,6 +103,12 @@ def _check(path, results, features):
     assert not failures, "\n".join(map(str, failures))
 
 
+def _process_results(path, features):
+    code, output = _harness.run_script("exactness.py", path, ",".join(features), timeout=600)
+    assert code == 0, output[-4000:]
+    return _harness.results_of(output)
+
+
 def _cluster_results(path, features):
     result, output = _harness.run_cluster(
         "exactness.py", path, ",".join(features), workers=2, timeout=600
@@ -116,10 +122,7 @@ def _cluster_results(path, features):
 @pytest.mark.cluster
 @pytest.mark.parametrize("path", sorted(MATRIX))
 def test_feature_matches_one_device(path):
-    features = MATRIX[path]
-    code, output = _harness.run_script("exactness.py", path, ",".join(features), timeout=600)
-    assert code == 0, output[-4000:]
-    _check(path, _harness.results_of(output), features)
+    _check(path, _process_results(path, MATRIX[path]), MATRIX[path])
 
 
 @pytest.mark.full
@@ -130,10 +133,8 @@ def test_the_rest_of_the_cross_product_matches_one_device(path):
     if path == "multi_worker":
         for task_results in _cluster_results(path, features).values():
             _check(path, task_results, features)
-        return
-    code, output = _harness.run_script("exactness.py", path, ",".join(features), timeout=600)
-    assert code == 0, output[-4000:]
-    _check(path, _harness.results_of(output), features)
+    else:
+        _check(path, _process_results(path, features), features)
 
 
 @pytest.mark.cluster
