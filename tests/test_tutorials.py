@@ -108,7 +108,9 @@ def test_migrate_multi_worker_training(tmp_path):
 def test_fine_tune_ecosystem_models(tmp_path):
     result = run_notebook(
         "fine_tune_ecosystem_models", {"ROWS": 33, "BATCH": 16, "EPOCHS": 1},
-        "{'diff': MAX_DIFF, 'reloaded': RELOADED_SAME, 'plain': PLAIN_BERT, 'tags': GRAPH_TAGS}",
+        "{'diff': MAX_DIFF, 'reloaded': RELOADED_SAME, 'plain': PLAIN_BERT, 'tags': GRAPH_TAGS, "
+        "'reloaded_class': type(reloaded).__name__, 'compiled': reloaded.compiled, "
+        "'steps': int(reloaded.optimizer.iterations.numpy())}",
         tmp_path,
     )
     # A KerasHub task and a keras.applications backbone: exact under the strategy.
@@ -116,7 +118,10 @@ def test_fine_tune_ecosystem_models(tmp_path):
     assert max(result["diff"].values()) <= 2e-5, result
     # The same task on plain Keras fails, and the report shows TensorFlow's message.
     assert "failed (on one device it runs)" in result["plain"] and "bool" in result["plain"], result
+    # The registered KerasHub subclass reloads as itself, compiled, with its
+    # optimizer's steps (33 rows in batches of 16: 3 a epoch), and predicts the same.
     assert result["reloaded"] is True
+    assert (result["reloaded_class"], result["compiled"], result["steps"]) == ("ExactBertClassifier", True, 3)
     assert "keras" in result["tags"], result  # the model graph, for kd's FunctionalModel
 
 
