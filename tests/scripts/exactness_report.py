@@ -35,23 +35,19 @@ def main():
         with open(sys.argv[1]) as f:
             tf_keras = json.load(f)
     table = {}
-    full = {path: features + matrix.FULL_EXTRA.get(path, [])
-            for path, features in {**matrix.MATRIX, "multi_worker": matrix.MULTI_WORKER}.items()}
-    multi_worker = full.pop("multi_worker")
-    runs = dict(full)
+    runs = {path: features + matrix.FULL_EXTRA.get(path, []) for path, features in matrix.MATRIX.items()}
     runs["plain-mirrored2"] = matrix.ALL
     for path, features in runs.items():
         code, output = _harness.run_script("exactness.py", path, ",".join(features), timeout=900)
         for result in _harness.results_of(output):
             table.setdefault(result["feature"], {})[path] = result
         print(f"{path}: exit {code}", file=sys.stderr, flush=True)
-    cluster, output = _harness.run_cluster(
+    multi_worker = matrix.MULTI_WORKER + matrix.FULL_EXTRA["multi_worker"]
+    _, output = _harness.run_cluster(
         "exactness.py", "multi_worker", ",".join(multi_worker), workers=2, timeout=900
     )
-    lines = [line.split("] ", 1)[1] for line in output.splitlines() if "] RESULT " in line]
-    for result in _harness.results_of("\n".join(lines)):
-        if result["task"] == "worker 0":
-            table.setdefault(result["feature"], {})["multi_worker"] = result
+    for result in _harness.results_by_task(output).get("worker 0", []):
+        table.setdefault(result["feature"], {})["multi_worker"] = result
     paths = list(matrix.MATRIX) + ["multi_worker"]
     print("| feature | " + " | ".join(paths) + " | Keras 3 mirrored2 | tf-keras mirrored2 |")
     print("|---" * (len(paths) + 3) + "|")

@@ -31,8 +31,9 @@ import tensorflow as tf  # noqa: E402
 from keras_distrib.training import replica  # noqa: E402
 
 STRATEGY = kd.make_strategy(KIND)  # one per process: strategies would share collective keys
-FLOAT64_ONLY = "--float64-only" in sys.argv[2:]  # the exact cases too: 1e-9 bounds the arithmetic
-CASES = [name for name in sys.argv[2:] if name != "--float64-only"]
+# --float64-only: the exact cases too run in float64 alone (1e-9 bounds the arithmetic).
+FLOAT64_ONLY = "--float64-only" in sys.argv[2:]
+CASES = [name for name in sys.argv[2:] if not name.startswith("--")]
 EPOCHS = 2
 BATCH = 32
 rng = np.random.default_rng(3)
