@@ -87,6 +87,7 @@ PRIVATE_NAMES = (
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_num_batches", "attribute: steps per epoch, None until the data ends"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_get_iterator", "method(): what a fresh epoch iterates"),
     ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_current_iterator", "attribute: the open iterator, None before an epoch"),
+    ("keras.src.backend.tensorflow.trainer.TFEpochIterator", "_epoch_iterator", "attribute: the pass's generator, None before one"),
     ("tensorflow.python.distribute.input_lib.DistributedDataset", "_original_dataset", "attribute: the dataset before distribution"),
     ("tensorflow.python.distribute.input_lib.DistributedDataset", "_strategy", "attribute set in __init__"),
     ("tensorflow.python.distribute.input_lib.DistributedDataset", "_options", "attribute: its tf.distribute.InputOptions"),
@@ -227,6 +228,7 @@ from keras_distrib._keras_compat.data import concat_replicas  # noqa: F401
 from keras_distrib._keras_compat.data import concrete_functions  # noqa: F401
 from keras_distrib._keras_compat.data import data_batch_size  # noqa: F401
 from keras_distrib._keras_compat.data import dataset_element_spec  # noqa: F401
+from keras_distrib._keras_compat.data import end_pass  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_distributed_dataset  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_iterator  # noqa: F401
 from keras_distrib._keras_compat.data import in_symbolic_scope  # noqa: F401

@@ -168,6 +168,21 @@ def chunk_end_hooks(callbacks):
 
 
 @contextlib.contextmanager
+def _one_pass(source):
+    """The source's stop-of-data handling for one pass; the pass is ended on leaving.
+
+    A pass left early (`stop_training`, an error) would otherwise keep its
+    tf.data iterators alive until a full garbage collection (see
+    `_keras_compat.end_pass`).
+    """
+    try:
+        with source.catch_stop_iteration():
+            yield
+    finally:
+        _keras_compat.end_pass(source)
+
+
+@contextlib.contextmanager
 def _lost_tasks_explained():
     """Puts kd's explanation first on an error that says the cluster lost a task.
 
@@ -279,7 +294,7 @@ def _fit_epochs(model, source, runner, position, epochs, callbacks, validate, ch
         done = position.batch if epoch == position.epoch else 0
         pending = 0 if skip_before_distribution(model, source, done) else done
         ran = False  # a step ran, or the backup held the batches
-        with source.catch_stop_iteration():
+        with _one_pass(source):
             for begin, end, iterator in source:
                 if end < done:  # the backup holds this whole chunk
                     if pending:
@@ -345,7 +360,7 @@ def evaluate_pass(model, source, runner, *, callbacks, return_dict):
     # step reports only its metrics: no collective per call for them.
     once = (not _reads_test_batch_logs(callbacks) and hasattr(runner, "read_logs")
             and step_lib.reports_only_metrics(model, "test"))
-    with source.catch_stop_iteration():
+    with _one_pass(source):
         for begin, end, iterator in source:
             callbacks.on_test_batch_begin(begin)
             logs = runner.run(iterator, end - begin + 1, logs=False) if once else \
@@ -371,7 +386,7 @@ def predict_pass(model, source, runner, *, callbacks):
     model.stop_predicting = False
     callbacks.on_predict_begin()
     outputs = []
-    with source.catch_stop_iteration():
+    with _one_pass(source):
         for begin, end, iterator in source:
             callbacks.on_predict_batch_begin(begin)
             batch_outputs = runner.run(iterator, end - begin + 1)

@@ -4,7 +4,8 @@ this directory first on PYTHONPATH (a diagnostic for the test suite's idle time,
     GC_PAUSES_LOG=/tmp/gc.txt PYTHONPATH=tools/gc_pauses python -m pytest -n 0 -q TEST
     awk '{wall += $3; cpu += $4} END {print wall, cpu}' /tmp/gc.txt
 
-One line per generation-2 collection: pid, thread, wall seconds, CPU seconds of the process.
+One line per generation-2 collection: pid, thread, wall seconds, CPU seconds of the process,
+and the pytest test running (PYTEST_CURRENT_TEST), or `-` outside one.
 A collection whose wall time far exceeds its CPU time waited on something: on TensorFlow 2.21
 a tf.data iterator freed by the collector, whose destructor waits for the input pipeline's
 autotuning thread to wake up (seen: 1 to 40 s). `GC_PAUSES_NO_AUTOTUNE=1` turns tf.data's
@@ -31,7 +32,8 @@ def _on_collection(phase, info):
     wall = time.time() - _started["wall"]
     cpu = time.process_time() - _started["cpu"]
     with open(_LOG, "a") as log:
-        log.write(f"{os.getpid()} {threading.current_thread().name} {wall:.2f} {cpu:.2f}\n")
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+        log.write(f"{os.getpid()} {threading.current_thread().name} {wall:.2f} {cpu:.2f} {test}\n")
 
 
 class _AutotuneOff(importlib.abc.MetaPathFinder):
