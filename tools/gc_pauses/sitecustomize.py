@@ -11,6 +11,11 @@ a tf.data iterator freed by the collector, whose destructor waits for the input 
 autotuning thread to wake up (seen: 1 to 40 s). `GC_PAUSES_NO_AUTOTUNE=1` turns tf.data's
 autotuning off in every `tf.data.Options()` (Keras's own pipelines included), the contrast that
 shows the wait is that thread's.
+
+`GC_PAUSES_PROCESSES=/tmp/p.txt` logs each Python process's own CPU and wall seconds as it
+exits normally: pid, CPU, wall, whether it imported TensorFlow, the test that started it (the
+environment it inherited), its script and first argument. A forked child (the tests' warm
+interpreter's) inherits no start time and is not logged; a killed process is not either.
 """
 
 import importlib.abc
@@ -55,6 +60,25 @@ class _AutotuneOff(importlib.abc.MetaPathFinder):
         return None
 
 
+_PROCESSES = os.environ.get("GC_PAUSES_PROCESSES")
+
+
+def _log_process(started_wall):
+    if os.getpid() != _started["pid"]:
+        return  # a forked child
+    times = os.times()
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+    script = " ".join(os.path.basename(a) for a in sys.argv[:2]) or "-"
+    with open(_PROCESSES, "a") as log:
+        log.write(f"{os.getpid()} {times.user + times.system:.2f} {time.time() - started_wall:.2f} "
+                  f"{int('tensorflow' in sys.modules)} {test} {script}\n")
+
+
+if _PROCESSES:
+    import atexit
+
+    _started["pid"] = os.getpid()
+    atexit.register(_log_process, time.time())
 if _LOG:
     import gc
 
