@@ -1,6 +1,8 @@
 """kd.SidecarEvaluator: every new checkpoint evaluated as the chief writes it."""
 
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -10,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
+from keras_distrib.cluster import supervisor
 from tests import _harness
 
 
@@ -105,3 +108,35 @@ def test_evaluator_task_beside_two_workers(tmp_path):
     assert evaluations[-1] == pytest.approx(by_task["worker 0"]["final"], rel=1e-5)
     assert by_task["evaluator 0"]["checkpoints"][-1].endswith("ckpt-4")
     assert os.path.exists(best)
+
+
+def _follower_run(leader_code, follower_code):
+    """The launcher's result for a worker and an evaluator (a follower) running these scripts."""
+    def spec(task_type, code, **kind):
+        return supervisor.TaskSpec(task_type, 0, [sys.executable, "-c", code], dict(os.environ), **kind)
+
+    lines = []
+    result = supervisor.run_tasks([spec("worker", leader_code), spec("evaluator", follower_code, follower=True)],
+                                  timeout=60, sink=lines.append)
+    return result, lines
+
+
+@pytest.mark.cluster
+def test_an_evaluator_the_launcher_stops_on_its_way_out_ends_the_run_well():
+    # The evaluator saw training end and restored Python's own SIGTERM action
+    # on its way out: the launcher's SIGTERM then ends it with -15 (CI saw this
+    # race once). It was asked to stop, so the run succeeded.
+    result, lines = _follower_run("pass", "import time; time.sleep(60)")
+    assert result.returncode == 0, lines
+    assert [t.returncode for t in result.tasks] == [0, -signal.SIGTERM]
+    assert "[launcher] training ended; stopping evaluator 0" in lines
+
+
+@pytest.mark.cluster
+def test_an_evaluator_killed_before_training_ended_fails_the_run():
+    # The same -15, but not from the launcher: someone stopped it mid-training.
+    result, lines = _follower_run("import time; time.sleep(3)",
+                                  "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    assert result.returncode == 128 + signal.SIGTERM, lines
+    assert result.failed.label == "evaluator 0"
+    assert not any("training ended" in line for line in lines)

@@ -494,6 +494,12 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
             for task in tasks:
                 task.check_guard()
             codes = [t.process.poll() for t in tasks]
+            if told_followers:
+                # A follower the launcher stopped ended as asked, whether its own
+                # handler ran (exit 0) or the SIGTERM came as it was already on
+                # its way out, after its handler was gone (-15).
+                codes = [0 if t in followers and code == -signal.SIGTERM else code
+                         for t, code in zip(tasks, codes)]
             failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
             if not watched:
                 # A node that runs only servers (a per-node agent's ps and
@@ -528,7 +534,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
             if lost_ps and time.monotonic() - lost_ps[1] > PS_LOSS_WAIT:
                 failed = lost_ps[0]
                 break
-            if all(t.process.poll() == 0 for t in watched):
+            if all(code == 0 for t, code in zip(tasks, codes) if t in watched):
                 break
             if followers and not told_followers and all(t.process.poll() == 0 for t in leaders):
                 told_followers = True
