@@ -112,12 +112,12 @@ def test_evaluator_task_beside_two_workers(tmp_path):
 
 def _follower_run(leader_code, follower_code):
     """The launcher's result for a worker and an evaluator (a follower) running these scripts."""
-    def spec(task_type, code, **kind):
-        return supervisor.TaskSpec(task_type, 0, [sys.executable, "-c", code], dict(os.environ), **kind)
+    def spec(task_type, code, **options):
+        return supervisor.TaskSpec(task_type, 0, [sys.executable, "-c", code], dict(os.environ), **options)
 
     lines = []
-    result = supervisor.run_tasks([spec("worker", leader_code), spec("evaluator", follower_code, follower=True)],
-                                  timeout=60, sink=lines.append)
+    specs = [spec("worker", leader_code), spec("evaluator", follower_code, follower=True)]
+    result = supervisor.run_tasks(specs, timeout=60, sink=lines.append)
     return result, lines
 
 
