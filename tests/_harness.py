@@ -44,6 +44,10 @@ def _env():
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["CUDA_VISIBLE_DEVICES"] = ""
+    # A process that dies of SIGSEGV, SIGABRT or SIGBUS prints where its
+    # threads were (Python's faulthandler): a crash then reads as more than a
+    # return code of -11.
+    env["PYTHONFAULTHANDLER"] = "1"
     env.pop("TF_CONFIG", None)
     return env
 

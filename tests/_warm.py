@@ -9,6 +9,15 @@ own device layout), then forks a child per request that runs the script as
 environment, argv, working directory and `__main__`, its output on the
 requester's pipe, and its exit status sent back.
 
+A child ends as the interpreter would end the script (its threads joined,
+its atexit functions run, its output flushed, the same exit status) but
+skips the interpreter's teardown: a final garbage collection over every
+TensorFlow and Keras object, then freeing them one by one. A child that
+only starts a strategy took 1.3 to 2.0 s to be answered, its teardown
+nearly all of it, and takes 0.1 s without. The objects imported here are
+frozen out of the garbage collector (`gc.freeze`) before the first fork, so
+a child's collections do not walk (and copy) them.
+
 Protocol on the socket given as argv[1] (a file descriptor): a request is one
 JSON line `{"argv": [...], "env": {...}, "cwd": ...}` sent with the output
 pipe's descriptor (SCM_RIGHTS); the answer is a line `PID n`, then, when the
@@ -16,12 +25,16 @@ child has ended, `STATUS n` (a `os.waitpid` status). End of input ends this
 process.
 """
 
+import atexit
+import gc
 import json
 import os
 import runpy
 import signal
 import socket
 import sys
+import threading
+import traceback
 
 
 def _receive(channel):
@@ -45,7 +58,33 @@ def _run_child(request, output):
     script = request["argv"][0]
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    code = _exit_code(lambda: runpy.run_path(script, run_name="__main__"))
+    threading._shutdown()  # the interpreter's own first step at exit: join non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # replaced, or closed, by the script
+            pass
+    return code
+
+
+def _exit_code(run):
+    """The exit status `python script` would end with after `run()`."""
+    try:
+        run()
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -signal.SIGINT  # as Python ends on an uncaught KeyboardInterrupt
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
 
 
 def main(descriptor):
@@ -54,15 +93,24 @@ def main(descriptor):
 
     assert not context.context()._initialized, "TensorFlow initialized before the fork"
     channel = socket.socket(fileno=descriptor)
+    gc.freeze()
     while True:
         request, output = _receive(channel)
         if request is None:
             return 0
         pid = os.fork()
         if pid == 0:
-            channel.close()
-            _run_child(request, output)
-            return 0  # the interpreter then ends as a script's would (atexit, threads, flush)
+            code = 1
+            try:
+                channel.close()
+                code = _run_child(request, output)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                if code < 0:  # killed by that signal, as the interpreter would be
+                    signal.signal(-code, signal.SIG_DFL)
+                    os.kill(os.getpid(), -code)
+                os._exit(code)
         os.close(output)
         channel.sendall(f"PID {pid}\n".encode())
         _, status = os.waitpid(pid, 0)

@@ -30,14 +30,20 @@ def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
     for fresh in (False, True):
         if fresh:
             monkeypatch.setenv("KD_TESTS_FRESH_PROCESSES", "1")
-        for mode, args, expected_code in (("exit", [3], 3), ("raise", [], 1)):
+        for mode, args, expected_code, text in (
+            ("exit", [3], 3, None),
+            ("exit_text", [], 1, "the script's own exit message"),
+            ("raise", [], 1, "RuntimeError: the script's own error"),
+            ("interrupt", [], -2, "KeyboardInterrupt"),
+        ):
             code, output, facts = _run(mode, *args)
             assert code == expected_code, output[-3000:]
             assert "to stderr" in output, output[-3000:]
-            if mode == "raise":
-                assert "RuntimeError: the script's own error" in output, output[-3000:]
+            assert text is None or text in output, output[-3000:]
+            # The interpreter's end: threads joined, then atexit, then the output flushed.
+            assert "thread ended" in output and "atexit ran after the thread" in output, output[-3000:]
             results[fresh, mode] = facts
-    for mode in ("exit", "raise"):
+    for mode in ("exit", "exit_text", "raise", "interrupt"):
         warm, fresh = results[False, mode], results[True, mode]
         assert warm.pop("parent") != os.getpid(), warm  # forked by the warm interpreter
         assert fresh.pop("parent") == os.getpid(), fresh
