@@ -58,7 +58,7 @@ def _run_child(request, output):
     script = request["argv"][0]
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    code = _exit_code(lambda: runpy.run_path(script, run_name="__main__"))
+    code = _run_script(script)
     threading._shutdown()  # the interpreter's own first step at exit: join non-daemon threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -69,21 +69,21 @@ def _run_child(request, output):
     return code
 
 
-def _exit_code(run):
-    """The exit status `python script` would end with after `run()`."""
+def _run_script(script):
+    """Runs `script` as `__main__`; the exit status `python script` would end with.
+
+    0-255, or -SIGINT for an uncaught KeyboardInterrupt (Python then ends by that signal).
+    """
     try:
-        run()
+        runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
+            return (exit_.code or 0) & 0xFF  # sys.exit(-1) ends with 255, as in Python
         print(exit_.code, file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return -signal.SIGINT  # as Python ends on an uncaught KeyboardInterrupt
-    except BaseException:
+    except BaseException as error:
         sys.excepthook(*sys.exc_info())
-        return 1
+        return -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     return 0
 
 
@@ -107,7 +107,7 @@ def main(descriptor):
             except BaseException:
                 traceback.print_exc()
             finally:
-                if code < 0:  # killed by that signal, as the interpreter would be
+                if code < 0:  # an uncaught KeyboardInterrupt: end by SIGINT, as Python does
                     signal.signal(-code, signal.SIG_DFL)
                     os.kill(os.getpid(), -code)
                 os._exit(code)

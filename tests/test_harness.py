@@ -32,6 +32,7 @@ def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
             monkeypatch.setenv("KD_TESTS_FRESH_PROCESSES", "1")
         for mode, args, expected_code, text in (
             ("exit", [3], 3, None),
+            ("exit", [-1], 255, None),  # not a signal: Python keeps the low byte
             ("exit_text", [], 1, "the script's own exit message"),
             ("raise", [], 1, "RuntimeError: the script's own error"),
             ("interrupt", [], -2, "KeyboardInterrupt"),
