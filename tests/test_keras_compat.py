@@ -22,7 +22,6 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import losses as kd_losses
-from tests import _harness
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
 
@@ -189,22 +188,6 @@ def test_importing_kd_patches_no_keras_or_tensorflow_class():
     lines = [l for l in process.stdout.splitlines() if l.startswith("CHANGED ")]
     assert lines, process.stderr[-3000:]
     assert json.loads(lines[0][8:]) == []
-
-
-@pytest.mark.cluster
-def test_autograph_leaves_kds_code_unconverted_in_a_users_step():
-    """Measured in the trace: which modules' functions ran as AutoGraph's rewrites."""
-    code, output = _harness.run_script("autograph_rules.py")
-    assert code == 0, output[-4000:]
-    (result,) = _harness.results_of(output)
-    assert result["rule_first"]
-    # The contrast: without kd's rule AutoGraph rewrites kd's losses, models
-    # and penalty walks inside the user's step (what every trace paid).
-    assert {"keras_distrib.training.losses", "keras_distrib.training.models",
-            "keras_distrib.training.penalties"} <= set(result["without"]), result
-    # With it only the user's own step is converted, and it computes the same loss.
-    assert result["with"] == ["__main__"], result
-    assert result["losses"][0] == result["losses"][1]
 
 
 def test_keras_still_scales_losses_by_replica_count():

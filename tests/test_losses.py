@@ -42,6 +42,25 @@ def test_two_replicas_and_the_cross_replica_refusal():
     assert result["reg_rows_with_empty"] == pytest.approx([0.4, 0.4])
 
 
+@pytest.mark.cluster
+def test_autograph_leaves_kds_functions_as_written_in_a_users_step():
+    """Measured in the trace: which functions ran as AutoGraph's rewrites of themselves."""
+    code, output = _harness.run_script("autograph_rules.py")
+    assert code == 0, output[-4000:]
+    (result,) = _harness.results_of(output)
+    # The user's step and the helper it calls are converted, as AutoGraph
+    # converts what a tf.function calls: the profiler sees a callee's rewrite.
+    assert {"__main__:step", "__main__:replica_step", "__main__:scaled_penalty"} <= set(result["kd"])
+    # kd's functions (losses, the model's call, the penalty walk, the
+    # optimizer's build) run as written.
+    assert not [name for name in result["kd"] if name.startswith("keras_distrib")], result["kd"]
+    # The contrast: the same two kd.losses functions without their wrapper
+    # are rewritten, with everything they call, on every new trace.
+    assert {"keras_distrib.training.losses:global_mean",
+            "keras_distrib.training.losses:scale_regularization"} <= set(result["kd_unwrapped"])
+    assert result["losses"][0] == result["losses"][1]
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 def test_every_function_keeps_the_losses_dtype(dtype):
     values = tf.constant([1.0, 2.0, 6.0], dtype)

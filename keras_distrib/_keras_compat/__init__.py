@@ -27,17 +27,14 @@ What kd corrects here, at the narrowest point it can reach:
   normalization with exact global moments, random layers drawing for the
   global batch (their `call` replaced per layer).
 
-Importing keras_distrib patches no Keras or TensorFlow class. It adds one
-rule to AutoGraph's conversion rules (`autograph`): kd's modules, like
-Keras's, are called as written inside a `tf.function`, not transpiled.
+Importing keras_distrib patches no Keras or TensorFlow class.
 
 The parts, one per thing adapted: `losses` (compiled losses, trackers,
 metrics, random draws), `trainer` (model and trainer internals), `data`
 (data adapters, epoch iterators, datasets), `strategies` (tf.distribute
 internals, the coordination service), `variables` (central storage,
 parameter servers, partitions, seed state), `optimizer` (the gradient
-pipeline), `layers` (the forward pass), `summaries` (TensorBoard) and
-`autograph` (AutoGraph's conversion rules). This
+pipeline), `layers` (the forward pass) and `summaries` (TensorBoard). This
 `__init__` keeps the version check and `PRIVATE_NAMES`, and re-exports what
 the rest of kd uses (`_keras_compat.<name>`).
 
@@ -186,16 +183,10 @@ PRIVATE_NAMES = (
     ("tensorflow.python.eager.context.Context", "set_config_key_value", "method(key, value)"),
     ("tensorflow.python.eager.context.Context", "get_config_key_value", "method(key, timeout_in_ms=0)"),
     ("tensorflow.python.eager.context.Context", "delete_config_key_value", "method(key)"),
-    # AutoGraph's rules: the first that matches a function's module decides.
-    ("tensorflow.python.autograph.core.config", "CONVERSION_RULES", "tuple of rules, read at each call"),
-    ("tensorflow.python.autograph.core.config_lib", "DoNotConvert", "class(module_prefix) with matches(name)"),
 )
 
 
 # What the rest of kd uses, by part (imported after the version check).
-from keras_distrib._keras_compat import autograph as _autograph  # noqa: E402
-
-_autograph.leave_unconverted()
 from keras_distrib._keras_compat.losses import CompileLoss  # noqa: F401
 from keras_distrib._keras_compat.losses import compile_loss_arguments  # noqa: F401
 from keras_distrib._keras_compat.losses import compiled_loss  # noqa: F401

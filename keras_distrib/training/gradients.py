@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 
+@tf.autograph.experimental.do_not_convert
 def all_reduce(gradients):
     """Sums per-replica gradients over every replica (one all-reduce).
 
@@ -236,6 +237,7 @@ def _build_outside_replicas(optimizer, variables):
         return
     variables = list(variables)
 
+    @tf.autograph.experimental.do_not_convert  # merge_call would convert it in a user's loop
     def build(strategy):
         if optimizer.built:
             return

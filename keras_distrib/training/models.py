@@ -917,6 +917,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         ]
         return list(recorded) + weight_penalties
 
+    # Called in users' `tf.function`s: it runs as written, as Keras's own call
+    # does (see `kd.losses`), not rewritten by AutoGraph at every trace.
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
         if not self._kd_replica_writes and tf.distribute.has_strategy() \
                 and not tf.distribute.in_cross_replica_context():
@@ -981,6 +984,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return self(x)
 
     @step_lib.metrics_only
+    @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -1011,6 +1015,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return logs
 
     @step_lib.metrics_only
+    @tf.autograph.experimental.do_not_convert
     def test_step(self, data):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -1023,6 +1028,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             kd_losses.track_loss(self, loss)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    @tf.autograph.experimental.do_not_convert
     def predict_step(self, data):
         """One replica's prediction step: the forward pass."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -1080,6 +1086,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     # The compiled steps (Keras's names; each is a `keras_distrib.training.step.Step`).
 
+    @tf.autograph.experimental.do_not_convert
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         """`keras.Model.compute_loss`: in a kd step, this replica's share of the global loss.
 

@@ -78,11 +78,13 @@ def _mark(tensor, kind):
     return tensor
 
 
+@tf.autograph.experimental.do_not_convert
 def mark_global(tensor):
     """Marks `tensor` as the same on every replica (e.g. global batch statistics)."""
     return _mark(tensor, FIXED)
 
 
+@tf.autograph.experimental.do_not_convert
 def mark_rows(tensor):
     """Marks `tensor` as holding the replica's rows, each its own (e.g. a laid-out random layer)."""
     return _mark(tensor, ROWS)
@@ -425,6 +427,7 @@ def _walk(tensor):
     return memo[tensor.op.name][tensor.value_index]
 
 
+@tf.autograph.experimental.do_not_convert
 def kind_of(term):
     """How `term` adds up over replicas: FIXED, ROW_SUM, ROW_MEAN or an `Unknown`.
 
@@ -453,6 +456,7 @@ def kind_of(term):
     return Unknown(term.op.name)
 
 
+@tf.autograph.experimental.do_not_convert
 def row_mixing(tensor):
     """Where `tensor` (per-example values) mixes the replica's rows, or "" if nowhere kd can see.
 

@@ -1,20 +1,22 @@
-"""Which modules AutoGraph converts while a hand-written step traces, with and without kd's rule.
+"""Which functions AutoGraph converts while a hand-written step traces.
 
 Usage: python tests/scripts/autograph_rules.py
 
 The step is the recipe kd documents (README, tutorials/custom_training_loop)
 on 2 replicas: a kd model with BatchNormalization and penalties, per-example
 losses through `kd.losses.global_mean`, `model.losses` through
-`kd.losses.scale_regularization`, `kd.exact_optimizer`. It is traced twice,
-in this order (AutoGraph caches a function it left alone, not one it
-converted): first with kd's rule taken out of AutoGraph's rules (the
-contrast: what a user's trace did before), then with it. While each trace
-runs, a profiler records the module of every function AutoGraph generated
-(a converted function runs with its original module's globals).
+`kd.losses.scale_regularization` (inside a helper of the user's own),
+`kd.exact_optimizer`. While it traces, a profiler records every function
+AutoGraph generated, by the module of the original (a converted function
+runs with its original module's globals) and name (`tf__<name>`).
 
-Prints one `RESULT {json}` line: `without` and `with` (the sorted modules
-whose functions ran converted), `losses` (each trace's loss, the same model
-and batch), `rule_first` (whether kd's rule leads AutoGraph's rules).
+The contrast traces the same step with the two `kd.losses` functions taken
+out of their `do_not_convert` wrappers (`__wrapped__`): what a user's trace
+ran before.
+
+Prints one `RESULT {json}` line: `kd` and `kd_unwrapped` (the sorted
+`module:name` of the converted functions that ran), and `losses` (each
+trace's loss: the same model, weights and batch).
 """
 
 import json
@@ -27,7 +29,6 @@ kd.virtual_devices(2)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from tensorflow.python.autograph.core import config as autograph_config  # noqa: E402
 
 strategy = kd.make_strategy("mirrored")
 rng = np.random.default_rng(0)
@@ -37,7 +38,12 @@ batch = next(iter(strategy.experimental_distribute_dataset(
     tf.data.Dataset.from_tensor_slices((x, y)).batch(6))))
 
 
-def make_step():
+def scaled_penalty(model, rows, scale):
+    """A helper of the user's own: AutoGraph converts it as part of the step."""
+    return scale(model.losses, local_rows=rows)
+
+
+def make_step(global_mean, scale_regularization):
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = kd.Sequential([
@@ -53,8 +59,8 @@ def make_step():
         features, labels = batch
         with tf.GradientTape() as tape:
             errors = keras.losses.mean_squared_error(labels, model(features, training=True))
-            penalty = kd.losses.scale_regularization(model.losses, local_rows=tf.shape(features)[0])
-            loss = kd.losses.global_mean(errors) + penalty
+            penalty = scaled_penalty(model, tf.shape(features)[0], scale_regularization)
+            loss = global_mean(errors) + penalty
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -66,13 +72,15 @@ def make_step():
     return step
 
 
-def converted_modules(step):
-    """Runs `step` once (its trace) and returns the modules of the converted functions that ran."""
-    modules = set()
+def converted(step):
+    """Runs `step` once (its trace); returns the converted functions that ran, and the loss."""
+    names = set()
 
     def profile(frame, event, arg):
-        if event == "call" and "__autograph_generated_file" in frame.f_code.co_filename:
-            modules.add(frame.f_globals.get("__name__"))
+        name = frame.f_code.co_name
+        if event == "call" and "__autograph_generated_file" in frame.f_code.co_filename \
+                and name.startswith("tf__"):
+            names.add(f"{frame.f_globals.get('__name__')}:{name[4:]}")
 
     sys.setprofile(profile)
     threading.setprofile(profile)  # the replicas trace on threads of their own
@@ -81,16 +89,12 @@ def converted_modules(step):
     finally:
         threading.setprofile(None)
         sys.setprofile(None)
-    # The generated module's own body (`outer_factory`) names no original module.
-    return sorted(m for m in modules if m and not m.startswith("__autograph_generated_file")), loss
+    return sorted(names), loss
 
 
-kd_rules = [rule for rule in autograph_config.CONVERSION_RULES if rule.matches("keras_distrib")]
-result = {"rule_first": autograph_config.CONVERSION_RULES[0].matches("keras_distrib")}
-with_rule = autograph_config.CONVERSION_RULES
-autograph_config.CONVERSION_RULES = tuple(r for r in with_rule if r not in kd_rules)
-result["without"], loss_without = converted_modules(make_step())
-autograph_config.CONVERSION_RULES = with_rule
-result["with"], loss_with = converted_modules(make_step())
-result["losses"] = [loss_without, loss_with]
+result = {}
+result["kd"], loss = converted(make_step(kd.losses.global_mean, kd.losses.scale_regularization))
+result["kd_unwrapped"], unwrapped_loss = converted(
+    make_step(kd.losses.global_mean.__wrapped__, kd.losses.scale_regularization.__wrapped__))
+result["losses"] = [loss, unwrapped_loss]
 print("RESULT " + json.dumps(result), flush=True)
