@@ -14,6 +14,7 @@ loop's (`steps_per_loop`).
 from keras_distrib.training import loop
 from keras_distrib.training import parameter_server
 from keras_distrib.cluster import strategies
+from keras_distrib.training import inputs
 from keras_distrib import validation
 
 __all__ = ["evaluate", "fit", "on_parameter_server", "predict"]
@@ -29,7 +30,7 @@ def fit(model, steps_for, x=None, y=None, *, batch_size=None, epochs=1, verbose=
         class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
         validation_steps=None, validation_batch_size=None, validation_freq=1):
     """`Model.fit` for `model`, with its steps from `steps_for`; returns the History."""
-    validation.validate_inputs(
+    inputs.validate_inputs(
         model, x, y, sample_weight, method="fit", validation_data=validation_data,
         epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch, validation_split=validation_split,
@@ -54,7 +55,7 @@ def fit(model, steps_for, x=None, y=None, *, batch_size=None, epochs=1, verbose=
 def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto",
              sample_weight=None, steps=None, callbacks=None, return_dict=False, shards=None):
     """`Model.evaluate` for `model`; `shards` splits it over parameter-server workers."""
-    validation.validate_inputs(model, x, y, sample_weight, method="evaluate",
+    inputs.validate_inputs(model, x, y, sample_weight, method="evaluate",
                                batch_size=batch_size, steps=steps, verbose=verbose,
                                callbacks=callbacks, return_dict=return_dict)
     strategy = model.distribute_strategy
@@ -78,7 +79,7 @@ def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto
 
 def predict(model, steps_for, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """`Model.predict` for `model`: every row once, in input order."""
-    validation.validate_inputs(model, x, method="predict", batch_size=batch_size, steps=steps,
+    inputs.validate_inputs(model, x, method="predict", batch_size=batch_size, steps=steps,
                                verbose=verbose, callbacks=callbacks)
     if on_parameter_server(model):
         return parameter_server.predict(
