@@ -16,53 +16,75 @@ _tf_logs.configure_command_line()
 if _tf_logs.is_command_line():
     from keras_distrib import _early_signals as _early  # noqa: E402
 
-    _early.install()  # a stop signal while TensorFlow loads is kept for the launcher
-_tf_logs.import_tensorflow()
+    _early.install()  # a stop signal while kd starts is kept for the launcher
 
 # The layout (docs/API.md, "How it works"): `cluster` (who am I, devices,
 # strategies, processes) < `checkpointing` < `training` < `testing` <
 # `commands`, over the floor (`_keras_compat`, `validation`, `files`, ...).
 # `callbacks`, `data`, `gradients`, `losses`, `loop` and `models` are the
 # public paths of modules in `training` (re-exports); `cluster` is the package.
-from keras_distrib import callbacks
-from keras_distrib import cluster
-from keras_distrib import data
-from keras_distrib import gradients
-from keras_distrib import loop
-from keras_distrib import losses
-from keras_distrib import models
-from keras_distrib.checkpointing.checkpoint import CheckpointError
-from keras_distrib.checkpointing.checkpoint import CheckpointManager
-from keras_distrib.checkpointing.evaluator import SidecarEvaluator
-from keras_distrib.cluster.devices import virtual_devices
-from keras_distrib.cluster.info import ClusterConfigError
-from keras_distrib.cluster.info import ClusterInfo
-from keras_distrib.cluster.info import cluster_info
-from keras_distrib.cluster.info import is_chief
-from keras_distrib.cluster.inprocess import local_cluster
-from keras_distrib.cluster.launcher import LaunchError
-from keras_distrib.cluster.launcher import launch
-from keras_distrib.cluster.strategies import make_strategy
-from keras_distrib.training.data import describe_input
-from keras_distrib.training.data import distribute_dataset
-from keras_distrib.training.data import replay_epochs
-from keras_distrib.training.gradients import exact_optimizer
-from keras_distrib.training.models import DistributedModelMixin
-from keras_distrib.training.models import Model
-from keras_distrib.training.models import Sequential
-from keras_distrib.training.train_loop import TrainLoop
+#
+# Each public name loads its module at first use (PEP 562): importing the
+# package loads neither TensorFlow nor Keras, so the launcher, the command
+# line and a task that only asks who it is start in a fraction of a second
+# instead of the seconds TensorFlow takes. The first name that needs
+# TensorFlow imports it with its start-up notices hidden.
+# {name: (module, attribute)}; attribute None: the module itself. `loop` and
+# `models` are public module paths outside `__all__`.
+_PUBLIC = {
+    "CheckpointError": ("keras_distrib.checkpointing.checkpoint", "CheckpointError"),
+    "CheckpointManager": ("keras_distrib.checkpointing.checkpoint", "CheckpointManager"),
+    "ClusterConfigError": ("keras_distrib.cluster.info", "ClusterConfigError"),
+    "ClusterInfo": ("keras_distrib.cluster.info", "ClusterInfo"),
+    "DistributedModelMixin": ("keras_distrib.training.models", "DistributedModelMixin"),
+    "LaunchError": ("keras_distrib.cluster.launcher", "LaunchError"),
+    "Model": ("keras_distrib.training.models", "Model"),
+    "Sequential": ("keras_distrib.training.models", "Sequential"),
+    "SidecarEvaluator": ("keras_distrib.checkpointing.evaluator", "SidecarEvaluator"),
+    "TrainLoop": ("keras_distrib.training.train_loop", "TrainLoop"),
+    "callbacks": ("keras_distrib.callbacks", None),
+    "cluster": ("keras_distrib.cluster", None),
+    "cluster_info": ("keras_distrib.cluster.info", "cluster_info"),
+    "data": ("keras_distrib.data", None),
+    "describe_input": ("keras_distrib.training.data", "describe_input"),
+    "distribute_dataset": ("keras_distrib.training.data", "distribute_dataset"),
+    "exact_optimizer": ("keras_distrib.training.gradients", "exact_optimizer"),
+    "gradients": ("keras_distrib.gradients", None),
+    "is_chief": ("keras_distrib.cluster.info", "is_chief"),
+    "launch": ("keras_distrib.cluster.launcher", "launch"),
+    "local_cluster": ("keras_distrib.cluster.inprocess", "local_cluster"),
+    "loop": ("keras_distrib.loop", None),
+    "losses": ("keras_distrib.losses", None),
+    "make_strategy": ("keras_distrib.cluster.strategies", "make_strategy"),
+    "models": ("keras_distrib.models", None),
+    "replay_epochs": ("keras_distrib.training.data", "replay_epochs"),
+    "testing": ("keras_distrib.testing", None),
+    "virtual_devices": ("keras_distrib.cluster.devices", "virtual_devices"),
+}
+# The modules above that load no TensorFlow (tests/test_init.py checks it).
+_WITHOUT_TENSORFLOW = ("keras_distrib.cluster", "keras_distrib.cluster.info",
+                       "keras_distrib.cluster.launcher")
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # `kd.testing` (pytest fixtures, subprocess harness) loads on first use:
-    # training code never pays for it.
-    if name == "testing":
-        import importlib
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'keras_distrib' has no attribute {name!r}")
+    import importlib
 
-        return importlib.import_module("keras_distrib.testing")
-    raise AttributeError(f"module 'keras_distrib' has no attribute {name!r}")
+    module_name, attribute = _PUBLIC[name]
+    if module_name not in _WITHOUT_TENSORFLOW:
+        _tf_logs.import_tensorflow()
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later uses find it without this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __all__ = [
     "CheckpointError",

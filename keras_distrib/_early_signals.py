@@ -1,8 +1,8 @@
 """Stop signals that reach `keras-distrib` while it starts, kept for the launcher.
 
-Importing TensorFlow takes seconds. Slurm's warning before a time limit
-(`--signal=USR1@<s>`) or a preemption's SIGTERM arriving then would kill the
-command outright (exit 138 or 143: the recipe reruns it, the job ends at its
+Starting takes a moment (the launcher loads no TensorFlow; the commands that
+do take seconds). Slurm's warning before a time limit (`--signal=USR1@<s>`)
+or a preemption's SIGTERM arriving then would kill the command outright (exit 138 or 143: the recipe reruns it, the job ends at its
 time limit). On kd's command line only, this records such a signal instead;
 the launcher acts on it as soon as it can (`take`): no task started, so it
 exits 42 for a restart. Standard library only: it runs before TensorFlow loads.

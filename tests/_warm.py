@@ -118,7 +118,14 @@ def main(descriptor):
 
 
 if __name__ == "__main__":
-    import keras_distrib  # noqa: F401  (TensorFlow, Keras and kd: the cost shared)
     import keras  # noqa: F401
+
+    import keras_distrib as kd
+
+    # TensorFlow, Keras and kd: the cost shared (each public name loads its
+    # module at first use; kd.testing is for the test process, not scripts).
+    for name in kd.__all__:
+        if name != "testing":
+            getattr(kd, name)
 
     sys.exit(main(int(sys.argv[1])))

@@ -13,6 +13,13 @@ import tempfile
 
 import pytest
 
+from keras_distrib import tf_logs
+
+# kd loads TensorFlow at first use; the test process loads it here, once,
+# notices hidden. Its import runs `uname -p` (Python's `platform`), which the
+# check below would otherwise count against whichever test needs it first.
+tf_logs.import_tensorflow()
+
 
 def pytest_configure(config):
     # One cache of one-device reference runs (tests/_harness.py) for the whole

@@ -27,3 +27,26 @@ def test_kd_testing_loads_only_when_used():
                              timeout=120, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "",
                                   "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
     assert process.stdout.split() == ["False", "True"], process.stdout + process.stderr[-2000:]
+
+
+_LOADED = ("import sys, keras_distrib as kd\n"
+           "def loaded():\n"
+           "    return sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})\n"
+           "import keras_distrib.commands.cli\n"
+           "kd.cluster_info(); kd.is_chief(); kd.launch; kd.LaunchError; kd.ClusterInfo\n"
+           "kd.cluster.parse_tf_config('{}')\n"
+           "print('LAUNCHER', loaded())\n"
+           "kd.Model\n"
+           "print('MODEL', loaded())\n")
+
+
+@pytest.mark.cluster
+def test_the_launcher_and_who_am_i_load_no_tensorflow():
+    """Measured in a fresh interpreter: the modules loaded after each use."""
+    process = subprocess.run([sys.executable, "-c", _LOADED], capture_output=True, text=True,
+                             timeout=120, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "",
+                                  "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    lines = dict(line.split(" ", 1) for line in process.stdout.splitlines() if " " in line)
+    assert lines.get("LAUNCHER") == "[]", process.stdout + process.stderr[-2000:]
+    # The contrast: the first name that needs them loads both.
+    assert lines.get("MODEL") == "['keras', 'tensorflow']", process.stdout + process.stderr[-2000:]

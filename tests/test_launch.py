@@ -70,6 +70,38 @@ def test_a_backup_directory_in_use_ends_the_launch_with_the_configuration_exit_c
     assert "[launcher] worker 0 stopped on a configuration error that a rerun would meet again" in output
 
 
+def _stop_while_starting(pid, timeout=60):
+    """SIGSTOPs `pid` at a moment it catches SIGUSR1 and has started no process; returns then.
+
+    Checked while the process is stopped, so nothing moves between the check
+    and the signal that follows.
+    """
+    import signal as signals
+    from keras_distrib.cluster import _guard
+
+    usr1 = 1 << (signals.SIGUSR1 - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, signals.SIGSTOP)
+        while _proc_field(pid, "State").split()[0] not in ("T", "t"):
+            time.sleep(0.0005)
+        caught = int(_proc_field(pid, "SigCgt"), 16) & usr1
+        assert not _guard.descendants(pid), "the launcher started its tasks before it was seen starting"
+        if caught:
+            return
+        os.kill(pid, signals.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError(f"the launcher caught no SIGUSR1 within {timeout}s")
+
+
+def _proc_field(pid, name):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(name + ":"):
+                return line.split(":", 1)[1].strip()
+    raise AssertionError(f"/proc/{pid}/status has no {name}")
+
+
 def _descendants_with_tasks(pid, tasks):
     from keras_distrib.cluster import _guard
 
@@ -99,8 +131,12 @@ def test_a_warning_signal_while_starting_asks_for_a_restart(when):
     )
     try:
         if when == "launcher starting":
-            time.sleep(0.5)  # inside `import keras_distrib` (TensorFlow loads for seconds)
+            # The launcher starts in a fraction of a second: it is held still
+            # once it catches the signal and before it starts a task, and the
+            # signal waits for it there.
+            _stop_while_starting(launcher.pid)
             launcher.send_signal(signals.SIGUSR1)
+            launcher.send_signal(signals.SIGCONT)
             pids = []
         else:
             pids = _descendants_with_tasks(launcher.pid, 2)

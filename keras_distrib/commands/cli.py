@@ -6,6 +6,10 @@ worker processes over a link with latency).
 under `srun` or in a Kubernetes Job is the per-node agent
 (`keras_distrib.cluster.launcher.launch_node`). `tf-config` prints the cluster kd
 finds here, as TF_CONFIG, and where it found it.
+
+`launch` and `tf-config` load no TensorFlow (the launcher starts in a
+fraction of a second, its tasks load what they need); the other commands
+load it first, its start-up notices hidden.
 """
 
 import argparse
@@ -16,6 +20,7 @@ from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib.cluster import supervisor
 from keras_distrib.cluster import launcher as launch_lib
+from keras_distrib import tf_logs
 
 __all__ = [
     "build_parser",
@@ -117,12 +122,14 @@ def _tf_config(options):
 
 
 def _demo(options):
+    tf_logs.import_tensorflow()
     from keras_distrib.commands import demo
 
     return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
 
 
 def _test(options):
+    tf_logs.import_tensorflow()
     from keras_distrib.commands import selftest
 
     return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
@@ -130,6 +137,7 @@ def _test(options):
 
 
 def _env(options):
+    tf_logs.import_tensorflow()
     from keras_distrib.commands import environment
 
     return environment.main()
@@ -224,6 +232,8 @@ def build_parser():
 def main(argv=None):
     """Runs the `keras-distrib` command line; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        tf_logs.import_tensorflow()
     if argv[:1] == ["bench"] and "--network" in argv[1:]:
         # Worker processes over a link with latency (`keras-distrib bench --network --help`).
         from keras_distrib.commands import bench_network
