@@ -155,7 +155,9 @@ class _EpochRecorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.at == (self.epoch, batch):
-            os.kill(os.getpid(), signal.SIGTERM)  # handled by BackupAndRestore
+            # raise_signal: handled before it returns (os.kill may reach
+            # another of the process's threads, and the handler run later).
+            signal.raise_signal(signal.SIGTERM)  # handled by BackupAndRestore
 
     def on_epoch_end(self, epoch, logs=None):
         self.ends.append((epoch, dict(logs), [w.copy() for w in self.model.get_weights()]))

@@ -1,6 +1,5 @@
 """Preemption: every worker saves at one agreed step, exits 42, and the restart resumes exactly."""
 
-import os
 import signal
 import sys
 import time
@@ -72,7 +71,9 @@ def test_signal_saves_at_the_next_check_then_exits():
     handler = preemption.PreemptionHandler()
     with handler:
         assert handler.check(1) is None
-        os.kill(os.getpid(), signal.SIGTERM)  # handled: the test process lives on
+        # raise_signal: the handler runs before it returns (os.kill may
+        # reach another of the process's threads, and the handler run later).
+        signal.raise_signal(signal.SIGTERM)  # handled: the test process lives on
         assert handler.preempted and handler.reason == "SIGTERM"
         assert handler.check(2) == preemption.EXIT
         with pytest.raises(SystemExit) as stop:
@@ -95,7 +96,7 @@ def test_watcher_acts_like_the_signal():
 
 def test_grace_period_saves_now_and_again_before_it_ends():
     with preemption.PreemptionHandler(grace_period=1.5) as handler:
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
         signalled = time.monotonic()
         decisions, step = [], 0
         while time.monotonic() - signalled < 5 and preemption.EXIT not in [d for _, d, _ in decisions]:

@@ -195,6 +195,12 @@ def main(argv):
     # to every process of the job step, the guard included; the task saves.
     for signum in PASSED_ON:
         signal.signal(signum, signal.SIG_IGN)
+    # Blocked across the fork: a SIGTERM the launcher sends the group while
+    # the child still has the guard's SIG_IGN would be discarded, and the
+    # task would run on until the grace period ran out. Blocked, it waits
+    # (Linux keeps a blocked signal pending even while it is ignored) and
+    # reaches the task once the child restored its default action.
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     task = os.fork()
     if task == 0:
         for signum in (*PASSED_ON, STOP_SIGNAL):
@@ -204,11 +210,13 @@ def main(argv):
         # process of the step) must not kill a task still starting, before
         # kd's handler is installed (exit 138); the launcher, warned too,
         # passes SIGTERM on.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
         try:
             os.execvp(command[0], command)
         except OSError as error:
             print(f"[launcher] cannot start {command[0]!r}: {error}", file=sys.stderr, flush=True)
             os._exit(127)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)  # the guard's pending ones: ignored
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == task:
