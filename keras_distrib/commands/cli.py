@@ -27,6 +27,9 @@ __all__ = [
     "main",
 ]
 
+# The commands that load TensorFlow (`launch` and `tf-config` do not).
+_WITH_TENSORFLOW = ("bench", "demo", "env", "test")
+
 
 def _per_node(value):
     if value == "gpu":
@@ -122,14 +125,12 @@ def _tf_config(options):
 
 
 def _demo(options):
-    tf_logs.import_tensorflow()
     from keras_distrib.commands import demo
 
     return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
 
 
 def _test(options):
-    tf_logs.import_tensorflow()
     from keras_distrib.commands import selftest
 
     return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
@@ -137,7 +138,6 @@ def _test(options):
 
 
 def _env(options):
-    tf_logs.import_tensorflow()
     from keras_distrib.commands import environment
 
     return environment.main()
@@ -232,8 +232,8 @@ def build_parser():
 def main(argv=None):
     """Runs the `keras-distrib` command line; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        tf_logs.import_tensorflow()
+    if argv[:1] and argv[0] in _WITH_TENSORFLOW:
+        tf_logs.import_tensorflow()  # before the command's modules: its notices hidden
     if argv[:1] == ["bench"] and "--network" in argv[1:]:
         # Worker processes over a link with latency (`keras-distrib bench --network --help`).
         from keras_distrib.commands import bench_network
