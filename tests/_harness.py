@@ -4,7 +4,8 @@ A process holds one device layout and one collective group size, so every
 multi-replica configuration runs in a process of its own: a child forked from
 a warm interpreter (tests/_warm.py: TensorFlow imported once, its runtime not
 started), or a fresh interpreter where the environment differs in what is
-read at import. Every process that is started has a timeout and is killed
+read at import. A cluster's tasks run their script in warm children too
+(tests/_warm_task.py), under kd's real launcher. Every process that is started has a timeout and is killed
 (with its process group) on exit.
 """
 
@@ -82,99 +83,99 @@ def _run_fresh(argv, env, timeout):
     return process.returncode, output
 
 
-# Environment variables TensorFlow, Keras, kd or Python read while they
-# import: a script whose values differ runs in a fresh interpreter.
-_IMPORT_TIME = ("TF_", "KERAS_", "CUDA_", "XLA_", "PYTHON", "OMP_", "MKL_", "LD_")
-
-
-def _import_time(env):
-    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME)}
-
-
 class _Warm:
     """This process's warm interpreter (tests/_warm.py), started at first use.
 
     Importing TensorFlow, Keras and kd is about 5 CPU seconds a process; a
-    child forked after the imports starts in a fraction of a second. One
-    request at a time (a second caller at the same time gets a fresh
-    interpreter); the warm process ends with this one.
+    child forked after the imports starts in a fraction of a second. It
+    serves scripts (`run_script`) and the tasks of launched clusters
+    (`run_cluster`, through tests/_warm_task.py) at the same time; it
+    answers FRESH to an environment that differs in what is read at import,
+    and ends with this process.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._process = None
-        self._channel = None
-        self._answers = None
-        self._env = None
+        self._control = None
         self._errors = None
         self._broken = False
+        self.path = None
 
     def serves(self, env):
         # KD_TESTS_UNMARKED: a test without the cluster marker runs (tests/conftest.py
         # then refuses it the process, which only the fresh path asks for).
-        if self._broken or env.get("KD_TESTS_FRESH_PROCESSES") == "1" or "KD_TESTS_UNMARKED" in env:
-            return False
-        if self._process is None:
-            return True
-        return _import_time(env) == _import_time(self._env)
+        return not (self._broken or env.get("KD_TESTS_FRESH_PROCESSES") == "1"
+                    or "KD_TESTS_UNMARKED" in env)
 
-    def _start(self, env):
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._errors = tempfile.TemporaryFile()
-        self._process = subprocess.Popen(
-            [sys.executable, "-u", os.path.join(REPO, "tests", "_warm.py"), str(theirs.fileno())],
-            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-            stdout=self._errors, stderr=self._errors, start_new_session=True,
-        )
-        theirs.close()
-        self._channel = mine
-        self._answers = mine.makefile("r")
-        self._env = env
-        atexit.register(self.close)
+    def start(self, env):
+        """The socket's path; the first call starts the interpreter with `env`."""
+        with self._lock:
+            if self._process is None:
+                folder = tempfile.mkdtemp(prefix="kd_warm_")
+                atexit.register(shutil.rmtree, folder, ignore_errors=True)
+                self.path = os.path.join(folder, "socket")
+                # Bound here, so clients can connect (and wait) while it imports.
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                listener.bind(self.path)
+                listener.listen(64)
+                mine, theirs = socket.socketpair()
+                self._errors = tempfile.TemporaryFile()
+                self._process = subprocess.Popen(
+                    [sys.executable, "-u", os.path.join(REPO, "tests", "_warm.py"),
+                     str(listener.fileno()), str(theirs.fileno())],
+                    env=env, pass_fds=[listener.fileno(), theirs.fileno()], stdin=subprocess.DEVNULL,
+                    stdout=self._errors, stderr=self._errors, start_new_session=True,
+                )
+                listener.close()
+                theirs.close()
+                self._control = mine
+                atexit.register(self.close)
+            return self.path
 
     def close(self):
         if self._process is not None:
-            self._channel.close()
+            self._control.close()
             try:
                 self._process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 kill_groups([self._process])
 
-    def _answer(self, prefix):
-        line = self._answers.readline()
-        if not line.startswith(prefix):
+    def _answer(self, answers, prefixes):
+        line = answers.readline()
+        if not line.startswith(prefixes):
             self._broken = True
             self._errors.seek(0)
             raise AssertionError(f"the warm interpreter (tests/_warm.py) ended: {line!r}\n"
                                  f"{self._errors.read()[-4000:].decode(errors='replace')}")
-        return int(line.split()[1])
+        return line
 
     def run(self, argv, env, timeout):
-        if not self._lock.acquire(blocking=False):
-            return _run_fresh([sys.executable, "-u", *argv], env, timeout)
-        try:
-            if self._process is None:
-                self._start(env)
+        """Like `_run_fresh`, in a child of the warm interpreter (or fresh, when it says so)."""
+        path = self.start(env)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+            connection.connect(path)
+            answers = connection.makefile("r")
             read, write = os.pipe()
             try:
-                request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}) + "\n"
-                socket.send_fds(self._channel, [request.encode()], [write])
-            finally:
-                os.close(write)
-            pid = self._answer("PID ")
-            try:
+                try:
+                    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()})
+                    socket.send_fds(connection, [request.encode()], [write])
+                finally:
+                    os.close(write)
+                line = self._answer(answers, ("PID ", "FRESH"))
+                if line.startswith("FRESH"):
+                    return _run_fresh([sys.executable, "-u", *argv], env, timeout)
+                pid = int(line.split()[1])
                 output, ended = _read_until_closed(read, timeout)
             finally:
                 os.close(read)
             if not ended:
                 _kill_group(pid)
-            status = self._answer("STATUS ")  # the warm interpreter reaped the child
-            _kill_group(pid)  # what the script left in its group
+            status = int(self._answer(answers, "STATUS ").split()[1])  # the child was reaped
             if not ended:
                 raise AssertionError(f"{argv} timed out after {timeout}s:\n{output[-4000:]}")
             return os.waitstatus_to_exitcode(status), output
-        finally:
-            self._lock.release()
 
 
 def _read_until_closed(descriptor, timeout):
@@ -199,6 +200,7 @@ def _kill_group(pid):
 
 
 _WARM = _Warm()
+WARM_SOCKET = "KD_TESTS_WARM_SOCKET"  # tests/_warm_task.py reads it
 
 
 def results_of(output):
@@ -220,12 +222,22 @@ def results_by_task(output):
     return by_task
 
 
-def run_cluster(name, *args, workers=2, timeout=300, **kwargs):
-    """Runs tests/scripts/<name> on `workers` local processes (via kd.launch)."""
+def run_cluster(name, *args, workers=2, timeout=300, warm=True, **kwargs):
+    """Runs tests/scripts/<name> on `workers` local processes (via kd.launch).
+
+    With `warm`, each task is tests/_warm_task.py, which runs the script in a
+    child of the warm interpreter; the launcher supervises it as it would the
+    script (signals, exit status, kills). `warm=False` where a test looks at
+    the task processes themselves. A private network is always fresh: the
+    warm interpreter's children live in this host's network namespace.
+    """
+    env, target = _env(), os.path.join(SCRIPTS, name)
+    if warm and not kwargs.get("private_network") and _WARM.serves(env):
+        env[WARM_SOCKET] = _WARM.start(_env())
+        target, args = os.path.join(REPO, "tests", "_warm_task.py"), (target, *args)
     lines = []
     result = kd_launch.launch(
-        os.path.join(SCRIPTS, name), workers=workers, args=args, timeout=timeout,
-        env=_env(), sink=lines.append, **kwargs,
+        target, workers=workers, args=args, timeout=timeout, env=env, sink=lines.append, **kwargs,
     )
     return result, "\n".join(lines)
 

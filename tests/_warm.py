@@ -18,11 +18,18 @@ nearly all of it, and takes 0.1 s without. The objects imported here are
 frozen out of the garbage collector (`gc.freeze`) before the first fork, so
 a child's collections do not walk (and copy) them.
 
-Protocol on the socket given as argv[1] (a file descriptor): a request is one
-JSON line `{"argv": [...], "env": {...}, "cwd": ...}` sent with the output
-pipe's descriptor (SCM_RIGHTS); the answer is a line `PID n`, then, when the
-child has ended, `STATUS n` (a `os.waitpid` status). End of input ends this
-process.
+Clients connect to the listening Unix socket (SOCK_SEQPACKET) whose
+descriptor is argv[1] (bound by the harness), one
+connection per script: the harness itself, and the tasks kd's launcher starts
+as tests/_warm_task.py. A request is one JSON message `{"argv": [...], "env":
+{...}, "cwd": ..., "ignored": [signal numbers]}` sent with the output pipe's
+descriptor, or a task's stdin, stdout and stderr (SCM_RIGHTS). The answer is
+`FRESH` when the environment differs in what is read at import (the client
+then starts a fresh interpreter), else a line `PID n`, then, when the child
+has ended, `STATUS n` (an `os.waitpid` status). Children run at the same
+time; a client that goes away first (killed) takes its child's process group
+with it. The end of input on the descriptor argv[2] ends this process and
+kills the children left.
 """
 
 import atexit
@@ -30,6 +37,7 @@ import gc
 import json
 import os
 import runpy
+import selectors
 import signal
 import socket
 import sys
@@ -37,21 +45,30 @@ import threading
 import traceback
 
 
-def _receive(channel):
-    """(request, output descriptor), or (None, None) at the end of input."""
-    data, descriptors, _, _ = socket.recv_fds(channel, 1 << 20, 1)
+def _receive(connection):
+    """(request, descriptors), or (None, []) when the client sent nothing."""
+    data, descriptors, _, _ = socket.recv_fds(connection, 1 << 20, 3)
     if not data:
-        return None, None
-    return json.loads(data), descriptors[0]
+        return None, descriptors
+    return json.loads(data), descriptors
 
 
-def _run_child(request, output):
-    """In the forked child: become `python -u argv...` and run the script."""
+def _run_child(request, descriptors):
+    """In the forked child: become `python -u argv...` and run the script.
+
+    `descriptors` become the child's stdout and stderr (one: both), or its
+    stdin, stdout and stderr (three: a launched task's own).
+    """
     os.setsid()
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.close(output)
+    targets = {1: (1, 2), 2: (1, 2), 3: (0, 1, 2)}[len(descriptors)]
+    for index, target in enumerate(targets):
+        os.dup2(descriptors[min(index, len(descriptors) - 1)], target)
+    for descriptor in descriptors:
+        if descriptor not in targets:
+            os.close(descriptor)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in request.get("ignored", ()):  # as the task was started (kd's launcher: SIGUSR1)
+        signal.signal(signum, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -87,23 +104,80 @@ def _run_script(script):
     return 0
 
 
-def main(descriptor):
-    # The runtime must still be free: each child picks its device layout.
-    from tensorflow.python.eager import context
+# Environment variables TensorFlow, Keras, kd or Python read while they
+# import: a request whose values differ from this process's is answered
+# FRESH (the client then starts a fresh interpreter).
+IMPORT_TIME = ("TF_", "KERAS_", "CUDA_", "XLA_", "PYTHON", "OMP_", "MKL_", "LD_")
 
-    assert not context.context()._initialized, "TensorFlow initialized before the fork"
-    channel = socket.socket(fileno=descriptor)
-    gc.freeze()
-    while True:
-        request, output = _receive(channel)
-        if request is None:
-            return 0
+
+def _import_time(env):
+    """The variables of `env` read while TensorFlow, Keras, kd or Python import.
+
+    TF_CONFIG is read when a strategy is made, not at import, and
+    PYTHONUNBUFFERED is left out (this interpreter runs with `-u`, as every
+    task does); PYTHONPATH is compared without the empty and '.' entries
+    the launcher drops.
+    """
+    kept = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in ("TF_CONFIG", "PYTHONUNBUFFERED")}
+    if "PYTHONPATH" in kept:
+        kept["PYTHONPATH"] = os.pathsep.join(p for p in kept["PYTHONPATH"].split(os.pathsep)
+                                             if p not in ("", "."))
+    return kept
+
+
+class _Server:
+    """Forks a child per request and answers each client on its own connection.
+
+    The children run at the same time (a cluster's tasks). A client that goes
+    away before its child ended (killed, even by SIGKILL) takes the child's
+    process group with it.
+    """
+
+    def __init__(self, listener, control):
+        self.listener = listener
+        self.control = control
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, ("accept", None))
+        self.selector.register(control, selectors.EVENT_READ, ("control", None))
+        self.children = {}  # pid -> (connection, pidfd)
+        self.waiting = set()  # connections whose request has not come yet
+        self.import_time = _import_time(os.environ)
+
+    def serve(self):
+        while True:
+            for key, _ in self.selector.select():
+                kind, value = key.data
+                if kind == "control":
+                    return self.end()
+                if kind == "accept":
+                    connection, _ = self.listener.accept()
+                    self.waiting.add(connection)
+                    self.selector.register(connection, selectors.EVENT_READ, ("request", connection))
+                elif kind == "request":
+                    self.waiting.discard(value)
+                    self.selector.unregister(value)
+                    self.start(value)
+                elif kind == "ended":
+                    self.reap(value)
+                elif kind == "client":
+                    if not value[0].recv(1024):  # the client went away first
+                        _kill_group(value[1])
+
+    def start(self, connection):
+        request, descriptors = _receive(connection)
+        if request is None or _import_time(request["env"]) != self.import_time:
+            for descriptor in descriptors:
+                os.close(descriptor)
+            if request is not None:
+                connection.sendall(b"FRESH\n")
+            connection.close()
+            return
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                channel.close()
-                code = _run_child(request, output)
+                self.close_in_child(connection)
+                code = _run_child(request, descriptors)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -111,10 +185,58 @@ def main(descriptor):
                     signal.signal(-code, signal.SIG_DFL)
                     os.kill(os.getpid(), -code)
                 os._exit(code)
-        os.close(output)
-        channel.sendall(f"PID {pid}\n".encode())
+        for descriptor in descriptors:
+            os.close(descriptor)
+        pidfd = os.pidfd_open(pid)
+        self.children[pid] = (connection, pidfd)
+        self.selector.register(pidfd, selectors.EVENT_READ, ("ended", pid))
+        self.selector.register(connection, selectors.EVENT_READ, ("client", (connection, pid)))
+        connection.sendall(f"PID {pid}\n".encode())
+
+    def reap(self, pid):
+        connection, pidfd = self.children.pop(pid)
         _, status = os.waitpid(pid, 0)
-        channel.sendall(f"STATUS {status}\n".encode())
+        self.selector.unregister(pidfd)
+        self.selector.unregister(connection)
+        os.close(pidfd)
+        _kill_group(pid)  # what the script left in its group
+        try:
+            connection.sendall(f"STATUS {status}\n".encode())
+        except OSError:  # the client went away
+            pass
+        connection.close()
+
+    def close_in_child(self, connection):
+        """The child keeps none of the server's descriptors (a client sees its own end only)."""
+        self.selector.close()
+        for sock in (self.listener, self.control, connection, *self.waiting):
+            sock.close()
+        for other, pidfd in self.children.values():
+            other.close()
+            os.close(pidfd)
+
+    def end(self):
+        for pid in list(self.children):
+            _kill_group(pid)
+        for pid in list(self.children):
+            os.waitpid(pid, 0)
+        return 0
+
+
+def _kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(listener, control):
+    # The runtime must still be free: each child picks its device layout.
+    from tensorflow.python.eager import context
+
+    assert not context.context()._initialized, "TensorFlow initialized before the fork"
+    gc.freeze()
+    return _Server(socket.socket(fileno=listener), socket.socket(fileno=control)).serve()
 
 
 if __name__ == "__main__":
@@ -128,4 +250,4 @@ if __name__ == "__main__":
         if name != "testing":
             getattr(kd, name)
 
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

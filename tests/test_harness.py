@@ -2,10 +2,15 @@
 
 tests/_harness.py runs each script in a child forked from a warm interpreter
 (TensorFlow imported once). These tests run a script that reports what it
-sees both ways, and compare the warm child with a fresh `python -u`.
+sees both ways, and compare the warm child with a fresh `python -u`. A
+launched task (tests/_warm_task.py in the script's place) is compared with a
+fresh task the same way, and must end, and be ended, as one.
 """
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +85,59 @@ def test_an_unmarked_test_cannot_start_a_script():
     # tests/conftest.py refuses a process to a test without the marker, the warm path too.
     with pytest.raises(AssertionError, match="is not marked `@pytest.mark.cluster`"):
         _harness.run_script("interpreter_facts.py", "exit", 0)
+
+
+@pytest.mark.cluster
+def test_a_warm_task_is_what_a_fresh_task_is(monkeypatch):
+    monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)
+    facts = {}
+    for warm in (True, False):
+        result, output = _harness.run_cluster("interpreter_facts.py", "exit", 3, workers=1,
+                                              warm=warm, timeout=120)
+        assert result.returncode == 3 and "[launcher] worker 0 exited with code 3" in output, output
+        assert "[worker 0] to stderr" in output and "[worker 0] atexit ran after the thread" in output
+        (facts[warm],) = _harness.task_results(output)
+    warm, fresh = facts[True], facts[False]
+    assert warm.pop("parent") != fresh.pop("parent")  # forked by the warm interpreter, or the guard's child
+    # Each leads a process group of its own; the warm child also a session (the guard's task does not).
+    assert warm.pop("own_session") and not fresh.pop("own_session")
+    assert warm == fresh, (warm, fresh)
+
+
+def _start_warm_task(script):
+    env = {**_harness._env(), _harness.WARM_SOCKET: _harness._WARM.start(_harness._env())}
+    client = subprocess.Popen(
+        [sys.executable, "-u", os.path.join(_harness.REPO, "tests", "_warm_task.py"),
+         os.path.join(_harness.SCRIPTS, script)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    line = client.stdout.readline()
+    assert line.startswith("PID "), line
+    return client, int(line.split()[1])
+
+
+@pytest.mark.cluster
+def test_a_warm_task_passes_signals_on_and_takes_its_script_along(monkeypatch):
+    monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)
+    started = []
+    try:
+        # The launcher's SIGTERM reaches the script, which exits 42 (it saved).
+        client, script = _start_warm_task("exits_on_sigterm.py")
+        started.append(client)
+        assert script != client.pid
+        client.send_signal(signal.SIGTERM)
+        assert client.wait(timeout=60) == 42
+        assert not _harness.survivors([script])
+        # A script killed by a signal: the task ends by the same signal.
+        client, script = _start_warm_task("hang.py")
+        started.append(client)
+        os.kill(script, signal.SIGKILL)
+        assert client.wait(timeout=60) == -signal.SIGKILL
+        # The task killed (the launcher's last resort): its script goes with it.
+        client, script = _start_warm_task("hang.py")
+        started.append(client)
+        client.kill()
+        assert client.wait(timeout=60) == -signal.SIGKILL
+        assert not _harness.survivors([script]), "the script outlived its killed task"
+    finally:
+        _harness.kill_groups(started)
