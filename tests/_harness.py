@@ -63,8 +63,22 @@ def run_script(name, *args, timeout=300):
     argv = [os.path.join(SCRIPTS, name), *map(str, args)]
     env = _env()
     if _WARM.serves(env):
-        return _WARM.run(argv, env, timeout)
-    return _run_fresh([sys.executable, "-u", *argv], env, timeout)
+        code, output = _WARM.run(argv, env, timeout)
+    else:
+        code, output = _run_fresh([sys.executable, "-u", *argv], env, timeout)
+    _report_crash(output)
+    return code, output
+
+
+def _report_crash(output):
+    """Writes a crash's whole report (Python's faulthandler) where pytest shows it on failure.
+
+    A test's assertion shows only the end of the output; the report's first
+    thread, the one that crashed, can be further up.
+    """
+    start = output.find("Fatal Python error")
+    if start >= 0:
+        sys.stderr.write(f"--- a process crashed; its report:\n{output[start:start + 20000]}\n")
 
 
 def _run_fresh(argv, env, timeout):
@@ -239,7 +253,9 @@ def run_cluster(name, *args, workers=2, timeout=300, warm=True, **kwargs):
     result = kd_launch.launch(
         target, workers=workers, args=args, timeout=timeout, env=env, sink=lines.append, **kwargs,
     )
-    return result, "\n".join(lines)
+    output = "\n".join(lines)
+    _report_crash(output)
+    return result, output
 
 
 def free_port_block(count):
