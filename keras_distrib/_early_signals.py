@@ -17,6 +17,11 @@ _received = []
 
 
 def _record(signum, frame):
+    keep(signum)
+
+
+def keep(signum):
+    """Keeps `signum` for the launcher's next `take`."""
     _received.append(signum)
 
 

@@ -152,6 +152,28 @@ def test_a_warning_signal_while_starting_asks_for_a_restart(when):
     assert not [pid for pid in pids if _harness.alive(pid)]
 
 
+def test_a_warning_signal_while_the_launch_is_made_ready_asks_for_a_restart(monkeypatch):
+    # Between the launcher's handler and its first task (ports, task specs, a
+    # private network) the signal is kept, not raised out of `launch` (138):
+    # no task starts and the answer is the restart of a signal while starting.
+    import signal as signals
+
+    make_specs = kd_launch._task_specs
+
+    def specs_then_signal(*args, **kwargs):
+        specs = make_specs(*args, **kwargs)
+        signals.raise_signal(signals.SIGUSR1)  # its handler runs before this returns
+        return specs
+
+    monkeypatch.setattr(kd_launch, "_task_specs", specs_then_signal)
+    lines = []
+    result = kd_launch.launch(os.path.join(_harness.SCRIPTS, "hang.py"), workers=2,
+                              sink=lines.append, timeout=60)
+    assert result.returncode == 42 and result.signalled, lines
+    assert "[launcher] got SIGUSR1 before any task started; none runs" in lines, lines
+    assert not [line for line in lines if line.startswith("[worker")], lines
+
+
 @pytest.mark.cluster
 def test_function_target_returns_values():
     lines = []

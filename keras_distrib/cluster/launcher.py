@@ -459,7 +459,8 @@ def _attempts(run, *, max_restarts, sink, what, values_dir=None):
                  + (f" in {wait:g}s" if wait else ""))
             with supervisor.signals_stop_the_cluster():
                 try:
-                    time.sleep(wait)
+                    with supervisor.stops_raise():
+                        time.sleep(wait)
                 except SystemExit as stop:
                     result.signalled = True
                     result.returncode = stop.code

@@ -38,6 +38,7 @@ __all__ = [
     "run_tasks",
     "signals_stop_the_cluster",
     "split_gpus",
+    "stops_raise",
     "visible_gpus",
     "whole_lines",
 ]
@@ -474,8 +475,9 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     lost_ps = None
     running = []
     try:
+        _raising[0] = True  # a stop signal raises here from now on (signals_stop_the_cluster)
         early = _early_signals.take()
-        if early is not None:  # it came while kd started; nothing runs yet
+        if early is not None:  # it came while kd started or the launch was made ready; nothing runs yet
             raise SystemExit(128 + early)
         for spec in specs:
             log_path = None
@@ -557,6 +559,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         else:
             sink(f"[launcher] got {name}; passing SIGTERM on, {_save_time(signalled - 128, grace)}")
     finally:
+        _raising[0] = False
         with _signals_ignored():
             # The tasks are being stopped (and given the grace period to save):
             # a second signal must not cut that short.
@@ -656,19 +659,42 @@ def ignore_stop_signals():
             signal.signal(sig, signal.SIG_IGN)
 
 
+# Whether a stop signal raises SystemExit now (main thread only; see signals_stop_the_cluster).
+_raising = [False]
+
+
+@contextlib.contextmanager
+def stops_raise():
+    """Within: a stop signal raises SystemExit, a kept one first (a restart's wait)."""
+    _raising[0] = True
+    try:
+        early = _early_signals.take()
+        if early is not None:
+            raise SystemExit(128 + early)
+        yield
+    finally:
+        _raising[0] = False
+
+
 @contextlib.contextmanager
 def signals_stop_the_cluster():
     """A signal of `STOP_SIGNALS` to the launcher unwinds it, so its `finally` stops every task.
 
     The tasks then get SIGTERM and the grace period to save (SIGUSR1 is
-    Slurm's warning before a time limit, `--signal=USR1@<seconds>`).
+    Slurm's warning before a time limit, `--signal=USR1@<seconds>`). The
+    signal raises only inside `_run_tasks`' `try` (or `stops_raise`); one
+    that comes before, while the launch is made ready (ports, task specs, a
+    private network), is kept, and `_run_tasks` acts on it first: no task
+    starts, and the result says what a signal while starting says.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        if _raising[0]:
+            raise SystemExit(128 + signum)
+        _early_signals.keep(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
