@@ -19,9 +19,9 @@ frozen out of the garbage collector (`gc.freeze`) before the first fork, so
 a child's collections do not walk (and copy) them.
 
 Clients connect to the listening Unix socket (SOCK_SEQPACKET) whose
-descriptor is argv[1] (bound by the harness), one
-connection per script: the harness itself, and the tasks kd's launcher starts
-as tests/_warm_task.py. A request is one JSON message `{"argv": [...], "env":
+descriptor is argv[1] (bound by the harness), one connection per script:
+the harness itself, and the tasks kd's launcher starts as
+tests/_warm_task.py. A request is one JSON message `{"argv": [...], "env":
 {...}, "cwd": ..., "ignored": [signal numbers]}` sent with the output pipe's
 descriptor, or a task's stdin, stdout and stderr (SCM_RIGHTS). The answer is
 `FRESH` when the environment differs in what is read at import (the client
@@ -118,7 +118,8 @@ def _import_time(env):
     task does); PYTHONPATH is compared without the empty and '.' entries
     the launcher drops.
     """
-    kept = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in ("TF_CONFIG", "PYTHONUNBUFFERED")}
+    kept = {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME) and k not in ("TF_CONFIG", "PYTHONUNBUFFERED")}
     if "PYTHONPATH" in kept:
         kept["PYTHONPATH"] = os.pathsep.join(p for p in kept["PYTHONPATH"].split(os.pathsep)
                                              if p not in ("", "."))
