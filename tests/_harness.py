@@ -5,8 +5,8 @@ multi-replica configuration runs in a process of its own: a child forked from
 a warm interpreter (tests/_warm.py: TensorFlow imported once, its runtime not
 started), or a fresh interpreter where the environment differs in what is
 read at import. A cluster's tasks run their script in warm children too
-(tests/_warm_task.py), under kd's real launcher. Every process that is started has a timeout and is killed
-(with its process group) on exit.
+(tests/_warm_task.py), under kd's real launcher. Every process that is
+started has a timeout and is killed (with its process group) on exit.
 """
 
 import atexit

@@ -475,10 +475,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
     lost_ps = None
     running = []
     try:
-        _raising[0] = True  # a stop signal raises here from now on (signals_stop_the_cluster)
-        early = _early_signals.take()
-        if early is not None:  # it came while kd started or the launch was made ready; nothing runs yet
-            raise SystemExit(128 + early)
+        # A signal kept while kd started or the launch was made ready: nothing runs yet.
+        _raise_stops_from_now()
         for spec in specs:
             log_path = None
             if log_dir:
@@ -663,14 +661,19 @@ def ignore_stop_signals():
 _raising = [False]
 
 
+def _raise_stops_from_now():
+    """From here a stop signal raises SystemExit; one kept before raises at once."""
+    _raising[0] = True
+    early = _early_signals.take()
+    if early is not None:
+        raise SystemExit(128 + early)
+
+
 @contextlib.contextmanager
 def stops_raise():
     """Within: a stop signal raises SystemExit, a kept one first (a restart's wait)."""
-    _raising[0] = True
     try:
-        early = _early_signals.take()
-        if early is not None:
-            raise SystemExit(128 + early)
+        _raise_stops_from_now()
         yield
     finally:
         _raising[0] = False
