@@ -41,6 +41,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -71,6 +72,7 @@ def _run_child(request, descriptors):
         signal.signal(signum, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # chosen at first use from TMPDIR, as in a fresh interpreter
     os.chdir(request["cwd"])
     script = request["argv"][0]
     sys.argv = list(request["argv"])

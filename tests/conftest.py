@@ -22,27 +22,39 @@ tf_logs.import_tensorflow()
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the environment below is inherited
+    # Every process the run starts keeps its temporary files in one folder,
+    # removed at the end: TensorFlow's autograph sources (left behind by a
+    # killed process), folders that scripts and notebooks make with mkdtemp,
+    # a killed worker's scratch space. The run then leaves nothing in the
+    # temporary directory. This process keeps the usual one, so pytest's
+    # tmp_path folders stay where pytest keeps them after a failure.
+    tempfile.gettempdir()
+    config._kd_run_dir = tempfile.mkdtemp(prefix="kd_tests_")
+    os.environ["TMPDIR"] = config._kd_run_dir
     # One cache of one-device reference runs (tests/_harness.py) for the whole
-    # run: the xdist workers inherit this process's environment, so a
-    # reference trained under one worker is not trained again under the other.
-    if hasattr(config, "workerinput") or os.environ.get("KD_REFERENCE_DIR"):
-        return
-    config._kd_reference_dir = tempfile.mkdtemp(prefix="kd_reference_")
-    os.environ["KD_REFERENCE_DIR"] = config._kd_reference_dir
+    # run: a reference trained under one xdist worker is not trained again
+    # under the other.
+    if not os.environ.get("KD_REFERENCE_DIR"):
+        os.environ["KD_REFERENCE_DIR"] = os.path.join(config._kd_run_dir, "references")
+        os.mkdir(os.environ["KD_REFERENCE_DIR"])
 
 
 def pytest_collection_modifyitems(config, items):
     # The tests that start processes first, the in-process ones (about a minute
-    # in all) after: the two xdist workers hand out tests in this order, so the
-    # run ends with short tests on both workers, not with one worker still in a
-    # minutes-long cluster test while the other has nothing left to take.
+    # in all) after: the xdist workers hand out tests in this order, so the
+    # run ends with short tests on every worker, not with one worker still in a
+    # minutes-long cluster test while the others have nothing left to take.
     items.sort(key=lambda item: item.get_closest_marker("cluster") is None)
 
 
 def pytest_unconfigure(config):
-    folder = getattr(config, "_kd_reference_dir", None)
+    folder = getattr(config, "_kd_run_dir", None)
     if folder is not None:
-        os.environ.pop("KD_REFERENCE_DIR", None)
+        if os.environ.get("KD_REFERENCE_DIR", "").startswith(folder):
+            os.environ.pop("KD_REFERENCE_DIR")
+        os.environ.pop("TMPDIR", None)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -28,9 +28,11 @@ def _run(*args):
 
 
 @pytest.mark.cluster
-def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
+def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch, tmp_path):
     monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)  # these tests are about the warm path
     monkeypatch.setenv("KD_PROBE", "set by this test")  # not read at import: the warm path serves it
+    # Not the warm interpreter's own (Python chose it there, while importing).
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     results = {}
     for fresh in (False, True):
         if fresh:
@@ -51,6 +53,7 @@ def test_a_warm_child_sees_what_a_fresh_interpreter_sees(monkeypatch):
             results[fresh, mode] = facts
     for mode in ("exit", "exit_text", "raise", "interrupt"):
         warm, fresh = results[False, mode], results[True, mode]
+        assert warm["tempdir"] == str(tmp_path), warm
         assert warm.pop("parent") != os.getpid(), warm  # forked by the warm interpreter
         assert fresh.pop("parent") == os.getpid(), fresh
         assert warm == fresh, (warm, fresh)

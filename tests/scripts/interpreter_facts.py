@@ -3,19 +3,21 @@
 Usage: interpreter_facts.py MODE [ARGS...]
 
 Prints one 'RESULT {json}' line: argv, `__name__`, sys.path[0], the working
-directory, environment variables, its parent, session and process group, whether
-TensorFlow's runtime was free to take a device layout (2 virtual devices),
-then ends as MODE says: `exit N` (sys.exit), `exit_text` (sys.exit with a
-message), `raise` (an uncaught error), `interrupt` (an uncaught
-KeyboardInterrupt), `os_exit N` (os._exit after the line), or `ok`. A thread
-it started prints when it ends, and an atexit function after it: the end of
-the interpreter, which the warm child does itself.
+directory, the temporary directory, environment variables, its parent,
+session and process group, whether TensorFlow's runtime was free to take a
+device layout (2 virtual devices), then ends as MODE says: `exit N`
+(sys.exit), `exit_text` (sys.exit with a message), `raise` (an uncaught
+error), `interrupt` (an uncaught KeyboardInterrupt), `os_exit N` (os._exit
+after the line), or `ok`. A thread it started prints when it ends, and an
+atexit function after it: the end of the interpreter, which the warm child
+does itself.
 """
 
 import atexit
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,6 +33,7 @@ facts = {
     "path0": sys.path[0],
     "cwd": os.getcwd(),
     "reference_dir": os.environ.get("KD_REFERENCE_DIR"),
+    "tempdir": tempfile.gettempdir(),
     "own_session": os.getsid(0) == os.getpid() == os.getpgid(0),
     "parent": os.getppid(),
     "probe": os.environ.get("KD_PROBE"),
