@@ -36,6 +36,45 @@ def test_first_failure_stops_everyone_with_its_code():
     assert not _harness.survivors(pids)
 
 
+class _Ended:
+    """A task whose process ends with `code` after `polls` polls (None before)."""
+
+    def __init__(self, label, code, polls=0):
+        self.label, self._code, self._polls = label, code, polls
+        self.process = self
+
+    def poll(self):
+        self._polls -= 1
+        return self._code if self._polls < 0 else None
+
+
+@pytest.mark.parametrize("ends,named", [
+    # r18: worker 1 was SIGKILLed, worker 0's collective then failed (exit 1), and the
+    # launcher, seeing both at once, named worker 0. A killed task's end, relayed, can
+    # even reach it after its peer's.
+    ([("worker 0", 1, 0), ("worker 1", -9, 0)], "worker 1"),
+    ([("worker 0", 1, 0), ("worker 1", -9, 3)], "worker 1"),
+    # A task that saved for a preemption: the others are saving the same step.
+    ([("worker 0", -9, 0), ("worker 1", 42, 0)], "worker 1"),
+    # A task that failed on its own, and its peers within moments: the first seen.
+    ([("worker 0", 1, 2), ("worker 1", 1, 2), ("worker 2", 1, 0)], "worker 2"),
+    # A peer that TensorFlow aborts (SIGABRT) is not a task killed from outside.
+    ([("worker 0", -6, 1), ("worker 1", 1, 0)], "worker 1"),
+    # Seen together, ended alike: task order.
+    ([("worker 0", 1, 0), ("worker 1", 3, 0), ("worker 2", None, 0)], "worker 0"),
+])
+def test_the_task_named_is_the_one_whose_end_ended_the_others(ends, named):
+    tasks = [_Ended(*end) for end in ends]
+    seen = [task for task, (_, code, polls) in zip(tasks, ends) if code and not polls]
+    assert supervisor._first_cause(tasks, seen).label == named
+
+
+def test_a_follower_stopped_as_asked_is_not_the_cause():
+    evaluator, worker = _Ended("evaluator 0", -15), _Ended("worker 0", 1)
+    assert supervisor._first_cause([evaluator, worker], [worker], [evaluator]).label == "worker 0"
+    assert supervisor._first_cause([evaluator, worker], [worker]).label == "evaluator 0"
+
+
 @pytest.mark.cluster
 def test_timeout_stops_a_hung_cluster():
     result, output = _harness.run_cluster("hang.py", workers=2, timeout=3)
@@ -50,7 +89,7 @@ def test_timeout_names_the_tasks_that_were_running_even_if_they_exit_cleanly():
     result, output = _harness.run_cluster("exits_on_sigterm.py", workers=2, timeout=4)
     assert result.returncode == 124 and result.timed_out
     assert "timeout after 4s; still running: worker 0, worker 1" in output, output
-    assert not [pid for pid in _pids(output) if _harness.alive(pid)]
+    assert not _harness.survivors(_pids(output))  # reaped by whoever reaps them: soon, not at once
 
 
 @pytest.mark.cluster

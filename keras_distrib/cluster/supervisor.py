@@ -65,6 +65,9 @@ _CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |do
 # How long a parameter-server cluster's coordinator gets to report a lost
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0
+# How long the launcher waits, once a task failed, for others that end with
+# it, to name the one that ended first (`_first_cause`).
+SETTLE_SECONDS = 0.5
 _TAIL_LINES = 20
 # The variable that marks every process of one task (see `token_processes`).
 TOKEN_VARIABLE = "KD_TASK_TOKEN"
@@ -435,6 +438,36 @@ def _ps_lost_message(task, code):
             "job (--max-restarts; training resumes from its backup).")
 
 
+# How a task ends when something outside kills it (the kernel out of memory,
+# a scheduler, a person): its peers then fail because it is gone.
+_KILLED_FROM_OUTSIDE = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
+
+
+def _first_cause(watched, seen, stopped_followers=()):
+    """The failed task to report, once `seen` failed: the one whose end ended the others.
+
+    A task's death ends its peers within moments (their collectives fail),
+    and the order the launcher sees their exits in is not always the order
+    they died in (a killed task's end can reach it after its peers'). So it
+    waits up to `SETTLE_SECONDS` for the others to end, then names a task
+    that saved for a restart (exit 42: the others are saving the same
+    step), else one killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP),
+    else the first it saw fail, in task order.
+    """
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline and any(t.process.poll() is None for t in watched):
+        time.sleep(0.05)
+
+    def code(task):  # a follower the launcher stopped ended as asked
+        ended = task.process.poll()
+        return 0 if task in stopped_followers and ended == -signal.SIGTERM else ended
+
+    failures = [t for t in watched if code(t) not in (None, 0)]
+    # min() keeps the first of equals: task order.
+    return min(failures, key=lambda t: (code(t) != RESTART_EXIT_CODE,
+                                        code(t) not in _KILLED_FROM_OUTSIDE, t not in seen))
+
+
 def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None,
               private_network=False):
     """Starts every task, waits, and stops them all; returns a `ClusterResult`.
@@ -526,7 +559,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                     sink(f"[launcher] {task.label} server exited with code {code}; "
                          "the coordinator carries on without it")
             if failures:
-                failed = failures[0]
+                stopped_followers = followers if told_followers else []
+                failed = _first_cause(watched, failures, stopped_followers)
                 if failed.process.returncode == RESTART_EXIT_CODE:
                     # It saved for a preemption; the others are saving the same step.
                     stop_grace = grace
