@@ -31,6 +31,7 @@ def pytest_configure(config):
     # temporary directory. This process keeps the usual one, so pytest's
     # tmp_path folders stay where pytest keeps them after a failure.
     tempfile.gettempdir()
+    config._kd_tmpdir_before = os.environ.get("TMPDIR")
     config._kd_run_dir = tempfile.mkdtemp(prefix="kd_tests_")
     os.environ["TMPDIR"] = config._kd_run_dir
     # One cache of one-device reference runs (tests/_harness.py) for the whole
@@ -54,7 +55,10 @@ def pytest_unconfigure(config):
     if folder is not None:
         if os.environ.get("KD_REFERENCE_DIR", "").startswith(folder):
             os.environ.pop("KD_REFERENCE_DIR")
-        os.environ.pop("TMPDIR", None)
+        if config._kd_tmpdir_before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = config._kd_tmpdir_before
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -458,14 +458,24 @@ def _first_cause(watched, seen, stopped_followers=()):
     while time.monotonic() < deadline and any(t.process.poll() is None for t in watched):
         time.sleep(0.05)
 
-    def code(task):  # a follower the launcher stopped ended as asked
-        ended = task.process.poll()
-        return 0 if task in stopped_followers and ended == -signal.SIGTERM else ended
+    def code(task):
+        return _exit_code(task, stopped_followers)
 
     failures = [t for t in watched if code(t) not in (None, 0)]
     # min() keeps the first of equals: task order.
     return min(failures, key=lambda t: (code(t) != RESTART_EXIT_CODE,
                                         code(t) not in _KILLED_FROM_OUTSIDE, t not in seen))
+
+
+def _exit_code(task, stopped_followers=()):
+    """The task's exit code (None while it runs).
+
+    A follower the launcher stopped ended as asked (0), whether its own
+    handler ran (exit 0) or the SIGTERM came as it was already on its way
+    out, after its handler was gone (-15).
+    """
+    ended = task.process.poll()
+    return 0 if task in stopped_followers and ended == -signal.SIGTERM else ended
 
 
 def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None,
@@ -526,13 +536,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         while True:
             for task in tasks:
                 task.check_guard()
-            codes = [t.process.poll() for t in tasks]
-            if told_followers:
-                # A follower the launcher stopped ended as asked, whether its own
-                # handler ran (exit 0) or the SIGTERM came as it was already on
-                # its way out, after its handler was gone (-15).
-                codes = [0 if t in followers and code == -signal.SIGTERM else code
-                         for t, code in zip(tasks, codes)]
+            stopped_followers = followers if told_followers else []
+            codes = [_exit_code(t, stopped_followers) for t in tasks]
             failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
             if not watched:
                 # A node that runs only servers (a per-node agent's ps and
@@ -559,7 +564,6 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                     sink(f"[launcher] {task.label} server exited with code {code}; "
                          "the coordinator carries on without it")
             if failures:
-                stopped_followers = followers if told_followers else []
                 failed = _first_cause(watched, failures, stopped_followers)
                 if failed.process.returncode == RESTART_EXIT_CODE:
                     # It saved for a preemption; the others are saving the same step.
