@@ -307,6 +307,51 @@ def test_keras_opens_the_iterators_per_epoch_kd_replays_on_resume(monkeypatch):
     assert len(opened) == _keras_compat.iterators_before_epoch(source, 3) == 6
 
 
+def _epochs_of(source, strategy, epochs=3):
+    """Each epoch's batches from an epoch iterator under `strategy`, replica by replica."""
+    batches = []
+    for _ in range(epochs):
+        epoch = []
+        with source.catch_stop_iteration():
+            for _begin, _end, iterator in source:
+                data, _ = next(iterator)
+                epoch.append([np.asarray(part).ravel().tolist()
+                              for part in strategy.experimental_local_results(data)])
+        batches.append(epoch)
+    return batches
+
+
+def test_kd_opens_one_distributed_iterator_per_epoch_and_keeps_keras_orders(monkeypatch):
+    # Keras's epoch iterator opens 2 distributed iterators per epoch; it never
+    # reads the one it opens as a pass ends, yet that opening draws a
+    # reshuffling dataset's next order. kd's opens only the one it reads (each
+    # traces TensorFlow functions per device) and draws the other order from a
+    # plain tf.data iterator: the batches of every epoch stay Keras's. (One
+    # device in this process; the exactness matrix's `reshuffled_dataset`
+    # checks 2 replicas and 2 workers.)
+    from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+
+    def source(iterator_class):
+        rows = tf.data.Dataset.range(13).map(lambda i: (tf.cast(i, "float32")[None], tf.zeros([1])))
+        rows = rows.shuffle(13, seed=7, reshuffle_each_iteration=True).batch(4)
+        return iterator_class(x=rows, distribute_strategy=strategy)
+
+    opened = []
+    keras_source = source(keras_tf_trainer.TFEpochIterator)
+    distributed = _keras_compat.epoch_distributed_dataset(keras_source)
+    original = type(distributed).__iter__
+    monkeypatch.setattr(type(distributed), "__iter__", lambda self: opened.append(1) or original(self))
+    keras_batches = _epochs_of(keras_source, strategy)
+    keras_opened, opened[:] = len(opened), []
+    kd_batches = _epochs_of(source(_keras_compat.epoch_iterator), strategy)
+    assert (keras_opened, len(opened)) == (6, 3)
+    assert kd_batches == keras_batches
+    assert keras_batches[0] != keras_batches[1]  # the data did reshuffle
+    assert [len(batch[0]) for batch in keras_batches[0]] == [4, 4, 4, 1]
+
+
 def test_pipeline_batch_size_reads_tf_datas_batch_through_other_transformations():
     # TensorFlow's private `_input_dataset` / `_batch_size`: fails loudly if they change.
     import tensorflow as tf

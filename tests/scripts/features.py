@@ -8,6 +8,7 @@ and predict arguments. The same feature is trained with plain Keras on one
 device (the reference) and with kd under each path of the matrix.
 """
 
+import fcntl
 import os
 import pickle
 
@@ -665,13 +666,19 @@ def relative_difference(reference, candidate):
 def reference(name):
     """Plain Keras on one device; cached in $KD_REFERENCE_DIR across processes."""
     folder = os.environ.get("KD_REFERENCE_DIR")
-    path = os.path.join(folder, f"feature-{name}.pkl") if folder else None
-    if path and os.path.exists(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    with tf.device("/CPU:0"):
-        result = train(keras.Model, name)
-    if path:
+    if not folder:
+        with tf.device("/CPU:0"):
+            return train(keras.Model, name)
+    path = os.path.join(folder, f"feature-{name}.pkl")
+    # Paths that start together need the same references: one process trains
+    # each, the others wait for it rather than train it again.
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        with tf.device("/CPU:0"):
+            result = train(keras.Model, name)
         temp = f"{path}.{os.getpid()}.tmp"
         with open(temp, "wb") as f:
             pickle.dump(result, f)
