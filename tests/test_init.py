@@ -35,6 +35,11 @@ _LOADED = ("import sys, keras_distrib as kd\n"
            "import keras_distrib.commands.cli\n"
            "kd.cluster_info(); kd.is_chief(); kd.launch; kd.LaunchError; kd.ClusterInfo\n"
            "kd.cluster.parse_tf_config('{}')\n"
+           "from types import SimpleNamespace\n"
+           "from keras_distrib.cluster import supervisor\n"
+           "print('EXPLAINED', supervisor._lost_peer_message(SimpleNamespace(tail=['The following "
+           "tasks are unhealthy (stopped sending heartbeats): /job:worker/replica:0/task:1']), "
+           "'worker 0', 'worker 0'))\n"
            "print('LAUNCHER', loaded())\n"
            "kd.Model\n"
            "print('MODEL', loaded())\n")
@@ -47,6 +52,8 @@ def test_the_launcher_and_who_am_i_load_no_tensorflow():
                              timeout=120, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "",
                                   "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
     lines = dict(line.split(" ", 1) for line in process.stdout.splitlines() if " " in line)
+    # A launcher explains a failed task (the cluster lost which peer) without them too.
+    assert "the cluster lost worker 1 (/job:worker/task:1)" in lines.get("EXPLAINED", ""), process.stdout
     assert lines.get("LAUNCHER") == "[]", process.stdout + process.stderr[-2000:]
     # The contrast: the first name that needs them loads both.
     assert lines.get("MODEL") == "['keras', 'tensorflow']", process.stdout + process.stderr[-2000:]

@@ -25,6 +25,7 @@ import uuid
 
 from keras_distrib import _early_signals
 from keras_distrib.cluster import _guard
+from keras_distrib.cluster import lost as lost_lib
 from keras_distrib import tf_logs
 
 __all__ = [
@@ -426,10 +427,8 @@ def _said_saved(result):
 
 def _lost_peer_message(result, own_label, service_task):
     """kd's explanation when a task ended because the cluster lost another task, else None."""
-    from keras_distrib.cluster import watchdog
-
-    lost = watchdog.lost_tasks("\n".join(result.tail), own_label, service_task)
-    return f"[launcher] {watchdog.lost_task_message(lost, own_label)}" if lost else None
+    lost = lost_lib.lost_tasks("\n".join(result.tail), own_label, service_task)
+    return f"[launcher] {lost_lib.lost_task_message(lost, own_label)}" if lost else None
 
 
 def _ps_lost_message(task, code):
@@ -635,10 +634,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                  "ends a task's processes when the task or the launcher ends; stop the launcher "
                  "or the task, not the guard.")
         elif result.returncode is not None and result.returncode < 0:
-            from keras_distrib.cluster import watchdog
-
             sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
-                 f"a preemption without grace, or by hand). {watchdog.ADVICE}")
+                 f"a preemption without grace, or by hand). {lost_lib.ADVICE}")
         service_task = "chief 0" if any(r.task_type == "chief" for r in results) else "worker 0"
         explanation = _lost_peer_message(result, result.label, service_task)
         if explanation:
