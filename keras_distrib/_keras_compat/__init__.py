@@ -236,6 +236,7 @@ from keras_distrib._keras_compat.data import concat_replicas  # noqa: F401
 from keras_distrib._keras_compat.data import concrete_functions  # noqa: F401
 from keras_distrib._keras_compat.data import data_batch_size  # noqa: F401
 from keras_distrib._keras_compat.data import dataset_element_spec  # noqa: F401
+from keras_distrib._keras_compat.data import draw_order  # noqa: F401
 from keras_distrib._keras_compat.data import end_pass  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_distributed_dataset  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_iterator  # noqa: F401

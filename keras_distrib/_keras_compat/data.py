@@ -23,6 +23,7 @@ __all__ = [
     "concrete_functions",
     "data_batch_size",
     "dataset_element_spec",
+    "draw_order",
     "end_pass",
     "epoch_distributed_dataset",
     "epoch_iterator",
@@ -103,10 +104,7 @@ class _OrderDraw:
         self._distributed = distributed
 
     def __iter__(self):
-        workers = self._distributed._input_workers.worker_devices
-        for worker, dataset in zip(workers, self._distributed._cloned_datasets):
-            with tf.device(worker):
-                iter(dataset)
+        draw_order(self._distributed)
         return self
 
     def __next__(self):
@@ -117,6 +115,21 @@ class _OrderDraw:
         )
 
     get_next = get_next_as_optional = __next__
+
+
+def draw_order(dataset):
+    """Opens and drops an iterator over `dataset`: one that reshuffles each iteration draws its next order.
+
+    For a distributed dataset, each input worker's plain tf.data iterator
+    over its dataset: it draws the same order as a distributed iterator,
+    which would trace six TensorFlow functions per device.
+    """
+    if type(dataset) is input_lib.DistributedDataset:
+        for worker, part in zip(dataset._input_workers.worker_devices, dataset._cloned_datasets):
+            with tf.device(worker):
+                iter(part)
+    else:
+        iter(dataset)
 
 
 def skip_batch_agreement(epoch_iterator):

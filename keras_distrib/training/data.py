@@ -269,7 +269,7 @@ def replay_epochs(dataset, epochs):
     the process: a process resuming at epoch E would draw epoch 0's order
     for it. Opening (and dropping) E iterators first gives epoch E's order,
     as in the uninterrupted run. Opening an iterator reads no element, so it
-    costs little for a plain dataset; a distributed one may prefetch a batch.
+    costs little; for a distributed dataset kd opens each worker's plain iterator.
     `fit`, `kd.TrainLoop` and parameter-server training do this when they
     resume from a backup; call it in a loop of your own that opens one
     iterator per epoch, before the first iterator of the resumed epoch.
@@ -311,7 +311,7 @@ def replay_epochs(dataset, epochs):
     if epochs == 0 or _keras_compat.reshuffles_each_iteration(dataset) is False:
         return False
     for _ in range(epochs):
-        iter(dataset)
+        _keras_compat.draw_order(dataset)
     return True
 
 
