@@ -155,20 +155,31 @@ class _Warm:
             except subprocess.TimeoutExpired:
                 kill_groups([self._process])
 
+    def _ended(self, what):
+        """The error for a warm interpreter that has ended: its exit status and last output."""
+        self._broken = True
+        try:
+            status = self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            status = "still running"
+        self._errors.seek(0)
+        return AssertionError(f"the warm interpreter (tests/_warm.py) ended ({what}; exit status "
+                              f"{status}):\n{self._errors.read()[-4000:].decode(errors='replace')}")
+
     def _answer(self, answers, prefixes):
         line = answers.readline()
         if not line.startswith(prefixes):
-            self._broken = True
-            self._errors.seek(0)
-            raise AssertionError(f"the warm interpreter (tests/_warm.py) ended: {line!r}\n"
-                                 f"{self._errors.read()[-4000:].decode(errors='replace')}")
+            raise self._ended(f"it answered {line!r}")
         return line
 
     def run(self, argv, env, timeout):
         """Like `_run_fresh`, in a child of the warm interpreter (or fresh, when it says so)."""
         path = self.start(env)
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
-            connection.connect(path)
+            try:
+                connection.connect(path)
+            except ConnectionRefusedError:  # bound, no longer listening
+                raise self._ended("it refused a connection") from None
             answers = connection.makefile("r")
             read, write = os.pipe()
             try:

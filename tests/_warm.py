@@ -153,7 +153,10 @@ class _Server:
                 if kind == "control":
                     return self.end()
                 if kind == "accept":
-                    connection, _ = self.listener.accept()
+                    try:
+                        connection, _ = self.listener.accept()
+                    except OSError:  # the client went away before it was accepted
+                        continue
                     self.waiting.add(connection)
                     self.selector.register(connection, selectors.EVENT_READ, ("request", connection))
                 elif kind == "request":
@@ -162,17 +165,19 @@ class _Server:
                     self.start(value)
                 elif kind == "ended":
                     self.reap(value)
-                elif kind == "client":
-                    if not value[0].recv(1024):  # the client went away first
-                        _kill_group(value[1])
+                elif kind == "client" and not _receives(value[0]):  # the client went away first
+                    _kill_group(value[1])
 
     def start(self, connection):
-        request, descriptors = _receive(connection)
+        try:
+            request, descriptors = _receive(connection)
+        except OSError:  # the client went away while it sent its request
+            request, descriptors = None, []
         if request is None or _import_time(request["env"]) != self.import_time:
             for descriptor in descriptors:
                 os.close(descriptor)
             if request is not None:
-                connection.sendall(b"FRESH\n")
+                _send(connection, b"FRESH\n")
             connection.close()
             return
         pid = os.fork()
@@ -194,7 +199,8 @@ class _Server:
         self.children[pid] = (connection, pidfd)
         self.selector.register(pidfd, selectors.EVENT_READ, ("ended", pid))
         self.selector.register(connection, selectors.EVENT_READ, ("client", (connection, pid)))
-        connection.sendall(f"PID {pid}\n".encode())
+        if not _send(connection, f"PID {pid}\n".encode()):
+            _kill_group(pid)  # reaped when it has ended, as any child
 
     def reap(self, pid):
         connection, pidfd = self.children.pop(pid)
@@ -203,10 +209,7 @@ class _Server:
         self.selector.unregister(connection)
         os.close(pidfd)
         _kill_group(pid)  # what the script left in its group
-        try:
-            connection.sendall(f"STATUS {status}\n".encode())
-        except OSError:  # the client went away
-            pass
+        _send(connection, f"STATUS {status}\n".encode())
         connection.close()
 
     def close_in_child(self, connection):
@@ -224,6 +227,27 @@ class _Server:
         for pid in list(self.children):
             os.waitpid(pid, 0)
         return 0
+
+
+# A client can be killed at any moment (a launcher ends its tasks, a test its
+# processes). The server outlives it: a socket whose peer closed with an answer
+# unread raises ECONNRESET here, which once ended this process and failed every
+# later script of that pytest worker.
+def _send(connection, data):
+    """True when `data` was sent; False when the client has gone away."""
+    try:
+        connection.sendall(data)
+        return True
+    except OSError:
+        return False
+
+
+def _receives(connection):
+    """True while the client is connected (it sends nothing after its request)."""
+    try:
+        return bool(connection.recv(1024))
+    except OSError:
+        return False
 
 
 def _kill_group(pid):

@@ -7,8 +7,10 @@ launched task (tests/_warm_task.py in the script's place) is compared with a
 fresh task the same way, and must end, and be ended, as one.
 """
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -80,6 +82,30 @@ def test_a_script_past_its_timeout_is_killed_with_its_group(monkeypatch):
     pid = int(str(caught.value).split("PID ")[1].split()[0])
     assert not _harness.survivors([pid]), pid
     # The warm interpreter serves the next script.
+    code, output, facts = _run("exit", 0)
+    assert code == 0 and facts["parent"] != os.getpid(), output[-3000:]
+
+
+@pytest.mark.cluster
+def test_a_client_gone_with_its_answer_unread_leaves_the_warm_interpreter_serving(monkeypatch):
+    # A launcher kills its tasks (tests/_warm_task.py) when one fails, maybe
+    # before a task has read the warm interpreter's "PID" answer. Its socket
+    # then closes with data unread, the server's next read of it raises
+    # ECONNRESET, and that once ended the warm interpreter: every later
+    # script of the pytest worker failed (r28: 12 tests, "Connection refused").
+    monkeypatch.delenv("KD_TESTS_FRESH_PROCESSES", raising=False)
+    env = _harness._env()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+        connection.settimeout(120)
+        connection.connect(_harness._WARM.start(env))
+        read, write = os.pipe()
+        request = {"argv": [os.path.join(_harness.SCRIPTS, "hang.py")], "env": env, "cwd": os.getcwd()}
+        socket.send_fds(connection, [json.dumps(request).encode()], [write])
+        os.close(write)
+        line = connection.recv(64, socket.MSG_PEEK).decode()  # answered, left unread
+    os.close(read)
+    assert line.startswith("PID "), line
+    assert not _harness.survivors([int(line.split()[1])], within=30), "the script outlived its client"
     code, output, facts = _run("exit", 0)
     assert code == 0 and facts["parent"] != os.getpid(), output[-3000:]
 
