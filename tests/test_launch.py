@@ -39,13 +39,25 @@ def test_first_failure_stops_everyone_with_its_code():
 class _Ended:
     """A task whose process ends with `code` after `polls` polls (None before)."""
 
-    def __init__(self, label, code, polls=0):
-        self.label, self._code, self._polls = label, code, polls
+    def __init__(self, label, code, polls=0, words=()):
+        self.label, self._code, self._polls, self._words = label, code, polls, list(words)
         self.process = self
 
     def poll(self):
         self._polls -= 1
         return self._code if self._polls < 0 else None
+
+    def last_words(self, timeout):
+        return self._words
+
+
+# What a survivor's collective says when its peer (task 3) has gone (TensorFlow 2.21).
+_PEER_3_LOST = ["tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is "
+                "aborted by: Socket closed. Additional GRPC error information from remote target "
+                "/job:worker/replica:0/task:3"]
+_SERVICE_LOST = ["tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:",
+                 "Additional GRPC error information from remote target /job:worker/replica:0/task:0 "
+                 "while calling /tensorflow.CoordinationService/Heartbeat:"]
 
 
 @pytest.mark.parametrize("ends,named", [
@@ -62,10 +74,17 @@ class _Ended:
     ([("worker 0", -6, 1), ("worker 1", 1, 0)], "worker 1"),
     # Seen together, ended alike: task order.
     ([("worker 0", 1, 0), ("worker 1", 3, 0), ("worker 2", None, 0)], "worker 0"),
+    # r33 (loaded machine): worker 3 crashed (exit 1, no words), worker 0's collective
+    # then failed naming task 3 as lost; seen in one poll, task order named worker 0.
+    ([("worker 0", 1, 0, _PEER_3_LOST), ("worker 3", 1, 0)], "worker 3"),
+    ([("worker 0", 1, 0, _PEER_3_LOST), ("worker 3", 1, 2)], "worker 3"),
+    # ... and worker 2 lost worker 0 next (the coordination service's host), as measured.
+    ([("worker 0", 1, 0, _PEER_3_LOST), ("worker 1", 1, 0, _PEER_3_LOST),
+      ("worker 2", 1, 0, _SERVICE_LOST), ("worker 3", 1, 1)], "worker 3"),
 ])
 def test_the_task_named_is_the_one_whose_end_ended_the_others(ends, named):
     tasks = [_Ended(*end) for end in ends]
-    seen = [task for task, (_, code, polls) in zip(tasks, ends) if code and not polls]
+    seen = [task for task, (_, code, polls, *_) in zip(tasks, ends) if code and not polls]
     assert supervisor._first_cause(tasks, seen).label == named
 
 

@@ -316,6 +316,11 @@ class _Task:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def last_words(self, timeout):
+        """The tail of the task's output once it has all been read (a task that has ended)."""
+        self._reader.join(timeout=timeout)
+        return list(self.tail)
+
     def finish(self):
         self._reader.join(timeout=5)
         if self._log:
@@ -451,7 +456,10 @@ def _first_cause(watched, seen, stopped_followers=()):
     waits up to `SETTLE_SECONDS` for the others to end, then names a task
     that saved for a restart (exit 42: the others are saving the same
     step), else one killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP),
-    else the first it saw fail, in task order.
+    else one whose last words do not say the cluster lost a peer (TensorFlow's
+    error names the peer a collective or a heartbeat lost), first one that
+    such words name, else the first it saw fail, in task order. (r33, a loaded machine: worker 3 crashed, worker 0's
+    collective failed, the launcher saw both in one poll and named worker 0.)
     """
     deadline = time.monotonic() + SETTLE_SECONDS
     while time.monotonic() < deadline and any(t.process.poll() is None for t in watched):
@@ -461,9 +469,21 @@ def _first_cause(watched, seen, stopped_followers=()):
         return _exit_code(task, stopped_followers)
 
     failures = [t for t in watched if code(t) not in (None, 0)]
+    service_task = "chief 0" if any(t.label == "chief 0" for t in watched) else "worker 0"
+    read_by = time.monotonic() + 1.0  # their last lines, read to the end (a second at most)
+    lost_by = {t.label: lost_lib.lost_tasks("\n".join(_last_words(t, read_by)), t.label, service_task)
+               for t in failures}
+    named_lost = {name for names in lost_by.values() for name in names}
     # min() keeps the first of equals: task order.
     return min(failures, key=lambda t: (code(t) != RESTART_EXIT_CODE,
-                                        code(t) not in _KILLED_FROM_OUTSIDE, t not in seen))
+                                        code(t) not in _KILLED_FROM_OUTSIDE,
+                                        bool(lost_by[t.label]), t.label not in named_lost,
+                                        t not in seen))
+
+
+def _last_words(task, read_by):
+    """An ended task's last lines, once its output is read to the end or at `read_by`."""
+    return task.last_words(max(0.0, read_by - time.monotonic()))
 
 
 def _exit_code(task, stopped_followers=()):
