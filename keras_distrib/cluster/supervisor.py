@@ -458,8 +458,9 @@ def _first_cause(watched, seen, stopped_followers=()):
     step), else one killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP),
     else one whose last words do not say the cluster lost a peer (TensorFlow's
     error names the peer a collective or a heartbeat lost), first one that
-    such words name, else the first it saw fail, in task order. (r33, a loaded machine: worker 3 crashed, worker 0's
-    collective failed, the launcher saw both in one poll and named worker 0.)
+    such words name, else the first it saw fail, in task order. (r33, a
+    loaded machine: worker 3 crashed, worker 0's collective failed, the
+    launcher saw both in one poll and named worker 0.)
     """
     deadline = time.monotonic() + SETTLE_SECONDS
     while time.monotonic() < deadline and any(t.process.poll() is None for t in watched):
@@ -469,9 +470,10 @@ def _first_cause(watched, seen, stopped_followers=()):
         return _exit_code(task, stopped_followers)
 
     failures = [t for t in watched if code(t) not in (None, 0)]
-    service_task = "chief 0" if any(t.label == "chief 0" for t in watched) else "worker 0"
+    service_task = _service_task(t.label for t in watched)
     read_by = time.monotonic() + 1.0  # their last lines, read to the end (a second at most)
-    lost_by = {t.label: lost_lib.lost_tasks("\n".join(_last_words(t, read_by)), t.label, service_task)
+    lost_by = {t.label: lost_lib.lost_tasks(
+                   "\n".join(t.last_words(max(0.0, read_by - time.monotonic()))), t.label, service_task)
                for t in failures}
     named_lost = {name for names in lost_by.values() for name in names}
     # min() keeps the first of equals: task order.
@@ -481,9 +483,9 @@ def _first_cause(watched, seen, stopped_followers=()):
                                         t not in seen))
 
 
-def _last_words(task, read_by):
-    """An ended task's last lines, once its output is read to the end or at `read_by`."""
-    return task.last_words(max(0.0, read_by - time.monotonic()))
+def _service_task(labels):
+    """The task that hosts TensorFlow's coordination service: the chief, else worker 0."""
+    return "chief 0" if any(label.startswith("chief ") for label in labels) else "worker 0"
 
 
 def _exit_code(task, stopped_followers=()):
@@ -656,8 +658,7 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         elif result.returncode is not None and result.returncode < 0:
             sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
                  f"a preemption without grace, or by hand). {lost_lib.ADVICE}")
-        service_task = "chief 0" if any(r.task_type == "chief" for r in results) else "worker 0"
-        explanation = _lost_peer_message(result, result.label, service_task)
+        explanation = _lost_peer_message(result, result.label, _service_task(r.label for r in results))
         if explanation:
             sink(explanation)
         return ClusterResult(code, results, failed=result)
