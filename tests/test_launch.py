@@ -41,6 +41,7 @@ class _Ended:
 
     def __init__(self, label, code, polls=0, words=()):
         self.label, self._code, self._polls, self._words = label, code, polls, list(words)
+        self.task_type = label.split()[0]
         self.process = self
 
     def poll(self):

@@ -51,6 +51,20 @@ def lost_tasks(text, own_label=None, service_task="worker 0"):
     return names
 
 
+def service_task(task_types):
+    """The task that hosts TensorFlow's coordination service: `"chief 0"`, else `"worker 0"`.
+
+    `task_types` are the cluster's tasks' types (`"worker"`, `"chief"`, ...).
+
+    Example:
+        >>> service_task(["worker", "worker", "chief", "evaluator"])
+        'chief 0'
+        >>> service_task(["worker", "ps"])
+        'worker 0'
+    """
+    return "chief 0" if "chief" in set(task_types) else "worker 0"
+
+
 def lost_task_message(lost, own_label):
     """kd's explanation of a task that ended because the cluster lost `lost`."""
     named = ", ".join(f"{task} (/job:{task.split()[0]}/task:{task.split()[1]})" for task in lost)

@@ -456,11 +456,9 @@ def _first_cause(watched, seen, stopped_followers=()):
     waits up to `SETTLE_SECONDS` for the others to end, then names a task
     that saved for a restart (exit 42: the others are saving the same
     step), else one killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP),
-    else one whose last words do not say the cluster lost a peer (TensorFlow's
-    error names the peer a collective or a heartbeat lost), first one that
-    such words name, else the first it saw fail, in task order. (r33, a
-    loaded machine: worker 3 crashed, worker 0's collective failed, the
-    launcher saw both in one poll and named worker 0.)
+    else one whose last lines do not say the cluster lost a peer (a survivor's
+    collective or heartbeat error names the task it lost), then one that
+    such lines name, else the first it saw fail, in task order.
     """
     deadline = time.monotonic() + SETTLE_SECONDS
     while time.monotonic() < deadline and any(t.process.poll() is None for t in watched):
@@ -470,22 +468,18 @@ def _first_cause(watched, seen, stopped_followers=()):
         return _exit_code(task, stopped_followers)
 
     failures = [t for t in watched if code(t) not in (None, 0)]
-    service_task = _service_task(t.label for t in watched)
-    read_by = time.monotonic() + 1.0  # their last lines, read to the end (a second at most)
-    lost_by = {t.label: lost_lib.lost_tasks(
-                   "\n".join(t.last_words(max(0.0, read_by - time.monotonic()))), t.label, service_task)
-               for t in failures}
+    host = lost_lib.service_task(t.task_type for t in watched)
+    read_by = time.monotonic() + 1.0  # their output, read to its end: a second at most in all
+    lost_by = {}
+    for task in failures:
+        words = task.last_words(timeout=max(0.0, read_by - time.monotonic()))
+        lost_by[task.label] = lost_lib.lost_tasks("\n".join(words), task.label, host)
     named_lost = {name for names in lost_by.values() for name in names}
     # min() keeps the first of equals: task order.
     return min(failures, key=lambda t: (code(t) != RESTART_EXIT_CODE,
                                         code(t) not in _KILLED_FROM_OUTSIDE,
                                         bool(lost_by[t.label]), t.label not in named_lost,
                                         t not in seen))
-
-
-def _service_task(labels):
-    """The task that hosts TensorFlow's coordination service: the chief, else worker 0."""
-    return "chief 0" if any(label.startswith("chief ") for label in labels) else "worker 0"
 
 
 def _exit_code(task, stopped_followers=()):
@@ -658,7 +652,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         elif result.returncode is not None and result.returncode < 0:
             sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
                  f"a preemption without grace, or by hand). {lost_lib.ADVICE}")
-        explanation = _lost_peer_message(result, result.label, _service_task(r.label for r in results))
+        explanation = _lost_peer_message(
+            result, result.label, lost_lib.service_task(r.task_type for r in results))
         if explanation:
             sink(explanation)
         return ClusterResult(code, results, failed=result)

@@ -34,6 +34,7 @@ from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import strategies
 from keras_distrib import validation
 from keras_distrib.cluster.lost import ADVICE, lost_task_message, lost_tasks  # noqa: F401 - public here too
+from keras_distrib.cluster.lost import service_task
 
 __all__ = [
     "ADVICE",
@@ -58,8 +59,8 @@ _GENERATIONS = itertools.count()
 def explain_lost_task(error, own_label):
     """`error` (a `tf.errors.OpError`) with kd's explanation first, or None if it is not a lost task."""
     info = cluster_lib.cluster_info()
-    service_task = "chief 0" if info.cluster.get("chief") else "worker 0"
-    lost = lost_tasks(getattr(error, "message", str(error)), own_label, service_task)
+    host = service_task(job for job, addresses in info.cluster.items() if addresses)
+    lost = lost_tasks(getattr(error, "message", str(error)), own_label, host)
     if not lost:
         return None
     return type(error)(getattr(error, "node_def", None), getattr(error, "op", None),
