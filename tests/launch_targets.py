@@ -31,3 +31,19 @@ def listen_everywhere(seconds):
         print(f"LISTENING {port}", flush=True)
         time.sleep(seconds)
     return port
+
+
+def crash(how):
+    """Worker 1 prints a line and crashes in native code (`how`: segv, abort); the others wait."""
+    import ctypes
+    import time
+
+    from keras_distrib.cluster import info as cluster
+
+    if cluster.cluster_info().label != "worker 1":
+        time.sleep(60)
+        return None
+    print("about to crash", flush=True)
+    if how == "segv":
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    os.abort()  # SIGABRT

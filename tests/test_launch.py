@@ -71,6 +71,8 @@ _SERVICE_LOST = ["tensorflow.python.framework.errors_impl.UnavailableError: Grap
     ([("worker 0", -9, 0), ("worker 1", 42, 0)], "worker 1"),
     # A task that failed on its own, and its peers within moments: the first seen.
     ([("worker 0", 1, 2), ("worker 1", 1, 2), ("worker 2", 1, 0)], "worker 2"),
+    # A task that crashed (SIGSEGV) ended its peers, as a killed one does.
+    ([("worker 0", 1, 0), ("worker 1", -11, 0)], "worker 1"),
     # A peer that TensorFlow aborts (SIGABRT) is not a task killed from outside.
     ([("worker 0", -6, 1), ("worker 1", 1, 0)], "worker 1"),
     # Seen together, ended alike: task order.
@@ -242,6 +244,27 @@ def test_function_target_returns_values():
     assert result.values["worker 0"]["chief"] and not result.values["worker 1"]["chief"]
     assert {v["workers"] for v in result.values.values()} == {2}
     assert {v["tag"] for v in result.values.values()} == {"x"}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how,signame,trace", [
+    ("segv", "SIGSEGV", "Fatal Python error: Segmentation fault"),
+    ("abort", "SIGABRT", "Fatal Python error: Aborted"),
+])
+def test_a_crash_is_named_a_crash_with_its_last_lines_and_its_faulthandler_trace(how, signame, trace):
+    """A task that ends on SIGSEGV or SIGABRT is reported as a crash, not "killed (out of memory...)"."""
+    lines = []
+    result = kd_launch.launch(launch_targets.crash, workers=2, args=(how,), env=_harness._env(),
+                              sink=lines.append, timeout=120)
+    output = "\n".join(lines)
+    assert result.failed.label == "worker 1" and result.failed.returncode < 0, output
+    report = output[output.index("[launcher] worker 1 crashed"):]
+    assert re.match(rf"\[launcher\] worker 1 crashed: {signame} \(signal \d+, ", report), report
+    assert "[launcher]   about to crash" in report  # its last lines
+    stacks = report[report.index("faulthandler trace"):]
+    assert f"[launcher]   {trace}" in stacks, report
+    assert re.search(r"File \".*launch_targets\.py\", line \d+ in crash", stacks), report
+    assert "out of memory" not in output and "killed by signal" not in output, output
 
 
 @pytest.mark.cluster

@@ -314,6 +314,9 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=
     """One `TaskSpec` per task of `spec` (or of `local` labels), with its TF_CONFIG and GPU share."""
     base_env = tf_logs.task_environment(os.environ if env is None else env, verbose=verbose)
     base_env["PYTHONUNBUFFERED"] = "1"
+    # A task that crashes in native code (SIGSEGV, SIGABRT, ...) prints its
+    # Python stacks: the launcher reports them with the crash.
+    base_env.setdefault("PYTHONFAULTHANDLER", "1")
     if "PYTHONPATH" in base_env:
         # An empty (or '.') entry means the working directory: a module there
         # would be imported before the real one (what -P keeps out).

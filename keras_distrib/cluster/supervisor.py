@@ -70,6 +70,23 @@ PS_LOSS_WAIT = 30.0
 # it, to name the one that ended first (`_first_cause`).
 SETTLE_SECONDS = 0.5
 _TAIL_LINES = 20
+# A crash's faulthandler trace (every thread's Python stack) is kept whole up to this.
+_TRACE_LINES = 200
+# Signals that mean the task crashed in native code, and what each is. Python's
+# faulthandler (PYTHONFAULTHANDLER, which the launcher sets) prints the
+# task's Python stacks on each, starting with "Fatal Python error: ...".
+CRASH_SIGNALS = {
+    signal.SIGSEGV: "a segmentation fault: native code (TensorFlow, a library, an extension) "
+                    "read or wrote memory it does not own",
+    signal.SIGBUS: "a bus error: native code touched memory that has no backing (often a "
+                   "memory-mapped file truncated under it, or /dev/shm full)",
+    signal.SIGABRT: "an abort: native code stopped the process on a failed check (its message "
+                    "is usually among the last lines)",
+    signal.SIGILL: "an illegal instruction: native code built for another CPU (e.g. a "
+                   "TensorFlow wheel using AVX instructions this CPU lacks), or a corrupt binary",
+    signal.SIGFPE: "an arithmetic fault in native code (an integer division by zero)",
+}
+_CRASH_START = re.compile(r"^Fatal Python error: ")
 # The variable that marks every process of one task (see `token_processes`).
 TOKEN_VARIABLE = "KD_TASK_TOKEN"
 # How often (seconds) the launcher looks whether a guard is stopped, and how
@@ -89,6 +106,7 @@ class TaskResult:
     returncode: object  # int, or None if it was still running when stopped
     tail: list
     guard_fault: object = None  # what happened to the task's guard, when it failed on its own
+    crash_trace: list = dataclasses.field(default_factory=list)  # faulthandler's lines, if it crashed
 
     @property
     def label(self):
@@ -218,6 +236,7 @@ class _Task:
         self.task_type = task_type
         self.task_index = task_index
         self.tail = []
+        self.crash_trace = []
         self._sink = sink
         # TensorFlow's start-up notices, repeated by every task (see tf_logs).
         self._hide_notices = tf_logs.hides_notices(env)
@@ -257,7 +276,12 @@ class _Task:
                 self._log.flush()
             if self._hide_notices and tf_logs.is_startup_notice(line):
                 continue
-            self.tail = (self.tail + [line])[-_TAIL_LINES:]
+            if self.crash_trace or _CRASH_START.match(line):
+                # faulthandler's report: kept whole (the tail keeps what came before).
+                if len(self.crash_trace) < _TRACE_LINES:
+                    self.crash_trace.append(line)
+            else:
+                self.tail = (self.tail + [line])[-_TAIL_LINES:]
             if self._sink_broken is None:
                 try:
                     self._sink(prefix + line)
@@ -326,7 +350,7 @@ class _Task:
         if self._log:
             self._log.close()
         return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail),
-                          self.guard_fault)
+                          self.guard_fault, list(self.crash_trace))
 
 
 def _process_state(pid):
@@ -445,6 +469,9 @@ def _ps_lost_message(task, code):
 # How a task ends when something outside kills it (the kernel out of memory,
 # a scheduler, a person): its peers then fail because it is gone.
 _KILLED_FROM_OUTSIDE = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
+# A crash ends its peers the same way: it is the cause, not they. Not SIGABRT:
+# TensorFlow aborts a task whose peer was lost (its coordination agent's check).
+_CRASHED = tuple(-signum for signum in CRASH_SIGNALS if signum != signal.SIGABRT)
 
 
 def _first_cause(watched, seen, stopped_followers=()):
@@ -455,7 +482,8 @@ def _first_cause(watched, seen, stopped_followers=()):
     they died in (a killed task's end can reach it after its peers'). So it
     waits up to `SETTLE_SECONDS` for the others to end, then names a task
     that saved for a restart (exit 42: the others are saving the same
-    step), else one killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP),
+    step), else one that crashed (SIGSEGV, SIGBUS, SIGILL, SIGFPE) or
+    was killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP),
     else one whose last lines do not say the cluster lost a peer (a survivor's
     collective or heartbeat error names the task it lost), then one that
     such lines name, else the first it saw fail, in task order.
@@ -477,7 +505,7 @@ def _first_cause(watched, seen, stopped_followers=()):
     named_lost = {name for names in lost_by.values() for name in names}
     # min() keeps the first of equals: task order.
     return min(failures, key=lambda t: (code(t) != RESTART_EXIT_CODE,
-                                        code(t) not in _KILLED_FROM_OUTSIDE,
+                                        code(t) not in _KILLED_FROM_OUTSIDE + _CRASHED,
                                         bool(lost_by[t.label]), t.label not in named_lost,
                                         t not in seen))
 
@@ -638,9 +666,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
         result = next(r for r in results if r.label == failed.label)
         code = result.returncode if result.returncode is not None else 1
         code = code if code > 0 else 128 - code  # killed by a signal
-        sink(f"[launcher] {result.label} exited with code {result.returncode}; stopped the others. Last lines:")
-        for line in result.tail:
-            sink(f"[launcher]   {line}")
+        for line in _failure_report(result):
+            sink(line)
         if result.returncode == 1 and any(_CONFIG_ERROR.search(line) for line in result.tail):
             code = CONFIG_EXIT_CODE
             sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
@@ -650,14 +677,57 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
                  "ends a task's processes when the task or the launcher ends; stop the launcher "
                  "or the task, not the guard.")
         elif result.returncode is not None and result.returncode < 0:
-            sink(f"[launcher] {result.label} was killed by signal {-result.returncode} (out of memory, "
-                 f"a preemption without grace, or by hand). {lost_lib.ADVICE}")
+            sink(f"[launcher] {_signal_explanation(result.label, -result.returncode)} "
+                 f"{lost_lib.ADVICE}")
         explanation = _lost_peer_message(
             result, result.label, lost_lib.service_task(r.task_type for r in results))
         if explanation:
             sink(explanation)
         return ClusterResult(code, results, failed=result)
     return ClusterResult(0, results)
+
+
+def _signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _failure_report(result):
+    """The launcher's lines about the failed task: how it ended, its last lines, a crash's trace."""
+    label, code = result.label, result.returncode
+    signum = -code if isinstance(code, int) and code < 0 else None
+    if signum in CRASH_SIGNALS:
+        lines = [f"[launcher] {label} crashed: {_signal_name(signum)} (signal {signum}, "
+                 f"{CRASH_SIGNALS[signum]}); stopped the others. Last lines:"]
+    else:
+        lines = [f"[launcher] {label} exited with code {code}; stopped the others. Last lines:"]
+    lines += [f"[launcher]   {line}" for line in result.tail]
+    if result.crash_trace:
+        lines.append(f"[launcher] {label}'s faulthandler trace (its Python threads when it "
+                     "stopped, most recent call first):")
+        lines += [f"[launcher]   {line}" for line in result.crash_trace]
+    elif signum in CRASH_SIGNALS:
+        lines.append(f"[launcher] {label} printed no faulthandler trace (it ran with "
+                     "PYTHONFAULTHANDLER unset or empty, or crashed before Python started).")
+    return lines
+
+
+def _signal_explanation(label, signum):
+    """Why a task a signal ended may have ended (a crash is told by `_failure_report`)."""
+    if signum in CRASH_SIGNALS:
+        return (f"{label} crashed in native code ({_signal_name(signum)}): its Python stacks "
+                "above show where; a rerun from the backup may pass if the crash is rare.")
+    if signum == signal.SIGKILL:
+        return (f"{label} was killed by signal 9 (SIGKILL: out of memory (the kernel's OOM "
+                "killer; `dmesg` says so), a preemption without grace, or by hand).")
+    if signum == signal.SIGTERM:
+        return (f"{label} was killed by signal 15 (SIGTERM: a stop request, from `kill`, a "
+                "cluster manager or a preemption, that ended it before it could save; kd's "
+                "BackupAndRestore saves and exits 42 on SIGTERM once training has begun).")
+    return (f"{label} was killed by signal {signum} ({_signal_name(signum)}: sent by another "
+            "process or by hand).")
 
 
 def _slurm_kill_wait():
