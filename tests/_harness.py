@@ -253,13 +253,15 @@ def run_cluster(name, *args, workers=2, timeout=300, warm=True, **kwargs):
     With `warm`, each task is tests/_warm_task.py, which runs the script in a
     child of the warm interpreter; the launcher supervises it as it would the
     script (signals, exit status, kills). `warm=False` where a test looks at
-    the task processes themselves. A private network is always fresh: the
-    warm interpreter's children live in this host's network namespace.
+    the task processes themselves. The warm interpreter's children live in
+    this host's network namespace, so a warm launch says `private_network=False`;
+    a test that passes `private_network` gets fresh processes in the network it asks for.
     """
     env, target = _env(), os.path.join(SCRIPTS, name)
-    if warm and not kwargs.get("private_network") and _WARM.serves(env):
+    if warm and "private_network" not in kwargs and _WARM.serves(env):
         env[WARM_SOCKET] = _WARM.start(_env())
         target, args = os.path.join(REPO, "tests", "_warm_task.py"), (target, *args)
+        kwargs["private_network"] = False
     lines = []
     result = kd_launch.launch(
         target, workers=workers, args=args, timeout=timeout, env=env, sink=lines.append, **kwargs,

@@ -47,3 +47,28 @@ def crash(how):
     if how == "segv":
         ctypes.string_at(0)  # reads address 0: SIGSEGV
     os.abort()  # SIGABRT
+
+
+def listen_and_reach_out(outside, seconds):
+    """Listens on every interface (as TensorFlow's gRPC server does) and connects to `outside`.
+
+    `outside`: [(host, port)] of servers outside the task's network; prints
+    `REACHED host port <what it read>` or `UNREACHABLE host port <error>` for
+    each, then keeps listening `seconds` (while the test tries to connect).
+    """
+    import socket
+    import time
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("0.0.0.0", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        for host, outside_port in outside:
+            try:
+                with socket.create_connection((host, outside_port), timeout=5) as connection:
+                    print(f"REACHED {host} {outside_port} {connection.recv(16).decode()}", flush=True)
+            except OSError as error:
+                print(f"UNREACHABLE {host} {outside_port} {error}", flush=True)
+        print(f"LISTENING {port}", flush=True)
+        time.sleep(seconds)
+    return port

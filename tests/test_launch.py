@@ -229,7 +229,7 @@ def test_a_warning_signal_while_the_launch_is_made_ready_asks_for_a_restart(monk
     monkeypatch.setattr(kd_launch, "_task_specs", specs_then_signal)
     lines = []
     result = kd_launch.launch(os.path.join(_harness.SCRIPTS, "hang.py"), workers=2,
-                              sink=lines.append, timeout=60)
+                              sink=lines.append, timeout=60, private_network=False)
     assert result.returncode == 42 and result.signalled, lines
     assert "[launcher] got SIGUSR1 before any task started; none runs" in lines, lines
     assert not [line for line in lines if line.startswith("[worker")], lines

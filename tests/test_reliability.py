@@ -677,43 +677,146 @@ def test_a_resume_from_an_epochs_last_step_does_not_end_that_epoch_again(tmp_pat
         np.testing.assert_allclose(a, b, rtol=2e-5)
 
 
-def _reachable(port):
+def _reachable(host, port):
     import socket
 
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
+        with socket.create_connection((host, port), timeout=2):
             return True
     except OSError:
         return False
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize("private", [True, False])
-def test_a_private_network_keeps_everyone_off_the_tasks_ports(private):
-    """A task listening on 0.0.0.0 (as TF's gRPC server does) is unreachable from outside its namespace.
+def _reachable_by_a_stranger(host, port):
+    """Whether another user (uid 65534, "nobody") connects to `host:port`; None when not root.
 
-    Contrast (private=False): the same listener is reachable from this host.
+    A child of this process that drops to that user (it could not run this
+    Python, under root's home) and tries; its exit status says.
+    """
+    import socket
+
+    if os.getuid() != 0:
+        return None
+    "".encode("idna")  # loaded here: that user cannot read this Python's library
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            socket.create_connection((host, port), timeout=2).close()
+            code = 0
+        except BaseException:  # noqa: BLE001 - the child only reports, by its status
+            pass
+        os._exit(code)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _host_address():
+    """This host's address on its default route (not loopback), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@contextlib.contextmanager
+def _outside_server():
+    """A server on this host, on every interface, that answers "hello"; yields its port."""
+    import socket
+    import threading
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("0.0.0.0", 0))
+    server.listen()
+
+    def answer():
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            with connection:
+                connection.sendall(b"hello")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone would not)
+        server.close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode", ["default", "offline", False])
+def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_tasks_reach_out(mode):
+    """By default a task's listener on 0.0.0.0 (as TF's gRPC server) is reached by no one outside.
+
+    Tried for real: from this host's loopback and its address, as this user
+    and as another one (uid 65534). The task reaches a server on this host
+    (its address, and 10.0.2.2, this host seen from the private network).
+    Contrasts: "offline" reaches nothing out; False is reachable by all.
     """
     from tests import launch_targets
 
-    lines, seen = [], []
+    host = _host_address()
+    lines, seen = [], {}
 
     def sink(line):
         lines.append(line)
         if "LISTENING " in line:
-            seen.append(_reachable(int(line.rsplit(" ", 1)[1])))
+            port = int(line.rsplit(" ", 1)[1])
+            for address in ["127.0.0.1"] + ([host] if host else []):
+                seen[f"{address} by this user"] = _reachable(address, port)
+                seen[f"{address} by another user"] = _reachable_by_a_stranger(address, port)
 
-    result = kd_launch.launch(launch_targets.listen_everywhere, workers=1, args=(4,),
-                              env=_harness._env(), sink=sink, timeout=120,
-                              private_network=private)
+    with _outside_server() as port:
+        outside = [(host, port)] if host else []
+        if mode != False:  # noqa: E712 - False is the open mode here
+            outside.append((kd_launch.supervisor.HOST_FROM_TASKS, port))
+        kwargs = {} if mode == "default" else {"private_network": mode}
+        result = kd_launch.launch(launch_targets.listen_and_reach_out, workers=1, args=(outside, 2),
+                                  env=_harness._env(), sink=sink, timeout=120, **kwargs)
     assert result.returncode == 0, lines
-    assert seen == [not private], lines
-    # Exposed: one line at launch names the open port(s) and the fix; private: none.
+    reached = [line.split("] ", 1)[1] for line in lines if "REACHED " in line]
+    if mode == "default":
+        assert not any(seen.values()), (seen, lines)
+        assert seen["127.0.0.1 by another user"] is not None or os.getuid() != 0
+        assert reached == [f"REACHED {h} {p} hello" for h, p in outside], lines
+    elif mode == "offline":
+        assert not any(seen.values()), (seen, lines)
+        assert not reached and len([line for line in lines if "UNREACHABLE " in line]) == len(outside)
+    else:
+        assert all(v for v in seen.values() if v is not None), (seen, lines)
+        assert reached == [f"REACHED {h} {p} hello" for h, p in outside], lines
+    # Open: one line at launch names the open port(s) and the fix; private: none.
     notices = [line for line in lines if "without authentication" in line]
-    assert len(notices) == (0 if private else 1), lines
-    if not private:
+    assert len(notices) == (1 if mode is False else 0), lines
+    if mode is False:
         assert re.search(r"^\[launcher\] note: .*listen on every interface at port\(s\) \d+, "
-                         r".*--private-network", notices[0]), notices
+                         r".*--no-private-network", notices[0]), notices
+
+
+def test_a_launch_without_slirp4netns_is_refused_saying_what_to_install(monkeypatch):
+    """Private by default: where the route out cannot be made, nothing runs open silently."""
+    from tests import launch_targets
+
+    monkeypatch.setattr(kd_launch.supervisor, "SLIRP", "kd-no-such-slirp4netns")
+    with pytest.raises(kd_launch.LaunchError, match=r"not installed here: install it \(Debian/Ubuntu: "
+                       r"`apt-get install slirp4netns`.*`private_network=\"offline\"`.*"
+                       r"`private_network=False` \(`--no-private-network`"):
+        kd_launch.launch(launch_targets.whoami, workers=1, args=("x",), sink=lambda line: None,
+                         timeout=60)
 
 
 @pytest.mark.cluster

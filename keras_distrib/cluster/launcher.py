@@ -56,6 +56,8 @@ DEFAULT_GRACE_PERIOD = 25.0
 RESTART_BACKOFF = 1.0
 RESTART_BACKOFF_MAX = 60.0
 MAX_RESTARTS = 1000
+# `private_network=OFFLINE`: a namespace of their own, without a route out.
+OFFLINE = "offline"
 
 
 class LaunchError(ValueError):
@@ -355,7 +357,7 @@ def _task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             grace_period=None, verbose=False, private_network=False):
+             grace_period=None, verbose=False, private_network=True):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -372,14 +374,14 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
 
 
 def exposure_notice(spec):
-    """The one line a local launch without `private_network` prints: what is open, and the fix."""
+    """The one line a local launch with `private_network=False` prints: what is open, and the fix."""
     ports = sorted(int(address.rpartition(":")[2]) for addresses in spec.values()
                    for address in addresses)
     return (f"[launcher] note: the tasks' TensorFlow servers listen on every interface at "
             f"port(s) {', '.join(map(str, ports))}, without authentication: anyone who reaches this "
-            "host there can run code as this user. --private-network (kd.launch(private_network="
-            "True)) keeps them on a loopback of their own (the tasks then have no outside "
-            "network); else firewall those ports.")
+            "host there can run code as this user. Without --no-private-network "
+            "(kd.launch(private_network=False)) kd keeps them in a network namespace of their own; "
+            "else firewall those ports.")
 
 
 def _script_argv(script, args):
@@ -396,13 +398,28 @@ def _resolve_target(target, args):
     """`(argv_for, values_dir)` for a script path or an importable function."""
     from keras_distrib.cluster import _task_entry
 
+    spec = _checked_target(target)
+    if spec is None:
+        return _script_argv(target, [str(a) for a in args]), None
+    values_dir = files.make_scratch("launch")
+    return _task_entry.argv_factory(spec, args, values_dir), values_dir
+
+
+def _checked_target(target):
+    """None for a script that exists; a function's `"module:name"` spec whose module is found.
+
+    Raises:
+        LaunchError: no such script, or a function no task could import.
+    """
+    from keras_distrib.cluster import _task_entry
+
     if isinstance(target, str) and ":" not in target:
         if not os.path.isfile(target):
             raise LaunchError(
                 f"`target`={target!r} is not a file. Pass the path of a Python "
                 "script, a function, or 'package.module:function'."
             )
-        return _script_argv(target, [str(a) for a in args]), None
+        return None
     try:
         spec = _task_entry.function_spec(target)
     except ValueError as error:
@@ -417,8 +434,7 @@ def _resolve_target(target, args):
             f"`target`={target!r}: module {module!r} cannot be found on sys.path, so no "
             "task could import it. Check the spelling, or pass a script path."
         )
-    values_dir = files.make_scratch("launch")
-    return _task_entry.argv_factory(spec, args, values_dir), values_dir
+    return spec
 
 
 _SERVER_ARGV = [sys.executable, "-u", "-P", "-m", "keras_distrib.cluster._task_entry", "--server"]
@@ -480,12 +496,12 @@ def _script_target(target):
 
 
 def _check_private_network(private_network):
-    if not isinstance(private_network, bool):
+    if not (isinstance(private_network, bool) or private_network == OFFLINE):
         raise LaunchError(f"Invalid launch request:\n  - `private_network`={private_network!r}: "
-                          "expected True or False")
+                          f"expected True (the default), {OFFLINE!r} or False")
     if private_network:
         try:
-            supervisor.PrivateNetwork().close()
+            supervisor.PrivateNetwork(outbound=private_network is True).close()
         except OSError as error:
             raise LaunchError(str(error)) from None
 
@@ -498,7 +514,7 @@ def _check_grace_period(grace_period):
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=False,
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=True,
            min_workers=None):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
@@ -535,12 +551,18 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             and TensorFlow's start-up notices are dropped from their output
             (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
             `env` is kept either way. `log_dir` files keep every line.
-        private_network: Run the tasks in a network namespace of their own
-            with only loopback (`supervisor.PrivateNetwork`; root or
-            unprivileged user namespaces). TensorFlow's servers listen on
-            every interface and have no authentication: this keeps every
-            other host (and other network namespaces) off their ports. The
-            tasks then reach no network either (no downloads).
+        private_network: True (default): run the tasks in a network namespace
+            of their own (`supervisor.PrivateNetwork`), one per attempt.
+            TensorFlow's servers listen on every interface and have no
+            authentication; there no other host, user or network namespace
+            reaches their ports, while the tasks still open connections out
+            (downloads, remote storage) through `slirp4netns`; this host
+            itself is `10.0.2.2` from the tasks. Needs root or unprivileged
+            user namespaces, and slirp4netns (a launch without them is
+            refused, saying what to install). `"offline"`: the namespace
+            without a route out (no slirp4netns needed). False: the tasks
+            share this host's network, their ports open to it (one line at
+            launch names them).
         min_workers: Elastic training. When a worker still fails after
             `max_restarts` restarts (its node gone, say), go on without it:
             the cluster starts again with one worker fewer (and
@@ -569,6 +591,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
              env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     _check_grace_period(grace_period)
     _check_min_workers(min_workers, workers, ps)
+    _checked_target(target)  # before a private network is tried: nothing starts for a bad target
     _check_private_network(private_network)
     with _reserve_ports(ports):
         return _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,

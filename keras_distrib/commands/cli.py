@@ -29,6 +29,8 @@ __all__ = [
 
 # The commands that load TensorFlow (`launch` and `tf-config` do not).
 _WITH_TENSORFLOW = ("bench", "demo", "env", "test")
+# `--network` values -> `kd.launch(private_network=...)`.
+_NETWORK = {"private": True, "offline": "offline", "open": False}
 
 
 def _per_node(value):
@@ -57,9 +59,9 @@ def _launch(options):
                     "`--min-workers` is for a local cluster (`--workers N`): under Slurm or "
                     "Kubernetes the job's recipe starts the survivors again (README, \"Elastic runs\")."
                 )
-            if options.chief or options.evaluator or options.private_network:
+            if options.chief or options.evaluator or options.network is not None:
                 raise launch_lib.LaunchError(
-                    "`--chief`, `--evaluator` and `--private-network` describe a local cluster; the per-node agent "
+                    "`--chief`, `--evaluator` and `--network` describe a local cluster; the per-node agent "
                     "takes its cluster from Slurm or Kubernetes (use `--ps M` for parameter servers)."
                 )
             result = launch_lib.launch_node(
@@ -87,7 +89,7 @@ def _launch(options):
                 grace_period=options.grace_period,
                 verbose=options.verbose,
                 min_workers=options.min_workers,
-                private_network=options.private_network,
+                private_network=_NETWORK[options.network or "private"],
             )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
@@ -175,10 +177,15 @@ def build_parser():
                         help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
     launch.add_argument("--verbose", action="store_true",
                         help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
-    launch.add_argument("--private-network", action="store_true",
-                        help="local cluster: run the tasks in a network namespace of their own, "
-                        "so no other host reaches TensorFlow's unauthenticated ports (needs root "
-                        "or user namespaces; the tasks reach no network either)")
+    launch.add_argument("--network", choices=tuple(_NETWORK), default=None,
+                        help="local cluster: 'private' (the default) runs the tasks in a network "
+                        "namespace of their own, so no other host or user reaches TensorFlow's "
+                        "unauthenticated ports, with a route out through slirp4netns; 'offline' "
+                        "without the route out; 'open' shares this host's network")
+    launch.add_argument("--private-network", dest="network", action="store_const",
+                        const="private", help="the same as --network private (the default)")
+    launch.add_argument("--no-private-network", dest="network", action="store_const",
+                        const="open", help="the same as --network open")
     launch.add_argument("script", help="the Python script every task runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     launch.set_defaults(run=_launch)
