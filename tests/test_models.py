@@ -4,6 +4,7 @@ Exactness under every strategy is tested by tests/test_exactness.py.
 """
 
 import contextlib
+import re
 
 import keras
 import numpy as np
@@ -115,6 +116,34 @@ def test_batch_norm_and_nadam_in_a_hand_written_central_storage_loop():
     assert "error" not in results["kd_nadam"], results["kd_nadam"]
     assert results["kd_nadam"]["diff"] <= 2e-5
     assert "You must specify an aggregation method" in results["keras_nadam"]["error"]
+
+
+@pytest.mark.cluster
+def test_next_on_a_distributed_iterator_opened_in_a_tf_function_trains_exactly_or_is_refused():
+    """tf-keras's hand-written-loop shape that hung on mirrored (a deadlock), under a watchdog.
+
+    `iter()` inside a `tf.function`, `next()` for a fixed number of steps, a
+    BatchNormalization model, the last global batch partial. With the
+    inter-op pool kd.virtual_devices sizes it trains as one device does; with
+    the pool fixed at 2 threads (too few for 2 replicas) it is refused at its
+    first trace, naming the fixes, and the fix it names (`for batch in
+    dataset:` inside) trains. On 4c0b8d4 the first run never returns.
+    """
+    code, output = _harness.run_script("loop_shape.py", timeout=150)
+    assert code == 0, output[-4000:]
+    results = {r["steps"]: r for r in _harness.results_of(output)}
+    assert sorted(results, key=str) == [2, 3, "for-in", "tf.range"], output[-4000:]
+    for case in results.values():
+        assert "error" not in case and case["diff"] <= 2e-5, case
+    code, output = _harness.run_script("loop_shape.py", "2", timeout=150)
+    assert code == 0, output[-4000:]
+    results = {r["steps"]: r for r in _harness.results_of(output)}
+    for steps in (3, 2, "tf.range"):
+        assert re.search(r"RuntimeError: This `tf.function` opens a distributed iterator .* on 2 "
+                         r"local replicas, with TensorFlow's inter-op pool at 2 threads: .*never "
+                         r"return .*`for batch in distributed_dataset:`.*"
+                         r"set_inter_op_parallelism_threads\(4\)", results[steps]["error"]), results[steps]
+    assert "error" not in results["for-in"] and results["for-in"]["diff"] <= 2e-5, results["for-in"]
 
 
 def test_batch_norm_option_is_checked():

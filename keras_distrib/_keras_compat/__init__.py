@@ -268,6 +268,7 @@ from keras_distrib._keras_compat.strategies import key_value_insert  # noqa: F40
 from keras_distrib._keras_compat.strategies import optimizer_strategy  # noqa: F401
 from keras_distrib._keras_compat.strategies import parameter_server_workers  # noqa: F401
 from keras_distrib._keras_compat.strategies import per_worker_iterator  # noqa: F401
+from keras_distrib._keras_compat.strategies import pulls_from_in_graph_iterator  # noqa: F401
 from keras_distrib._keras_compat.strategies import reshuffles_each_iteration  # noqa: F401
 from keras_distrib._keras_compat.variables import fix_variables  # noqa: F401
 from keras_distrib._keras_compat.variables import model_variables  # noqa: F401

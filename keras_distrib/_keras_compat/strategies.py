@@ -36,6 +36,7 @@ __all__ = [
     "optimizer_strategy",
     "parameter_server_workers",
     "per_worker_iterator",
+    "pulls_from_in_graph_iterator",
     "reshuffles_each_iteration",
 ]
 
@@ -43,6 +44,39 @@ __all__ = [
 def in_xla_context():
     """Whether the graph being built is compiled by XLA (`jit_compile=True`)."""
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+# The ops a distributed iterator opened inside a `tf.function` adds to its graph
+# (`iter(distributed_dataset)` there: TensorFlow's multi-device iterator), and
+# those that pull a batch from it.
+_MULTI_DEVICE_ITERATOR_OPS = frozenset(("AnonymousMultiDeviceIterator", "AnonymousMultiDeviceIteratorV3",
+                                        "MultiDeviceIterator", "MultiDeviceIteratorInit"))
+_GET_NEXT_OPS = frozenset(("IteratorGetNext", "IteratorGetNextAsOptional", "IteratorGetNextSync"))
+
+
+def pulls_from_in_graph_iterator():
+    """Whether the graph being built takes its batch by `next()` on an iterator opened in-graph.
+
+    True for a `tf.function` that calls `iter()` on a distributed dataset of
+    several local devices and `next()` on it, unrolled or in a `tf.range`
+    loop (the shapes that block TensorFlow's inter-op pool: see
+    `kd.cluster.devices.inter_op_threads_needed`). False for AutoGraph's
+    `for batch in distributed_dataset:` (its loop body takes no `next()`
+    before the step: the batch comes in through the loop) and for an
+    iterator opened in Python.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    in_loop = False
+    while graph is not None:
+        types = {op.type for op in graph.get_operations()}
+        if types & _MULTI_DEVICE_ITERATOR_OPS:
+            return not in_loop
+        if types & _GET_NEXT_OPS:
+            return True  # `next()` inside the loop body (or a nested function): not a for-in
+        if type(graph).__name__ == "WhileBodyFuncGraph":
+            in_loop = True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def is_multi_worker(strategy):

@@ -27,6 +27,7 @@ from keras_distrib.training import loop
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
 from keras_distrib.training import step as step_lib
+from keras_distrib.cluster import devices
 from keras_distrib.cluster import strategies
 from keras_distrib import validation
 
@@ -700,6 +701,41 @@ def _first_input(args, kwargs):
     return args[0] if args else kwargs.get("inputs")
 
 
+def _check_loop_shape():
+    """Refuses, at its first trace, a hand-written loop shape that would never return.
+
+    `next()` on `iter(distributed_dataset)` inside a `tf.function` (unrolled
+    or in a `tf.range` loop) prefetches to each local replica's device from
+    ops that each block a thread of TensorFlow's inter-op pool; with fewer
+    threads than `devices.inter_op_threads_needed` the step's own ops wait
+    for a thread forever (measured: 2 replicas on 2 threads hang on the
+    first or second call). `kd.virtual_devices` grows the pool before
+    TensorFlow starts, so this only refuses a pool fixed smaller.
+    AutoGraph's `for batch in distributed_dataset:` returned on 2 threads.
+    """
+    strategy = tf.distribute.get_strategy()
+    # Central storage's iterator returns (README, "Hand-written loops: the loop shape").
+    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    replicas = len(strategy.extended.worker_devices)
+    if (not isinstance(strategy, mirrored) or replicas < 2
+            or not _keras_compat.pulls_from_in_graph_iterator()):
+        return
+    threads, needed = devices.inter_op_threads(), devices.inter_op_threads_needed(replicas)
+    if threads >= needed:
+        return
+    raise RuntimeError(
+        f"This `tf.function` opens a distributed iterator (`iter(distributed_dataset)` inside "
+        f"it) under {type(strategy).__name__} on {replicas} local replicas, with TensorFlow's "
+        f"inter-op pool at {threads} threads: its prefetches to each replica's device block "
+        f"those threads and the step would never return (a deadlock). Any one of these fixes it: "
+        f"open the iterator in Python and pass it in (`iterator = iter(distributed_dataset)` "
+        f"outside, `next(iterator)` inside); iterate the whole dataset inside (`for batch in "
+        f"distributed_dataset:`); use kd's loop (`kd.TrainLoop(...).train_epoch(dataset)`); or "
+        f"give TensorFlow {needed} inter-op threads first thing in the process "
+        f"(`tf.config.threading.set_inter_op_parallelism_threads({needed})`, which "
+        f"`kd.virtual_devices` does when it sets up replicas).")
+
+
 def _opens_own_batch(model, args, kwargs):
     """Whether `model` is called in a replica of several, with no kd step around it."""
     if _first_input(args, kwargs) is None or not _spreads_over_replicas():
@@ -934,6 +970,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # so BatchNormalization statistics and random layers are laid
             # out over the global batch as in `fit`.
             self._prepare_layers()
+            _check_loop_shape()
             with replica.replica_batch(replica.batch_rows(_first_input(args, kwargs)),
                                        _loop_plan(self)) as batch:
                 outputs = self.__call__(*args, **kwargs)
