@@ -3,6 +3,8 @@
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from unittest import mock
@@ -14,6 +16,7 @@ import tensorflow as tf
 
 import keras_distrib as kd
 from keras_distrib import files
+from keras_distrib.checkpointing import checkpoint as checkpoint_lib
 from keras_distrib.checkpoint import CheckpointError
 from tests import _harness
 
@@ -221,16 +224,27 @@ def _damage(path, how):
         (path / "state.index").unlink()
     elif how == "missing data file":
         data.unlink()
+    elif how == "missing manifest":
+        (path / "manifest.json").unlink()
+    elif how == "rewritten to another valid value":
+        # What TensorFlow itself would write for another value: every checksum right.
+        other = path.parent / "other"
+        tf.train.Checkpoint(value=tf.Variable(-7.0)).write(str(other / "state"))
+        for written in other.glob("state.*"):
+            shutil.copyfile(written, path / written.name)
+        shutil.rmtree(other)
     else:
         raise AssertionError(how)
 
 
 _WHAT_IS_WRONG = {
-    "truncated data file": r"state.* are damaged: tensor .* does not read back \(IndexError",
-    "flipped byte": r"are damaged: tensor .* does not read back .*[Cc]hecksum",
-    "broken progress.json": r"progress\.json' is corrupt: not valid JSON",
-    "missing index": r"state\.index' is missing",
-    "missing data file": r"state\.data-\*': no data file",
+    "truncated data file": r"state\.data-00000-of-00001' is truncated: 10 bytes, the manifest says \d+",
+    "flipped byte": r"state\.data-00000-of-00001' has changed since kd wrote it",
+    "broken progress.json": r"progress\.json' is truncated",
+    "missing index": r"state\.index' is missing \(the manifest lists it\)",
+    "missing data file": r"state\.data-00000-of-00001' is missing",
+    "missing manifest": r"manifest\.json' is missing: kd writes it last into every checkpoint",
+    "rewritten to another valid value": r"state\.(data-00000-of-00001|index)' has changed since kd wrote it",
 }
 
 
@@ -261,39 +275,46 @@ def test_restore_ignores_the_latest_marker_and_keeps_the_intact_checkpoint(tmp_p
     manager.close()
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_intact_one(tmp_path, caplog):
+@pytest.mark.parametrize("how", sorted(_WHAT_IS_WRONG))
+def test_a_damaged_newest_checkpoint_is_refused_naming_the_file_and_the_whole_one_before(how, tmp_path):
+    """Every file is checked against the manifest kd wrote last; nothing is taken in its place silently.
+
+    On 4c0b8d4 the rewritten value restored silently (-7.0), and the other
+    damages fell back to ckpt-2 with a warning.
+    """
     manager, value = _saved(tmp_path, 3)
-    _damage(tmp_path / "ckpt-3", "truncated data file")
-    _damage(tmp_path / "ckpt-2", "broken progress.json")
-    with caplog.at_level("INFO", logger="keras_distrib"):
-        progress = manager.restore_or_initialize()
-    assert progress["epoch"] == 1 and float(value.numpy()) == 1.0
-    assert [os.path.basename(p) for p, _ in manager.skipped] == ["ckpt-3", "ckpt-2"]
-    assert "Skipped checkpoint" in caplog.text and "Restored checkpoint" in caplog.text
-    assert "ckpt-1" in caplog.text and "skipped as damaged" in caplog.text
-    # The next save goes after the damaged ones; nothing intact was lost, and
-    # the incomplete ckpt-2 (it can never be restored) goes once ckpt-4 is in place.
-    value.assign(4.0)
-    assert manager.save(epoch=4).endswith("ckpt-4")
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == ["ckpt-1", "ckpt-3", "ckpt-4"]
+    _damage(tmp_path / "ckpt-3", how)
+    before = _tree_digest(tmp_path)
+    with pytest.raises(kd.CheckpointError, match=r"The checkpoint '.*ckpt-3' fails its manifest check, so "
+                       r"nothing was restored or changed:\n  - .*" + _WHAT_IS_WRONG[how]) as error:
+        manager.restore_or_initialize()
+    assert isinstance(error.value, checkpoint_lib.DamagedCheckpointError)
+    assert error.value.previous == str(tmp_path / "ckpt-2")
+    assert re.search(r"The checkpoint before it, '.*ckpt-2' \(epoch 2, step 0\), is whole\. To resume "
+                     r"from it, move the damaged one away: `mv \S+ckpt-3 \S+damaged-ckpt-3`",
+                     str(error.value)), str(error.value)
+    assert float(value.numpy()) == 0.0 and _tree_digest(tmp_path) == before
+    # The same for a path given explicitly (an evaluator, a manual restore).
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match=_WHAT_IS_WRONG[how]):
+        manager.restore(str(tmp_path / "ckpt-3"))
+    assert float(value.numpy()) == 0.0 and _tree_digest(tmp_path) == before
+    # The advice works: moved away as it says, the run resumes from ckpt-2.
+    command = re.search(r"`mv (\S+) (\S+)`", str(error.value))
+    os.rename(command.group(1), command.group(2))
+    assert manager.restore_or_initialize()["epoch"] == 2 and float(value.numpy()) == 2.0
     manager.close()
 
 
-@pytest.mark.parametrize("how", sorted(_WHAT_IS_WRONG))
-def test_corruption_raises_checkpoint_error_naming_the_file(how, tmp_path):
-    manager, _ = _saved(tmp_path, 1)
-    _damage(tmp_path / "ckpt-1", how)
-    before = _tree_digest(tmp_path)
-    with pytest.raises(CheckpointError, match=r"is damaged: .*" + _WHAT_IS_WRONG[how]) as error:
-        manager.restore(str(tmp_path / "ckpt-1"))
-    assert "does not fit" not in str(error.value)  # never blames the model
-    with pytest.raises(CheckpointError, match=r"Every checkpoint in .* is damaged, so none was restored "
-                                              r"and none was deleted:\n  - .*ckpt-1: .*" + _WHAT_IS_WRONG[how]):
+def test_the_last_whole_checkpoint_damaged_offers_no_other_and_relabel_keeps_the_manifest_true(tmp_path):
+    manager, value = _saved(tmp_path, 1)
+    # `relabel` rewrites progress.json: the manifest follows, and a resume is whole.
+    manager.relabel(epoch=2, step=0)
+    assert manager.restore_or_initialize()["epoch"] == 2 and float(value.numpy()) == 1.0
+    assert checkpoint_lib.manifest_problems(str(tmp_path / "ckpt-1")) == []
+    _damage(tmp_path / "ckpt-1", "flipped byte")
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError, match=r"No older checkpoint there is whole\. "
+                       r"Put the file\(s\) back from a copy, or move the checkpoint away"):
         manager.restore_or_initialize()
-    assert _tree_digest(tmp_path) == before
-    if how == "broken progress.json":
-        with pytest.raises(CheckpointError, match=r"progress\.json' is corrupt"):
-            manager.read_progress(str(tmp_path / "ckpt-1"))
     manager.close()
 
 

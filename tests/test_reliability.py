@@ -347,7 +347,10 @@ def test_divergence_keeps_the_last_finite_backup(tmp_path, caplog):
     backup = tmp_path / "backup"
     with caplog.at_level("WARNING", logger="keras_distrib"):
         _fit(_model(), backup, epochs=2, callbacks=[Diverge()])
-    assert "Training diverged" in caplog.text and "Kept the backup" in caplog.text
+    assert re.search(r"Training diverged: the backup .*ckpt-1 \(epoch 1, step 0\) holds the last "
+                     r"finite weights and is kept\. Lower the learning rate .* declaring the change: "
+                     r"`kd\.callbacks\.BackupAndRestore\(\.\.\., declared_changes=\['optimizer\."
+                     r"learning_rate'\]\)`", caplog.text), caplog.text
     names = [n for n in os.listdir(backup) if n.startswith("ckpt-")]
     assert len(names) == 1
     progress = checkpoint.read_progress_file(str(backup / names[0]))
@@ -487,6 +490,19 @@ def _xy(rows):
     return x, x.sum(axis=1, keepdims=True)
 
 
+def _edit_progress(ckpt, progress):
+    """Writes `progress` into checkpoint `ckpt` as an editor who also rewrites its manifest would.
+
+    (An edit alone fails the manifest check first: tests/test_checkpoint.py.)
+    """
+    import json
+
+    from keras_distrib.checkpointing import checkpoint as checkpoint_lib
+
+    (ckpt / "progress.json").write_text(json.dumps(progress))
+    checkpoint_lib.write_manifest(str(ckpt))
+
+
 def _backup_after_one_epoch(backup):
     import keras_distrib as kd
 
@@ -512,7 +528,7 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
     if step is not None:
         (ckpt,) = [p for p in backup.iterdir() if p.name.startswith("ckpt-")]
         progress = json.loads((ckpt / "progress.json").read_text())
-        (ckpt / "progress.json").write_text(json.dumps(dict(progress, step=step)))
+        _edit_progress(ckpt, dict(progress, step=step))
     x, y = _xy(rows)
     model = _model()
     files_before = sorted(p.name for p in backup.rglob("*"))
@@ -572,6 +588,77 @@ def test_another_experiments_backup_is_refused_naming_what_changed(change, match
     assert history.epoch == [1]
 
 
+@pytest.mark.parametrize("setting,changed", [
+    ("optimizer.learning_rate", dict(learning_rate=0.05)),  # lowered after a divergence
+    ("optimizer.clipnorm", dict(learning_rate=0.5, clipnorm=0.01)),  # a clip added
+])
+def test_a_declared_change_resumes_exactly_from_the_backup_and_is_recorded(setting, changed, tmp_path):
+    """kd's advice after a divergence works: the changed resume is refused with the declaration
+    to make, accepted with it, exact against one device trained the same way, and recorded.
+
+    On 4c0b8d4 the resume was refused with no way to say "I meant it".
+    """
+    import json
+
+    import keras
+    import numpy as np
+
+    import keras_distrib as kd
+    from keras_distrib.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    x, y = _xy(8)
+
+    def fit(optimizer, epochs, **declared):
+        model = _compiled(optimizer=optimizer)
+        model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, shuffle=False, callbacks=[
+            kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False, **declared)])
+        return model
+
+    fit(keras.optimizers.SGD(0.5), 1)
+    with pytest.raises(CheckpointError, match=rf"does not match this run: the optimizer's `{setting[10:]}` "
+                       rf".*declare it: `kd\.callbacks\.BackupAndRestore\(\.\.\., declared_changes="
+                       rf"\['{setting}'\]\)`"):
+        fit(keras.optimizers.SGD(**changed), 2)
+    resumed = fit(keras.optimizers.SGD(**changed), 3, declared_changes=[setting])
+    # One device: epoch 0 as the backup's run, then epochs 1-2 with the change.
+    reference = _compiled(optimizer=keras.optimizers.SGD(0.5))
+    plain = keras.Model.from_config(reference.get_config())
+    plain.set_weights(reference.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    plain.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    after = keras.Model.from_config(plain.get_config())
+    after.set_weights(plain.get_weights())
+    after.compile(optimizer=keras.optimizers.SGD(**changed), loss="mse")
+    after.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(after.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
+    # The run record of the backups written since holds the change ...
+    newest = max((p for p in backup.iterdir() if p.name.startswith("ckpt-")),
+                 key=lambda p: int(p.name[5:]))
+    record = json.loads((newest / "progress.json").read_text())["run"]
+    old_value, new_value = (0.5, 0.05) if setting.endswith("rate") else (None, 0.01)
+    assert record["changes"] == [{"epoch": 1, "step": 0, "setting": setting, "was": old_value,
+                                  "now": new_value}], record
+    # ... and is exact from there: the new value resumes undeclared, the old one is refused.
+    assert fit(keras.optimizers.SGD(**changed), 3) is not None
+    with pytest.raises(CheckpointError, match=rf"the optimizer's `{setting[10:]}` is"):
+        fit(keras.optimizers.SGD(0.5), 4)
+
+
+def test_a_declared_change_is_checked_before_anything_is_restored(tmp_path):
+    import keras_distrib as kd
+
+    with pytest.raises(ValueError, match=r"`declared_changes` lists \['model\.units'\]: expected "
+                       r"'optimizer\.<setting>'"):
+        kd.callbacks.BackupAndRestore(str(tmp_path), declared_changes=["model.units"])
+    with pytest.raises(ValueError, match=r"`declared_changes` lists \['optimizer\.learnig_rate'\], which "
+                       r"the optimizer \(SGD\) does not have; its settings: \[.*'learning_rate'"):
+        _model().fit(*_xy(8), batch_size=4, epochs=1, verbose=0, callbacks=[
+            kd.callbacks.BackupAndRestore(str(tmp_path / "b"), declared_changes=["optimizer.learnig_rate"])])
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_dataset_of_unknown_length_resumed_with_another_batch_size_is_refused(tmp_path):
     import tensorflow as tf
 
@@ -598,7 +685,13 @@ def test_a_dataset_of_unknown_length_resumed_with_another_batch_size_is_refused(
 @pytest.mark.parametrize("edit,match", [
     (dict(global_batch_size="16"), r"`global_batch_size`='16' \(expected a whole number >= 1\).*edited by hand"),
     (dict(global_batch_size=13.0), r"`global_batch_size`=13\.0 \(expected a whole number >= 1\)"),
-    (dict(run=None), r"does not record what defines its run .* an older kd wrote it"),
+    (dict(run=None), r"does not record what defines its run .*: kd writes that record into every "
+                     r"backup, so it was removed from the file, or a kd older than the record wrote it"),
+    # A record without its batch sizes (kd never writes one): on 4c0b8d4 a warning, and the
+    # resume skipped 1 batch of 8 rows where the backup had trained 1 of 4.
+    (dict(drop=("global_batch_size", "batches_per_epoch")),
+     r"`global_batch_size` is missing \(kd records it with every backup of a run whose data has "
+     r"one; this run's is 8\); `batches_per_epoch` is missing .*this run's is 2\)"),
 ])
 def test_an_old_or_hand_edited_progress_file_is_refused(edit, match, tmp_path):
     import json
@@ -613,9 +706,11 @@ def test_an_old_or_hand_edited_progress_file_is_refused(edit, match, tmp_path):
     if edit.get("run", 1) is None:  # as kd wrote it before it recorded the run and the batch size
         progress = {k: v for k, v in progress.items()
                     if k not in ("run", "global_batch_size", "batches_per_epoch")}
+    elif "drop" in edit:
+        progress = {k: v for k, v in progress.items() if k not in edit["drop"]}
     else:
         progress.update(edit)
-    (ckpt / "progress.json").write_text(json.dumps(progress))
+    _edit_progress(ckpt, progress)
     with pytest.raises(CheckpointError, match=match):
         _model().fit(*_xy(16), batch_size=8, epochs=2, verbose=0, shuffle=False,
                      callbacks=[kd.callbacks.BackupAndRestore(str(backup))])
@@ -634,7 +729,10 @@ def test_a_loss_that_is_inf_while_the_weights_stay_finite_writes_no_backup(tmp_p
         _fit(model, backup, epochs=2, save_freq=1)
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert "Training diverged (NaN or Inf: loss=inf) at epoch 0, step 1" in caplog.text
-    assert "Kept the backup" in caplog.text
+    # No backup was ever written: nothing "holds the last finite weights" (as 4c0b8d4 said).
+    assert "holds the last finite" not in caplog.text, caplog.text
+    assert "before it, so there is none to resume from: lower the learning rate (or clip gradients) " \
+           "and start again" in caplog.text, caplog.text
     assert not [n for n in os.listdir(backup) if n.startswith("ckpt-")]
 
 

@@ -2,7 +2,8 @@
 
 Layout of `directory`:
 
-    ckpt-<n>/            one complete checkpoint: TF files + progress.json
+    ckpt-<n>/            one complete checkpoint: TF files, progress.json, and
+                         manifest.json (every file's size and SHA-256, written last)
     latest               the name of the newest checkpoint written (a hint)
     .kd-lock.json        the run that owns the directory (pid, host, start)
     .kd-created          present when kd created the directory: only then may
@@ -11,20 +12,25 @@ Layout of `directory`:
 A checkpoint is written into a hidden staging directory and renamed into
 place, then `latest` is replaced (temp name, rename): a crash at any moment
 leaves the previous checkpoints intact, never a half-written one under a
-real name. Restoring does not trust `latest`: it takes the newest
-checkpoint that is complete and readable, falls back to older ones past a
-damaged one, and says what it skipped. Old checkpoints are removed only
-after a newer one is complete, so there is always an intact one.
+real name. Restoring does not trust `latest` (it takes the newest
+checkpoint), nor the checkpoint's files: each one's digest is checked
+against the manifest before anything is read. A changed, truncated or
+missing file is refused, naming it and the newest older checkpoint that is
+whole (with how to resume from it); nothing is restored past it silently.
+Old checkpoints are removed only after a newer one is complete, so there is
+always an intact one.
 
 Every worker writes (saving may run collectives), but only the chief writes
 into `directory`, and only the chief locks it; the others write into a
 scratch directory that is removed.
 """
 
+import hashlib
 import json
 import logging
 import os
 import re
+import shlex
 import shutil
 
 import tensorflow as tf
@@ -38,11 +44,14 @@ logger = logging.getLogger("keras_distrib")
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "DamagedCheckpointError",
     "checkpoint_number",
     "data_problems",
     "file_problems",
+    "manifest_problems",
     "read_progress_file",
     "validate_directory",
+    "write_manifest",
 ]
 
 _LATEST = "latest"
@@ -52,14 +61,32 @@ _PROGRESS = "progress.json"
 _STATE = "state"
 _PREFIX = "ckpt"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)$")
-_DATA_SHARD = re.compile(rf"^{_STATE}\.data-(\d+)-of-(\d+)$")
 PROGRESS_FILE = _PROGRESS
 # Written when training ends, for a SidecarEvaluator watching the directory.
 FINISHED_FILE = "finished"
+# Written last into each checkpoint: every other file's size and SHA-256.
+MANIFEST_FILE = "manifest.json"
+_MANIFEST_FORMAT = "kd-checkpoint-manifest-1"
+# What a damaged checkpoint is moved to, to resume from the one before it.
+DAMAGED_PREFIX = "damaged-"
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory or checkpoint cannot be used (nothing changed)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files differ from its manifest (nothing was restored or changed).
+
+    Attributes:
+        path: The damaged checkpoint.
+        problems: One message per file, naming it.
+        previous: The newest older checkpoint that is whole, or None.
+    """
+
+    def __init__(self, message, path, problems, previous):
+        super().__init__(message)
+        self.path, self.problems, self.previous = path, problems, previous
 
 
 def validate_directory(directory, argument="directory"):
@@ -150,35 +177,120 @@ def read_progress_file(path):
     return progress
 
 
+def _digest_file(path):
+    """`(bytes, SHA-256 hex)` of the file at `path`, read in 4 MiB pieces."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            piece = f.read(1 << 22)
+            if not piece:
+                return size, digest.hexdigest()
+            size += len(piece)
+            digest.update(piece)
+
+
+def manifest_entries(path):
+    """`{name: {"bytes": n, "sha256": hex}}` of every file in `path` but the manifest (and kd's temporaries)."""
+    entries = {}
+    for name in sorted(os.listdir(path)):
+        if (name != MANIFEST_FILE and not name.startswith(files.STAGING_PREFIX)
+                and os.path.isfile(os.path.join(path, name))):
+            size, digest = _digest_file(os.path.join(path, name))
+            entries[name] = {"bytes": size, "sha256": digest}
+    return entries
+
+
+def write_manifest(path, entries=None):
+    """Writes `path`/manifest.json (atomically): `entries`, else every file's size and SHA-256.
+
+    Written last, once every other file is complete. An entry may carry a
+    `previous` entry, also accepted (`relabel` replacing progress.json).
+    """
+    entries = manifest_entries(path) if entries is None else entries
+    files.atomic_write_text(os.path.join(path, MANIFEST_FILE),
+                            json.dumps({"format": _MANIFEST_FORMAT, "files": entries}, indent=1))
+    return entries
+
+
+def _read_manifest(path):
+    """`(entries, problem)`: the manifest's file entries, or None and what is wrong with it."""
+    file = os.path.join(path, MANIFEST_FILE)
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None, (f"{file!r} is missing: kd writes it last into every checkpoint, so this one "
+                      "was written by a kd without manifests, or the manifest was deleted, and "
+                      "its files cannot be checked")
+    except (OSError, ValueError) as error:
+        return None, f"{file!r} cannot be read ({error})"
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT
+            or not isinstance(entries, dict)
+            or not all(isinstance(e, dict) and validation.is_whole(e.get("bytes"), 0)
+                       and isinstance(e.get("sha256"), str) for e in entries.values())):
+        return None, f"{file!r} is not a manifest kd wrote"
+    return entries, None
+
+
+def manifest_problems(path, *, digests=True):
+    """What differs between checkpoint `path`'s files and its manifest, one message per file.
+
+    A missing or unreadable manifest, a listed file that is missing, has
+    another size (truncated or grown) or, with `digests`, another SHA-256
+    (changed in place: a bit flip, a tensor rewritten to another valid
+    value). Without `digests` only sizes are compared (cheap: no reading).
+
+    Returns:
+        A list of messages, each naming a file; empty if the files are the
+        ones kd wrote.
+    """
+    entries, problem = _read_manifest(path)
+    if problem:
+        return [problem]
+    problems = []
+    for name, entry in sorted(entries.items()):
+        file = os.path.join(path, name)
+        try:
+            size = os.path.getsize(file)
+        except OSError:
+            problems.append(f"{file!r} is missing (the manifest lists it)")
+            continue
+        accepted = [entry] + ([entry["previous"]] if isinstance(entry.get("previous"), dict) else [])
+        if size not in [e.get("bytes") for e in accepted]:
+            what = "truncated" if size < entry["bytes"] else "longer than written"
+            problems.append(f"{file!r} is {what}: {size} bytes, the manifest says {entry['bytes']}")
+        elif digests:
+            try:
+                _, digest = _digest_file(file)
+            except OSError as error:
+                problems.append(f"{file!r} cannot be read ({error.strerror})")
+                continue
+            if digest not in [e.get("sha256") for e in accepted]:
+                problems.append(f"{file!r} has changed since kd wrote it (its SHA-256 is not the "
+                                "manifest's)")
+    return problems
+
+
 def file_problems(path):
     """What makes checkpoint `path` incomplete, checked from its files alone.
 
-    Cheap: reads progress.json and lists the directory. Whether the tensor
-    data reads back is checked by `data_problems`.
+    Cheap: reads the manifest and progress.json and compares sizes, without
+    reading the data. Whether the files are the ones kd wrote is checked by
+    `manifest_problems`, whether the tensor data reads back by `data_problems`.
 
     Returns:
         A list of messages, each naming a file; empty if complete.
     """
     if not os.path.isdir(path):
         return [f"{path!r} is not a directory"]
-    problems = []
-    try:
-        read_progress_file(path)
-    except CheckpointError as error:
-        problems.append(str(error).rstrip("."))
-    names = set(os.listdir(path))
-    if f"{_STATE}.index" not in names:
-        problems.append(f"{os.path.join(path, _STATE + '.index')!r} is missing")
-    shards = [_DATA_SHARD.match(n) for n in names]
-    shards = [m for m in shards if m]
-    if not shards:
-        problems.append(f"{os.path.join(path, _STATE + '.data-*')!r}: no data file")
-    else:
-        total = int(shards[0].group(2))
-        missing = [f"{_STATE}.data-{i:05d}-of-{total:05d}" for i in range(total)
-                   if f"{_STATE}.data-{i:05d}-of-{total:05d}" not in names]
-        if missing:
-            problems.append(f"data file(s) {missing} missing in {path!r}")
+    problems = manifest_problems(path, digests=False)
+    if not problems:
+        try:
+            read_progress_file(path)
+        except CheckpointError as error:
+            problems.append(str(error).rstrip("."))
     return problems
 
 
@@ -261,6 +373,7 @@ class CheckpointManager:
         self.progress = None
         self.skipped = []  # (path, reason) of checkpoints the last restore passed over
         self.restored_path = None
+        self._verified = None  # (path, _stamp(path)) of the checkpoint last verified whole
         # Only a directory kd created (marked CREATED_MARKER) is ever removed
         # (`delete_all`): never a mount point, a symbolic link or the user's.
         self._created = not os.path.lexists(directory)
@@ -315,7 +428,8 @@ class CheckpointManager:
     def read_progress(self, path=None):
         """The progress dict of `path` (the newest complete checkpoint by default).
 
-        Returns None when there is no complete checkpoint.
+        Returns None when there is no complete checkpoint. Reads progress.json
+        as it is; `verify` checks it against the manifest first.
 
         Raises:
             CheckpointError: `path`'s progress.json is missing or corrupt.
@@ -325,80 +439,115 @@ class CheckpointManager:
             return None
         return read_progress_file(os.fspath(path))
 
-    def _restore_one(self, path):
-        """Restores `path` or raises CheckpointError; says whether it is damaged."""
-        problems = file_problems(path)
+    @property
+    def newest(self):
+        """Path of the newest checkpoint, whole or not, or None: what a resume restores."""
+        names = self._names()
+        return os.path.join(self.directory, names[-1]) if names else None
+
+    def verify(self, path):
+        """Checks every file of checkpoint `path` against its manifest (sizes and SHA-256).
+
+        A checkpoint verified once is not read again while its files keep
+        their sizes and modification times.
+
+        Raises:
+            DamagedCheckpointError: a file is missing, truncated or changed, or
+                the manifest is; the message names each file, and the newest
+                older checkpoint that is whole, with how to resume from it.
+        """
+        path = os.fspath(path)
+        stamp = _stamp(path)
+        if self._verified == (path, stamp):
+            return
+        problems = manifest_problems(path)
+        if not problems:
+            try:
+                read_progress_file(path)
+            except CheckpointError as error:
+                problems.append(str(error).rstrip("."))
         if problems:
-            raise _Damaged(problems)
+            raise self._damaged(path, problems)
+        self._verified = (path, stamp)
+
+    def _damaged(self, path, problems):
+        """The DamagedCheckpointError for `path`: its problems, and the checkpoint before it."""
+        number = checkpoint_number(os.path.basename(path))
+        previous = None
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.directory) and number:
+            for name in reversed(self._names()):
+                candidate = os.path.join(self.directory, name)
+                if checkpoint_number(name) < number and not manifest_problems(candidate):
+                    try:
+                        previous = (candidate, read_progress_file(candidate))
+                    except CheckpointError:
+                        continue
+                    break
+        aside = os.path.join(os.path.dirname(path), DAMAGED_PREFIX + os.path.basename(path))
+        move = f"`mv {shlex.quote(path)} {shlex.quote(aside)}`"
+        if previous is not None:
+            where, progress = previous
+            offer = (f"The checkpoint before it, {where!r} (epoch {progress['epoch']}, step "
+                     f"{progress['step']}), is whole. To resume from it, move the damaged one "
+                     f"away: {move}, and run again (or restore it by path: "
+                     f"`manager.restore({where!r})`).")
+        else:
+            offer = (f"No older checkpoint there is whole. Put the file(s) back from a copy, or "
+                     f"move the checkpoint away ({move}) to start from scratch. (Keep more "
+                     "checkpoints with `max_to_keep`.)")
+        message = (f"The checkpoint {path!r} fails its manifest check, so nothing was restored "
+                   "or changed:\n  - " + "\n  - ".join(problems) + f"\n{offer}")
+        return DamagedCheckpointError(message, path, problems, previous and previous[0])
+
+    def restore(self, path=None):
+        """Restores a checkpoint; returns its progress dict.
+
+        The checkpoint's files are checked against its manifest first
+        (`verify`): nothing is read from a changed, truncated or missing file.
+
+        Args:
+            path: A checkpoint directory; the newest checkpoint when `None`
+                (`latest` is not trusted; an older one is never taken in its
+                place: the error names it).
+
+        Raises:
+            DamagedCheckpointError: the checkpoint fails its manifest check
+                (or its data does not read back), naming each file and the
+                checkpoint before it that is whole.
+            CheckpointError: no checkpoint to restore, or a whole checkpoint
+                does not fit the model.
+        """
+        self.skipped = []
+        if path is None:
+            path = self.newest
+            if path is None:
+                raise CheckpointError(f"No checkpoint in {self.directory!r} to restore.")
+        path = os.fspath(path)
+        self.verify(path)
         try:
             status = self.checkpoint.read(os.path.join(path, _STATE))
             status.assert_existing_objects_matched()
         except Exception as error:  # noqa: BLE001 - corruption escapes as IndexError etc.
             damage = data_problems(path)
             if damage:
-                raise _Damaged(damage) from None
+                raise self._damaged(path, damage) from None
             raise CheckpointError(
                 f"The checkpoint {path!r} is intact (every file reads back) but does not fit "
                 f"this model/optimizer ({_first_line(error)}). It was left untouched. Restore "
                 "into the model it was written from, or point to another directory."
             ) from error
-        return read_progress_file(path)
-
-    def restore(self, path=None):
-        """Restores a checkpoint; returns its progress dict.
-
-        Args:
-            path: A checkpoint directory. When `None`, the newest complete,
-                readable checkpoint: damaged ones are skipped (and logged).
-
-        Raises:
-            CheckpointError: no checkpoint to restore; every checkpoint (or
-                `path`) is damaged, naming each file and what is wrong; or
-                an intact checkpoint does not fit the model.
-        """
-        self.skipped = []
-        if path is not None:
-            path = os.fspath(path)
-            try:
-                self.progress = self._restore_one(path)
-                self.restored_path = path
-            except _Damaged as damage:
-                raise CheckpointError(
-                    f"The checkpoint {path!r} is damaged: {'; '.join(damage.problems)}. Nothing "
-                    "was changed. Restore another checkpoint (or move this one away)."
-                ) from None
-            return self.progress
-        names = self._names()
-        if not names:
-            raise CheckpointError(f"No checkpoint in {self.directory!r} to restore.")
-        for name in reversed(names):
-            candidate = os.path.join(self.directory, name)
-            try:
-                self.progress = self._restore_one(candidate)
-            except _Damaged as damage:
-                reason = "; ".join(damage.problems)
-                self.skipped.append((candidate, reason))
-                logger.warning("Skipped checkpoint %s: %s.", candidate, reason)
-                continue
-            self.restored_path = candidate
-            self._log_restored(candidate)
-            return self.progress
-        details = "\n  - ".join(f"{p}: {r}" for p, r in self.skipped)
-        raise CheckpointError(
-            f"Every checkpoint in {self.directory!r} is damaged, so none was restored and "
-            f"none was deleted:\n  - {details}\nMove the damaged checkpoints away (or point "
-            "to another directory) to start from scratch."
-        )
+        self.progress = read_progress_file(path)
+        self.restored_path = path
+        self._log_restored(path)
+        return self.progress
 
     def _log_restored(self, path):
         marker = self._marker()
         note = ""
-        if self.skipped:
-            note = f" (newer checkpoint(s) skipped as damaged: {[p for p, _ in self.skipped]})"
-        elif marker != os.path.basename(path):
+        if marker != os.path.basename(path) and os.path.dirname(path) == self.directory:
             note = (f" (the `latest` marker names {marker!r}, which is not a complete "
-                    "checkpoint; restored the newest complete one)" if marker else
-                    " (the `latest` marker is missing; restored the newest complete one)")
+                    "checkpoint; restored the newest one)" if marker else
+                    " (the `latest` marker is missing; restored the newest one)")
         log = logger.warning if note else logger.info
         log("Restored checkpoint %s (epoch %s, step %s)%s.", path, self.progress["epoch"],
             self.progress["step"], note)
@@ -411,11 +560,12 @@ class CheckpointManager:
             return None
 
     def restore_or_initialize(self):
-        """Restores the newest intact checkpoint if there is one; returns its progress.
+        """Restores the newest checkpoint if there is one; returns its progress.
 
         Returns None (and changes nothing) when the directory holds no
-        checkpoint. A directory holding only damaged checkpoints raises
-        rather than start over silently (see `restore`). This is how a run
+        checkpoint. A newest checkpoint that fails its manifest check raises
+        (`DamagedCheckpointError`, naming the one before it) rather than go
+        back or start over silently (see `restore`). This is how a run
         resumes, so the chief locks the directory first: a second live run
         is refused before it can resume from the first one's checkpoint.
         (`restore` alone does not lock: reading is safe beside a writer.)
@@ -464,6 +614,9 @@ class CheckpointManager:
         if info.is_chief:
             self._own()
         with cluster.writer_directory(self.directory, info) as directory:
+            if self.max_to_keep > 1:
+                # Room for the new one first: the disk never holds more than `max_to_keep`.
+                self._prune(directory, keep=self.max_to_keep - 1)
             names = self._names(directory)
             number = checkpoint_number(names[-1]) + 1 if names else 1
             name = f"{_PREFIX}-{number}"
@@ -474,6 +627,7 @@ class CheckpointManager:
                 self.checkpoint.write(os.path.join(staging, _STATE))
                 with open(os.path.join(staging, _PROGRESS), "w") as f:
                     json.dump(progress, f)
+                write_manifest(staging)  # last: it vouches for every file above
                 files.publish(staging, final)
             except (OSError, tf.errors.OpError) as error:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -516,24 +670,44 @@ class CheckpointManager:
         if latest is None:
             return
         progress = dict(read_progress_file(latest), epoch=int(epoch), step=int(step))
-        files.atomic_write_text(os.path.join(latest, _PROGRESS), json.dumps(progress))
+        entries, problem = _read_manifest(latest)
+        if problem:
+            raise self._damaged(latest, [problem])
+        # Two files cannot be replaced at once: the manifest first accepts the
+        # old progress.json and the new one, then only the new one.
+        temp = files.staging_file(latest)
+        try:
+            with open(temp, "w") as f:
+                f.write(json.dumps(progress))
+            size, digest = _digest_file(temp)
+            entries[_PROGRESS] = {"bytes": size, "sha256": digest, "previous": entries[_PROGRESS]}
+            write_manifest(latest, entries)
+            files.publish(temp, os.path.join(latest, _PROGRESS))
+        finally:
+            if os.path.exists(temp):
+                os.remove(temp)
+        del entries[_PROGRESS]["previous"]
+        write_manifest(latest, entries)
         self.progress = progress
 
-    def _prune(self, directory):
-        """Keeps the newest `max_to_keep` complete checkpoints (the new one among them).
+    def _prune(self, directory, keep=None):
+        """Keeps the newest `keep` (`max_to_keep`) complete checkpoints (the new one among them).
 
-        Runs only after the new checkpoint is complete. Incomplete ones older
-        than it are removed too: they could never be restored.
+        Runs only after the new checkpoint is complete (or, to make room,
+        keeping `max_to_keep` - 1 before it). Incomplete ones older than the
+        newest complete one are removed too: they could never be restored.
         """
+        keep = self.max_to_keep if keep is None else keep
         names = self._names(directory)
         complete = [n for n in names if not file_problems(os.path.join(directory, n))]
-        keep = set(complete[-self.max_to_keep:])
+        kept = set(complete[-keep:])
         for name in names:
-            if name not in keep:
+            if complete and name not in kept and (
+                    name in complete or checkpoint_number(name) < checkpoint_number(complete[-1])):
                 if name not in complete:
                     logger.warning("Removed the incomplete checkpoint %s (a newer complete one exists).",
                                    os.path.join(directory, name))
-                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                _remove_whole(os.path.join(directory, name))
 
     def mark_finished(self):
         """Records that training ended (chief only): a SidecarEvaluator stops."""
@@ -555,7 +729,7 @@ class CheckpointManager:
             for name in [_LATEST] + self._names() + [FINISHED_FILE]:
                 path = os.path.join(self.directory, name)
                 if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
+                    _remove_whole(path)
                 elif os.path.lexists(path):
                     os.remove(path)
             files.remove_dead_staging(self.directory)
@@ -574,9 +748,27 @@ class CheckpointManager:
                                    self.directory, error.strerror)
 
 
-class _Damaged(Exception):
-    """A checkpoint's files are incomplete or do not read back."""
+def _remove_whole(path):
+    """Removes checkpoint `path` so that no part of it stays under its name, even if killed.
 
-    def __init__(self, problems):
-        super().__init__("; ".join(problems))
-        self.problems = problems
+    It is renamed to a staging name first (`files.remove_dead_staging` ends
+    what a killed process left), then removed.
+    """
+    directory, name = os.path.split(path)
+    trash = files.staging_directory(directory, f"removed-{name}")
+    try:
+        os.replace(path, trash)  # onto the new, empty directory
+    except OSError:
+        os.rmdir(trash)
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _stamp(path):
+    """The sizes and modification times of `path`'s files: what `verify` remembers."""
+    try:
+        return tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                            for entry in os.scandir(path) if entry.is_file()))
+    except OSError:
+        return None

@@ -187,7 +187,10 @@ class SidecarEvaluator:
         items = {"model": self.model}
         if self.model.optimizer is not None:
             items["optimizer"] = self.model.optimizer
-        # CheckpointError (a ValueError) names the file when progress.json is damaged.
+        # CheckpointError (a ValueError) names each file that is not the one kd wrote.
+        problems = checkpoint_lib.manifest_problems(path)
+        if problems:
+            raise checkpoint_lib.CheckpointError(f"{path} fails its manifest check: " + "; ".join(problems))
         progress = checkpoint_lib.read_progress_file(path)
         tf.train.Checkpoint(**items).read(os.path.join(path, "state")).expect_partial()
         logs = self._run_evaluation()

@@ -61,9 +61,10 @@ SAVED_MESSAGE = "Backed up for the preemption"
 # that a rerun would meet again (the recipe's loop then does not rerun it).
 CONFIG_EXIT_CODE = 2
 # The errors of kd (last words of a task's traceback) that mean exactly that:
-# the backup directory is another live run's, or the backup is another run's.
+# the backup directory is another live run's, the backup is another run's, or
+# its files are not the ones kd wrote.
 _CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
-                           r"run: |does not record what defines its run)")
+                           r"run: |does not record what defines its run|fails its manifest check)")
 # How long a parameter-server cluster's coordinator gets to report a lost
 # ps task itself before the launcher stops the cluster.
 PS_LOSS_WAIT = 30.0

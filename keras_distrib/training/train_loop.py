@@ -172,17 +172,23 @@ class TrainLoop:
             callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
             class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1,
-            backup_dir=None, backup_freq="epoch"):
+            backup_dir=None, backup_freq="epoch", declared_changes=()):
         """Trains like `Model.fit` and returns its `keras.callbacks.History`.
 
         The same front door as `Model.fit` (`keras_distrib.training.front`): the same
         arguments and checks. With `backup_dir`, a
-        `kd.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq)` is
-        added: a restarted run resumes at the saved epoch and step.
+        `kd.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq,
+        declared_changes=declared_changes)` is added: a restarted run resumes
+        at the saved epoch and step (`declared_changes`: the settings it
+        changed on purpose, e.g. `["optimizer.learning_rate"]`).
         """
+        if declared_changes and backup_dir is None:
+            raise ValueError(f"`declared_changes`={declared_changes!r} without `backup_dir`: they "
+                             "describe a resume from a backup; give `backup_dir` too, or drop them")
         if backup_dir is not None:
             if callbacks is None or isinstance(callbacks, (list, tuple)):
-                callbacks = list(callbacks or []) + [callbacks_lib.BackupAndRestore(backup_dir, save_freq=backup_freq)]
+                callbacks = list(callbacks or []) + [callbacks_lib.BackupAndRestore(
+                    backup_dir, save_freq=backup_freq, declared_changes=declared_changes)]
         return front.fit(
             self.model, self._step, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
             callbacks=callbacks, validation_split=validation_split,

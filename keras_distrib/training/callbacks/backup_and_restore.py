@@ -155,8 +155,12 @@ def _short(value, limit=80):
 
 
 def _run_changes(saved, now, weights=()):
-    """How this run differs from the backup's record, one phrase per difference.
+    """How this run differs from the backup's record: `(key, phrase)` per difference.
 
+    `key` names a change a resume may declare (`BackupAndRestore(declared_changes=...)`):
+    `"optimizer.<setting>"` for a setting of the same optimizer class,
+    `"loss"`; None for one it may not (another architecture, optimizer
+    class or partitioning: the state would not fit or mean the same).
     `weights`: this model's weights (to name a weight whose partition changed).
     """
     changes = []
@@ -164,33 +168,76 @@ def _run_changes(saved, now, weights=()):
     if old_layers != new_layers:
         if not isinstance(old_layers, list) or len(old_layers) != len(new_layers):
             count = len(old_layers) if isinstance(old_layers, list) else "?"
-            changes.append(f"the model has {len(new_layers)} layers, the backup's had {count}")
+            changes.append((None, f"the model has {len(new_layers)} layers, the backup's had {count}"))
         else:
             index = next(i for i, (a, b) in enumerate(zip(old_layers, new_layers)) if a != b)
-            changes.append(
+            changes.append((None,
                 f"the model's layer {index} ({new_layers[index].split(':')[0]}) differs from the "
-                f"backup's ({str(old_layers[index]).split(':')[0]}) in its settings or weights' shapes")
+                f"backup's ({str(old_layers[index]).split(':')[0]}) in its settings or weights' shapes"))
     old_opt, new_opt = saved.get("optimizer"), now["optimizer"]
     if old_opt != new_opt:
         if isinstance(old_opt, dict) and isinstance(new_opt, dict) and old_opt.get("class") == new_opt.get("class"):
             for key in sorted(set(old_opt) | set(new_opt)):
                 if old_opt.get(key) != new_opt.get(key):
-                    changes.append(f"the optimizer's `{key}` is {_short(new_opt.get(key))}, the "
-                                   f"backup's was {_short(old_opt.get(key))}")
+                    changes.append((f"optimizer.{key}",
+                                    f"the optimizer's `{key}` is {_short(new_opt.get(key))}, the "
+                                    f"backup's was {_short(old_opt.get(key))}"))
         else:
-            changes.append(f"the optimizer is {_short(new_opt)}, the backup's was {_short(old_opt)}")
+            changes.append((None, f"the optimizer is {_short(new_opt)}, the backup's was {_short(old_opt)}"))
     if saved.get("loss") != now["loss"]:
-        changes.append(f"the loss is {_short(now['loss'])}, the backup's was {_short(saved.get('loss'))}")
+        changes.append(("loss", f"the loss is {_short(now['loss'])}, the backup's was "
+                                f"{_short(saved.get('loss'))}"))
     old_parts, new_parts = saved.get("partitions") or {}, now.get("partitions") or {}
     for index in sorted(set(old_parts) | set(new_parts), key=int):
         if old_parts.get(index) != new_parts.get(index):
             describe = lambda rows: f"{len(rows)} parts of {rows} rows" if rows else "not partitioned"
             name = weights[int(index)].path if int(index) < len(weights) else f"number {index}"
-            changes.append(
+            changes.append((None,
                 f"the weight `{name}` is {describe(new_parts.get(index))} over the parameter "
                 f"servers, the backup's was {describe(old_parts.get(index))} (the optimizer's "
-                "state is kept per part: resume with the backup's `variable_partitioner`)")
+                "state is kept per part: resume with the backup's `variable_partitioner`)"))
     return changes
+
+
+def _value_of(saved, now, key):
+    """The backup's and this run's value of a change's `key` (`optimizer.<setting>`, `loss`)."""
+    if key == "loss":
+        return saved.get("loss"), now.get("loss")
+    setting = key.split(".", 1)[1]
+    return (saved.get("optimizer") or {}).get(setting), (now.get("optimizer") or {}).get(setting)
+
+
+_DECLARABLE = re.compile(r"^(loss|optimizer\.[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def _declared_changes(value):
+    """`declared_changes` as a tuple of keys; ValueError naming what is wrong."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(k, str) for k in items):
+        raise ValueError(f"`declared_changes`={value!r}: expected a list of settings changed on "
+                         "purpose, e.g. ['optimizer.learning_rate', 'optimizer.clipnorm']")
+    bad = [k for k in items if not _DECLARABLE.match(k)]
+    if bad:
+        raise ValueError(f"`declared_changes` lists {bad}: expected 'optimizer.<setting>' (a "
+                         "setting of the optimizer's config, e.g. 'optimizer.learning_rate') or "
+                         "'loss'; the architecture, the optimizer's class and the batch size "
+                         "cannot change across a resume")
+    return tuple(dict.fromkeys(items))
+
+
+def _setting(optimizer, name):
+    """An optimizer setting's current value (a variable's value, not the variable)."""
+    value = getattr(optimizer, name, None)
+    return np.asarray(value.numpy()) if hasattr(value, "assign") else value
+
+
+def _set_setting(optimizer, name, value):
+    """Puts `value` back into an optimizer setting (into its variable, if it has one)."""
+    current = getattr(optimizer, name, None)
+    if hasattr(current, "assign"):
+        current.assign(value)
+    elif value is not None:
+        setattr(optimizer, name, value)
 
 
 def _non_finite_losses(logs):
@@ -239,6 +286,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         termination_watcher: Optional `callable() -> bool`, polled every
             second, True when termination is imminent (e.g. a cloud's
             maintenance notice); it acts like SIGTERM.
+        declared_changes: Settings this run changed on purpose from the
+            backup's run, e.g. `["optimizer.learning_rate"]` after a
+            divergence, `["optimizer.clipnorm"]` to add clipping:
+            `"optimizer.<setting>"` (a key of the optimizer's config) or
+            `"loss"`. A resume that finds them changed goes on with this
+            run's values (a learning rate the backup restored is set back to
+            this run's), records each change (epoch, step, old and new value)
+            in the run record (`run_record`'s `changes`), and later resumes
+            compare with the new values. Undeclared changes are refused.
+        max_to_keep: Backups kept (2: the newest and the one before, which
+            a resume offers when the newest fails its manifest check). The
+            oldest is removed before a new one is written, so the disk holds
+            at most `max_to_keep` backups at any moment.
+
+    Every file of a backup is checked against its manifest (size and
+    SHA-256, written last) before anything is restored: a changed,
+    truncated or missing file is refused by name, with the backup before it.
 
     Only the chief writes (and locks) `backup_dir`: a second live run on
     the same directory is refused at the start of training, before it
@@ -253,9 +317,15 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir, *, save_freq="epoch", delete_checkpoint=True,
-                 save_on_preemption=True, grace_period=0.0, termination_watcher=None):
+                 save_on_preemption=True, grace_period=0.0, termination_watcher=None,
+                 max_to_keep=2, declared_changes=()):
         super().__init__()
         self.backup_dir = checkpoint_lib.validate_directory(backup_dir, "backup_dir")
+        self.declared_changes = _declared_changes(declared_changes)
+        if not validation.is_whole(max_to_keep, 1):
+            raise ValueError(f"`max_to_keep`={max_to_keep!r}: expected a whole number >= 1 (the "
+                             "backups kept; 2 keeps one to go back to if the newest is damaged)")
+        self.max_to_keep = max_to_keep
         self.schedule = _schedule.SaveSchedule(save_freq)
         self.delete_checkpoint = delete_checkpoint
         self.save_on_preemption = save_on_preemption
@@ -310,17 +380,31 @@ class BackupAndRestore(keras.callbacks.Callback):
             with model.distribute_strategy.scope():
                 model.optimizer.build(model.trainable_variables)
         self._run = run_record(model)
-        self._manager = checkpoint_lib.CheckpointManager(self._checkpoint(), self.backup_dir)
-        latest = self._manager.latest
-        if latest is not None:
-            # Before restoring anything: another run's backup must not touch this model.
+        self._check_declared(model)
+        self._manager = checkpoint_lib.CheckpointManager(self._checkpoint(), self.backup_dir,
+                                                         max_to_keep=self.max_to_keep)
+        newest = self._manager.newest
+        if newest is not None:
+            # Before anything is read: every file is the one kd wrote (its
+            # manifest), and another run's backup must not touch this model.
             try:
-                before = self._manager.read_progress(latest)
+                self._manager.verify(newest)
             except checkpoint_lib.CheckpointError:
-                before = None  # damaged: `restore` falls back past it, saying so
-            if before is not None:
-                self._check_data_matches(before, latest)
-        progress = self._manager.restore_or_initialize()
+                self._manager.close()
+                raise
+            self._check_data_matches(self._manager.read_progress(newest), newest)
+        # A declared setting that is also state (a learning rate held in a
+        # variable) is this run's, not the backup's, after the restore.
+        declared = {key: _setting(model.optimizer, key.split(".", 1)[1])
+                    for key in self.declared_changes if key.startswith("optimizer.")}
+        try:
+            progress = self._manager.restore_or_initialize()
+        except checkpoint_lib.CheckpointError:
+            self._manager.close()
+            raise
+        if progress is not None:
+            for key, value in declared.items():
+                _set_setting(model.optimizer, key.split(".", 1)[1], value)
         self.restored_position = None
         if progress is not None:
             if "metrics" not in progress:
@@ -329,7 +413,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "metric state: it was not written by kd.callbacks.BackupAndRestore (a "
                     "kd.CheckpointManager's, perhaps). Give the callback a directory of its own."
                 )
-            self._check_data_matches(progress, self._manager.restored_path)
+            self._check_data_matches(progress, self._manager.restored_path, announce=True)
             self.restored_position = DataPosition(progress["epoch"], progress["step"])
             if progress["step"] > 0:
                 self._resume = progress
@@ -342,6 +426,17 @@ class BackupAndRestore(keras.callbacks.Callback):
                 strategy=model.distribute_strategy, **self._preemption_settings
             )
             self._handler.start()
+
+    def _check_declared(self, model):
+        """Refuses a declared optimizer setting the optimizer does not have (nothing restored yet)."""
+        settings = self._run["optimizer"] if isinstance(self._run.get("optimizer"), dict) else {}
+        unknown = [key for key in self.declared_changes
+                   if key.startswith("optimizer.") and key.split(".", 1)[1] not in settings]
+        if unknown:
+            raise ValueError(
+                f"`declared_changes` lists {unknown}, which the optimizer "
+                f"({type(model.optimizer).__name__}) does not have; its settings: "
+                f"{sorted(k for k in settings if k != 'class')}.")
 
     def set_runner(self, runner):
         """The loop's runner (kd's loop calls this before training begins)."""
@@ -358,16 +453,29 @@ class BackupAndRestore(keras.callbacks.Callback):
         if bad:
             # Diverged: the backup in place is the last good state; keep it.
             self._diverged = True
-            logger.warning(
-                "Training diverged (NaN or Inf: %s) at epoch %d, step %d, so the backup was not "
-                "written; %s keeps the last finite state%s. Lower the learning rate (or clip "
-                "gradients) and resume from it.", ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""),
-                epoch, step, self.backup_dir,
-                f" ({self._manager.latest})" if self._manager.latest else " (none was written yet)")
+            logger.warning("Training diverged (NaN or Inf: %s) at epoch %d, step %d, so the backup "
+                           "was not written; %s", ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""),
+                           epoch, step, self._divergence_advice())
             return
         self._manager.save(epoch=epoch, step=step, metrics=metric_state(self.model),
                            run=self._run, **self._data_shape())
         self._saved_at = (epoch, step)
+
+    def _divergence_advice(self):
+        """Where the last finite state is (if a backup holds one), and how to resume from it."""
+        latest = self._manager.latest
+        if latest is None:
+            return (f"no backup was written in {self.backup_dir} before it, so there is none to "
+                    "resume from: lower the learning rate (or clip gradients) and start again.")
+        try:
+            progress = self._manager.read_progress(latest)
+            where = f" (epoch {progress['epoch']}, step {progress['step']})"
+        except checkpoint_lib.CheckpointError:
+            where = ""
+        return (f"the backup {latest}{where} holds the last finite weights and is kept. Lower the "
+                "learning rate (or clip gradients) and resume from it, declaring the change: "
+                "`kd.callbacks.BackupAndRestore(..., declared_changes=['optimizer.learning_rate'])` "
+                "(or 'optimizer.clipnorm').")
 
     def _data_shape(self):
         """What the backup's position counts in: batches per epoch and the global batch size."""
@@ -376,29 +484,38 @@ class BackupAndRestore(keras.callbacks.Callback):
                 (("batches_per_epoch", "steps"), ("global_batch_size", "batch_size"))
                 if isinstance(params.get(name), int)}
 
-    def _check_data_matches(self, progress, path):
+    def _check_data_matches(self, progress, path, announce=False):
         """Refuses to resume a backup of another run, or whose position no longer means the same examples."""
         fresh = ("Resume with what it was written with, or give `backup_dir` another directory "
                  "(or delete this backup) to start from scratch.")
+        now = self._data_shape()
         malformed = [f"`{key}`={progress[key]!r} (expected a whole number >= 1)"
                      for key in ("global_batch_size", "batches_per_epoch")
                      if key in progress and not validation.is_whole(progress[key], 1)]
+        # kd records them with every backup of a run whose data tells them (this one's does).
+        malformed += [f"`{key}` is missing (kd records it with every backup of a run whose data "
+                      f"has one; this run's is {now[key]})"
+                      for key in ("global_batch_size", "batches_per_epoch")
+                      if key in now and key not in progress]
         run = progress.get("run")
         if run is not None and not (isinstance(run, dict) and isinstance(run.get("model"), list)):
             malformed.append(f"`run`={_short(run)} (expected kd's record of the run)")
+        if run is None:
+            self._manager.close()
+            raise checkpoint_lib.CheckpointError(
+                f"The backup {path!r} does not record what defines its run (model, optimizer, loss, "
+                "batch size; `run` in its progress.json): kd writes that record into every backup, "
+                "so it was removed from the file, or a kd older than the record wrote it. kd cannot "
+                "check that the backup belongs to this run. If an older kd wrote it, finish it with "
+                "that version; else " + fresh[fresh.index("give"):])
         if malformed:
             self._manager.close()
             raise checkpoint_lib.CheckpointError(
                 f"The backup {path!r} has a progress.json kd did not write: " + "; ".join(malformed)
                 + ". It may have been edited by hand; kd cannot tell which run it belongs to. " + fresh)
-        if run is None:
-            self._manager.close()
-            raise checkpoint_lib.CheckpointError(
-                f"The backup {path!r} does not record what defines its run (model, optimizer, loss, "
-                "batch size): an older kd wrote it, and kd cannot check that it belongs to this "
-                "run. Finish it with the kd version that wrote it, or " + fresh[fresh.index("give"):])
-        now = self._data_shape()
-        problems = _run_changes(run, self._run, self.model.weights)
+        changes = _run_changes(run, self._run, self.model.weights)
+        problems = [phrase for key, phrase in changes if key not in self.declared_changes]
+        undeclared = [key for key, phrase in changes if key and key not in self.declared_changes]
         for key, what in (("global_batch_size", "global batch size"),
                           ("batches_per_epoch", "batches per epoch")):
             saved = progress.get(key)
@@ -410,18 +527,34 @@ class BackupAndRestore(keras.callbacks.Callback):
                             f"{progress['epoch']}, is past the epoch's {batches} batches")
         if problems:
             self._manager.close()
+            declare = ""
+            if undeclared:
+                declare = (f" If this run changed {'it' if len(undeclared) == 1 else 'them'} on "
+                           f"purpose (a lower learning rate after a divergence, a clip added), "
+                           f"declare it: `kd.callbacks.BackupAndRestore(..., declared_changes="
+                           f"{undeclared!r})` (or `kd.TrainLoop.fit(..., declared_changes=...)`); "
+                           "the resume then goes on with this run's values and records the change.")
             raise checkpoint_lib.CheckpointError(
                 f"The backup {path!r} does not match this run: " + "; ".join(problems)
-                + ". Resuming it would train something else, or skip or repeat examples. " + fresh
+                + ". Resuming it would train something else, or skip or repeat examples." + declare
+                + (" Otherwise: " + fresh[0].lower() + fresh[1:] if declare else " " + fresh)
             )
-        if progress["step"] > 0 and ("global_batch_size" not in now
-                                     or "global_batch_size" not in progress):
+        # Declared changes: accepted, and recorded in the run record the next backups hold.
+        history = list(run.get("changes") or [])
+        for key, phrase in changes:
+            was, now_value = _value_of(run, self._run, key)
+            history.append({"epoch": progress["epoch"], "step": progress["step"], "setting": key,
+                            "was": was, "now": now_value})
+            if announce:
+                logger.warning("Resuming %s with a declared change: %s.", path, phrase)
+        if history:
+            self._run["changes"] = history
+        if progress["step"] > 0 and "global_batch_size" not in now:
             logger.warning(
-                "Resuming %s at epoch %d, step %d: the global batch size of %s is not known, so "
-                "kd cannot check that the %d batches it skips are the ones the backup trained. "
-                "Resume with the same data and batch size.", path, progress["epoch"],
-                progress["step"], "this run's data" if "global_batch_size" not in now
-                else "the backup's run", progress["step"])
+                "Resuming %s at epoch %d, step %d: the global batch size of this run's data is not "
+                "known, so kd cannot check that the %d batches it skips are the ones the backup "
+                "trained. Resume with the same data and batch size.", path, progress["epoch"],
+                progress["step"], progress["step"])
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -479,8 +612,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._handler.exit()
         self._handler = None
         if self._diverged:
-            logger.warning("Kept the backup in %s: training diverged, and it holds the last "
-                           "finite weights.", self.backup_dir)
+            logger.warning("Training diverged: %s", self._divergence_advice())
             self._manager.close()
             return
         try:
