@@ -341,6 +341,17 @@ class DirectoryInUseError(RuntimeError):
     """Another live run holds the directory's lock."""
 
 
+# What a lock path that is not a plain file is, and why kd does not use it.
+_NOT_A_LOCK_FILE = {
+    stat.S_IFLNK: ("a symbolic link", " (writing through a link would overwrite its target)"),
+    stat.S_IFDIR: ("a directory", ""),
+    stat.S_IFIFO: ("a FIFO (a named pipe)", " (opening a FIFO waits for a reader; no lock is held in one)"),
+    stat.S_IFSOCK: ("a socket", ""),
+    stat.S_IFCHR: ("a character device", " (writing would reach the device)"),
+    stat.S_IFBLK: ("a block device", " (writing would reach the device)"),
+}
+
+
 class UnsafeLockError(RuntimeError):
     """The lock file's path holds something kd did not write (a symbolic link, a directory)."""
 
@@ -414,30 +425,36 @@ class DirectoryLock:
                 _held[self._key] = self._take()
         return self
 
-    def _check_regular(self):
-        """Refuses a lock path that is a symbolic link, a directory or a device: never followed."""
-        try:
-            mode = os.lstat(self.path).st_mode
-        except FileNotFoundError:
-            return
+    def _check_regular(self, mode=None):
+        """Refuses a lock path that is a symbolic link, a directory, a FIFO, a socket or a device."""
+        if mode is None:
+            try:
+                mode = os.lstat(self.path).st_mode
+            except FileNotFoundError:
+                return
         if stat.S_ISREG(mode):
             return
-        kind = ("a symbolic link" if stat.S_ISLNK(mode) else
-                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        kind, why = _NOT_A_LOCK_FILE.get(stat.S_IFMT(mode), ("not a regular file", ""))
         raise UnsafeLockError(
             f"The lock file {self.path!r} of the {self.what} directory is {kind}; kd writes its "
-            f"lock there and follows nothing (writing through a link would overwrite its "
-            f"target). Remove {self.path!r} (it is not kd's), then run again."
+            f"lock there as a plain file and follows nothing{why}. Remove {self.path!r} (it is "
+            "not kd's), then run again."
         )
 
     def _open(self):
         self._check_regular()
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            # O_NONBLOCK: a FIFO put there since the check must not block the open.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         except OSError as error:
-            if error.errno in (errno.ELOOP, errno.EISDIR):
+            if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 self._check_regular()  # replaced since the check: name it
             raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            self._check_regular(mode)
+        return fd
 
     def _take(self):
         for _ in range(10):

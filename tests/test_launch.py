@@ -625,6 +625,19 @@ def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_kille
 
 
 @pytest.mark.cluster
+def test_a_run_that_min_workers_ends_says_so():
+    """Worker 1 fails for good and one worker would be left of `min_workers`=2: the launcher says
+    why the run ends (on 4c0b8d4 it ended on the failure alone, min_workers unnamed)."""
+    lines = []
+    result = kd_launch.launch(launch_targets.fail_on, workers=2, args=("worker 1", 3), min_workers=2,
+                              env=_harness._env(), sink=lines.append, timeout=120)
+    output = "\n".join(lines)
+    assert result.returncode == 3 and result.lost == [], output
+    assert ("[launcher] worker 1 failed 1 time(s) in a row, and going on without it would leave 1 "
+            "worker(s), fewer than `min_workers`=2: the run ends here (exit code 3)") in output, output
+
+
+@pytest.mark.cluster
 def test_a_worker_lost_for_good_leaves_survivors_that_finish_the_one_device_model(tmp_path):
     # 4 workers, float64, every random state (tests/scripts/resume_random.py);
     # worker 3 fails after step 11 and again at once on the restart: the

@@ -282,6 +282,24 @@ def test_a_symlinked_backup_dir_keeps_the_link_and_its_target(tmp_path):
     assert link.is_symlink() and target.is_dir() and os.listdir(target) == []
 
 
+def test_a_users_directory_holding_a_copied_created_marker_is_emptied_not_removed(tmp_path):
+    """kd removes only the directory it created: a `.kd-created` copied from another is not its mark.
+
+    On 4c0b8d4 the user's (empty) directory was removed.
+    """
+    made = tmp_path / "made_by_kd"
+    _fit(_model(), made, delete_checkpoint=False)  # leaves the directory, with kd's marker
+    marker = (made / ".kd-created").read_bytes()
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / ".kd-created").write_bytes(marker)  # copied, e.g. `cp -a made_by_kd/. users/`
+    _fit_and_return(users)
+    assert users.is_dir() and os.listdir(users) == [".kd-created"]  # the copy is not kd's either
+    # Contrast: the directory kd created (its marker its own) is removed once the run ends.
+    _fit_and_return(made)
+    assert not made.exists()
+
+
 def test_a_failing_cleanup_does_not_fail_a_finished_run(tmp_path, caplog, monkeypatch):
     backup = tmp_path / "made_by_kd"
     real_rmdir = os.rmdir
@@ -318,6 +336,14 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
     (backup / ".kd-lock.json").mkdir()
     with pytest.raises(CheckpointError, match=r"\.kd-lock\.json' of the checkpoint directory is a directory"):
         _fit_and_return(backup)
+    # A FIFO is named a FIFO (4c0b8d4 said "writing through a link"), and the open does not block.
+    (backup / ".kd-lock.json").rmdir()
+    os.mkfifo(backup / ".kd-lock.json")
+    with pytest.raises(CheckpointError, match=r"\.kd-lock\.json' of the checkpoint directory is a FIFO "
+                                              r"\(a named pipe\); kd writes its lock there as a plain "
+                                              r"file and follows nothing \(opening a FIFO waits") as error:
+        _fit_and_return(backup)
+    assert "through a link" not in str(error.value)
 
 
 @pytest.mark.parametrize("kind", ["dangling", "looping"])

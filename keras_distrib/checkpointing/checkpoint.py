@@ -6,8 +6,10 @@ Layout of `directory`:
                          manifest.json (every file's size and SHA-256, written last)
     latest               the name of the newest checkpoint written (a hint)
     .kd-lock.json        the run that owns the directory (pid, host, start)
-    .kd-created          present when kd created the directory: only then may
-                         `delete_all` remove it (never a mount point or link)
+    .kd-created          present when kd created the directory (it holds the
+                         directory's device and inode: a copy elsewhere is not
+                         kd's mark): only then may `delete_all` remove it
+                         (never a mount point or link)
 
 A checkpoint is written into a hidden staging directory and renamed into
 place, then `latest` is replaced (temp name, rename): a crash at any moment
@@ -398,7 +400,7 @@ class CheckpointManager:
         if self._created:
             marker = os.path.join(self.directory, CREATED_MARKER)
             if not os.path.lexists(marker):
-                files.atomic_write_text(marker, "")
+                files.atomic_write_text(marker, _directory_identity(self.directory))
 
     def close(self):
         """Releases the directory's lock (if this manager took it)."""
@@ -735,7 +737,7 @@ class CheckpointManager:
             files.remove_dead_staging(self.directory)
             self.close()
             marker = os.path.join(self.directory, CREATED_MARKER)
-            created = os.path.isfile(marker) and not os.path.islink(marker)
+            created = _marks_this_directory(marker, self.directory)
             if created:
                 os.remove(marker)
             removable = (created and not os.path.islink(self.directory)
@@ -763,6 +765,23 @@ def _remove_whole(path):
         shutil.rmtree(path, ignore_errors=True)
         return
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _directory_identity(directory):
+    """What `CREATED_MARKER` holds: the device and inode of the directory kd created."""
+    info = os.stat(directory)
+    return json.dumps({"device": info.st_dev, "inode": info.st_ino})
+
+
+def _marks_this_directory(marker, directory):
+    """Whether `marker` is kd's mark of this very directory (not one copied in from another)."""
+    if not os.path.isfile(marker) or os.path.islink(marker):
+        return False
+    try:
+        with open(marker) as f:
+            return f.read() == _directory_identity(directory)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _stamp(path):

@@ -650,6 +650,12 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
                 max_restarts=max_restarts, sink=sink, what="the cluster",
             )
             worker = lost_worker(result) if min_workers is not None else None
+            if worker is not None and count - 1 < min_workers:
+                sink(f"[launcher] {worker.label} failed {max_restarts + 1} time(s) in a row, and "
+                     f"going on without it would leave {count - 1} worker(s), fewer than "
+                     f"`min_workers`={min_workers}: the run ends here (exit code "
+                     f"{result.returncode}). Its backup is kept; lower --min-workers, or fix what "
+                     f"ends {worker.label}, and launch again to resume.")
             if worker is None or count - 1 < min_workers:
                 result.lost = lost
                 return result
