@@ -625,6 +625,23 @@ def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_kille
 
 
 @pytest.mark.cluster
+def test_a_task_that_stays_stopped_is_ended_and_named(monkeypatch):
+    """A task stopped by SIGSTOP after its peers finished held the launcher forever (4c0b8d4,
+    found by tools/chaos_soak.py): now it is ended after `STOPPED_TASK_SECONDS` and named."""
+    monkeypatch.setattr(supervisor, "STOPPED_TASK_SECONDS", 1.0)
+    lines = []
+    started = time.monotonic()
+    result = kd_launch.launch(launch_targets.stop_self, workers=2, args=("worker 1",),
+                              env=_harness._env(), sink=lines.append, timeout=60)
+    output = "\n".join(lines)
+    assert result.returncode == 137 and result.failed.label == "worker 1", output
+    assert time.monotonic() - started < 30, output
+    assert re.search(r"\[launcher\] worker 1 failed because it stayed stopped \(SIGSTOP\) for 1s "
+                     r"\(pid \d+\), holding up the cluster; the launcher ended it", output), output
+    assert "out of memory" not in output, output
+
+
+@pytest.mark.cluster
 def test_a_run_that_min_workers_ends_says_so():
     """Worker 1 fails for good and one worker would be left of `min_workers`=2: the launcher says
     why the run ends (on 4c0b8d4 it ended on the failure alone, min_workers unnamed)."""

@@ -94,6 +94,8 @@ TOKEN_VARIABLE = "KD_TASK_TOKEN"
 # How often (seconds) the launcher looks whether a guard is stopped, and how
 # long a stopped one is given before the launcher ends it and its task.
 GUARD_CHECK_SECONDS = 0.5
+# How long a task may stay stopped (SIGSTOP) before the launcher ends it.
+STOPPED_TASK_SECONDS = 30.0
 # Exit codes of a task ended by a stop signal before it handled it.
 _STOPPED_CODES = tuple(code for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGKILL)
                        for code in (-sig, 128 + sig))
@@ -109,6 +111,7 @@ class TaskResult:
     tail: list
     guard_fault: object = None  # what happened to the task's guard, when it failed on its own
     crash_trace: list = dataclasses.field(default_factory=list)  # faulthandler's lines, if it crashed
+    stop_fault: object = None  # why the launcher ended it, when it stayed stopped (SIGSTOP)
 
     @property
     def label(self):
@@ -342,6 +345,9 @@ class _Task:
         # Every process of the task inherits it: found again if its guard is lost.
         self.token = f"{os.getpid()}-{uuid.uuid4().hex}"
         self.guard_fault = None
+        self.stop_fault = None  # why the launcher ended a task that stayed stopped
+        self._task_pid = None
+        self._task_stopped_since = None
         self._stopped_since = None
         self._checked_at = 0.0
         self._exit_checked = False
@@ -402,6 +408,7 @@ class _Task:
             self._checked_at = now
             if _process_state(self.process.pid) not in ("T", "t"):
                 self._stopped_since = None
+                self._check_task_stopped(now)
                 return False
             self._stopped_since = self._stopped_since or now
             if now - self._stopped_since < GUARD_CHECK_SECONDS:
@@ -422,6 +429,29 @@ class _Task:
                                 "process(es)")
             return True
         return False
+
+    def _check_task_stopped(self, now):
+        """Ends a task that stays stopped (SIGSTOP) for `STOPPED_TASK_SECONDS`.
+
+        Its peers' collectives would wait for it (or, once they finished, the
+        launcher would), and nothing else ends a stopped process. A debugger's
+        stop (state `t`) is left alone.
+        """
+        if self._task_pid is None:
+            self._task_pid = _first_child(self.process.pid)
+        if self._task_pid is None or _process_state(self._task_pid) != "T":
+            self._task_stopped_since = None
+            return
+        self._task_stopped_since = self._task_stopped_since or now
+        if now - self._task_stopped_since < STOPPED_TASK_SECONDS:
+            return
+        self.stop_fault = (f"it stayed stopped (SIGSTOP) for {STOPPED_TASK_SECONDS:g}s (pid "
+                           f"{self._task_pid}), holding up the cluster; the launcher ended it. "
+                           "Send SIGCONT to resume a task, or SIGTERM to stop it with a backup")
+        try:
+            os.kill(self._task_pid, signal.SIGKILL)  # the guard then ends the rest and exits
+        except ProcessLookupError:
+            pass
 
     def stop_guard(self):
         """Asks the guard to end every process of the task (daemons included)."""
@@ -447,7 +477,17 @@ class _Task:
         if self._log:
             self._log.close()
         return TaskResult(self.task_type, self.task_index, self.process.poll(), list(self.tail),
-                          self.guard_fault, list(self.crash_trace))
+                          self.guard_fault, list(self.crash_trace), self.stop_fault)
+
+
+def _first_child(pid):
+    """The first child of `pid` (the guard's task), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def _process_state(pid):
@@ -774,6 +814,8 @@ def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
             sink(f"[launcher] {result.label} failed because {result.guard_fault}. kd's guard "
                  "ends a task's processes when the task or the launcher ends; stop the launcher "
                  "or the task, not the guard.")
+        elif result.stop_fault:
+            sink(f"[launcher] {result.label} failed because {result.stop_fault}. {lost_lib.ADVICE}")
         elif result.returncode is not None and result.returncode < 0:
             sink(f"[launcher] {_signal_explanation(result.label, -result.returncode)} "
                  f"{lost_lib.ADVICE}")
