@@ -279,7 +279,7 @@ def _warn_if_tmpdir_skipped(parent):
                    "space there or point TMPDIR at a writable directory.", named, reason, parent)
 
 
-def make_scratch(label):
+def make_scratch(label, parent=None):
     """A private temporary directory that does not outlive this process.
 
     It is removed by `remove_scratch`, or at interpreter exit; a process
@@ -288,6 +288,7 @@ def make_scratch(label):
 
     Args:
         label: A short name for the directory, e.g. `"worker1"`.
+        parent: Where to make it; the temporary directory (TMPDIR) by default.
 
     Returns:
         The directory's path.
@@ -296,11 +297,12 @@ def make_scratch(label):
         ScratchError: (an `OSError`) the temporary directory is full, not
             writable or missing; the message names TMPDIR and the fix.
     """
-    try:
-        parent = tempfile.gettempdir()
-    except OSError as error:  # no usable temporary directory at all
-        raise _scratch_error(os.environ.get("TMPDIR", "/tmp"), error) from None
-    _warn_if_tmpdir_skipped(parent)
+    if parent is None:
+        try:
+            parent = tempfile.gettempdir()
+        except OSError as error:  # no usable temporary directory at all
+            raise _scratch_error(os.environ.get("TMPDIR", "/tmp"), error) from None
+        _warn_if_tmpdir_skipped(parent)
     try:
         for name in os.listdir(parent):
             if name.startswith(SCRATCH_PREFIX) and _owned_by_dead_process(name, SCRATCH_PREFIX):

@@ -94,3 +94,14 @@ def stop_self(label):
     if cluster.cluster_info().label == label:
         os.kill(os.getpid(), signal.SIGSTOP)
     return label
+
+
+def leave_temporary_file():
+    """Writes a file into the temporary directory, then dies by SIGKILL (nothing cleans up)."""
+    import signal
+    import tempfile
+
+    handle, path = tempfile.mkstemp(prefix="left-by-a-killed-task-")
+    os.close(handle)
+    print(f"WROTE {path}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -9,6 +9,7 @@ fresh task the same way, and must end, and be ended, as one.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -130,6 +131,9 @@ def test_a_warm_task_is_what_a_fresh_task_is(monkeypatch):
     assert warm.pop("parent") != fresh.pop("parent")  # forked by the warm interpreter, or the guard's child
     # Each leads a process group of its own; the warm child also a session (the guard's task does not).
     assert warm.pop("own_session") and not fresh.pop("own_session")
+    # Each launch gives each task a temporary directory of its own (removed when it ends).
+    for facts in (warm, fresh):
+        assert re.search(r"/kd-scratch-[^/]*-tasks-[^/]+/worker_0$", facts.pop("tempdir")), facts
     assert warm == fresh, (warm, fresh)
 
 

@@ -642,6 +642,22 @@ def test_a_task_that_stays_stopped_is_ended_and_named(monkeypatch):
 
 
 @pytest.mark.cluster
+def test_a_killed_tasks_temporary_files_are_removed(tmp_path):
+    """Each task's TMPDIR is a directory of the launch's own, removed once the tasks end: a task
+    killed outright leaves nothing (the chaos soak found TensorFlow's AutoGraph files left)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    lines = []
+    result = kd_launch.launch(launch_targets.leave_temporary_file, workers=1,
+                              env=dict(_harness._env(), TMPDIR=str(temporary)), sink=lines.append,
+                              timeout=60)
+    assert result.returncode == 137, lines
+    (wrote,) = [line.rsplit(" ", 1)[1] for line in lines if "] WROTE " in line]
+    assert wrote.startswith(str(temporary)) and not os.path.exists(wrote), lines
+    assert os.listdir(temporary) == [], os.listdir(temporary)
+
+
+@pytest.mark.cluster
 def test_a_run_that_min_workers_ends_says_so():
     """Worker 1 fails for good and one worker would be left of `min_workers`=2: the launcher says
     why the run ends (on 4c0b8d4 it ended on the failure alone, min_workers unnamed)."""

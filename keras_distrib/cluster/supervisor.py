@@ -25,6 +25,7 @@ import time
 import uuid
 
 from keras_distrib import _early_signals
+from keras_distrib import files
 from keras_distrib.cluster import _guard
 from keras_distrib.cluster import lost as lost_lib
 from keras_distrib import tf_logs
@@ -678,13 +679,36 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
     run in one network namespace of their own (`PrivateNetwork`): reachable
     from nowhere else.
     """
-    network = PrivateNetwork(outbound=private_network is True) if private_network else None
+    scratch, specs = _own_temporary_directories(specs)
     try:
-        return _run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
-                          grace_period=grace_period, netns=network and network.pid)
+        network = PrivateNetwork(outbound=private_network is True) if private_network else None
+        try:
+            return _run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                              grace_period=grace_period, netns=network and network.pid)
+        finally:
+            if network is not None:
+                network.close()
     finally:
-        if network is not None:
-            network.close()
+        files.remove_scratch(scratch)
+
+
+def _own_temporary_directories(specs):
+    """`(scratch, specs)`: each task's TMPDIR a directory of its own in `scratch`.
+
+    Removed with every task's temporary files once the tasks have ended: a
+    task killed outright (SIGKILL, or ended after a SIGSTOP) cannot remove
+    its own (TensorFlow's AutoGraph writes a file per converted function).
+    Under the tasks' TMPDIR (else this process's).
+    """
+    environ = os.environ if not specs or specs[0].env is None else specs[0].env
+    scratch = files.make_scratch("tasks", parent=environ.get("TMPDIR") or None)
+    own = []
+    for spec in specs:
+        folder = os.path.join(scratch, f"{spec.task_type}_{spec.task_index}")
+        os.mkdir(folder, 0o700)
+        env = dict(os.environ if spec.env is None else spec.env, TMPDIR=folder)
+        own.append(dataclasses.replace(spec, env=env))
+    return scratch, own
 
 
 def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
