@@ -6,6 +6,7 @@ Every process test has a timeout and kills what it started by pid.
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -929,6 +930,27 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
     if mode is False:
         assert re.search(r"^\[launcher\] note: .*listen on every interface at port\(s\) \d+, "
                          r".*--no-private-network", notices[0]), notices
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root (a mount namespace and port 53) and util-linux's unshare")
+def test_names_resolve_in_the_private_network_when_the_hosts_resolver_is_on_its_loopback():
+    """On a host whose /etc/resolv.conf names 127.0.0.53 (Ubuntu's systemd-resolved) a task in
+    the private network resolves names (through slirp4netns); 4c0b8d4's namespace could not.
+
+    Contrast ("offline"): no route out, no name.
+    """
+    results = {}
+    for mode in ("True", "offline"):
+        done = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", sys.executable, "-u",
+             os.path.join(_harness.SCRIPTS, "loopback_resolver.py"), mode],
+            env=_harness._env(), capture_output=True, text=True, timeout=120)
+        (results[mode],) = _harness.results_of(done.stdout) or [done.stdout + done.stderr]
+    assert results["True"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77"}, results
+    assert results["offline"]["host"] == "192.0.2.77", results
+    assert results["offline"]["task"].startswith("UNRESOLVED"), results
 
 
 def test_a_launch_without_slirp4netns_is_refused_saying_what_to_install(monkeypatch):

@@ -299,10 +299,18 @@ def _hang_guard(run, stop):
 
 
 def _recoveries(run, faults):
-    """Per fault: seconds from the fault until training passed the step it had reached."""
+    """Per fault: seconds from the fault until the restarted cluster passed the step it had reached.
+
+    None when no restart followed it (the task had already finished, say).
+    """
     steps = run.progress()
+    restarts = [t for t, line in run.lines if line.startswith("[launcher] restarting the cluster")]
     for fault in faults:
-        back = next((t for t, step in steps if t > fault["at"] and step > fault["step"]), None)
+        restart = next((t for t in restarts if t > fault["at"]), None)
+        following = next((f["at"] for f in faults if f["at"] > fault["at"]), float("inf"))
+        back = None
+        if restart is not None and restart < following:
+            back = next((t for t, step in steps if t > restart and step > fault["step"]), None)
         fault["recovered_after"] = None if back is None else round(back - fault["at"], 1)
 
 

@@ -107,8 +107,11 @@ def end_everything(grace):
 
 
 # Private network namespace (`launch(private_network=True)`).
+_CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_MS_BIND, _MS_REC, _MS_SLAVE = 0x1000, 0x4000, 0x80000
+RESOLV_CONF = "/etc/resolv.conf"
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
 
@@ -130,32 +133,43 @@ def _loopback_up():
         fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
 
-def hold_network_namespace():
+def hold_network_namespace(resolv_conf=None):
     """Creates a network namespace with only loopback, says READY, and keeps it until stdin closes.
 
     Root (CAP_SYS_ADMIN) makes a plain one; another user a user namespace
-    too (mapped to the same uid), where the kernel allows it.
+    too (mapped to the same uid), where the kernel allows it. With
+    `resolv_conf` (a file), also a mount namespace in which that file is
+    /etc/resolv.conf: this host's names the resolver on its own loopback
+    (systemd-resolved's 127.0.0.53), which the namespace cannot reach.
     """
     uid, gid = os.getuid(), os.getgid()
+    mounts = _CLONE_NEWNS if resolv_conf else 0
     try:
-        _libc_call("unshare", _CLONE_NEWNET)
+        _libc_call("unshare", _CLONE_NEWNET | mounts)
     except OSError:
-        _libc_call("unshare", _CLONE_NEWUSER | _CLONE_NEWNET)
+        _libc_call("unshare", _CLONE_NEWUSER | _CLONE_NEWNET | mounts)
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
                            ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
+    if resolv_conf:
+        # Mounts of this host still reach the namespace; its own never reach the host.
+        _libc_call("mount", None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_SLAVE), None)
+        _libc_call("mount", os.fsencode(resolv_conf), os.fsencode(os.path.realpath(RESOLV_CONF)),
+                   None, ctypes.c_ulong(_MS_BIND), None)
     _loopback_up()
     print("READY", flush=True)
     sys.stdin.read()  # until the launcher closes it (or dies)
 
 
 def join_network_namespace(holder):
-    """Moves this process into the network namespace `holder` keeps (its user namespace first).
+    """Moves this process into the namespaces `holder` keeps: user (first), mount, network.
 
+    The working directory is kept (joining a mount namespace resets it).
     Returns False if the holder has ended (the launcher is stopping the run).
     """
-    for kind, flag in (("user", _CLONE_NEWUSER), ("net", _CLONE_NEWNET)):
+    cwd = os.getcwd()
+    for kind, flag in (("user", _CLONE_NEWUSER), ("mnt", _CLONE_NEWNS), ("net", _CLONE_NEWNET)):
         target = f"/proc/{holder}/ns/{kind}"
         try:
             if os.stat(target).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
@@ -167,13 +181,14 @@ def join_network_namespace(holder):
             _libc_call("setns", fd, flag)
         finally:
             os.close(fd)
+    os.chdir(cwd)
     return True
 
 
 def main(argv):
     if argv[:1] == ["--hold-netns"]:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        return hold_network_namespace()
+        return hold_network_namespace(*argv[1:2])
     launcher = int(argv[0])
     command = argv[1:]
     if command[:1] == ["--netns"]:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -242,11 +243,18 @@ class PrivateNetwork:
                 f"their own (TensorFlow's servers have no authentication) and reaches the "
                 f"outside through {SLIRP}, which is not installed here: {_INSTALL_SLIRP}; "
                 + OPT_OUT + ".")
-        self.holder = subprocess.Popen(
-            [sys.executable, "-I", "-S", _guard.__file__, "--hold-netns"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        ready = self.holder.stdout.readline().strip()
+        # This host's resolver on its own loopback cannot be reached from the
+        # namespace: there /etc/resolv.conf names slirp4netns's, which forwards to it.
+        stub = _stub_resolv_conf() if outbound else None
+        try:
+            self.holder = subprocess.Popen(
+                [sys.executable, "-I", "-S", _guard.__file__, "--hold-netns", *([stub] if stub else [])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            ready = self.holder.stdout.readline().strip()
+        finally:
+            if stub:
+                os.remove(stub)  # mounted by now (or never): the namespace keeps its copy
         if ready != "READY":
             error = self.holder.stderr.read().strip().splitlines()
             self.close()
@@ -324,6 +332,34 @@ class PrivateNetwork:
         self.holder.wait(timeout=10)
         for stream in (self.holder.stdin, self.holder.stdout, self.holder.stderr):
             stream.close()
+
+
+# slirp4netns's DNS forwarder, seen from the namespace.
+SLIRP_DNS = "10.0.2.3"
+
+
+def _stub_resolv_conf(path=_guard.RESOLV_CONF):
+    """A private copy of /etc/resolv.conf naming `SLIRP_DNS`, if every nameserver it names is loopback.
+
+    Returns its path, or None when the host's resolvers are reachable from the
+    namespace as they are (or there is no /etc/resolv.conf).
+    """
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    servers = [line.split()[1] for line in lines if line.split()[:1] == ["nameserver"]
+               and len(line.split()) > 1]
+    if not servers or not all(s.startswith("127.") or s == "::1" for s in servers):
+        return None
+    kept = [line for line in lines if line.split()[:1] != ["nameserver"]]
+    handle, stub = tempfile.mkstemp(prefix="kd-resolv-", suffix=".conf")
+    with os.fdopen(handle, "w") as f:
+        f.write("\n".join(kept + [f"# kd: {', '.join(servers)} on this host's loopback, reached "
+                                  f"through slirp4netns", f"nameserver {SLIRP_DNS}"]) + "\n")
+    os.chmod(stub, 0o644)
+    return stub
 
 
 def _read_with_timeout(fd, seconds):
