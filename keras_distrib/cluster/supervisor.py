@@ -224,8 +224,11 @@ class PrivateNetwork:
     With `outbound` (the default), `slirp4netns` gives the namespace a
     user-mode route out: the tasks open connections to any address this
     host can reach (downloads, remote storage; this host itself is
-    `HOST_FROM_TASKS`), and nothing is forwarded in. Needs root, or
-    unprivileged user namespaces; `outbound` needs slirp4netns.
+    `HOST_FROM_TASKS`), and nothing is forwarded in; where this host's
+    resolver listens on its own loopback (systemd-resolved), the namespace's
+    /etc/resolv.conf names slirp4netns's forwarder instead (a mount
+    namespace of its own). Needs root, or unprivileged user namespaces;
+    `outbound` needs slirp4netns.
 
     Raises:
         OSError: the namespace cannot be made, or slirp4netns is missing or
@@ -235,7 +238,6 @@ class PrivateNetwork:
     def __init__(self, outbound=True):
         self.slirp = None
         self._exit_fd = None
-        self.started = time.monotonic()
         slirp = shutil.which(SLIRP) or shutil.which(SLIRP, path="/usr/bin:/usr/sbin:/sbin")
         if outbound and slirp is None:
             raise OSError(
