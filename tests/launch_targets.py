@@ -105,3 +105,15 @@ def leave_temporary_file():
     os.close(handle)
     print(f"WROTE {path}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_once(how, marker):
+    """Fails the first time (`how`: "kill" itself with SIGKILL, or "exit" 1), succeeds after."""
+    import signal
+
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise SystemExit(1)
+    return how

@@ -658,6 +658,19 @@ def test_a_killed_tasks_temporary_files_are_removed(tmp_path):
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("how,line", [("kill", "restarting the cluster (1/1)"),
+                                      ("exit", "restarting the cluster (1/1) in 1s")])
+def test_a_task_killed_from_outside_restarts_at_once_and_its_own_failure_backs_off(how, line, tmp_path):
+    """Backing off is for crash loops: a kill from outside (a chaos soak's faults every 20-60 s
+    waited up to 60 s each on 4c0b8d4) restarts at once."""
+    lines = []
+    result = kd_launch.launch(launch_targets.fail_once, workers=1, args=(how, str(tmp_path / "m")),
+                              max_restarts=1, env=_harness._env(), sink=lines.append, timeout=60)
+    assert result.returncode == 0 and result.restarts == 1, lines
+    assert f"[launcher] {line}" in lines, lines
+
+
+@pytest.mark.cluster
 def test_a_run_that_min_workers_ends_says_so():
     """Worker 1 fails for good and one worker would be left of `min_workers`=2: the launcher says
     why the run ends (on 4c0b8d4 it ended on the failure alone, min_workers unnamed)."""

@@ -910,7 +910,7 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
         if mode != False:  # noqa: E712 - False is the open mode here
             outside.append((kd_launch.supervisor.HOST_FROM_TASKS, port))
         kwargs = {} if mode == "default" else {"private_network": mode}
-        result = kd_launch.launch(launch_targets.listen_and_reach_out, workers=1, args=(outside, 2),
+        result = kd_launch.launch(launch_targets.listen_and_reach_out, workers=1, args=(outside, 3),
                                   env=_harness._env(), sink=sink, timeout=120, **kwargs)
     assert result.returncode == 0, lines
     reached = [line.split("] ", 1)[1] for line in lines if "REACHED " in line]
