@@ -9,6 +9,7 @@ training.
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import warnings
@@ -20,6 +21,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import coupling
 from keras_distrib.training import front
 from keras_distrib.training import gradients
 from keras_distrib.training import losses as kd_losses
@@ -162,7 +164,8 @@ def _global_batch_call(layer, call):
 
     def laid_out(inputs, *args, **kwargs):
         batch = replica.current_batch()
-        if batch is None or kwargs.get("training") in (None, False) or not _spreads_over_replicas():
+        if batch is None or kwargs.get("training") in (None, False) or batch.global_region \
+                or not _spreads_over_replicas():
             return call(inputs, *args, **kwargs)
         if not isinstance(inputs, tf.Tensor):
             raise ValueError(
@@ -217,7 +220,8 @@ def _blocks_of(rows, batch):
 
 def _lays_out_draws():
     batch = replica.current_batch()
-    return batch is not None and not batch.laid_out and _spreads_over_replicas()
+    return batch is not None and not batch.laid_out and not batch.global_region \
+        and _spreads_over_replicas()
 
 
 def _batch_shaped(rows):
@@ -272,32 +276,37 @@ def _global_batch_draw(name, shaped, draw):
 
 
 
-def _pad_empty_call(layer, call):
-    """`call` of a plain Keras sub-model, fed one row of zeros for an empty input.
+def _sub_model_call(layer, call):
+    """`call` of a plain Keras model inside a kd model's step (see `coupling.layer_call`)."""
+    layer_call = coupling.layer_call(layer, call, pad=True)
 
-    TensorFlow's CPU convolution kernels fail on 0 rows (a replica without
-    rows of the last batch); kd's models pad there (see StepPlan.pad_empty)
-    and so does a plain `keras.Model` called inside a kd model's step.
-    """
+    def called(inputs, *args, **kwargs):
+        return coupling.anchor(layer_call(inputs, *args, **kwargs), layer)
 
-    def padded(inputs, *args, **kwargs):
-        batch = replica.current_batch()
-        if batch is None or batch.in_forward or not batch.plan.pad_empty or \
-                not isinstance(inputs, tf.Tensor) or inputs.shape.rank in (None, 0):
-            return call(inputs, *args, **kwargs)
-        has_rows = tf.shape(inputs)[0] > 0
-        filler = lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-        outputs = call(tf.cond(has_rows, lambda: inputs, filler), *args, **kwargs)
+    return called
 
-        def cut(value):
-            if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
-                return value
-            return _keras_compat.keep_keras_logits(
-                value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
 
-        return tree.map_structure(cut, outputs)
+def _layer_call(layer, call):
+    return coupling.layer_call(layer, call, pad=False)
 
-    return padded
+
+# Layers of these libraries compute each row from its own row (kd handles
+# BatchNormalization and the random layers itself); kd reads the graph of
+# the others' `call` (a layer of one's own, a Lambda, a functional model's
+# own ops) at the first trace, for rows that meet.
+_LIBRARIES = ("keras.", "keras_hub.", "keras_nlp.", "keras_cv.", "keras_distrib.", "tf_keras.")
+
+
+def _may_meet(layer):
+    """Whether the rows of a batch may meet in `layer`'s own computation."""
+    if isinstance(layer, (keras.layers.BatchNormalization,) + _GLOBAL_BATCH_RANDOM_LAYERS):
+        return False
+    if isinstance(layer, keras.layers.Lambda):
+        return True
+    if isinstance(layer, _keras_compat.Functional) and _keras_compat.has_own_operations(layer):
+        return True
+    defined = next((cls for cls in type(layer).__mro__ if "call" in vars(cls)), type(layer))
+    return not defined.__module__.startswith(_LIBRARIES)
 
 
 def _recorded_result(metric, result):
@@ -443,8 +452,12 @@ def _replica_state_updates(layer, variable):
                 if not _in_replica_step():
                     return current[name](value, *args, **kwargs)
                 value = tf.convert_to_tensor(value, variable.dtype)
+                batch = replica.current_batch()
+                if batch.global_region:
+                    # Computed from the global batch, the same on every replica: added once.
+                    first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+                    return keras_assign(variable.value + sign * value * tf.cast(first, value.dtype))
                 if tf.get_static_value(value) is None:
-                    batch = replica.current_batch()
                     if batch.plan.xla_forward and batch.in_forward:
                         raise ValueError(
                             f"layer {layer.name!r} ({type(layer).__name__}) updates its variable "
@@ -483,9 +496,11 @@ def _defers_scaling(model, batch, *, training):
     """
     if not _spreads_over_replicas():
         return False
-    if training and any(_global_batch_norm(layer) and layer.trainable
-                        for layer in _keras_compat.flatten_layers(model)):
+    layers = _keras_compat.flatten_layers(model)
+    if training and any(_global_batch_norm(layer) and layer.trainable for layer in layers):
         return False
+    if coupling.meets_at_any(layers + _compiled_loss_objects(model)):
+        return False  # computed on the global batch: shares are exact, a layer's gradient crosses replicas
     for name, own in (("compute_loss", DistributedModelMixin.compute_loss),
                       ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
         if getattr(getattr(model, name), "__func__", None) is not own:
@@ -505,21 +520,14 @@ def _defers_scaling(model, batch, *, training):
     return True
 
 
+def _compiled_loss_objects(model):
+    compiled = _keras_compat.compiled_loss(model)
+    losses = _keras_compat.compiled_losses(compiled) if compiled is not None else None
+    return [getattr(loss, "inner", loss) for loss in losses or ()]
+
+
 def _in_replica_step():
     return replica.current_batch() is not None and _spreads_over_replicas()
-
-
-def _moments_token(value, dtype):
-    """A zero that carries a gradient path from `value`.
-
-    Added to the next all-reduced sum, it orders the backward pass: the
-    tape processes independent branches (two BatchNormalizations on one
-    input) in an order that can differ between replicas, and collectives
-    pair up by the order in which each replica creates them. With every
-    all-reduce of the forward pass chained, their gradients are created in
-    one order on every replica.
-    """
-    return tf.math.multiply_no_nan(tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
 
 
 def global_moments(layer, inputs, mask, keras_moments):
@@ -545,8 +553,8 @@ def global_moments(layer, inputs, mask, keras_moments):
     """
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()
-    if context is None or context.num_replicas_in_sync == 1 or batch is None:
-        return keras_moments(inputs, mask)
+    if context is None or context.num_replicas_in_sync == 1 or batch is None or batch.global_region:
+        return keras_moments(inputs, mask)  # one replica, or the global batch already
     if layer in _PER_REPLICA_BATCH_NORM and not layer.synchronized:
         return keras_moments(inputs, mask)
     axes = _keras_compat.batch_norm_axes(layer)
@@ -574,11 +582,9 @@ def global_moments(layer, inputs, mask, keras_moments):
     own = tf.concat(own, 0)
     replicas = context.num_replicas_in_sync
     slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
-    local = slots[:, None] * own[None, :]
-    if batch.moments_token is not None:
-        local += tf.cast(batch.moments_token, dtype)
+    local = batch.chain(slots[:, None] * own[None, :])
     gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    batch.moments_token = _moments_token(gathered, dtype)
+    batch.after_collective(gathered)
     if brings_rows:
         batch.learn_global_rows(tf.reduce_sum(tf.stop_gradient(gathered[:, 0])))
         gathered = gathered[:, 1:]
@@ -746,7 +752,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         >>> model.compile(optimizer="sgd", loss="mse")
     """
 
-    def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", **kwargs):
+    def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", rows_meet="global",
+                **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
         Called outside any strategy scope, it runs in the scope of the
@@ -762,7 +769,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         does; `"per_replica"`: layers without `synchronized=True` normalize
         each replica's rows separately (Keras's behaviour: no all-reduce in
         the forward pass, but not what one device computes).
+
+        `rows_meet`: `"global"` (default): where the rows of a batch meet
+        (in-batch negatives, labels from the batch size, a layer reading
+        statistics of the batch, a loss mining the batch), kd computes on the
+        global batch gathered from every replica, as one device does
+        (`keras_distrib.training.coupling`); `"per_replica"`: each replica
+        sees only its own rows (Keras's behaviour).
         """
+        if rows_meet not in coupling.MODES:
+            raise ValueError(
+                f"`rows_meet`={rows_meet!r}: expected one of {list(coupling.MODES)}. \"global\" "
+                "computes where the rows of a batch meet on the global batch (exact); "
+                "\"per_replica\" on each replica's rows."
+            )
         if batch_norm not in BATCH_NORM_MODES:
             raise ValueError(
                 f"`batch_norm`={batch_norm!r}: expected one of {list(BATCH_NORM_MODES)}. "
@@ -771,6 +791,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             )
         self.pss_evaluation_shards = pss_evaluation_shards
         self.batch_norm = batch_norm
+        self.rows_meet = rows_meet
         # Called outside any scope, compile runs in the model's strategy (as
         # tf-keras does): Keras creates the loss tracker here, and a tracker
         # made outside the scope is a plain variable on one device.
@@ -779,7 +800,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             super().compile(*args, **kwargs)
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
-            self._prepare_layers()
+            # Not the metrics yet: a subclass's compile may create them after this returns.
+            self._prepare_layers(variables=False)
 
     def get_compile_config(self):
         """The arguments `compile` was called with, serialized (saved in `.keras` files).
@@ -791,6 +813,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if config is None:
             return config
         own = {"batch_norm": (getattr(self, "batch_norm", "global"), "global"),
+               "rows_meet": (getattr(self, "rows_meet", "global"), "global"),
                "pss_evaluation_shards": (getattr(self, "pss_evaluation_shards", 0), 0)}
         return {**config, **{name: value for name, (value, default) in own.items() if value != default}}
 
@@ -817,8 +840,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    def _prepare_layers(self):
-        """Per-replica bookkeeping on every layer and variable (idempotent)."""
+    def _prepare_layers(self, variables=True):
+        """Per-replica bookkeeping on every layer and variable (idempotent).
+
+        `variables`: also the model's, metrics' and optimizer's variables;
+        not in `compile`, where a subclass's own `compile` creates metrics
+        after calling `super().compile()` (SimCLR's order).
+        """
         per_replica = getattr(self, "batch_norm", "global") == "per_replica"
         for layer in _keras_compat.flatten_layers(self):
             _keras_compat.record_add_loss(layer, _record_loss)
@@ -832,12 +860,18 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 _keras_compat.replace_call(layer, _global_batch_call)
             elif isinstance(layer, keras.Model) and layer is not self \
                     and not isinstance(layer, DistributedModelMixin):
-                _keras_compat.replace_call(layer, _pad_empty_call)
+                # A plain Keras model inside: padded for an empty replica, a
+                # place where rows may meet, and its outputs where a custom
+                # step's own computations start (coupling.anchor).
+                _keras_compat.replace_call(layer, _sub_model_call)
+            elif layer is not self and _may_meet(layer):
+                _keras_compat.replace_call(layer, _layer_call)
         for layer, variable in layer_state(self):
             _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
         self._prepare_replica_writes()
         self._track_random_states()
-        _keras_compat.fix_variables(_keras_compat.model_variables(self))
+        if variables:
+            _keras_compat.fix_variables(_keras_compat.model_variables(self))
 
     def _track_random_states(self):
         # Keras's seed generators (random layers, a `SeedGenerator` of the
@@ -891,7 +925,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if batch is None:
             return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
-        if _spreads_over_replicas() and penalties.kind_of(loss) == penalties.ROW_SUM:
+        kind = penalties.kind_of(loss) if _spreads_over_replicas() else None
+        if kind == penalties.GLOBAL:
+            # Computed on the global batch (a layer whose rows meet): the same
+            # on every replica, each adds 1/R of it, rows or none.
+            return total / tf.cast(tf.distribute.get_replica_context().num_replicas_in_sync, total.dtype)
+        if kind == penalties.ROW_SUM:
             share = batch.defer(total) if batch.deferred else total
         else:
             share = total * tf.cast(batch.fraction, total.dtype)
@@ -936,13 +975,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             self._prepare_layers()
             with replica.replica_batch(replica.batch_rows(_first_input(args, kwargs)),
                                        _loop_plan(self)) as batch:
+                batch.rows_meet = getattr(self, "rows_meet", "global")
                 outputs = self.__call__(*args, **kwargs)
                 replica.keep_losses(self, batch.losses)
             return outputs
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)
         plan = batch.plan
-        if args and plan.pad_empty:
+        if args and plan.pad_empty and not batch.global_region:
             args = (_pad_empty_batch(args[0], batch),) + args[1:]
         batch.losses, batch.owner, batch.in_forward = [], self, True
         try:
@@ -951,13 +991,18 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                        for layer in _keras_compat.flatten_layers(self)):
                     batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
                 outputs, batch.losses = self._xla_forward(*args, **kwargs)
+            elif _may_meet(self):
+                # The model's own `call` (a subclass's, a functional model's
+                # own ops) may make rows meet: see coupling.layer_call.
+                own_call = coupling.layer_call(self, super().__call__, pad=False)
+                outputs = own_call(*args, **kwargs)
             else:
                 outputs = super().__call__(*args, **kwargs)
         finally:
             batch.in_forward = False
-        if plan.pad_empty:
+        if plan.pad_empty and not batch.global_region:
             outputs = _drop_padding(outputs, batch)
-        return outputs
+        return coupling.anchor(outputs, self, batch)
 
     def _xla_forward(self, *args, **kwargs):
         # The forward pass (and its gradient) compiled on the replica's
@@ -1116,10 +1161,32 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         _keras_compat.replace_tape_gradient(gradients.judge_target)
         for optimizer in self._optimizers():
             gradients.install(optimizer)
+        self._own_compute_loss_on_global_batch()
         metrics = list(self.metrics)
         kd_losses.exact_trackers(metrics)
+        kd_losses.exact_metric_updates(metrics)
         for metric in metrics:
             _keras_compat.replace_metric_result(metric, _recorded_result)
+
+    def _own_compute_loss_on_global_batch(self):
+        """A `compute_loss` of the subclass's own runs on the global batch where its rows meet.
+
+        (An in-batch contrastive loss: `coupling.call_on_global_batch`.) Its
+        scalar result is then this replica's share, as kd's own `compute_loss`
+        returns; a per-row result is the global batch's (GLOBAL).
+        """
+        if type(self).compute_loss is DistributedModelMixin.compute_loss or "compute_loss" in vars(self):
+            return
+        own = type(self).compute_loss.__get__(self)
+
+        def compute_loss(*args, **kwargs):
+            result, _ = coupling.call_on_global_batch(
+                self, lambda a, k: own(*a, **k), (args, kwargs), share_scalars=True)
+            return result
+
+        compute_loss.__signature__ = inspect.signature(own)  # Keras reads its arguments
+        compute_loss.__doc__ = own.__doc__
+        object.__setattr__(self, "compute_loss", compute_loss)
 
     def _make_step(self, kind):
         self._check_strategy(training=kind == "train")

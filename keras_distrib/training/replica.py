@@ -24,6 +24,7 @@ from keras import tree
 
 __all__ = [
     "ReplicaBatch",
+    "SHARE",
     "StepPlan",
     "batch_rows",
     "current_batch",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 _STATE = threading.local()
+
+# `ReplicaBatch.gradient_kind` of a target that is a loss share kd computed.
+SHARE = "share"
 
 # Said (and raised as a ValueError by kd's step) when a random draw's leading
 # dimension is not a multiple of the replica's rows (see models._blocks_of).
@@ -102,6 +106,17 @@ class ReplicaBatch:
         global_metric_states: Their global values (summed over every
             replica, as a read in cross-replica context), once the gradient
             all-reduce has brought them; None otherwise.
+        global_region: > 0 while a computation runs on the global batch
+            kd gathered (`coupling`): kd's own sites leave it alone there.
+        rows_meet: `"global"` (kd gathers the global batch where rows meet)
+            or `"per_replica"` (the model was compiled to leave them).
+        model: The kd model whose step this is (None in a hand-written loop).
+        step_kind: `"train"`, `"test"` or `"predict"` (None in a hand-written loop).
+        retraceable: Whether kd's `Step` traces this step and can trace it
+            again (`coupling.RowsMeet`).
+        gradient_kind: How the next gradients' target adds up over replicas
+            (`gradients.judge_target`): `SHARE`, `penalties.ROW_SUM`,
+            `penalties.GLOBAL`, or None for a mean over rows.
     """
 
     def __init__(self, local_rows, global_rows=None, plan=None, offset=None):
@@ -119,11 +134,16 @@ class ReplicaBatch:
         self.global_metric_states = None
         self.seed_draws = {}  # id of a SeedGenerator -> (its state read, draws) in this step
         self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
-        # How the next gradients' plain-ops loss adds up (gradients.judge_target):
-        # penalties.ROW_SUM, else a mean over rows.
-        self.plain_loss_kind = None
+        self.gradient_kind = None
         self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
         self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
+        self.global_region = 0
+        self.rows_meet = "global"
+        self.model = None
+        self.step_kind = None
+        self.retraceable = False
+        self.occurrences = {}  # id of a call's owner -> calls so far in this step (coupling.anchor)
+        self.anchors = {}  # tensor ref -> anchor key (coupling.anchor)
 
     @property
     def global_rows(self):
@@ -182,6 +202,32 @@ class ReplicaBatch:
         """Keeps N, all-reduced along with something else (the gradients)."""
         self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
 
+    def learn_rows_and_offset(self, global_rows, offset):
+        """Keeps N and this replica's offset, all-reduced along with something else (a gather)."""
+        self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
+        self._offset = tf.cast(offset, self.local_rows.dtype)
+
+    def chain(self, value):
+        """`value` plus a zero that follows the previous forward-pass collective (see `after_collective`)."""
+        if self.moments_token is None:
+            return value
+        return value + tf.cast(self.moments_token, value.dtype)
+
+    def after_collective(self, value):
+        """Makes the next `chain`ed collective follow the one that gave `value`.
+
+        A zero that carries a gradient path from `value`, added to the next
+        all-reduced sum: it orders the backward pass. The tape processes
+        independent branches (two BatchNormalizations on one input) in an
+        order that can differ between replicas, and collectives pair up by
+        the order in which each replica creates them. With every all-reduce
+        of the forward pass chained, their gradients are created in one
+        order on every replica.
+        """
+        dtype = value.dtype if value.dtype.is_floating else tf.float32
+        self.moments_token = tf.math.multiply_no_nan(
+            tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
+
     def when_global_rows(self, function):
         """Runs `function(N)` now if N is known, else after the gradient all-reduce brings it."""
         if self._global_rows is not None:
@@ -215,10 +261,11 @@ def mark_share(value):
     """Records `value` as a loss share kd computed (their sum over replicas is the global loss).
 
     Trackers, logs and the gradient all-reduce tell shares from values kd
-    did not compute (see `is_share`). Returns `value`.
+    did not compute (see `is_share`). Returns `value`. On the global batch
+    (`ReplicaBatch.global_region`) a value is the whole batch's, not a share.
     """
     batch = current_batch()
-    if batch is not None and tf.is_tensor(value):
+    if batch is not None and tf.is_tensor(value) and not batch.global_region:
         batch.shares[id(value)] = value
     return value
 

@@ -1,0 +1,561 @@
+"""Where the rows of a batch meet: found when a step is first traced, computed on the global batch.
+
+Most training code treats each row of a batch on its own: a row's loss
+depends on its own inputs, and kd splits the global batch over replicas
+exactly (`losses`, `gradients`). Contrastive and retrieval code does not:
+in-batch negatives compare every row with every other (`x @ y^T`), labels
+number the rows (`arange(batch_size)`), a mined triplet loss picks each
+row's hardest partner in the batch, a layer normalizes over the batch's
+rows. On a replica those see only the replica's rows: plain Keras, and kd
+before this module, silently train another model.
+
+kd finds these places from the graph (`penalties`: the op where rows meet,
+named) at the first trace of a step, at four kinds of site:
+
+- a layer's `call` (a layer of one's own, a functional model's own ops),
+  whose outputs or `add_loss` terms mix its input rows: the layer runs on
+  the global batch and each replica keeps its rows (`LAYER`: the gather's
+  gradient is all-reduced back, as BatchNormalization's statistics are);
+- a loss kd calls (compiled losses, Keras loss objects in a custom step)
+  and a `compute_loss` of one's own: computed on the global batch, the same
+  value on every replica, returned as each replica's share of it;
+- what a custom `train_step` computes itself (a contrastive loss written
+  inline, its metrics): kd finds the tensors it starts from (the outputs of
+  the model and of its sub-models, the batch's data) and gathers those
+  (`ANCHOR`); everything computed from them alone is GLOBAL;
+- the public `global_batch` helper, for hand-written code.
+
+Gathering: one all-reduce of every gathered tensor's row count (with the
+batch's own, when not known yet) and one of the rows, each replica's at its
+offset in global row order, zeros elsewhere (exact: adding zeros changes no
+bit). Where every replica then computes the same value (`GLOBAL`), a
+replica's gradient reaches only its own rows, R times (each replica's share
+is 1/R of the value): no collective in the backward pass. A layer's own rows
+kept from a global computation need the true gradient of the gather: an
+all-reduce in the backward pass, chained with BatchNormalization's so every
+replica creates them in one order.
+
+When a step is traced by kd's `Step`, a site seen for the first time that
+meets rows raises `RowsMeet` after recording what to gather, and the step is
+traced again; in a loop of one's own (no kd step to trace again) the site
+computes on the global batch at once. A model compiled with
+`rows_meet="per_replica"` keeps each replica's rows (Keras's behaviour).
+"""
+
+import contextlib
+import weakref
+
+import tensorflow as tf
+from keras import tree
+
+from keras_distrib.training import penalties
+from keras_distrib.training import replica
+
+__all__ = [
+    "MODES",
+    "RowsMeet",
+    "anchor",
+    "call_on_global_batch",
+    "gather",
+    "global_batch",
+    "inline",
+    "layer_call",
+    "meets",
+    "planned_data",
+    "request_anchors",
+]
+
+MODES = ("global", "per_replica")
+
+# Said (and raised as a ValueError by kd's step) when a layer computed on the
+# global batch returns another number of rows than it was given.
+ROWS_REFUSAL = (
+    "kd: a layer whose rows meet returned a different number of rows than the global batch it "
+    "was given, so kd cannot give each replica its own rows of it."
+)
+
+_CLEAN = "clean"
+_GLOBAL = "global"
+
+
+class RowsMeet(Exception):
+    """Raised while a step is traced: rows meet where kd had not looked; it traces the step again.
+
+    Its message says where (for the error if tracing again does not help).
+    """
+
+
+# Decisions, per site object: {site: {key: (decision, graph it was made in)}}.
+_DECISIONS = weakref.WeakKeyDictionary()
+# Tensors to gather in a custom step, per model: {model: {(step kind, anchor key)}}.
+_ANCHORS = weakref.WeakKeyDictionary()
+
+
+def _decision(site, key):
+    """The decision for `site` if made while tracing another graph (a trace of this graph decides again)."""
+    entry = _DECISIONS.get(site, {}).get(key)
+    if entry is None:
+        return None
+    decision, graph = entry
+    # Within one trace every replica runs the same trial (the same collectives).
+    if graph is not None and graph() is tf.compat.v1.get_default_graph():
+        return None
+    return decision
+
+
+def meets_at_any(sites):
+    """Whether kd computes on the global batch at any of `sites` (layers, loss objects, models)."""
+    return any(decision == _GLOBAL for site in sites
+               for decision, _ in _DECISIONS.get(site, {}).values())
+
+
+def _decide(site, key, decision):
+    graph = tf.compat.v1.get_default_graph()
+    _DECISIONS.setdefault(site, {})[key] = (decision, weakref.ref(graph))
+
+
+def _replicas():
+    context = tf.distribute.get_replica_context()
+    return context.num_replicas_in_sync if context is not None else 1
+
+
+def _active(batch):
+    """Whether rows may meet across replicas in `batch`'s step (and kd handles them)."""
+    return batch is not None and not batch.global_region and _replicas() > 1 \
+        and batch.rows_meet == "global" and not tf.executing_eagerly()
+
+
+def meets(values):
+    """The first place in `values` (a structure of tensors) where the batch's rows meet, or None."""
+    for value in tree.flatten(values):
+        if isinstance(value, tf.Tensor) and value.dtype != tf.resource:
+            kind = penalties.kind_of_value(value)
+            if isinstance(kind, penalties.Unknown) and kind.meets:
+                return kind
+    return None
+
+
+def _row_aligned(values):
+    """The positions in `values` (flat) of tensors holding the replica's rows."""
+    positions = []
+    for index, value in enumerate(values):
+        if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource \
+                and penalties.kind_of_value(value) == penalties.ROWS:
+            positions.append(index)
+    return positions
+
+
+# ---------------------------------------------------------------------------
+# The gather.
+
+
+def _order_matrix(context):
+    """before[me][other]: whether `other`'s piece comes before `me`'s in global row order."""
+    replicas = context.num_replicas_in_sync
+    devices = getattr(tf.distribute.get_strategy().extended, "worker_devices", None) or ()
+    workers = max(replicas // max(len(devices), 1), 1)
+    if replicas % workers:
+        workers = 1
+    order = replica.piece_order(replicas, workers)
+    return tf.constant([[1.0 if order[other] < order[mine] else 0.0 for other in range(replicas)]
+                        for mine in range(replicas)])
+
+
+def _place(value, offset, total):
+    rows = tf.shape(value)[0]
+    after = tf.maximum(total - offset - rows, 0)
+    zeros = lambda count: tf.zeros(tf.concat([[count], tf.shape(value)[1:]], 0), value.dtype)
+    return tf.concat([zeros(offset), value, zeros(after)], 0)
+
+
+def _summable(value):
+    """`value` as a dtype the all-reduce sums exactly, and the way back."""
+    if value.dtype.is_floating:
+        return value, lambda v: v
+    dtype = value.dtype
+    return tf.cast(value, tf.float64), lambda v: tf.cast(v, dtype)
+
+
+def gather(values, batch, *, own_gradient):
+    """Every replica's rows of each of `values`, in global row order; and this replica's offsets.
+
+    Args:
+        values: Tensors whose first axis holds this replica's rows (a
+            replica without rows of the step contributes none, whatever its
+            tensors hold: kd feeds it one padded row).
+        batch: The replica's `ReplicaBatch`.
+        own_gradient: True where every replica then computes the same
+            value from the gathered tensors: a replica's gradient reaches
+            only its own rows, R times (each replica's share is 1/R of that
+            value), and the backward pass needs no collective. False for the
+            true gradient of the gather (an all-reduce of the gradient),
+            where each replica keeps its own rows of what it computes.
+
+    Returns:
+        `(gathered, offsets)`: the gathered tensors (the same on every
+        replica, marked GLOBAL) and, for each, where this replica's rows
+        start in it (int32 scalars).
+    """
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    values = [tf.convert_to_tensor(v) for v in values]
+    live = tf.cast(batch.has_rows, tf.int32)
+    rows = [tf.shape(v)[0] * live for v in values]
+    counts = tf.cast(tf.stack(rows), tf.float32)
+    learns_batch = not batch.knows_global_rows
+    if learns_batch:  # the batch's own count and offset come along
+        counts = tf.concat([counts, tf.reshape(batch.local_rows, [1])], 0)
+    slot = tf.one_hot(context.replica_id_in_sync_group, replicas)
+    everyone = context.all_reduce(tf.distribute.ReduceOp.SUM, slot[:, None] * counts[None, :])
+    before = tf.gather(_order_matrix(context), context.replica_id_in_sync_group)
+    offsets = tf.cast(tf.linalg.matvec(everyone, before, transpose_a=True), tf.int32)
+    totals = tf.cast(tf.reduce_sum(everyone, 0), tf.int32)
+    if learns_batch:
+        batch.learn_rows_and_offset(tf.cast(totals[-1], tf.float32), tf.cast(offsets[-1], tf.float32))
+    placed, back = [], []
+    for index, value in enumerate(values):
+        value = value[:rows[index]]  # a padded row of a replica without rows goes
+        summable, restore = _summable(value)
+        placed.append(_place(summable, offsets[index], totals[index]))
+        back.append(restore)
+    if not own_gradient:
+        placed = [batch.chain(p) for p in placed]
+    summed = replica.sum_packed(context, placed)
+    if not own_gradient:
+        batch.after_collective(summed[0])
+    gathered = []
+    for index, (value, total) in enumerate(zip(placed, summed)):
+        if own_gradient and values[index].dtype.is_floating:
+            # The value of the sum; the gradient of this replica's own rows, R times.
+            total = tf.stop_gradient(total) + (value - tf.stop_gradient(value)) * replicas
+        result = back[index](total)
+        result.set_shape(values[index].shape[:0].concatenate([None]).concatenate(values[index].shape[1:]))
+        gathered.append(penalties.mark_gathered(result))
+    return gathered, [offsets[i] for i in range(len(values))]
+
+
+# ---------------------------------------------------------------------------
+# Sites.
+
+
+@contextlib.contextmanager
+def _global_region(batch):
+    batch.global_region += 1
+    try:
+        yield
+    finally:
+        batch.global_region -= 1
+
+
+def _retrace_or_go_on(batch, site, key, where):
+    """Records that rows meet at `site`; raises RowsMeet where kd's step can trace again."""
+    _decide(site, key, _GLOBAL)
+    if batch.retraceable:
+        raise RowsMeet(str(where.mixing))
+
+
+def call_on_global_batch(site, function, args, *, share_scalars=False):
+    """`function(*args)`, on the global batch where the rows of its arguments meet in it.
+
+    A loss of kd's or one's own (`compute_loss`, a Keras loss): the first
+    time, it runs on the replica's rows and kd reads its result's graph; if
+    rows meet, the row-aligned tensors among `args` are gathered and it runs
+    again inside the global region, where kd's own sites leave the global
+    batch alone. `site` keys the decision (the loss object, the model).
+
+    Returns:
+        `(result, on_global_batch)`. With `share_scalars`, a scalar result
+        computed on the global batch comes back as this replica's share of
+        it (1/R, recorded as a share); other results are GLOBAL.
+    """
+    batch = replica.current_batch()
+    if not _active(batch):
+        return function(*args), False
+    decision = _decision(site, "call")
+    if decision is None:
+        result = function(*args)
+        where = meets(result)
+        if where is None:
+            _decide(site, "call", _CLEAN)
+            return result, False
+        _retrace_or_go_on(batch, site, "call", where)
+    elif decision == _CLEAN:
+        return function(*args), False
+    flat = tree.flatten(args)
+    positions = _row_aligned(flat)
+    gathered, _ = gather([flat[i] for i in positions], batch, own_gradient=True)
+    for position, value in zip(positions, gathered):
+        flat[position] = value
+    with _global_region(batch):
+        result = function(*tree.pack_sequence_as(args, flat))
+    if share_scalars:
+        result = tree.map_structure(lambda v: _as_share(v, batch), result)
+    return result, True
+
+
+def _as_share(value, batch):
+    if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
+        return replica.mark_share(value / tf.cast(_replicas(), value.dtype))
+    return value
+
+
+def layer_call(layer, call, *, pad):
+    """A layer's `call` that runs on the global batch where its rows meet.
+
+    The first time, the layer runs on the replica's rows and kd reads the
+    graph of its outputs and of the `add_loss` terms it added. If rows meet,
+    the layer's row-aligned inputs are gathered (their gradient all-reduced
+    back), it runs on the global batch, and each replica keeps its own rows
+    of the outputs. `pad`: feed a replica without rows one row of zeros and
+    drop it from the outputs (TensorFlow's CPU kernels fail on 0 rows; a
+    plain Keras model inside a kd model's step).
+    """
+
+    def called(inputs, *args, **kwargs):
+        batch = replica.current_batch()
+        key = kwargs.get("training")
+        key = bool(key) if isinstance(key, bool) else None
+        if not _active(batch):
+            return _padded(call, inputs, args, kwargs, batch, pad)
+        decision = _decision(layer, key)
+        if decision == _GLOBAL:
+            return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch)
+        if decision == _CLEAN:
+            return _padded(call, inputs, args, kwargs, batch, pad)
+        losses = len(batch.losses) if batch.losses is not None else None
+        draws = dict(batch.seed_draws)
+        outputs = _padded(call, inputs, args, kwargs, batch, pad, inspect=True)
+        added = batch.losses[losses:] if losses is not None else []
+        where = outputs.where or _added_meet(added)
+        if where is None:
+            _decide(layer, key, _CLEAN)
+            return outputs.value
+        _retrace_or_go_on(batch, layer, key, where)
+        if losses is not None:  # the first run's terms and draws are not the step's
+            del batch.losses[losses:]
+        batch.seed_draws = draws
+        return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch)
+
+    return called
+
+
+def _added_meet(terms):
+    for term in terms:
+        kind = penalties.kind_of(term) if isinstance(term, tf.Tensor) else None
+        if isinstance(kind, penalties.Unknown) and kind.meets:
+            return kind
+    return None
+
+
+class _Inspected:
+    def __init__(self, value, where):
+        self.value, self.where = value, where
+
+
+def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
+    """`call`, an empty replica batch fed as one row of zeros when `pad` (see `layer_call`)."""
+    if not (pad and batch is not None and not batch.in_forward and batch.plan.pad_empty
+            and not batch.global_region and isinstance(inputs, tf.Tensor)
+            and inputs.shape.rank not in (None, 0)):
+        outputs = call(inputs, *args, **kwargs)
+        return _Inspected(outputs, meets(outputs)) if inspect else outputs
+    from keras_distrib import _keras_compat
+
+    has_rows = tf.shape(inputs)[0] > 0
+    filler = lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+    padded = penalties.mark_rows(tf.cond(has_rows, lambda: inputs, filler))
+    outputs = call(padded, *args, **kwargs)
+    where = meets(outputs) if inspect else None
+
+    def cut(value):
+        if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+            return value
+        kept = _keras_compat.keep_keras_logits(
+            value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
+        # Rows that do not meet (or meet and are computed on the global
+        # batch): each its own, which the cut's `cond` would hide from the walk.
+        return kept if where is not None else penalties.mark_rows(kept)
+
+    outputs = tree.map_structure(cut, outputs)
+    return _Inspected(outputs, where) if inspect else outputs
+
+
+def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
+    if batch.plan.xla_forward and batch.in_forward:
+        raise ValueError(
+            f"layer {layer.name!r} ({type(layer).__name__}) makes the rows of the batch meet, "
+            "which kd computes on the global batch gathered from every replica: "
+            "`jit_compile=True` with several CPU replicas (or workers) compiles only the forward "
+            "pass with XLA, because TensorFlow cannot synchronize replicas inside XLA here. Use "
+            "jit_compile=False (or GPUs, where XLA compiles the whole step)."
+        )
+    flat = tree.flatten(inputs)
+    positions = _row_aligned(flat)
+    if not positions:
+        return call(inputs, *args, **kwargs)
+    mask = kwargs.get("mask")
+    masked = isinstance(mask, tf.Tensor) and bool(mask.shape.rank)
+    values = [flat[i] for i in positions] + ([mask] if masked else [])
+    gathered, offsets = gather(values, batch, own_gradient=False)
+    if masked:
+        kwargs = {**kwargs, "mask": gathered.pop()}
+    for position, value in zip(positions, gathered):
+        flat[position] = value
+    with _global_region(batch):
+        outputs = call(tree.pack_sequence_as(inputs, flat), *args, **kwargs)
+    first = flat[positions[0]]
+    offset = offsets[0]
+    mine = tf.shape(values[0])[0] * tf.cast(batch.has_rows, tf.int32)
+
+    def own_rows(value):
+        if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
+            return value
+        check = tf.debugging.assert_equal(tf.shape(value)[0], tf.shape(first)[0],
+                                          message=ROWS_REFUSAL + f" Layer: {layer.name!r}.")
+        with tf.control_dependencies([check]):
+            kept = value[offset:offset + mine]
+        kept.set_shape(values[0].shape[:1].concatenate(value.shape[1:]))
+        return penalties.mark_rows(kept)
+
+    return tree.map_structure(own_rows, outputs)
+
+
+# ---------------------------------------------------------------------------
+# Custom steps: the tensors kd gathers for code it does not call itself.
+
+
+def anchor(values, owner, batch=None):
+    """Records `values` (a call's outputs, the step's data) as where a custom step's tensors start.
+
+    Returns `values`, gathered (GLOBAL) where a previous trace found that
+    the step makes their rows meet (`request_anchors`).
+    """
+    batch = batch if batch is not None else replica.current_batch()
+    if not _active(batch) or batch.model is None:
+        return values
+    count = batch.occurrences.get(id(owner), 0)
+    batch.occurrences[id(owner)] = count + 1
+    key = (batch.step_kind, _owner_key(owner, batch), count)
+    flat = tree.flatten(values)
+    if key in _ANCHORS.get(batch.model, ()):
+        positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
+        gathered, _ = gather([flat[i] for i in positions], batch, own_gradient=True)
+        for position, value in zip(positions, gathered):
+            flat[position] = value
+        return tree.pack_sequence_as(values, flat)
+    for value in flat:
+        if isinstance(value, tf.Tensor):
+            batch.anchors[value.ref()] = key
+    return values
+
+
+def _owner_key(owner, batch):
+    if isinstance(owner, str):
+        return owner
+    return id(owner)
+
+
+def planned_data(data, batch):
+    """The step's data, its leaves gathered where a previous trace asked (see `anchor`)."""
+    if not _active(batch) or batch.model is None:
+        return data
+    flat = tree.flatten(data)
+    for index, value in enumerate(flat):
+        if isinstance(value, tf.Tensor) and value.shape.rank:
+            flat[index] = anchor(value, f"data{index}", batch)
+    return tree.pack_sequence_as(data, flat)
+
+
+def request_anchors(kind, graph, batch):
+    """Asks the next trace to gather the tensors that rows meeting (`kind`) start from.
+
+    Walks up from the op where rows meet to the nearest recorded anchors
+    (the model's outputs, its sub-models', the step's data) along the
+    replica's own rows. Returns False if a path reaches none (kd did not
+    see where that tensor came from).
+    """
+    if batch.model is None:
+        return False
+    found, complete = penalties.row_sources(kind.op, graph, lambda t: batch.anchors.get(t.ref()))
+    if not found or not complete:
+        return False
+    _ANCHORS.setdefault(batch.model, set()).update(found)
+    return True
+
+
+def inline(kind, batch, what, graph):
+    """Rows meet (`kind`) in code kd did not call: gather its tensors and trace again, or refuse.
+
+    In kd's step, kd asks the next trace to gather the tensors the code
+    starts from (`request_anchors`) and raises `RowsMeet`. Where it cannot
+    (a hand-written loop, a tensor kd did not see made), it refuses, naming
+    the op and the fix. Nothing happens in a model compiled with
+    `rows_meet="per_replica"`.
+    """
+    if batch is not None and batch.rows_meet != "global":
+        return  # compiled to leave each replica its own rows
+    if batch is not None and batch.retraceable and request_anchors(kind, graph, batch):
+        raise RowsMeet(kind.mixing)
+    raise ValueError(
+        f"The rows of the batch meet in {what}: {kind.mixing}. One device computes it from the "
+        f"whole batch; each of the {_replicas()} replicas would see only its own rows. kd gathers "
+        "the global batch by itself for a model's layers, its losses and `compute_loss`, and for "
+        "what a custom `train_step` computes from the model's outputs in `fit`; here it cannot "
+        "see where the tensors come from. Gather them yourself with "
+        "`kd.losses.global_batch(tensor)` (every replica's rows, the gradient flowing back to "
+        "each), or compute this inside a kd model's step."
+    )
+
+
+# ---------------------------------------------------------------------------
+# The public helper.
+
+
+@tf.autograph.experimental.do_not_convert
+def global_batch(tensor):
+    """Every replica's rows of `tensor`, in global row order, and where this replica's start.
+
+    Inside a step on several replicas (a kd model's `train_step`, a
+    hand-written loop's `strategy.run`), returns the global batch of a
+    row-aligned tensor: what one device holds for the whole batch, the same
+    on every replica, and the offset of this replica's rows in it. The
+    gradient flows back to the replica that owns each row (the gradient of
+    the gather: the sum of every replica's gradient for those rows), so a
+    loss over `global_batch(x)` trains as one device does. A replica
+    without rows of the step contributes none. Outside a step on several
+    replicas, returns `(tensor, 0)`.
+
+    Use it to write in-batch negatives by hand, as SimCLR's and CLIP's code
+    does: each replica's queries against every replica's keys.
+
+    Args:
+        tensor: This replica's rows (first axis), any dtype.
+
+    Returns:
+        `(global_tensor, offset)`: a tensor with the rows of every replica,
+        and this replica's first row in it (an int32 scalar).
+
+    Raises:
+        ValueError: `tensor` has no rows axis (a scalar).
+
+    Example:
+        >>> import tensorflow as tf, keras_distrib as kd
+        >>> everything, offset = kd.losses.global_batch(tf.constant([[1.0], [2.0]]))
+        >>> everything.numpy().tolist(), int(offset)
+        ([[1.0], [2.0]], 0)
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"`tensor` is a scalar ({tensor.dtype.name}); `global_batch` gathers "
+                         "rows: pass a tensor whose first axis holds this replica's rows")
+    if _replicas() == 1 or tf.distribute.get_replica_context() is None:
+        return tensor, tf.constant(0, tf.int32)
+    batch = replica.current_batch()
+    with (contextlib.nullcontext(batch) if batch is not None else
+          replica.replica_batch(tf.shape(tensor)[0])) as open_batch:
+        (gathered,), (offset,) = gather([tensor], open_batch, own_gradient=False)
+    # Your own code then combines the global batch with this replica's rows
+    # (its queries against every key): to kd's loss arithmetic, the gathered
+    # rows are the same on every replica, as weights are, and its gradient
+    # comes back through the gather.
+    return penalties.mark_global(gathered), penalties.mark_offset(offset)
