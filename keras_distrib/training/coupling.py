@@ -53,16 +53,22 @@ from keras_distrib.training import replica
 
 __all__ = [
     "MODES",
+    "NO_ROWS",
+    "ROWS_REFUSAL",
     "RowsMeet",
     "anchor",
     "call_on_global_batch",
     "gather",
     "global_batch",
+    "global_indices",
     "inline",
     "layer_call",
+    "mark_layout",
     "meets",
+    "meets_at_any",
     "planned_data",
     "request_anchors",
+    "row_layout",
 ]
 
 MODES = ("global", "per_replica")
@@ -146,26 +152,119 @@ def _row_aligned(values):
 
 
 # ---------------------------------------------------------------------------
+# Where a tensor's rows lie in the global batch.
+
+# A layout: the data leaves a tensor's rows come from, block after block
+# (`(0,)`: the batch's own rows; `(0, 2)`: leaf 0's rows, then leaf 2's, as
+# `concat([x, z])` stacks them; `(0, 0)`: two blocks of the batch, a GAN's
+# generated and real images). One device holds, for a layout, every
+# replica's rows of each block in turn. `NO_ROWS`: weights and constants.
+NO_ROWS = ()
+
+_KEEPS_LAYOUT = frozenset(penalties.ELEMENTWISE) | {
+    "AddN", "Select", "SelectV2", "ClipByValue", "BiasAdd", "MatMul", "BatchMatMul",
+    "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool",
+    "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D", "Softmax", "LogSoftmax", "Fill",
+}
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"}
+_NO_ROWS_OPS = {"Const", "ReadVariableOp", "VarHandleOp", "Range"}
+
+
+def mark_layout(tensor, layout, batch=None):
+    """Records that `tensor`'s rows have `layout` (kd's own outputs: padded, laid out, drawn)."""
+    batch = batch if batch is not None else replica.current_batch()
+    if batch is not None and isinstance(tensor, tf.Tensor) and layout is not None:
+        batch.layouts[tensor.ref()] = layout
+    return tensor
+
+
+def row_layout(tensor, batch):
+    """The layout of `tensor`'s rows (see `NO_ROWS`), or None where kd cannot tell.
+
+    Read from the graph: the step's data leaves, concatenations along the
+    rows, and the ops that keep each row its own (elementwise ops, matrix
+    products with weights, convolutions, reshapes that keep the rows); a
+    tensor kd made (a padded batch, a random layer's output) has its layout
+    recorded. A row count (`tf.shape(x)[0]`) has the layout of `x`.
+    """
+    memo = batch.layouts
+    leaves = {leaf.ref(): (index,) for index, leaf in enumerate(batch.leaves)}
+    stack = [(tensor, False)]
+    while stack:
+        value, ready = stack.pop()
+        key = value.ref()
+        if key in memo:
+            continue
+        if key in leaves:
+            memo[key] = leaves[key]
+            continue
+        op = value.op
+        if op.type in _NO_ROWS_OPS or value.dtype == tf.resource or (
+                op.type == "Placeholder" and key not in leaves) or not op.inputs:
+            memo[key] = NO_ROWS if op.type != "Placeholder" or value.dtype == tf.resource else None
+            continue
+        pending = [t for t in op.inputs if t.ref() not in memo]
+        if not ready and pending:
+            stack.append((value, True))
+            stack.extend((t, False) for t in pending)
+            continue
+        memo[key] = _layout_of_op(op, value, [memo.get(t.ref()) for t in op.inputs])
+    return memo[tensor.ref()]
+
+
+def _layout_of_op(op, value, layouts):
+    kind = op.type
+    if kind in ("ConcatV2", "Pack") and kind == "ConcatV2":
+        axis = tf.get_static_value(op.inputs[-1])
+        parts = layouts[:-1]
+        if axis is not None and int(axis) % max(value.shape.rank or 1, 1) == 0 and \
+                all(p is not None for p in parts):
+            joined = tuple(block for part in parts for block in part)
+            return joined
+        return _same(parts)
+    if kind == "Shape":
+        return layouts[0]  # a row count has the layout it counts
+    if kind == "StridedSlice" and op.inputs[0].op.type == "Shape":
+        begin = tf.get_static_value(op.inputs[1])
+        return layouts[0] if begin is not None and int(begin.reshape(-1)[0]) == 0 else NO_ROWS
+    if kind == "Pack" and op.get_attr("axis") == 0:
+        return layouts[0] if all(p == NO_ROWS for p in layouts[1:]) else None
+    if kind in _REDUCTIONS:
+        axes = tf.get_static_value(op.inputs[1])
+        rank = op.inputs[0].shape.rank
+        if axes is None or not rank:
+            return None
+        return layouts[0] if 0 not in {int(a) % rank for a in axes.reshape(-1)} else NO_ROWS
+    if kind in _KEEPS_LAYOUT or (kind in penalties.SHAPE_OPS and penalties.keeps_rows(op)):
+        return _same(layouts)
+    return None
+
+
+def _same(layouts):
+    """The one layout of these inputs' rows (weights and constants aside), or None."""
+    found = {p for p in layouts if p != NO_ROWS}
+    if None in found or len(found) > 1:
+        return None
+    return found.pop() if found else NO_ROWS
+
+
+def global_indices(layout, batch):
+    """Where this replica's rows of a tensor with `layout` lie in one device's, and that tensor's rows.
+
+    Returns `(indices, total, rows)`: int32 indices of this replica's rows in
+    the global tensor, the global tensor's row count, and this replica's.
+    """
+    local, totals, offsets = batch.leaf_rows()
+    indices, base = [], tf.constant(0, tf.int32)
+    for leaf in layout:
+        indices.append(base + offsets[leaf] + tf.range(local[leaf]))
+        base += totals[leaf]
+    rows = tf.add_n([local[leaf] for leaf in layout])
+    return tf.concat(indices, 0), base, rows
+
+
+# ---------------------------------------------------------------------------
 # The gather.
-
-
-def _order_matrix(context):
-    """before[me][other]: whether `other`'s piece comes before `me`'s in global row order."""
-    replicas = context.num_replicas_in_sync
-    devices = getattr(tf.distribute.get_strategy().extended, "worker_devices", None) or ()
-    workers = max(replicas // max(len(devices), 1), 1)
-    if replicas % workers:
-        workers = 1
-    order = replica.piece_order(replicas, workers)
-    return tf.constant([[1.0 if order[other] < order[mine] else 0.0 for other in range(replicas)]
-                        for mine in range(replicas)])
-
-
-def _place(value, offset, total):
-    rows = tf.shape(value)[0]
-    after = tf.maximum(total - offset - rows, 0)
-    zeros = lambda count: tf.zeros(tf.concat([[count], tf.shape(value)[1:]], 0), value.dtype)
-    return tf.concat([zeros(offset), value, zeros(after)], 0)
 
 
 def _summable(value):
@@ -174,6 +273,22 @@ def _summable(value):
         return value, lambda v: v
     dtype = value.dtype
     return tf.cast(value, tf.float64), lambda v: tf.cast(v, dtype)
+
+
+def _counted_layouts(values, batch):
+    """Global indices for values kd cannot lay out: one all-reduce of their own row counts.
+
+    Their rows then come in replica order (each replica's block at its
+    offset in global row order), exact for what does not depend on the
+    order of rows (a contrastive loss over rows that are concatenated from
+    several batches, say).
+    """
+    # Inside a forward pass on one padded row (a replica without rows), none are real.
+    live = 1 - tf.cast(batch.padded[-1], tf.int32) if batch.padded else 1
+    local = tf.cast(tf.stack([tf.shape(v)[0] * live for v in values]), tf.float32)
+    totals, offsets = replica.rows_and_offsets(local)
+    totals, offsets, local = (tf.cast(t, tf.int32) for t in (totals, offsets, local))
+    return [(offsets[i] + tf.range(local[i]), totals[i], local[i]) for i in range(len(values))]
 
 
 def gather(values, batch, *, own_gradient):
@@ -192,31 +307,33 @@ def gather(values, batch, *, own_gradient):
             where each replica keeps its own rows of what it computes.
 
     Returns:
-        `(gathered, offsets)`: the gathered tensors (the same on every
-        replica, marked GLOBAL) and, for each, where this replica's rows
-        start in it (int32 scalars).
+        `(gathered, places)`: the gathered tensors (the same on every
+        replica, marked GLOBAL) and, for each, `(indices, rows)`: where this
+        replica's rows lie in it, and how many it has.
+
+    A tensor whose rows kd can lay out (`row_layout`: the step's data and
+    what is computed row by row from it) takes one device's order, from the
+    step's row counts (one all-reduce per step, shared); others cost one
+    all-reduce of their row counts and come in replica order.
     """
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
     values = [tf.convert_to_tensor(v) for v in values]
-    live = tf.cast(batch.has_rows, tf.int32)
-    rows = [tf.shape(v)[0] * live for v in values]
-    counts = tf.cast(tf.stack(rows), tf.float32)
-    learns_batch = not batch.knows_global_rows
-    if learns_batch:  # the batch's own count and offset come along
-        counts = tf.concat([counts, tf.reshape(batch.local_rows, [1])], 0)
-    slot = tf.one_hot(context.replica_id_in_sync_group, replicas)
-    everyone = context.all_reduce(tf.distribute.ReduceOp.SUM, slot[:, None] * counts[None, :])
-    before = tf.gather(_order_matrix(context), context.replica_id_in_sync_group)
-    offsets = tf.cast(tf.linalg.matvec(everyone, before, transpose_a=True), tf.int32)
-    totals = tf.cast(tf.reduce_sum(everyone, 0), tf.int32)
-    if learns_batch:
-        batch.learn_rows_and_offset(tf.cast(totals[-1], tf.float32), tf.cast(offsets[-1], tf.float32))
+    layouts = [row_layout(v, batch) for v in values]
+    places = [None] * len(values)
+    counted = [i for i, layout in enumerate(layouts) if not layout]
+    for index, place in zip(counted, _counted_layouts([values[i] for i in counted], batch)
+                            if counted else ()):
+        places[index] = place
+    for index, layout in enumerate(layouts):
+        if layout:
+            places[index] = global_indices(layout, batch)
     placed, back = [], []
-    for index, value in enumerate(values):
-        value = value[:rows[index]]  # a padded row of a replica without rows goes
-        summable, restore = _summable(value)
-        placed.append(_place(summable, offsets[index], totals[index]))
+    for value, (indices, total, rows) in zip(values, places):
+        summable, restore = _summable(value[:rows])  # a padded row of a replica without rows goes
+        buffer = tf.scatter_nd(indices[:, None], summable,
+                               tf.concat([[total], tf.shape(summable)[1:]], 0))
+        placed.append(buffer)
         back.append(restore)
     if not own_gradient:
         placed = [batch.chain(p) for p in placed]
@@ -229,9 +346,9 @@ def gather(values, batch, *, own_gradient):
             # The value of the sum; the gradient of this replica's own rows, R times.
             total = tf.stop_gradient(total) + (value - tf.stop_gradient(value)) * replicas
         result = back[index](total)
-        result.set_shape(values[index].shape[:0].concatenate([None]).concatenate(values[index].shape[1:]))
+        result.set_shape(tf.TensorShape([None]).concatenate(values[index].shape[1:]))
         gathered.append(penalties.mark_gathered(result))
-    return gathered, [offsets[i] for i in range(len(values))]
+    return gathered, [(indices, rows) for indices, _, rows in places]
 
 
 # ---------------------------------------------------------------------------
@@ -363,8 +480,13 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
 
     has_rows = tf.shape(inputs)[0] > 0
     filler = lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-    padded = penalties.mark_rows(tf.cond(has_rows, lambda: inputs, filler))
-    outputs = call(padded, *args, **kwargs)
+    layout = row_layout(inputs, batch)
+    padded = mark_layout(penalties.mark_rows(tf.cond(has_rows, lambda: inputs, filler)), layout, batch)
+    batch.padded.append(tf.logical_not(has_rows))
+    try:
+        outputs = call(padded, *args, **kwargs)
+    finally:
+        batch.padded.pop()
     where = meets(outputs) if inspect else None
 
     def cut(value):
@@ -374,7 +496,7 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
             value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
         # Rows that do not meet (or meet and are computed on the global
         # batch): each its own, which the cut's `cond` would hide from the walk.
-        return kept if where is not None else penalties.mark_rows(kept)
+        return kept if where is not None else mark_layout(penalties.mark_rows(kept), layout, batch)
 
     outputs = tree.map_structure(cut, outputs)
     return _Inspected(outputs, where) if inspect else outputs
@@ -396,7 +518,7 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
     mask = kwargs.get("mask")
     masked = isinstance(mask, tf.Tensor) and bool(mask.shape.rank)
     values = [flat[i] for i in positions] + ([mask] if masked else [])
-    gathered, offsets = gather(values, batch, own_gradient=False)
+    gathered, places = gather(values, batch, own_gradient=False)
     if masked:
         kwargs = {**kwargs, "mask": gathered.pop()}
     for position, value in zip(positions, gathered):
@@ -404,8 +526,11 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
     with _global_region(batch):
         outputs = call(tree.pack_sequence_as(inputs, flat), *args, **kwargs)
     first = flat[positions[0]]
-    offset = offsets[0]
-    mine = tf.shape(values[0])[0] * tf.cast(batch.has_rows, tf.int32)
+    indices, rows = places[0]
+    # A replica without rows of the step runs its forward pass on one padded
+    # row (TensorFlow's CPU kernels fail on none): it keeps that many, zeros.
+    fake = tf.shape(values[0])[0] - rows
+    layout = row_layout(values[0], batch)
 
     def own_rows(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
@@ -413,9 +538,10 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
         check = tf.debugging.assert_equal(tf.shape(value)[0], tf.shape(first)[0],
                                           message=ROWS_REFUSAL + f" Layer: {layer.name!r}.")
         with tf.control_dependencies([check]):
-            kept = value[offset:offset + mine]
+            kept = tf.gather(value, indices)
+        kept = tf.concat([kept, tf.zeros(tf.concat([[fake], tf.shape(kept)[1:]], 0), kept.dtype)], 0)
         kept.set_shape(values[0].shape[:1].concatenate(value.shape[1:]))
-        return penalties.mark_rows(kept)
+        return mark_layout(penalties.mark_rows(kept), layout, batch)
 
     return tree.map_structure(own_rows, outputs)
 
@@ -553,7 +679,8 @@ def global_batch(tensor):
     batch = replica.current_batch()
     with (contextlib.nullcontext(batch) if batch is not None else
           replica.replica_batch(tf.shape(tensor)[0])) as open_batch:
-        (gathered,), (offset,) = gather([tensor], open_batch, own_gradient=False)
+        (gathered,), ((indices, _),) = gather([tensor], open_batch, own_gradient=False)
+        offset = tf.reduce_min(tf.concat([indices, [tf.shape(gathered)[0]]], 0))
     # Your own code then combines the global batch with this replica's rows
     # (its queries against every key): to kd's loss arithmetic, the gathered
     # rows are the same on every replica, as weights are, and its gradient

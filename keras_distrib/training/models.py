@@ -111,12 +111,13 @@ def _pad_empty_batch(x, batch):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
         filler = lambda: tf.zeros(tf.concat([[1], tf.shape(value)[1:]], 0), value.dtype)
-        return penalties.mark_rows(tf.cond(batch.has_rows, lambda: value, filler))
+        padded = penalties.mark_rows(tf.cond(batch.has_rows, lambda: value, filler))
+        return coupling.mark_layout(padded, coupling.row_layout(value, batch), batch)
 
     return tree.map_structure(pad, x)
 
 
-def _drop_padding(outputs, batch):
+def _drop_padding(outputs, batch, first=None):
     """Outputs without the padded row (and its Keras mask, if any)."""
 
     def cut(value):
@@ -133,8 +134,11 @@ def _drop_padding(outputs, batch):
             _keras_compat.set_keras_mask(
                 result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
             )
-        return penalties.mark_rows(result)
+        # The model's rows, each its own, as its first input's (kd's models map rows to rows).
+        return coupling.mark_layout(penalties.mark_rows(result), layout, batch)
 
+    first = next((t for t in tree.flatten(first) if isinstance(t, tf.Tensor) and t.shape.rank), None)
+    layout = coupling.row_layout(first, batch) if first is not None else None
     return tree.map_structure(cut, outputs)
 
 
@@ -143,13 +147,33 @@ def _spreads_over_replicas():
     return context is not None and context.num_replicas_in_sync > 1
 
 
-def _place_in_global_batch(value, batch):
-    """`value` (this replica's rows) at its rows of a zero global batch."""
-    rows = tf.shape(value)[0]
-    offset = tf.cast(batch.offset, tf.int32)
-    after = tf.maximum(tf.cast(batch.global_rows, tf.int32) - offset - rows, 0)
-    zeros = lambda count: tf.zeros(tf.concat([[count], tf.shape(value)[1:]], 0), value.dtype)
-    return tf.concat([zeros(offset), value, zeros(after)], 0)
+def _global_rows_of(rows, of, batch):
+    """Where a replica's `rows` of `of` lie in one device's tensor: (its rows, the indices of these).
+
+    `of` (a tensor, or the count of its rows) has its rows laid out as kd
+    reads them (`coupling.row_layout`: the batch's rows, several batches
+    concatenated); else as k stacked blocks of the batch's rows
+    (`_blocks_of`). A replica without rows of the step, fed one padded row,
+    draws for it as asked (its outputs are dropped).
+    """
+    rows = tf.cast(rows, tf.int32)
+    layout = coupling.row_layout(of, batch)
+    if not layout:
+        return _blocks_of(rows, batch)
+    indices, total, expected = coupling.global_indices(layout, batch)
+    padded = tf.logical_and(tf.equal(expected, 0), tf.equal(rows, 1))
+    check = tf.debugging.Assert(
+        tf.logical_or(padded, tf.equal(rows, expected)),
+        [replica.DRAW_REFUSAL, "rows drawn:", rows, "rows kd laid out:", expected],
+    )
+    with tf.control_dependencies([check]):
+        indices = tf.cond(padded, lambda: tf.range(rows), lambda: indices)
+    return tf.where(padded, rows, total), indices
+
+
+def _spread(value, indices, total):
+    """`value`'s rows at `indices` of a zero tensor of `total` rows."""
+    return tf.scatter_nd(indices[:, None], value, tf.concat([[total], tf.shape(value)[1:]], 0))
 
 
 def _global_batch_call(layer, call):
@@ -159,7 +183,9 @@ def _global_batch_call(layer, call):
     same on every replica; one device draws them for every row of the
     global batch. So each replica runs the layer on the global batch (its
     own rows in place, zeros elsewhere) and keeps its rows: the same draws
-    one device makes for them, whatever the replica layout.
+    one device makes for them, whatever the replica layout. Rows of several
+    batches concatenated (`concat([unlabeled, labeled])`) lie where one
+    device holds them (`coupling.row_layout`).
     """
 
     def laid_out(inputs, *args, **kwargs):
@@ -174,18 +200,19 @@ def _global_batch_call(layer, call):
                 "random draws over the global batch only for a single tensor input. Pass a "
                 "tensor, or apply the layer in the input pipeline instead."
             )
+        total, indices = _global_rows_of(tf.shape(inputs)[0], inputs, batch)
         mask = kwargs.get("mask")
         if isinstance(mask, tf.Tensor) and mask.shape.rank:
-            kwargs["mask"] = _place_in_global_batch(mask, batch)
+            kwargs["mask"] = _spread(mask, indices, total)
         batch.laid_out += 1  # its draws are already the global batch's
         try:
-            outputs = call(_place_in_global_batch(inputs, batch), *args, **kwargs)
+            outputs = call(_spread(inputs, indices, total), *args, **kwargs)
         finally:
             batch.laid_out -= 1
-        offset = tf.cast(batch.offset, tf.int32)
-        mine = outputs[offset:offset + tf.shape(inputs)[0]]
+        mine = tf.gather(outputs, indices)
         mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
-        return penalties.mark_rows(mine)  # each row its own, as on one device
+        # Each row its own, as on one device, where the inputs' rows lie.
+        return coupling.mark_layout(penalties.mark_rows(mine), coupling.row_layout(inputs, batch), batch)
 
     return laid_out
 
@@ -255,22 +282,22 @@ def _global_batch_draw(name, shaped, draw):
                 else tf.stack([tf.cast(d, tf.int32) for d in first])
             if shape.shape.rank != 1 or shape.shape[0] in (None, 0) or not _batch_shaped(shape[0]):
                 return draw(first, *args, **kwargs)
-            total, indices = _blocks_of(shape[0], batch)
+            leading = first[0] if isinstance(first, (list, tuple)) and tf.is_tensor(first[0]) else shape[0]
+            total, indices = _global_rows_of(shape[0], leading, batch)
             drawn = draw(tf.concat([[total], shape[1:]], 0), *args, **kwargs)
-            return tf.gather(drawn, indices)
+            return penalties.mark_rows(tf.gather(drawn, indices))  # one device's draws for these rows
         inputs = tf.convert_to_tensor(first)
         noise_shape = kwargs.get("noise_shape", args[1] if name == "dropout" and len(args) > 1 else None)
         if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
             return draw(first, *args, **kwargs)
         if inputs.shape.rank in (None, 0) or (noise_shape is not None and noise_shape[0] is not None):
             return draw(first, *args, **kwargs)
-        total, indices = _blocks_of(tf.shape(inputs)[0], batch)
-        spread = tf.scatter_nd(indices[:, None], inputs,
-                               tf.concat([[total], tf.shape(inputs)[1:]], 0))
+        total, indices = _global_rows_of(tf.shape(inputs)[0], inputs, batch)
+        spread = _spread(inputs, indices, total)
         mine = tf.gather(draw(spread, *args, **kwargs), indices)
         if name == "dropout":
             mine.set_shape(inputs.shape)
-        return mine
+        return penalties.mark_rows(mine)
 
     return drawing
 
@@ -976,14 +1003,18 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with replica.replica_batch(replica.batch_rows(_first_input(args, kwargs)),
                                        _loop_plan(self)) as batch:
                 batch.rows_meet = getattr(self, "rows_meet", "global")
+                batch.leaves = [t for t in tree.flatten(_first_input(args, kwargs))
+                                if isinstance(t, tf.Tensor) and t.shape.rank][:1]
                 outputs = self.__call__(*args, **kwargs)
                 replica.keep_losses(self, batch.losses)
             return outputs
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)
         plan = batch.plan
-        if args and plan.pad_empty and not batch.global_region:
+        padding = bool(args) and plan.pad_empty and not batch.global_region
+        if padding:
             args = (_pad_empty_batch(args[0], batch),) + args[1:]
+            batch.padded.append(tf.logical_not(batch.has_rows))
         batch.losses, batch.owner, batch.in_forward = [], self, True
         try:
             if plan.xla_forward:
@@ -1000,8 +1031,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 outputs = super().__call__(*args, **kwargs)
         finally:
             batch.in_forward = False
+            if padding:
+                batch.padded.pop()
         if plan.pad_empty and not batch.global_region:
-            outputs = _drop_padding(outputs, batch)
+            outputs = _drop_padding(outputs, batch, _first_input(args, kwargs))
         return coupling.anchor(outputs, self, batch)
 
     def _xla_forward(self, *args, **kwargs):

@@ -45,12 +45,15 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = [
+    "ELEMENTWISE",
     "FIXED",
     "GLOBAL",
     "ROWS",
     "ROW_MEAN",
     "ROW_SUM",
+    "SHAPE_OPS",
     "Unknown",
+    "keeps_rows",
     "kind_of",
     "kind_of_value",
     "mark_gathered",
@@ -361,6 +364,14 @@ def _makes_columns(op):
 
 _SHAPE_OPS = {"Reshape", "ExpandDims", "Squeeze", "Transpose", "Pad", "PadV2", "MirrorPad", "Tile",
               "StridedSlice"}
+# What other modules read of the tables (coupling's row layouts).
+SHAPE_OPS = frozenset(_SHAPE_OPS)
+ELEMENTWISE = frozenset(_UNARY | _BINARY)
+
+
+def keeps_rows(op):
+    """Whether a shape op (`SHAPE_OPS`) on a row-aligned tensor keeps its first axis the rows."""
+    return _keeps_rows(op)
 
 
 def _kind_of_op_output(op, index, kinds):

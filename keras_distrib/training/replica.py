@@ -35,6 +35,7 @@ __all__ = [
     "piece_order",
     "replica_batch",
     "replica_sum",
+    "rows_and_offsets",
     "sum_packed",
 ]
 
@@ -144,18 +145,44 @@ class ReplicaBatch:
         self.retraceable = False
         self.occurrences = {}  # id of a call's owner -> calls so far in this step (coupling.anchor)
         self.anchors = {}  # tensor ref -> anchor key (coupling.anchor)
+        # The step's data leaves (leaf 0 holds the batch's rows) and, once
+        # all-reduced, their global row counts and this replica's offsets.
+        self.leaves = []
+        self._leaf_rows = None
+        self.layouts = {}  # tensor ref -> the leaves its rows come from (coupling.row_layout)
+        # Inside forward passes fed one padded row: whether that row is padding (innermost last).
+        self.padded = []
 
     @property
     def global_rows(self):
         if self._global_rows is None:
-            self._global_rows, self._offset = _global_rows_and_offset(self.local_rows)
+            self._learn_leaf_rows()
         return self._global_rows
 
     @property
     def offset(self):
         if self._offset is None:
-            self._global_rows, self._offset = _global_rows_and_offset(self.local_rows)
+            self._learn_leaf_rows()
         return self._offset
+
+    def leaf_rows(self):
+        """`(local, totals, offsets)` of the step's data leaves (int32 vectors; see `leaves`).
+
+        Each leaf's rows on this replica, over all replicas, and where this
+        replica's start in the global batch of that leaf: one all-reduce of
+        every leaf's count, which also gives N and the offset of leaf 0 (the
+        batch's). Without leaves, leaf 0 is the batch's rows.
+        """
+        if self._leaf_rows is None:
+            self._learn_leaf_rows()
+        return self._leaf_rows
+
+    def _learn_leaf_rows(self):
+        local = [self.local_rows] + [tf.cast(tf.shape(leaf)[0], tf.float32) for leaf in self.leaves[1:]]
+        local = tf.stack(local)
+        totals, offsets = rows_and_offsets(local)
+        self._global_rows, self._offset = totals[0], offsets[0]
+        self._leaf_rows = tuple(tf.cast(v, tf.int32) for v in (local, totals, offsets))
 
     @property
     def knows_global_rows(self):
@@ -201,11 +228,6 @@ class ReplicaBatch:
     def learn_global_rows(self, global_rows):
         """Keeps N, all-reduced along with something else (the gradients)."""
         self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
-
-    def learn_rows_and_offset(self, global_rows, offset):
-        """Keeps N and this replica's offset, all-reduced along with something else (a gather)."""
-        self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
-        self._offset = tf.cast(offset, self.local_rows.dtype)
 
     def chain(self, value):
         """`value` plus a zero that follows the previous forward-pass collective (see `after_collective`)."""
@@ -369,28 +391,42 @@ def piece_order(replicas, workers):
     return [(g % local) * workers + g // local for g in range(replicas)]
 
 
-def _global_rows_and_offset(local_rows):
-    # One all-reduce of every replica's row count (a one-hot vector) gives
-    # both the global count and this replica's first row in the global batch.
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return replica_sum(local_rows), tf.zeros_like(local_rows)
+def _order_before(context):
+    """before[me][other] = 1.0 where replica `other`'s piece of a global batch comes before `me`'s."""
     replicas = context.num_replicas_in_sync
     devices = getattr(tf.distribute.get_strategy().extended, "worker_devices", None) or ()
     workers = max(replicas // max(len(devices), 1), 1)
     if replicas % workers:
         workers = 1
     order = piece_order(replicas, workers)
-    before = tf.constant(
+    return tf.constant(
         [[1.0 if order[other] < order[mine] else 0.0 for other in range(replicas)]
          for mine in range(replicas)]
     )
+
+
+def rows_and_offsets(local_counts):
+    """Each count's global sum and this replica's offset: one all-reduce of every replica's counts.
+
+    `local_counts`: float32 counts of rows on this replica (a vector). Each
+    replica's counts go in its own slot of a zero buffer, so one all-reduce
+    gives every replica's, hence both the global counts and where this
+    replica's rows start in each global batch (the rows of the replicas
+    whose pieces come before its own, see `piece_order`).
+
+    Returns:
+        `(totals, offsets)`, float32 vectors like `local_counts`.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return replica_sum(local_counts), tf.zeros_like(local_counts)
+    replicas = context.num_replicas_in_sync
     replica_id = context.replica_id_in_sync_group
     counts = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, tf.one_hot(replica_id, replicas) * local_rows
+        tf.distribute.ReduceOp.SUM, tf.one_hot(replica_id, replicas)[:, None] * local_counts[None, :]
     )
-    offset = tf.reduce_sum(tf.gather(before, replica_id) * counts)
-    return tf.reduce_sum(counts), offset
+    offsets = tf.linalg.matvec(counts, tf.gather(_order_before(context), replica_id), transpose_a=True)
+    return tf.reduce_sum(counts, 0), offsets
 
 
 @contextlib.contextmanager

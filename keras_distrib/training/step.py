@@ -461,6 +461,10 @@ def replica_function(model, kind, *, looped=False, sources=None):
                 tf.variable_creator_scope(_created_before_the_batch):
             batch.model, batch.step_kind, batch.retraceable = model, kind, True
             batch.rows_meet = getattr(model, "rows_meet", "global")
+            # The data's leaves, the batch's first (kd lays out rows of each, coupling.row_layout).
+            leaves = [t for t in tree.flatten(x) + tree.flatten(data)
+                      if isinstance(t, tf.Tensor) and t.shape.rank]
+            batch.leaves = list({t.ref(): t for t in leaves}.values())
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations()) if not tf.executing_eagerly() else None
             # Leaves of the data a previous trace found rows meeting in are
