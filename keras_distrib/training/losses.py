@@ -78,6 +78,14 @@ def global_share(numerator, local_denominator):
 
     In the numerator's dtype (`keras.config.floatx()` for integers).
 
+    Args:
+        numerator: This replica's part of the numerator (a scalar tensor).
+        local_denominator: This replica's part of the denominator (e.g. its
+            row count); all-reduced over the replicas.
+
+    Returns:
+        A scalar: this replica's share; the shares add up to the global ratio.
+
     Raises:
         ValueError: an argument is not numbers.
     """
@@ -578,6 +586,12 @@ def row_weighted(value):
     loss share is returned as it is (its sum is already the global value).
 
     Outside a step on several replicas, returns `value`.
+
+    Args:
+        value: A scalar tensor (or number) computed from this replica's rows.
+
+    Returns:
+        This replica's part of the global value.
 
     Example:
         >>> import keras_distrib as kd
