@@ -1313,9 +1313,10 @@ class Model(DistributedModelMixin, keras.Model):
       gathering each replica's count, mean and squared deviations, merged
       exactly);
     - random layers (Dropout, GaussianNoise, GaussianDropout, SpatialDropout,
-      `Random*` augmentation) draw for the global batch and keep each
-      replica's rows; a random layer of your own, and an RNN cell with
-      dropout, are refused at the first step, naming them;
+      `Random*` augmentation), and `keras.random` draws shaped by the batch
+      in a layer of your own, draw for the global batch and keep each
+      replica's rows; an RNN layer with dropout is refused at the first step,
+      naming it;
     - a layer's non-trainable variable updated in `call` with
       `assign_add`/`assign_sub` of data adds the sum over replicas (a
       constant is added once); `assign` is refused at the first step,
@@ -1372,10 +1373,8 @@ class FunctionalModel(Model, _keras_compat.Functional):
 class Sequential(DistributedModelMixin, keras.Sequential):
     """A `keras.Sequential` with exact distributed steps (as `kd.Model`).
 
-    Args:
-        layers: As `keras.Sequential`: the layers, in order.
-        trainable: As `keras.Sequential`.
-        name: As `keras.Sequential`.
+    Its arguments are `keras.Sequential`'s: `layers` (in order), `trainable`,
+    `name`.
 
     Example:
         >>> import keras, keras_distrib as kd
