@@ -8,9 +8,9 @@ in this process:
 
 - each public module imports its names one by one and holds nothing else
   public (no `import *`; a name outside `__all__` starts with `_`);
-- every name on the list exists, and every documented argument is real: the
-  docstring of each public function and class (griffe reads them, as the
-  site does) documents every argument and no other;
+- every name on the list exists, and the docstring of each public function
+  and class documents every argument (the site's strict build fails on one
+  that documents an argument the signature lacks);
 - the command-line reference shows every option of every command, and every
   `KD_*` variable the package reads is on the environment variables page;
 - every module declares `__all__` (sorted, unique, resolvable), and every

@@ -303,7 +303,8 @@ def cluster_info(tf_config=None):
     Reads the `TF_CONFIG` environment variable when it is set; otherwise the
     cluster manager's environment: a Slurm task started by `srun`, a pod of
     a Kubernetes Indexed Job or JobSet (with `KD_NUM_PODS` set), or a TPU
-    pod's client (see `keras_distrib.cluster.sources` for the variables).
+    pod's client (the variables kd reads are listed with the environment
+    variables of the API reference).
     `source` says which; nothing found means a single process.
 
     Args:

@@ -55,7 +55,8 @@ def _launch(options):
             if options.min_workers is not None:
                 raise launch_lib.LaunchError(
                     "`--min-workers` is for a local cluster (`--workers N`): under Slurm or "
-                    "Kubernetes the job's recipe starts the survivors again (README, \"Elastic runs\")."
+                    "Kubernetes the job's recipe starts the survivors again "
+                    "(docs/guides/slurm.md, docs/guides/kubernetes.md)."
                 )
             if options.chief or options.evaluator or options.private_network:
                 raise launch_lib.LaunchError(

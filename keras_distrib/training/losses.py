@@ -580,9 +580,8 @@ def row_weighted(value):
     `keras.ops.mean` over them) is taken as a mean over those rows: the
     global-batch value is sum_r (n_r / N) * value_r, exact for any mean of
     per-row terms, and for a value every replica shares (a learning rate).
-    A value its graph shows to be a sum over rows (`penalties.kind_of`)
-    adds up as it is. A replica without rows adds 0 (its mean of no rows
-    is NaN). A recorded
+    A value its graph shows to be a sum over rows adds up as it is. A
+    replica without rows adds 0 (its mean of no rows is NaN). A recorded
     loss share is returned as it is (its sum is already the global value).
 
     Outside a step on several replicas, returns `value`.

@@ -914,8 +914,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """This replica's share of an `add_loss` or regularization term.
 
         Keras divides these terms by R. kd weighs a sum over the batch's rows
-        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph, see
-        `keras_distrib.training.penalties`) whole, since the replicas' sums add up to
+        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph) whole,
+        since the replicas' sums add up to
         one device's, and every other term by n_r / N, which keeps means over
         rows (activity regularizers) exact on uneven batches and counts a
         term of the weights alone once. Replicas without rows contribute
@@ -1192,7 +1192,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
-        """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.training.loop`)."""
+        """`keras.Model.fit`, exact under any strategy (kd's loop, shared with `kd.TrainLoop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy(training=True)
         return front.fit(
