@@ -190,7 +190,7 @@ CASES = [
     ("fit-not-batched", lambda c: _fit(c, x=_dataset(), y=None), InputError, "x", "not batched"),
     ("fit-no-rows", lambda c: _fit(c, x=X[:0], y=Y[:0]), InputError, "x", "0 rows"),
     ("fit-filtered-to-nothing", lambda c: _fit(c, x=_dataset(2).filter(lambda a, b: False), y=None),
-     kd.loop.EmptyDataError, "x", "no batch"),
+     kd.EmptyDataError, "x", "no batch"),
     ("fit-feature-shape", lambda c: _fit(c, x=np.ones((8, 4))), InputError, "x", r"\(8, 4\).*\(None, 3\)"),
     ("fit-epochs", lambda c: _fit(c, epochs=-1), InputError, "epochs", "-1"),
     ("fit-batch-size", lambda c: _fit(c, batch_size=0), InputError, "batch_size", "0"),

@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib.loop import EmptyDataError
+from keras_distrib.training import loop as loop_lib
+from keras_distrib.training.loop import EmptyDataError
 from keras_distrib.validation import InputError
 from keras_distrib.validation import NonFiniteDataWarning
 from tests import _harness
@@ -365,8 +366,8 @@ def test_python_fed_datasets_are_found_without_serializing_them():
     spec = (tf.TensorSpec((None, 3), tf.float64), tf.TensorSpec((None, 2), tf.float64))
     generated = tf.data.Dataset.from_generator(batches, output_signature=spec)
     from_arrays = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4)
-    assert kd.loop.owned_batches(from_arrays) is from_arrays
-    copied = kd.loop.owned_batches(generated.prefetch(1))
+    assert loop_lib.owned_batches(from_arrays) is from_arrays
+    copied = loop_lib.owned_batches(generated.prefetch(1))
     assert copied is not generated and copied.element_spec == generated.element_spec
     for (x, y), (x_copy, y_copy) in zip(generated, copied):
         np.testing.assert_array_equal(x, x_copy)

@@ -346,6 +346,12 @@ def make_strategy(
     parameter-server if it has `ps` tasks, mirrored if several GPUs (or
     virtual devices) exist, and one-device otherwise.
 
+    Each `"mirrored"` strategy has collective keys of its own, so a process
+    (a notebook) may make several; a kd model under a second plain
+    `tf.distribute.MirroredStrategy()`, whose collectives would collide with
+    the first one's, stops before its first step with an error saying to
+    reuse the first (Keras 3 aborts in a collective with a shape mismatch).
+
     Args:
         kind: One of `"auto"`, `"default"`, `"one_device"`, `"mirrored"`,
             `"central_storage"`, `"multi_worker"`, `"parameter_server"`,

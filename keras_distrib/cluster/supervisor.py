@@ -196,7 +196,7 @@ class PrivateNetwork:
                 "`private_network`: could not create a network namespace for the tasks ("
                 + (error[-1] if error else "no reason given") + "). It needs root, or "
                 "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); or "
-                "launch without it and firewall the tasks' ports (README, Security)."
+                "launch without it and firewall the tasks' ports (docs/guides/security.md)."
             )
 
     @property

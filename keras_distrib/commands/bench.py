@@ -417,7 +417,14 @@ def _worker_main(options):
 
 def main(argv=None):
     """Runs `keras-distrib bench ARGS`; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="keras-distrib bench")
+    parser = argparse.ArgumentParser(
+        prog="keras-distrib bench",
+        description="Steps/s of plain Keras, tf-keras, kd fit and kd.TrainLoop on the same model, "
+        "data and global batch (64), in one process with --replicas virtual devices, the "
+        "variants taking turns; medians of --repeats epochs of --steps steps after a warm-up, "
+        "and their ratios (cnn_bn: also kd fit with per-replica BatchNormalization statistics "
+        "and Keras 3 with synchronized=True). Without --variants, also the time from a "
+        "2-worker launch to the first training step.")
     parser.add_argument("--model", choices=("mlp", "cnn", "cnn_bn"), default="cnn")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)

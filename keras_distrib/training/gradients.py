@@ -46,12 +46,25 @@ def all_reduce(gradients):
     `None`. Outside a replica context, or with one replica in sync, returns
     `gradients`.
 
-    Inside a step looped in one compiled function, sparse gradients are
-    concatenated on one device instead of gathered by a collective (see
-    `_all_reduce_in_loop`).
+    Inside a step looped in one compiled function (`steps_per_execution`,
+    `steps_per_loop`), sparse gradients are concatenated on one device in
+    cross-replica context instead of gathered by a collective, in replica
+    order.
+
+    In a kd model's own training step, whose loss shares are in deferred
+    scale (each replica's R x n_r rows standing for the global N), the same
+    all-reduce carries the row count and divides by it: one collective per
+    step.
+
+    Args:
+        gradients: A list of this replica's gradients (tensors,
+            `tf.IndexedSlices` or `None`).
+
+    Returns:
+        The global gradients, in the same order.
 
     Raises:
-        step.SparseGradientInLoop: a sparse gradient in a looped step across
+        SparseGradientInLoop: a sparse gradient in a looped step across
             worker processes, or in an XLA-compiled step. TensorFlow fixes
             the shape of a collective at its first loop iteration, and a
             gather's shape changes with the batch; kd's step then runs one
@@ -311,7 +324,14 @@ def exact_optimizer(optimizer):
 
 
 def install(optimizer):
-    """`exact_optimizer` for a model's optimizer, which may be None."""
+    """`exact_optimizer` for a model's optimizer, which may be None.
+
+    Args:
+        optimizer: A Keras optimizer, or `None` (a model not compiled with one).
+
+    Returns:
+        `optimizer` itself.
+    """
     if optimizer is not None:
         exact_optimizer(optimizer)
     return optimizer

@@ -85,6 +85,14 @@ def global_share(numerator, local_denominator):
 
     In the numerator's dtype (`keras.config.floatx()` for integers).
 
+    Args:
+        numerator: This replica's part of the numerator (a scalar tensor).
+        local_denominator: This replica's part of the denominator (e.g. its
+            row count); all-reduced over the replicas.
+
+    Returns:
+        A scalar: this replica's share; the shares add up to the global ratio.
+
     Raises:
         ValueError: an argument is not numbers.
     """
@@ -620,15 +628,20 @@ def row_weighted(value):
     `keras.ops.mean` over them) is taken as a mean over those rows: the
     global-batch value is sum_r (n_r / N) * value_r, exact for any mean of
     per-row terms, and for a value every replica shares (a learning rate).
-    A value its graph shows to be a sum over rows (`penalties.kind_of`)
-    adds up as it is. A replica without rows adds 0 (its mean of no rows
-    is NaN). A recorded
+    A value its graph shows to be a sum over rows adds up as it is. A
+    replica without rows adds 0 (its mean of no rows is NaN). A recorded
     loss share is returned as it is (its sum is already the global value).
 
     A value computed on the global batch kd gathered (GLOBAL, the same on
     every replica) adds 1/R of itself.
 
     Outside a step on several replicas, returns `value`.
+
+    Args:
+        value: A scalar tensor (or number) computed from this replica's rows.
+
+    Returns:
+        This replica's part of the global value.
 
     Example:
         >>> import keras_distrib as kd

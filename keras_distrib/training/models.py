@@ -751,18 +751,54 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     """Exact global-batch training for any `keras.Model` subclass.
 
     Put it first in the bases: `class MyModel(kd.DistributedModelMixin,
-    keras.Model)`. Each step scales the loss by the exact global example
-    count (all-reduced every step), counts regularization and `add_loss`
-    once across replicas, and reports global loss and metrics. The optimizer
+    keras.Model)`, or with a library's model class:
+    `class MyTask(kd.DistributedModelMixin, keras_hub.models.BertTextClassifier)`
+    keeps the task's constructor, compile defaults and `generate`. The model
+    then behaves as `kd.Model` does (see there): each step scales the loss by
+    the exact global example count, counts regularization and `add_loss`
+    once across replicas, and reports global loss and metrics; the optimizer
     all-reduces gradients before it unscales, accumulates and clips them, as
-    one device would (`keras_distrib.training.gradients`).
+    one device would.
 
-    A subclass may override `train_step` as Keras's guides do: call
-    `self(x, training=True)`, `self.compute_loss(...)` and
-    `self.optimizer.apply_gradients(...)`. kd opens the replica's batch
-    around every step, so the forward pass records its `add_loss` terms per
-    replica, `compute_loss` returns this replica's share of the global loss
-    and the optimizer sees the global gradient.
+    A `train_step` you write as Keras's guide "Customizing what happens in
+    fit()" writes it (`self(x, training=True)`, `self.compute_loss(...)`,
+    `self.optimizer.apply_gradients(...)`) stays exact: kd opens each
+    replica's batch around it, and the rest is one device's too:
+
+    - `compute_loss` returns this replica's share of the global loss; a Keras
+      loss object called in the step (`self.loss_fn(y, y_pred)`) returns a
+      share as well.
+    - A loss of plain ops with no share computed in the step (no
+      `compute_loss`, loss object or `kd.losses` call) is read from its graph
+      at `tape.gradient`: a sum over rows is summed over replicas as it is;
+      one with no split over replicas (a maximum over rows, a nonlinear
+      function of a mean, a product of means, a sum plus a constant) raises
+      `ValueError` at the first step, naming the op; anything else is taken
+      as a mean over the replica's rows (each replica's gradient weighted by
+      n_r / N before the all-reduce: exact for a mean of per-row terms plus
+      terms of the weights). A share mixed with a plain mean in one loss, or
+      ops the walk does not follow, are not detected: use `compute_loss` or
+      `kd.losses.global_mean` there.
+    - What the step returns: a metric's `result()` (recognised by identity,
+      nested `compile_metrics` included) is the metric's global value; a
+      loss share is summed over replicas; another scalar is weighted by
+      n_r / N (`kd.losses.row_weighted`); the rest is averaged over
+      replicas. A `keras.metrics.Mean` tracker fed a scalar adds one
+      device's value once per step.
+    - `keras.random` draws shaped by the batch are drawn for the global
+      batch and each replica keeps its rows; a draw whose leading dimension
+      is not a multiple of the replica's rows, and TensorFlow's stateful
+      random ops (`tf.random.normal`, `tf.random.Generator`), are refused at
+      the first step on several replicas, naming the op.
+    - Every Keras optimizer held as an attribute (a GAN's two) gets kd's
+      gradient pipeline at the first step; plain `keras.Sequential` and
+      `keras.Model` sub-models get a padded row on an empty replica; a model
+      without `call` (a GAN) is built lazily.
+
+    To reload a saved subclass, register it
+    (`@keras.saving.register_keras_serializable()`) or pass
+    `custom_objects={"MyTask": MyTask}` to `keras.saving.load_model`; `save`
+    warns when neither would find it.
 
     Example:
         >>> import keras, tensorflow as tf, keras_distrib as kd
@@ -939,8 +975,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """This replica's share of an `add_loss` or regularization term.
 
         Keras divides these terms by R. kd weighs a sum over the batch's rows
-        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph, see
-        `keras_distrib.training.penalties`) whole, since the replicas' sums add up to
+        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph) whole,
+        since the replicas' sums add up to
         one device's, and every other term by n_r / N, which keeps means over
         rows (activity regularizers) exact on uneven batches and counts a
         term of the weights alone once. Replicas without rows contribute
@@ -1256,7 +1292,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
-        """`keras.Model.fit`, exact under any strategy (kd's loop, `keras_distrib.training.loop`)."""
+        """`keras.Model.fit`, exact under any strategy (kd's loop, shared with `kd.TrainLoop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy(training=True)
         return front.fit(
@@ -1349,6 +1385,58 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 class Model(DistributedModelMixin, keras.Model):
     """A `keras.Model` (functional or subclassed) with exact distributed steps.
 
+    Its `train_step`, `test_step` and `predict_step` scale the loss by the
+    exact global example count, scale regularization once across replicas
+    and report the true global loss and metrics. `fit`, `evaluate` and
+    `predict` take Keras's arguments and work under every strategy
+    (`kd.make_strategy`), multi-worker and parameter server included, with
+    `steps_per_execution=k` and `jit_compile=True` on several replicas;
+    `predict` and `predict_on_batch` return every row once, in input order.
+    `fit` on no data raises `kd.EmptyDataError` (a `ValueError`, naming `x`);
+    NaN or inf in the data gives a `kd.NonFiniteDataWarning` (Keras trains on
+    it, and so does kd). Python-fed batches (`PyDataset`, generators,
+    `from_generator`) are copied before TensorFlow sees them, so they train
+    exactly and your arrays are never written.
+
+    `compile` takes Keras's arguments and two of kd's:
+    `batch_norm="per_replica"` (layers without `synchronized=True` normalize
+    each replica's rows: no all-reduce in the forward pass, not exact) and,
+    under parameter-server training, `pss_evaluation_shards=k` (evaluate on
+    the workers in `k` shards; `"auto"`: 4 per worker). Called outside any
+    strategy scope, `compile` runs in the scope of the strategy the model was
+    created in.
+
+    On several replicas the model is the model of one device:
+
+    - every `BatchNormalization` normalizes over the global batch (one
+      all-reduce per layer in the forward pass and one in the backward pass,
+      gathering each replica's count, mean and squared deviations, merged
+      exactly);
+    - random layers (Dropout, GaussianNoise, GaussianDropout, SpatialDropout,
+      `Random*` augmentation), and `keras.random` draws shaped by the batch
+      in a layer of your own, draw for the global batch and keep each
+      replica's rows; an RNN layer with dropout is refused at the first step,
+      naming it;
+    - a layer's non-trainable variable updated in `call` with
+      `assign_add`/`assign_sub` of data adds the sum over replicas (a
+      constant is added once); `assign` is refused at the first step,
+      naming the layer and the variable.
+
+    Everything else is Keras's own code, called as Keras calls it (saving
+    formats, argument checks, ragged outputs, inference on a model never
+    compiled): see the guide "A drop-in keras.Model". A `.keras` file of a kd
+    model reloads compiled, with its optimizer's state, where kd's classes
+    are registered: they register themselves when kd's model classes load
+    (any use of `kd.Model`, `kd.Sequential` or `kd.DistributedModelMixin`;
+    `import keras_distrib` alone loads no TensorFlow and registers nothing).
+    `kd.Model(inputs, outputs)` returns kd's functional class, a subclass of
+    `kd.Model` and of Keras's `Functional`.
+
+    Args:
+        *args: As `keras.Model`: `inputs` and `outputs` for a functional
+            model, nothing (or your own arguments) for a subclass.
+        **kwargs: As `keras.Model` (`name`, `trainable`, ...).
+
     Example:
         >>> import keras, keras_distrib as kd
         >>> inputs = keras.Input((3,))
@@ -1383,7 +1471,10 @@ class FunctionalModel(Model, _keras_compat.Functional):
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
 class Sequential(DistributedModelMixin, keras.Sequential):
-    """A `keras.Sequential` with exact distributed steps.
+    """A `keras.Sequential` with exact distributed steps (as `kd.Model`).
+
+    Its arguments are `keras.Sequential`'s: `layers` (in order), `trainable`,
+    `name`.
 
     Example:
         >>> import keras, keras_distrib as kd
