@@ -111,7 +111,7 @@ def _decision(site, key):
 
 def meets_at_any(sites):
     """Whether kd computes on the global batch at any of `sites` (layers, loss objects, models)."""
-    return any(decision == _GLOBAL for site in sites
+    return any(decision != _CLEAN for site in sites
                for decision, _ in _DECISIONS.get(site, {}).values())
 
 
@@ -131,13 +131,22 @@ def _active(batch):
         and batch.rows_meet == "global" and not tf.executing_eagerly()
 
 
-def meets(values):
-    """The first place in `values` (a structure of tensors) where the batch's rows meet, or None."""
+def meets(values, statistics=False):
+    """The first place in `values` (a structure of tensors) where the batch's rows meet, or None.
+
+    `statistics`: a statistic of the rows (a sum or mean over them) counts
+    too, as it does where a layer returns one: the layer that consumes it
+    combines it with rows.
+    """
     for value in tree.flatten(values):
         if isinstance(value, tf.Tensor) and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
             if isinstance(kind, penalties.Unknown) and kind.meets:
                 return kind
+            if statistics and kind in (penalties.ROW_SUM, penalties.ROW_MEAN):
+                return penalties.Unknown(
+                    value.op.name, f"`{value.op.name}` ({value.op.type}) is a statistic of the "
+                    "batch's rows that the layer returns", meets=True)
     return None
 
 
@@ -364,9 +373,9 @@ def _global_region(batch):
         batch.global_region -= 1
 
 
-def _retrace_or_go_on(batch, site, key, where):
+def _retrace_or_go_on(batch, site, key, where, decision=_GLOBAL):
     """Records that rows meet at `site`; raises RowsMeet where kd's step can trace again."""
-    _decide(site, key, _GLOBAL)
+    _decide(site, key, decision)
     if batch.retraceable:
         raise RowsMeet(str(where.mixing))
 
@@ -435,10 +444,10 @@ def layer_call(layer, call, *, pad):
         if not _active(batch):
             return _padded(call, inputs, args, kwargs, batch, pad)
         decision = _decision(layer, key)
-        if decision == _GLOBAL:
-            return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch)
         if decision == _CLEAN:
             return _padded(call, inputs, args, kwargs, batch, pad)
+        if decision is not None:
+            return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, decision[1])
         losses = len(batch.losses) if batch.losses is not None else None
         draws = dict(batch.seed_draws)
         outputs = _padded(call, inputs, args, kwargs, batch, pad, inspect=True)
@@ -447,11 +456,12 @@ def layer_call(layer, call, *, pad):
         if where is None:
             _decide(layer, key, _CLEAN)
             return outputs.value
-        _retrace_or_go_on(batch, layer, key, where)
+        decision = (_GLOBAL, outputs.statistics)
+        _retrace_or_go_on(batch, layer, key, where, decision)
         if losses is not None:  # the first run's terms and draws are not the step's
             del batch.losses[losses:]
         batch.seed_draws = draws
-        return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch)
+        return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, outputs.statistics)
 
     return called
 
@@ -465,8 +475,14 @@ def _added_meet(terms):
 
 
 class _Inspected:
-    def __init__(self, value, where):
+    """A call's outputs, where rows meet in them, and which of them are statistics of the rows."""
+
+    def __init__(self, value, where, inner):
         self.value, self.where = value, where
+        self.statistics = tuple(
+            isinstance(v, tf.Tensor) and penalties.kind_of_value(v) in (
+                penalties.ROW_SUM, penalties.ROW_MEAN, penalties.FIXED)
+            for v in tree.flatten(inner))
 
 
 def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
@@ -475,7 +491,7 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
             and not batch.global_region and isinstance(inputs, tf.Tensor)
             and inputs.shape.rank not in (None, 0)):
         outputs = call(inputs, *args, **kwargs)
-        return _Inspected(outputs, meets(outputs)) if inspect else outputs
+        return _Inspected(outputs, meets(outputs, statistics=True), outputs) if inspect else outputs
     from keras_distrib import _keras_compat
 
     has_rows = tf.shape(inputs)[0] > 0
@@ -487,7 +503,7 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
         outputs = call(padded, *args, **kwargs)
     finally:
         batch.padded.pop()
-    where = meets(outputs) if inspect else None
+    where = meets(outputs, statistics=True) if inspect else None
 
     def cut(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
@@ -498,11 +514,17 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
         # batch): each its own, which the cut's `cond` would hide from the walk.
         return kept if where is not None else mark_layout(penalties.mark_rows(kept), layout, batch)
 
+    inner = outputs
     outputs = tree.map_structure(cut, outputs)
-    return _Inspected(outputs, where) if inspect else outputs
+    return _Inspected(outputs, where, inner) if inspect else outputs
 
 
-def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
+def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics):
+    """`call` on the global batch; each row-aligned output keeps this replica's rows.
+
+    `statistics`: for each output (flat), whether it is a statistic of the
+    rows (kept whole: the global batch's, the same on every replica).
+    """
     if batch.plan.xla_forward and batch.in_forward:
         raise ValueError(
             f"layer {layer.name!r} ({type(layer).__name__}) makes the rows of the batch meet, "
@@ -532,9 +554,11 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
     fake = tf.shape(values[0])[0] - rows
     layout = row_layout(values[0], batch)
 
-    def own_rows(value):
-        if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
-            return value
+    def own_rows(value, statistic):
+        if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0) or statistic:
+            # A statistic of the global batch (or a scalar): the same on every
+            # replica, its gradient all-reduced back through the gather.
+            return penalties.mark_global(value) if isinstance(value, tf.Tensor) else value
         check = tf.debugging.assert_equal(tf.shape(value)[0], tf.shape(first)[0],
                                           message=ROWS_REFUSAL + f" Layer: {layer.name!r}.")
         with tf.control_dependencies([check]):
@@ -543,7 +567,9 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch):
         kept.set_shape(values[0].shape[:1].concatenate(value.shape[1:]))
         return mark_layout(penalties.mark_rows(kept), layout, batch)
 
-    return tree.map_structure(own_rows, outputs)
+    flat = tree.flatten(outputs)
+    statistics = statistics if len(statistics) == len(flat) else (False,) * len(flat)
+    return tree.pack_sequence_as(outputs, [own_rows(v, s) for v, s in zip(flat, statistics)])
 
 
 # ---------------------------------------------------------------------------

@@ -185,6 +185,9 @@ def judge_target(target):
         batch.gradient_kind = replica.SHARE
         return
     kind = penalties.kind_of(target)
+    if kind == penalties.SHARE:  # shares kd computed, scaled by constants or summed
+        batch.gradient_kind = replica.SHARE
+        return
     if isinstance(kind, penalties.Unknown) and kind.meets and batch.rows_meet == "global":
         coupling.inline(kind, batch, "the loss whose gradient the step takes", target.graph)
     if isinstance(kind, penalties.Unknown) and kind.mixing and not kind.meets:

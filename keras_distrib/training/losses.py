@@ -178,11 +178,11 @@ def _refuse_row_mixing(values):
         raise ValueError(
             f"`per_example_loss` depends on the rows of the batch together: {kind.mixing}. On "
             f"{_replicas_in_sync()} replicas each computes that from its own rows, not from the "
-            "global batch one device sees. Gather the tensors the rows meet in with "
-            "`kd.losses.global_batch(tensor)` (every replica's rows, the gradient flowing back "
-            "to each; it also returns this replica's offset, for labels such as "
-            "`offset + tf.range(rows)`), or compute the loss in a kd model's step, where kd "
-            "gathers them itself."
+            f"global batch one device sees. {_LAYOUT_FIX}; kd's models compute any layer whose "
+            "rows meet on the global batch. For a loss of your own, gather the tensors the rows "
+            "meet in with `kd.losses.global_batch(tensor)` (every replica's rows, the gradient "
+            "flowing back to each; it also returns this replica's offset, for labels such as "
+            "`offset + tf.range(rows)`)."
         )
     mixing = penalties.row_mixing(values)
     if mixing:
@@ -262,6 +262,8 @@ def scale_regularization(losses, *, local_rows=None):
         by_kind.setdefault(kind, []).append(tf.reduce_sum(term))
     share = tf.zeros((), dtype)
     rows = None if local_rows is None else tf.cast(local_rows, dtype)
+    if penalties.SHARE in by_kind:  # shares kd computed already
+        share += tf.add_n(by_kind[penalties.SHARE])
     same_everywhere = by_kind.get(penalties.FIXED, []) + by_kind.get(penalties.GLOBAL, [])
     if same_everywhere:
         share += tf.add_n(same_everywhere) / replicas
@@ -663,6 +665,8 @@ def replica_part(value, what=None):
         return value
     value = tf.convert_to_tensor(value)
     kind = penalties.kind_of(value)
+    if kind == penalties.SHARE:  # a share kd computed, scaled or summed: as it is
+        return value
     if kind == penalties.GLOBAL:
         # Computed on the global batch: the same on every replica, rows or none.
         return value / tf.cast(context.num_replicas_in_sync, value.dtype)

@@ -52,6 +52,7 @@ __all__ = [
     "ROW_MEAN",
     "ROW_SUM",
     "SHAPE_OPS",
+    "SHARE",
     "Unknown",
     "keeps_rows",
     "kind_of",
@@ -60,6 +61,7 @@ __all__ = [
     "mark_global",
     "mark_offset",
     "mark_rows",
+    "mark_share",
     "row_mixing",
     "row_sources",
 ]
@@ -75,6 +77,9 @@ _STATIC = "static"  # an integer constant cast to a number, maybe the static row
 _OPTIONAL = "optional"  # the replica's next batch as an Optional (get_next_as_optional)
 _COLUMNS = "columns"  # rows transposed onto the second axis (`transpose(x)`, `x[None, :]`)
 _OFFSET = "offset"  # where the replica's rows start in the global batch (`kd.losses.global_batch`)
+# A replica's share of a loss kd computed (its shares add up over replicas to
+# the global loss): what it is made of is kd's arithmetic, not the walk's.
+SHARE = "share"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +126,12 @@ def _mark(tensor, kind):
 def mark_global(tensor):
     """Marks `tensor` as the same on every replica (e.g. global batch statistics)."""
     return _mark(tensor, FIXED)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_share(tensor):
+    """Marks `tensor` as a loss share kd computed (see `SHARE`)."""
+    return _mark(tensor, SHARE)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -405,6 +416,8 @@ def _kind_of_op_output(op, index, kinds):
         return Unknown(op.name)
     if unknown is not None:
         return unknown
+    if SHARE in kinds:
+        return _with_share(op, kinds)
     index = next((k for k in kinds if isinstance(k, _Index)), None)
     if index is not None:
         return _with_index(op, kinds, index)
@@ -547,6 +560,17 @@ def _kind_of_op_output(op, index, kinds):
     if kind_type == "OneHot":
         return ROWS if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) else Unknown(op.name)
     return _rows_or_meeting(op, kinds)
+
+
+def _with_share(op, kinds):
+    """A loss share kd computed, scaled or summed with others: still a share; else unknown."""
+    others = {k for k in kinds if k != SHARE}
+    if op.type in _IDENTITY or (op.type in ("Add", "AddV2", "Sub", "AddN") and not others):
+        return SHARE
+    if op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Neg") and others <= {FIXED, _STATIC}:
+        if op.type not in ("RealDiv", "Div", "DivNoNan") or kinds[0] == SHARE:
+            return SHARE
+    return Unknown(op.name)
 
 
 def _with_index(op, kinds, index):
@@ -727,7 +751,7 @@ def kind_of(term):
     kind = _settled(kind)
     if kind == ROWS:
         return ROW_SUM
-    if kind in (FIXED, ROW_SUM, ROW_MEAN, GLOBAL):
+    if kind in (FIXED, ROW_SUM, ROW_MEAN, GLOBAL, SHARE):
         return kind
     if isinstance(kind, Unknown):
         return kind

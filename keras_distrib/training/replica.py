@@ -22,6 +22,8 @@ import threading
 import tensorflow as tf
 from keras import tree
 
+from keras_distrib.training import penalties
+
 __all__ = [
     "ReplicaBatch",
     "SHARE",
@@ -289,6 +291,7 @@ def mark_share(value):
     batch = current_batch()
     if batch is not None and tf.is_tensor(value) and not batch.global_region:
         batch.shares[id(value)] = value
+        penalties.mark_share(value)
     return value
 
 

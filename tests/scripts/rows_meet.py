@@ -203,6 +203,20 @@ def build(pattern, base, per_replica=False):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], **options)
         return model, "regression"
 
+    if pattern == "batch_context":
+        # A layer of one's own returns a statistic of the batch; Keras's own layer
+        # combines it with the rows.
+        class BatchContext(keras.layers.Layer):
+            def call(self, x):
+                return ops.mean(x, axis=0, keepdims=True)
+
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(5, activation="tanh")(inputs)
+        hidden = keras.layers.Subtract()([hidden, BatchContext()(hidden)])
+        model = base(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], **options)
+        return model, "regression"
+
     if pattern == "mined_triplets":
         # The hardest positive and negative of each row, mined in the batch.
         def hardest_triplets(labels, embeddings):
