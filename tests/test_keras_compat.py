@@ -12,6 +12,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,48 @@ def test_versions_are_in_the_tested_range():
     assert _keras_compat.TESTED_KERAS[0] <= _keras_compat.KERAS_VERSION <= _keras_compat.TESTED_KERAS[1]
     assert (_keras_compat.TESTED_TENSORFLOW[0] <= _keras_compat.TENSORFLOW_VERSION
             <= _keras_compat.TESTED_TENSORFLOW[1])
+
+
+def _admitted(name):
+    """(first, last) minor versions pyproject.toml's dependencies admit for `name`."""
+    with open(os.path.join(os.path.dirname(PACKAGE), "pyproject.toml")) as f:
+        text = f.read()
+    dependencies = text[text.index("dependencies = ["):text.index("]", text.index("dependencies = ["))]
+    (low, high), = re.findall(rf'"{name}>=(\d+\.\d+),<(\d+\.\d+)"', dependencies)
+    first = tuple(int(p) for p in low.split("."))
+    ceiling = tuple(int(p) for p in high.split("."))
+    return first, (ceiling[0], ceiling[1] - 1)
+
+
+def test_pyproject_admits_exactly_the_tested_versions():
+    assert _admitted("keras") == _keras_compat.TESTED_KERAS
+    assert _admitted("tensorflow") == _keras_compat.TESTED_TENSORFLOW
+
+
+@pytest.mark.parametrize("keras_version,tensorflow_version,found", [
+    ("3.12.0", "2.21.0", "found Keras 3.12.0"),
+    ("3.15.1", "2.20.0", "found TensorFlow 2.20.0"),
+    ("3.16.0.dev2026010203", "2.22.0", "found Keras 3.16.0.dev2026010203 and TensorFlow 2.22.0"),
+])
+def test_an_untested_version_is_refused_naming_the_tested_ones(keras_version, tensorflow_version, found):
+    keras_range, tensorflow_range = _keras_compat.TESTED_KERAS, _keras_compat.TESTED_TENSORFLOW
+    tested = (f"tested with Keras {keras_range[0][0]}.{keras_range[0][1]} and "
+              f"TensorFlow {tensorflow_range[0][0]}.{tensorflow_range[0][1]}")
+    with pytest.raises(ImportError, match=re.escape(tested) + ".*" + re.escape(found)) as raised:
+        _keras_compat.check_versions(keras_version, tensorflow_version, {})
+    message = str(raised.value)
+    assert 'pip install "keras>=' in message and "KD_UNTESTED_VERSIONS=1" in message
+    # Asked to run anyway, kd warns with the same facts.
+    with pytest.warns(UserWarning, match=re.escape(found)):
+        _keras_compat.check_versions(keras_version, tensorflow_version, {"KD_UNTESTED_VERSIONS": "1"})
+
+
+def test_the_tested_versions_pass_the_check_silently(recwarn):
+    for keras_range in _keras_compat.TESTED_KERAS:
+        for tensorflow_range in _keras_compat.TESTED_TENSORFLOW:
+            _keras_compat.check_versions(".".join(map(str, keras_range)) + ".4",
+                                         ".".join(map(str, tensorflow_range)) + ".0rc1", {})
+    assert not recwarn.list
 
 
 def _resolve(path):
