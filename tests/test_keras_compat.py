@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import losses as kd_losses
+from tests import _project
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
 
@@ -163,7 +164,10 @@ def _private_uses(tree):
 
 def _own_names(trees):
     """Private names kd defines itself (functions, methods, attributes, modules)."""
-    names = {os.path.splitext(f)[0] for _, folders, files in os.walk(PACKAGE) for f in folders + files}
+    names = set()
+    for path in _project.project_files("keras_distrib"):
+        parts = os.path.relpath(path, PACKAGE).split(os.sep)
+        names |= {os.path.splitext(part)[0] for part in parts}
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -185,12 +189,9 @@ _PYTHON_API = {"_exit"}
 
 def test_no_private_keras_or_tensorflow_names_outside_compat():
     sources = {}
-    for folder, _, files in os.walk(PACKAGE):
-        for file in files:
-            if file.endswith(".py"):
-                path = os.path.join(folder, file)
-                with open(path) as f:
-                    sources[os.path.relpath(path, PACKAGE)] = ast.parse(f.read())
+    for path in _project.project_files("keras_distrib", ".py"):
+        with open(path) as f:
+            sources[os.path.relpath(path, PACKAGE)] = ast.parse(f.read())
     own = _own_names(tree for path, tree in sources.items() if not path.startswith("_keras_compat" + os.sep))
     outside = {}
     for path, tree in sources.items():
