@@ -59,10 +59,12 @@ _PUBLIC = {
     "gradients": ("keras_distrib.gradients", None),
     "is_chief": ("keras_distrib.cluster.info", "is_chief"),
     "launch": ("keras_distrib.cluster.launcher", "launch"),
+    "load_model": ("keras_distrib.training.saving", "load_model"),
     "local_cluster": ("keras_distrib.cluster.inprocess", "local_cluster"),
     "losses": ("keras_distrib.losses", None),
     "make_strategy": ("keras_distrib.cluster.strategies", "make_strategy"),
     "replay_epochs": ("keras_distrib.training.data", "replay_epochs"),
+    "save_for_keras": ("keras_distrib.training.saving", "save_for_keras"),
     "testing": ("keras_distrib.testing", None),
     "virtual_devices": ("keras_distrib.cluster.devices", "virtual_devices"),
 }

@@ -31,6 +31,7 @@ import pytest
 
 import keras_distrib as kd
 from keras_distrib.commands import cli
+from tests import _project
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "keras_distrib")
@@ -212,24 +213,14 @@ def test_every_command_line_option_is_on_the_reference_page(command, capsys):
 
 def test_every_kd_environment_variable_is_listed():
     read = set()
-    for folder, _, files in os.walk(PACKAGE):
-        for file in files:
-            if file.endswith(".py"):
-                with open(os.path.join(folder, file)) as f:
-                    read |= set(re.findall(r"\b(KD_[A-Z][A-Z_]*)\b", f.read()))
+    for path in _project.project_files("keras_distrib", ".py"):
+        with open(path) as f:
+            read |= set(re.findall(r"\b(KD_[A-Z][A-Z_]*)\b", f.read()))
     assert "KD_WATCHDOG" in read
     with open(ENVIRONMENT_PAGE) as f:
         page = f.read()
     missing = sorted(v for v in read if f"`{v}" not in page)
     assert not missing, f"environment variables missing from docs/reference/environment.md: {missing}"
-
-
-def _project_files():
-    skip = {".git", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", "site", "test-artifacts"}
-    for folder, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in skip and not d.endswith(".egg-info")]
-        for file in files:
-            yield os.path.join(folder, file)
 
 
 # Ways a file could reach beside the repository: the steering folder by name,
@@ -240,7 +231,7 @@ OUTSIDE = re.compile(r"\.\./shared|[\'\"]shared[\'\"]\s*,|dirname\(\s*REPO\s*\)|
 def test_nothing_reads_outside_the_repository():
     this_file = os.path.abspath(__file__)
     offenders = []
-    for path in _project_files():
+    for path in _project.project_files():
         if os.path.abspath(path) == this_file or not os.path.isfile(path):
             continue
         try:
@@ -272,12 +263,9 @@ def test_error_types_are_exported():
 
 def _modules():
     names = []
-    for folder, _, files in os.walk(PACKAGE):
-        for file in sorted(files):
-            if not file.endswith(".py") or file.startswith("_"):
-                continue
-            relative = os.path.relpath(os.path.join(folder, file), REPO)[:-3]
-            names.append(relative.replace(os.sep, "."))
+    for path in _project.project_files("keras_distrib", ".py"):
+        if not os.path.basename(path).startswith("_"):
+            names.append(os.path.relpath(path, REPO)[:-3].replace(os.sep, "."))
     names += ["keras_distrib", "keras_distrib.callbacks"]
     return sorted(set(n for n in names if not n.endswith(".__init__")))
 

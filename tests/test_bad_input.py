@@ -262,6 +262,12 @@ CASES = [
     ("chief-verbose", lambda c: kd.cluster.chief_verbose(7), ValueError, "verbose", "7"),
     ("writer-directory-file", lambda c: kd.cluster.writer_directory(str(c.tmp / "keep.txt")).__enter__(),
      ValueError, "directory", "is a file"),
+    ("save-for-keras-suffix", lambda c: kd.save_for_keras(c.model, str(c.tmp / "m.h5")), ValueError,
+     "filepath", "does not end in .keras"),
+    ("save-for-keras-overwrite", lambda c: kd.save_for_keras(c.model, str(c.tmp / "m.keras"), overwrite="no"),
+     ValueError, "overwrite", "'no'"),
+    ("load-model-missing", lambda c: kd.load_model(str(c.tmp / "none.keras")), ValueError, "filepath",
+     "does not exist"),
     ("virtual-devices-count", lambda c: kd.virtual_devices(0), ValueError, "n", "0"),
     ("virtual-devices-type", lambda c: kd.virtual_devices(2, "TPU"), ValueError, "device_type", "'TPU'"),
 ]

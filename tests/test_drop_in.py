@@ -252,6 +252,9 @@ def test_replicas_predict_on_batch_reduction_none_and_generators():
     assert result["arrays_unchanged"]
     # An optional input fed None cannot be split over replicas (plain Keras fails too).
     assert "`x[1]` is None" in result["optional_none"] and "one device" in result["optional_none"]
+    # A plain Keras file loaded into kd under 2 replicas trains on as plain Keras on one device.
+    assert result["loaded_class"] == "FunctionalModel" and result["loaded_steps"] == 3
+    assert result["handed_on_diff"] < 1e-12, result["handed_on_diff"]
 
 
 class Batches(keras.utils.PyDataset):

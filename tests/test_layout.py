@@ -15,6 +15,8 @@ the machinery does. Every import counts, those inside functions too.
 import ast
 import os
 
+from tests import _project
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "keras_distrib")
 
@@ -97,16 +99,13 @@ def violations(modules):
 def package_modules():
     """{dotted name: (source, is_package)} for every module of keras_distrib."""
     found = {}
-    for folder, _, files in os.walk(PACKAGE):
-        for file in files:
-            if file.endswith(".py"):
-                path = os.path.join(folder, file)
-                name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
-                is_package = name.endswith(".__init__")
-                if is_package:
-                    name = name[: -len(".__init__")]
-                with open(path) as f:
-                    found[name] = (f.read(), is_package)
+    for path in _project.project_files("keras_distrib", ".py"):
+        name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+        is_package = name.endswith(".__init__")
+        if is_package:
+            name = name[: -len(".__init__")]
+        with open(path) as f:
+            found[name] = (f.read(), is_package)
     return found
 
 

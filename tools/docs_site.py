@@ -49,6 +49,7 @@ TOPICS = (
     ("Training loops", ("keras_distrib.training.train_loop", "keras_distrib.training.gradients")),
     ("Checkpoints and evaluation", ("keras_distrib.checkpointing.checkpoint",
                                     "keras_distrib.checkpointing.evaluator")),
+    ("Saving and loading models", ("keras_distrib.training.saving",)),
     ("Launching a cluster", ("keras_distrib.cluster.launcher", "keras_distrib.cluster.inprocess")),
 )
 ERRORS = "Errors and warnings"

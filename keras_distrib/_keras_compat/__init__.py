@@ -42,13 +42,18 @@ The floor of the layout. May import: no other kd module; every other part
 may import it (`tests/test_layers.py`, `tests/test_layout.py`).
 """
 
+import os
 import warnings
 
 import keras
 import tensorflow as tf
 
-TESTED_KERAS = ((3, 12), (3, 15))
-TESTED_TENSORFLOW = ((2, 20), (2, 21))
+# The minor versions the whole suite passes on (first, last); pyproject.toml
+# admits exactly these (tests/test_keras_compat.py checks that the two agree).
+TESTED_KERAS = ((3, 15), (3, 15))
+TESTED_TENSORFLOW = ((2, 21), (2, 21))
+# Set to 1 to run on other versions anyway: kd then warns instead of refusing.
+UNTESTED_VERSIONS_VARIABLE = "KD_UNTESTED_VERSIONS"
 
 
 def _version_tuple(version):
@@ -59,15 +64,55 @@ def _version_tuple(version):
     return tuple(parts)
 
 
+def _minor_range(tested):
+    first, last = (".".join(map(str, version)) for version in tested)
+    return first if first == last else f"{first} to {last}"
+
+
+def _requirement(name, tested):
+    first, last = tested
+    return f"{name}>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
+
+
+def check_versions(keras_version, tensorflow_version, environ=None):
+    """Refuses Keras or TensorFlow versions outside the tested ranges.
+
+    kd works around Keras and TensorFlow internals (this package), which
+    change between minor versions: on an untested version training may
+    fail, or worse, run and differ from one device. pyproject.toml keeps pip
+    from installing such versions; this catches an environment pip did not
+    check (a `keras-nightly`, `--no-deps`, a pinned image).
+
+    Args:
+        keras_version: Keras's version string (`keras.__version__`).
+        tensorflow_version: TensorFlow's version string.
+        environ: The environment (`os.environ` when `None`); with
+            `KD_UNTESTED_VERSIONS=1` kd warns instead of refusing.
+
+    Raises:
+        ImportError: a version is outside its tested range; the message
+            names the tested versions, the ones found and the fix.
+    """
+    environ = os.environ if environ is None else environ
+    found = {"Keras": (keras_version, TESTED_KERAS), "TensorFlow": (tensorflow_version, TESTED_TENSORFLOW)}
+    wrong = [f"{name} {version}" for name, (version, tested) in found.items()
+             if not tested[0] <= _version_tuple(version) <= tested[1]]
+    if not wrong:
+        return
+    tested = " and ".join(f"{name} {_minor_range(tested)}" for name, (_, tested) in found.items())
+    install = " ".join(f'"{_requirement(name.lower(), tested)}"' for name, (_, tested) in found.items())
+    facts = f"keras_distrib is tested with {tested}, and found {' and '.join(wrong)}"
+    if environ.get(UNTESTED_VERSIONS_VARIABLE, "").strip() == "1":
+        warnings.warn(f"{facts}; running anyway ({UNTESTED_VERSIONS_VARIABLE}=1), without the "
+                      "exactness the tests check there.", stacklevel=3)
+        return
+    raise ImportError(f"{facts}. Install the tested versions (pip install {install}), or set "
+                      f"{UNTESTED_VERSIONS_VARIABLE}=1 to run anyway, unchecked.")
+
+
 KERAS_VERSION = _version_tuple(keras.__version__)
 TENSORFLOW_VERSION = _version_tuple(tf.__version__)
-if not TESTED_KERAS[0] <= KERAS_VERSION <= TESTED_KERAS[1]:
-    warnings.warn(
-        f"keras_distrib is tested with Keras {TESTED_KERAS[0]}..{TESTED_KERAS[1]}"
-        f" and found Keras {keras.__version__}; run its compatibility tests "
-        "(tests/test_keras_compat.py) before trusting exactness.",
-        stacklevel=2,
-    )
+check_versions(keras.__version__, tf.__version__)
 
 # Every private name kd relies on: (owner, name, what kd needs from it).
 # tests/test_keras_compat.py resolves each one on the installed versions.

@@ -135,7 +135,7 @@ def _test(options):
     from keras_distrib.commands import selftest
 
     return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
-                         directory=options.dir)
+                         directory=options.dir, gpu=options.gpu)
 
 
 def _env(options):
@@ -234,6 +234,10 @@ def build_parser():
     test.add_argument("--dir", default=None,
                       help="where the checkpoint check writes inside a TF_CONFIG cluster "
                       "(shared storage); a temporary directory by default")
+    test.add_argument("--gpu", action="store_true",
+                      help="check the GPU path instead: one GPU split into 2 logical GPUs (or 2 GPUs), "
+                      "an NCCL all-reduce, and training against one GPU in float32, mixed_float16 "
+                      "and with jit_compile=True (a few minutes; exit code 2 without a GPU)")
     test.set_defaults(run=_test)
 
     env = commands.add_parser(
