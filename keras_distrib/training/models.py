@@ -303,6 +303,24 @@ def _global_batch_draw(name, shaped, draw):
 
 
 
+def _metric_in_scope(metric):
+    """`metric`, made again in the current strategy's scope if it was made outside it.
+
+    A metric object made before the scope holds plain variables: each
+    replica updates the one copy, and its state cannot travel in the step's
+    gradient all-reduce with the other metrics' (it cost a collective of its
+    own per step). Its config makes the same metric, with per-replica states.
+    """
+    if not isinstance(metric, keras.metrics.Metric) or \
+            tf.distribute.get_strategy().num_replicas_in_sync == 1 or \
+            all(_keras_compat.sync_on_read_aggregation(v) is not None for v in metric.variables):
+        return metric
+    try:
+        return type(metric).from_config(metric.get_config())
+    except (TypeError, ValueError, NotImplementedError):
+        return metric  # a metric of one's own that cannot be made again: as it is
+
+
 def _sub_model_call(layer, call):
     """`call` of a plain Keras model inside a kd model's step (see `coupling.layer_call`)."""
     layer_call = coupling.layer_call(layer, call, pad=True)
@@ -860,6 +878,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         # made outside the scope is a plain variable on one device.
         scope = contextlib.nullcontext() if tf.distribute.has_strategy() else self.distribute_strategy.scope()
         with scope:
+            for name in ("metrics", "weighted_metrics"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = tree.map_structure(_metric_in_scope, kwargs[name])
             super().compile(*args, **kwargs)
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
