@@ -789,14 +789,15 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     - A loss of plain ops with no share computed in the step (no
       `compute_loss`, loss object or `kd.losses` call) is read from its graph
       at `tape.gradient`: a sum over rows is summed over replicas as it is;
-      one with no split over replicas (a maximum over rows, a nonlinear
-      function of a mean, a product of means, a sum plus a constant) raises
-      `ValueError` at the first step, naming the op; anything else is taken
-      as a mean over the replica's rows (each replica's gradient weighted by
-      n_r / N before the all-reduce: exact for a mean of per-row terms plus
-      terms of the weights). A share mixed with a plain mean in one loss, or
-      ops the walk does not follow, are not detected: use `compute_loss` or
-      `kd.losses.global_mean` there.
+      one in which the rows of the batch meet (a maximum over rows, the root
+      of a mean, in-batch negatives, `arange(batch_size)` labels) is computed
+      on the global batch (kd gathers the tensors it starts from and traces
+      the step again); anything else is taken as a mean over the replica's
+      rows (each replica's gradient weighted by n_r / N before the
+      all-reduce: exact for a mean of per-row terms plus terms of the
+      weights). A share mixed with a plain mean in one loss, or ops the walk
+      does not follow (a `tf.while_loop` over rows), are not detected: use
+      `compute_loss` or `kd.losses.global_mean` there.
     - What the step returns: a metric's `result()` (recognised by identity,
       nested `compile_metrics` included) is the metric's global value; a
       loss share is summed over replicas; another scalar is weighted by
