@@ -37,6 +37,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
 from keras_distrib.training import penalties
+from keras_distrib.training.coupling import global_batch  # kd.losses.global_batch
 from keras_distrib import validation
 from keras_distrib.training.replica import current_batch
 from keras_distrib.training.replica import is_share
@@ -51,8 +52,6 @@ __all__ = [
     "row_weighted",
     "scale_regularization",
 ]
-
-global_batch = coupling.global_batch
 
 
 def _numbers(name, value, function):
