@@ -25,7 +25,8 @@ TOLERANCE = {True: 1e-9, False: 2e-5}
 
 def _check(results, configs, dtypes):
     by_key = {(r["config"], r["float64"], r["pattern"]): r for r in results}
-    expected = {(c, d == "float64", p) for c in configs for d in dtypes for p in PATTERNS}
+    expected = {(c, d == "float64", p) for c in configs for d in dtypes for p in PATTERNS
+                if not c.startswith("spe3-") or (d == dtypes[0] and p != "by_hand")}
     assert set(by_key) == expected, sorted(set(by_key) ^ expected)
     failures = [r for r in results if not r["config"].startswith("per_replica")
                 and ("error" in r or not (r["weights"] <= TOLERANCE[r["float64"]]
@@ -39,7 +40,9 @@ REFUSED = ["batch_statistics_jit", "by_hand_local"]
 
 @pytest.mark.cluster
 def test_rows_that_meet_match_one_device_on_mirrored_replicas():
-    configs, dtypes = ["mirrored2", "per_replica-mirrored2"], ["float64", "float32"]
+    # (steps_per_execution=3: a gather cannot sit in a compiled loop, whose
+    # collectives keep their first shape; kd runs one step per call, exact.)
+    configs, dtypes = ["mirrored2", "per_replica-mirrored2", "spe3-mirrored2"], ["float64", "float32"]
     code, output = _harness.run_script("rows_meet.py", ",".join(configs),
                                        ",".join(PATTERNS + REFUSED), ",".join(dtypes), timeout=600)
     assert code == 0, output[-4000:]

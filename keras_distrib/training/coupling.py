@@ -52,6 +52,7 @@ from keras_distrib.training import penalties
 from keras_distrib.training import replica
 
 __all__ = [
+    "GatherInLoop",
     "MODES",
     "NO_ROWS",
     "ROWS_REFUSAL",
@@ -82,6 +83,14 @@ ROWS_REFUSAL = (
 
 _CLEAN = "clean"
 _GLOBAL = "global"
+
+
+class GatherInLoop(Exception):
+    """A gather inside a compiled loop of several steps: kd's step runs one step per call then.
+
+    TensorFlow fixes the shape of a collective at its first loop iteration,
+    and a gathered batch's rows change with the batch (an uneven last batch).
+    """
 
 
 class RowsMeet(Exception):
@@ -223,7 +232,7 @@ def row_layout(tensor, batch):
 
 def _layout_of_op(op, value, layouts):
     kind = op.type
-    if kind in ("ConcatV2", "Pack") and kind == "ConcatV2":
+    if kind == "ConcatV2":
         axis = tf.get_static_value(op.inputs[-1])
         parts = layouts[:-1]
         if axis is not None and int(axis) % max(value.shape.rank or 1, 1) == 0 and \
@@ -327,6 +336,8 @@ def gather(values, batch, *, own_gradient):
     """
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
+    if batch.plan.looped:
+        raise GatherInLoop("the global batch cannot be gathered inside a compiled loop")
     values = [tf.convert_to_tensor(v) for v in values]
     layouts = [row_layout(v, batch) for v in values]
     places = [None] * len(values)

@@ -707,9 +707,9 @@ class Step:
             if self._looping:
                 try:
                     return self._call_many(iterator, count, quiet)
-                except SparseGradientInLoop:
+                except (SparseGradientInLoop, coupling.GatherInLoop) as why:
                     self._looping = False
-                    _warn_stepwise(self.model, count)
+                    _warn_stepwise(self.model, count, why)
                 except _CompositeInLoop:  # ragged or sparse predictions
                     self._looping = False
             return self._stepwise(iterator, count, quiet)
@@ -797,11 +797,14 @@ class Step:
         return run_on_worker
 
 
-def _warn_stepwise(model, count):
+def _warn_stepwise(model, count, why):
+    what = ("the model has sparse gradients (e.g. from an Embedding), which cannot be "
+            "all-gathered inside a compiled loop" if isinstance(why, SparseGradientInLoop) else
+            "the rows of its batch meet, and kd gathers the global batch there, which a "
+            "compiled loop cannot hold (its shape changes with an uneven last batch)")
     warnings.warn(
-        f"{model.name}: {count} steps per call run as {count} calls of one step: the "
-        "model has sparse gradients (e.g. from an Embedding), which cannot be all-gathered "
-        "inside a compiled loop. The results are exact either way.",
+        f"{model.name}: {count} steps per call run as {count} calls of one step: {what}. "
+        "The results are exact either way.",
         stacklevel=3,
     )
 
