@@ -1,10 +1,18 @@
-"""`keras_distrib.gradients`: the public path of `kd.gradients`, the gradient pipeline (docs/API.md).
+"""The gradient pipeline: one all-reduce, then the optimizer's own steps on the global gradient.
 
-The code lives in `keras_distrib.training.gradients`; this module only re-exports its
-names, so `keras_distrib.gradients` and imports from it keep working.
+Keras applies clipping, accumulation and loss-scale unscaling to each
+replica's partial gradient; kd's pipeline sums the replicas' gradients first,
+then unscales, accumulates, clips, decays and applies them as one device does.
+`fit` and `kd.TrainLoop` install it themselves; a hand-written loop gives its
+optimizer the pipeline with `exact_optimizer`.
 """
 
-from keras_distrib.training import gradients as _implementation
-from keras_distrib.training.gradients import *  # noqa: F401,F403  (the names of its __all__)
+from keras_distrib.training.gradients import all_reduce
+from keras_distrib.training.gradients import exact_optimizer
+from keras_distrib.training.gradients import install
 
-__all__ = _implementation.__all__
+__all__ = [
+    "all_reduce",
+    "exact_optimizer",
+    "install",
+]

@@ -84,16 +84,17 @@ __all__ = [
 ]
 
 IN_PROCESS = ("one_device", "mirrored", "central_storage")
-IN_CLUSTER = ("multi_worker", "parameter_server")
-STRATEGIES = IN_PROCESS + IN_CLUSTER
-PATHS = ("fit", "loop")
-FLOAT32_TOLERANCE = 2e-5
-FLOAT16_TOLERANCE = 5e-3
+"""The strategies `assert_parity` runs in this process, on logical CPU devices."""
+_IN_CLUSTER = ("multi_worker", "parameter_server")
+STRATEGIES = IN_PROCESS + _IN_CLUSTER
+"""Every strategy name `assert_parity` takes: `IN_PROCESS`, then `"multi_worker"` and `"parameter_server"`."""
+_PATHS = ("fit", "loop")
+_FLOAT32_TOLERANCE = 2e-5
+_FLOAT16_TOLERANCE = 5e-3
 # An exact model re-run in float64 matches one device to about 1e-12 (Adam
 # can magnify the last bits of a near-zero gradient a few thousand times).
-FLOAT64_TOLERANCE = 1e-9
-DEFAULT_DEVICES = 2
-_CLUSTER_TIMEOUT = 300
+_FLOAT64_TOLERANCE = 1e-9
+_DEFAULT_DEVICES = 2
 
 
 def _task_entry():
@@ -128,7 +129,7 @@ def _cpu_devices(count):
     return [f"/device:CPU:{i}" for i in range(count)]
 
 
-def local_strategy(kind, *, replicas=DEFAULT_DEVICES):
+def local_strategy(kind, *, replicas=2):
     """A strategy of `kind` in this process, on logical CPU devices.
 
     Args:
@@ -151,7 +152,7 @@ def local_strategy(kind, *, replicas=DEFAULT_DEVICES):
     if kind not in IN_PROCESS:
         raise ValueError(
             f"`kind`={kind!r} does not run in this process. Expected one of "
-            f"{list(IN_PROCESS)}; for {list(IN_CLUSTER)} use run_in_cluster()."
+            f"{list(IN_PROCESS)}; for {list(_IN_CLUSTER)} use run_in_cluster()."
         )
     if not validation.is_whole(replicas, 1):
         raise ValueError(f"`replicas`={replicas!r}: expected a whole number >= 1.")
@@ -168,7 +169,13 @@ _ERROR_MARK = "kd.testing error: "
 
 
 class ClusterError(AssertionError):
-    """A process started by `run_in_cluster` failed; `summary` is its error in one line."""
+    """A process started by `run_in_cluster` failed (an `AssertionError`, so pytest reports it).
+
+    Args:
+        message: The whole report: the error in one line, then the
+            process's last lines of output.
+        summary: The error in one line (also `self.summary`).
+    """
 
     def __init__(self, message, summary):
         super().__init__(message)
@@ -196,7 +203,7 @@ def _cluster_task(kind, workers, spec, args):
         raise
 
 
-def run_in_cluster(fn, *args, kind="multi_worker", workers=2, timeout=_CLUSTER_TIMEOUT):
+def run_in_cluster(fn, *args, kind="multi_worker", workers=2, timeout=300):
     """Runs `fn(strategy, *args)` under a strategy that needs other processes.
 
     Args:
@@ -220,8 +227,8 @@ def run_in_cluster(fn, *args, kind="multi_worker", workers=2, timeout=_CLUSTER_T
             the message starts with its error in one line, then its last
             lines of output.
     """
-    if kind not in IN_CLUSTER:
-        raise ValueError(f"`kind`={kind!r}: expected one of {list(IN_CLUSTER)}.")
+    if kind not in _IN_CLUSTER:
+        raise ValueError(f"`kind`={kind!r}: expected one of {list(_IN_CLUSTER)}.")
     spec = _task_entry().function_spec(fn)
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPUs only: see the module docstring
@@ -475,6 +482,15 @@ def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
             + ". kd models compute global statistics (unless compiled with "
             "batch_norm=\"per_replica\"); or use BatchNormalization(synchronized=True)."
         )
+    if kd_model and getattr(model, "rows_meet", "global") == "per_replica" and replicas > 1:
+        causes.append(
+            "rows left to each replica: the model was compiled with rows_meet=\"per_replica\", "
+            "so wherever the rows of a batch meet (in-batch negatives, labels numbered from the "
+            "batch size, a layer or loss reading statistics of the batch, a loss mining the "
+            "batch), each replica sees only its own rows, not the global batch one device sees. "
+            "Compile with rows_meet=\"global\" (the default), where kd gathers the global batch "
+            "there."
+        )
     if not kd_model and uneven:
         causes.append(
             f"a plain Keras model ({type(model).__name__}, not a kd model) on an uneven batch: Keras 3 "
@@ -501,9 +517,9 @@ def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
     if _is_own_code(_defining_module(model, "train_step")):
         if kd_model:
             what = ("kd reads a loss it did not compute from its graph (a mean or a sum of "
-                    "per-row terms is exact, a batch statistic is refused); one through ops it "
-                    "cannot follow is taken as a mean over the replica's rows, which it may "
-                    "not be")
+                    "per-row terms is exact; where rows meet, kd computes on the global batch); "
+                    "one through ops it cannot follow is taken as a mean over the replica's "
+                    "rows, which it may not be")
             advice = "call self.compute_loss(...) or kd.losses.global_mean, which kd makes exact"
         else:
             what = ("a loss averaged over the replica's own rows (e.g. tf.reduce_mean) is a "
@@ -620,8 +636,8 @@ def _check_arguments(model_fn, data, strategies_, steps, path, batch_size, repli
     if not callable(model_fn):
         problems.append(f"`model_fn`={model_fn!r} is not callable: pass a function that builds "
                         "and compiles the model")
-    if path not in PATHS:
-        problems.append(f"`path`={path!r}: expected one of {list(PATHS)}")
+    if path not in _PATHS:
+        problems.append(f"`path`={path!r}: expected one of {list(_PATHS)}")
     for kind in strategies_:
         if not isinstance(kind, tf.distribute.Strategy) and kind not in STRATEGIES:
             problems.append(f"`strategies` item {kind!r}: expected one of {list(STRATEGIES)} or a "
@@ -633,7 +649,7 @@ def _check_arguments(model_fn, data, strategies_, steps, path, batch_size, repli
     if not validation.is_whole(replicas, 1):
         problems.append(f"`replicas`={replicas!r}: expected a whole number >= 1")
     if isinstance(data, tf.data.Dataset):
-        cluster = [k for k in strategies_ if not isinstance(k, tf.distribute.Strategy) and k in IN_CLUSTER]
+        cluster = [k for k in strategies_ if not isinstance(k, tf.distribute.Strategy) and k in _IN_CLUSTER]
         if cluster:
             problems.append(f"`data` is a tf.data.Dataset, which cannot reach the processes of "
                             f"{cluster}: pass a `dataset_fn(input_context)` defined at module level "
@@ -678,7 +694,7 @@ def _label(kind, replicas, path):
 
 
 def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", batch_size=32,
-                  replicas=DEFAULT_DEVICES, tolerance=None, seed=0, timeout=_CLUSTER_TIMEOUT):
+                  replicas=2, tolerance=None, seed=0, timeout=300):
     """Asserts that `model_fn`'s model trains under each strategy as on one device.
 
     Trains on one CPU device (the reference) and under each strategy, from
@@ -718,7 +734,7 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
             round-off), or 5e-3 for a mixed-precision model, when `None`.
             A float32 difference above it is checked again in float64
             (both runs, from the same initial weights): if float64 matches
-            to `FLOAT64_TOLERANCE` (1e-9), the difference was round-off
+            to 1e-9, the difference was round-off
             (an optimizer such as Adam magnifies the last bits of a
             near-zero gradient), and the strategy passes with a warning.
         seed: Passed to `keras.utils.set_random_seed` before each build.
@@ -789,12 +805,12 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
     shapes = [tuple(w.shape) for w in initial]
     if tolerance is None:
         policy = getattr(getattr(reference_model, "dtype_policy", None), "name", "")
-        tolerance = FLOAT16_TOLERANCE if "16" in policy else FLOAT32_TOLERANCE
+        tolerance = _FLOAT16_TOLERANCE if "16" in policy else _FLOAT32_TOLERANCE
 
     def train_under(kind, arrays, initial, floatx="float32"):
         label = _label(kind, replicas, path)
         try:
-            if not isinstance(kind, tf.distribute.Strategy) and kind in IN_CLUSTER:
+            if not isinstance(kind, tf.distribute.Strategy) and kind in _IN_CLUSTER:
                 shipped = arrays
                 if callable(arrays) and not isinstance(arrays, tuple):
                     shipped = (_task_entry().function_spec(arrays),)
@@ -838,7 +854,7 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
         try:
             results[_label(kind, replicas, path)] = compare(kind, reference, candidate, tolerance)
         except _Mismatch as mismatch:
-            if tolerance >= FLOAT16_TOLERANCE or _is_dataset_source(arrays):
+            if tolerance >= _FLOAT16_TOLERANCE or _is_dataset_source(arrays):
                 # Mixed precision: float64 would be another model. A dataset
                 # holds its own dtypes: only NumPy data is re-run in float64.
                 raise
@@ -888,7 +904,7 @@ def _recheck_in_float64(mismatch, kind, model_fn, arrays, initial, *, seed, batc
             reference = _train(reference_model, wide, batch_size=batch_size, steps=steps,
                                path="fit", per_epoch=False)
         candidate = train_under(kind, wide, initial64, floatx="float64")
-        gap64 = compare(kind, reference, candidate, min(tolerance, FLOAT64_TOLERANCE))
+        gap64 = compare(kind, reference, candidate, min(tolerance, _FLOAT64_TOLERANCE))
     except _Mismatch as real:
         raise AssertionError(
             f"{mismatch}\n  float64 re-check: the same training in float64 still differs by "
@@ -957,10 +973,10 @@ def pytest_addoption(parser):
     group = parser.getgroup("keras_distrib")
     group.addoption(
         "--kd-devices", type=int, default=None,
-        help=f"logical CPU devices keras_distrib.testing splits the CPU into (default {DEFAULT_DEVICES})",
+        help=f"logical CPU devices keras_distrib.testing splits the CPU into (default {_DEFAULT_DEVICES})",
     )
-    parser.addini("kd_devices", f"logical CPU devices for kd.testing (default {DEFAULT_DEVICES})",
-                  default=str(DEFAULT_DEVICES))
+    parser.addini("kd_devices", f"logical CPU devices for kd.testing (default {_DEFAULT_DEVICES})",
+                  default=str(_DEFAULT_DEVICES))
 
 
 def _requested_devices(config):
@@ -973,7 +989,7 @@ def _requested_devices(config):
     try:
         return int(config.getini("kd_devices"))
     except (ValueError, TypeError):
-        return DEFAULT_DEVICES
+        return _DEFAULT_DEVICES
 
 
 def pytest_configure(config):
@@ -1014,7 +1030,11 @@ def kd_central_storage():
 
 @_fixture(params=IN_PROCESS)
 def kd_strategy(request):
-    """Each in-process strategy in turn: one device, mirrored, central storage."""
+    """Each in-process strategy in turn: one device, mirrored, central storage.
+
+    Args:
+        request: pytest's fixture request (its `param` is the strategy's name).
+    """
     return local_strategy(request.param)
 
 

@@ -53,16 +53,17 @@ def _env():
     return env
 
 
-def run_script(name, *args, timeout=300):
+def run_script(name, *args, timeout=300, fresh=False):
     """Runs tests/scripts/<name> in a new process; returns (returncode, output).
 
     The process is a fork of the warm interpreter when its environment
     allows (see `_Warm`), else a fresh `python -u`; the script cannot tell.
-    KD_TESTS_FRESH_PROCESSES=1 gives every script a fresh interpreter.
+    KD_TESTS_FRESH_PROCESSES=1 gives every script a fresh interpreter, and
+    `fresh=True` this one (a script that must not find kd imported).
     """
     argv = [os.path.join(SCRIPTS, name), *map(str, args)]
     env = _env()
-    if _WARM.serves(env):
+    if not fresh and _WARM.serves(env):
         code, output = _WARM.run(argv, env, timeout)
     else:
         code, output = _run_fresh([sys.executable, "-u", *argv], env, timeout)

@@ -17,7 +17,7 @@ import tensorflow as tf
 import keras_distrib as kd
 from keras_distrib import files
 from keras_distrib.checkpointing import checkpoint as checkpoint_lib
-from keras_distrib.checkpoint import CheckpointError
+from keras_distrib.checkpointing.checkpoint import CheckpointError
 from tests import _harness
 
 
@@ -89,9 +89,9 @@ def test_callbacks_on_two_workers_leave_only_the_chiefs_files(tmp_path, monkeypa
     # One writer per run directory (train/validation): the chief alone.
     assert sorted(os.path.basename(os.path.dirname(e)) for e in events) == ["train", "validation"]
     assert (out / "backup" / "latest").exists()
-    # Written by another process: kd's classes must be registered here (docs/API.md), as in a
-    # user's process that loads the file without having used a kd model yet.
-    import keras_distrib.models  # noqa: F401
+    # Written by another process: kd's classes must be registered here, as in a user's
+    # process that loads the file without having used a kd model yet (docs/guides/saving.md).
+    kd.Model  # noqa: B018  (loading kd's model classes registers them with Keras)
 
     loaded = keras.models.load_model(out / "ckpt" / "model-02.keras", compile=False)
     assert loaded.count_params() == 6

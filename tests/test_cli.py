@@ -10,6 +10,7 @@ import pytest
 from keras_distrib.commands import cli
 from keras_distrib.commands import environment
 from keras_distrib.commands import selftest
+from tests import _harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +33,45 @@ def test_self_test_passes_on_this_machine():
     assert "worker 0 (chief) wrote model-1.keras, model-2.keras; worker 1 kept no file" in output
     for noise in ("I0000", "E0000", "W0000", "absl::InitializeLog", "Traceback"):
         assert noise not in output, (noise, output)
+
+
+@pytest.mark.cluster
+def test_the_gpu_check_runs_its_logic_on_cpu_devices():
+    # No GPU here: the same checks on 2 logical CPU devices, NCCL's row
+    # replaced by RING collectives and saying so.
+    code, output = _harness.run_script("gpu_check.py", timeout=240)
+    assert code == 0, output[-4000:]
+    rows = {line.split("  ")[0]: line for line in output.splitlines() if re.search(r"\s(PASS|FAIL|SKIP)\s", line)}
+    assert sorted(rows) == sorted([
+        "devices", "all-reduce, 2 replicas (RING, NCCL's stand-in on CPU)",
+        "training: float32, RING vs one device", "training: mixed_float16 vs one device",
+        "training: jit_compile=True vs one device"]), output
+    assert all(" PASS " in row for row in rows.values()), output
+    assert "no GPU: the GPU path's logic on 2 logical CPU devices" in rows["devices"]
+    assert "NCCL all-reduces GPU memory only" in rows["all-reduce, 2 replicas (RING, NCCL's stand-in on CPU)"]
+    assert "(tolerance 0.005)" in rows["training: mixed_float16 vs one device"]
+    assert "All 5 checks passed" in output
+    assert _harness.results_of(output)[0]["seconds"] < 300
+
+
+def test_the_gpu_check_without_a_gpu_says_so(capsys):
+    assert cli.main(["test", "--gpu"]) == selftest.NO_GPU
+    output = capsys.readouterr().out
+    assert "keras-distrib test --gpu: TensorFlow finds no GPU here" in output
+    assert "or `keras-distrib test` for the CPU checks" in output
+
+
+def test_a_skipped_row_is_neither_passed_nor_failed(capsys):
+    checks = [selftest.Check("devices", True, "1 GPU", 0.1),
+              selftest.Check("all-reduce, 2 GPU replicas (NCCL)", True, "NCCL refused 2 logical GPUs", 0.2,
+                             skipped=True),
+              selftest.Check("training: float32, RING vs one GPU", False, "weights differ", 1.0)]
+    selftest.print_table(checks, 3.0)
+    output = capsys.readouterr().out
+    assert re.search(r"^all-reduce, 2 GPU replicas \(NCCL\)\s+SKIP\s+0.2 s\s+NCCL refused", output, re.M)
+    assert "1 of 2 checks FAILED (1 skipped)" in output
+    selftest.print_table(checks[:2], 1.0)
+    assert "All 1 checks passed (1 skipped)" in capsys.readouterr().out
 
 
 def test_self_test_failure_gives_a_failing_row_and_exit_code(monkeypatch, capsys):
@@ -63,6 +103,7 @@ def test_env_names_versions_devices_cluster_and_auto(monkeypatch, capsys):
     ["launch", "--verbose", "--workers", "2", "train.py"],
     ["demo", "--quick", "--verbose"],
     ["test", "--workers", "3", "--timeout", "30", "--verbose"],
+    ["test", "--gpu"],
     ["env"],
 ])
 def test_commands_parse(argv):

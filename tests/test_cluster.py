@@ -392,16 +392,17 @@ def test_kubernetes_indexed_job_pods_train_exactly(one_device_run):
     _check_exact(results, one_device_run, "kubernetes")
 
 
-# The README's Kubernetes recipe: its environment, backup volume and restart policy.
+# The Kubernetes guide's recipe (docs/guides/kubernetes.md): its environment, backup volume
+# and restart policy.
 
 
 def _kubernetes_recipe():
     import yaml
 
-    with open(os.path.join(_harness.REPO, "README.md")) as f:
+    with open(os.path.join(_harness.REPO, "docs", "guides", "kubernetes.md")) as f:
         text = f.read()
-    match = re.search(r"^### Kubernetes.*?^```yaml\n(.*?)^```", text, re.S | re.M)
-    assert match, "README.md has no ```yaml block under '### Kubernetes'"
+    match = re.search(r"^# Kubernetes.*?^```yaml\n(.*?)^```", text, re.S | re.M)
+    assert match, "docs/guides/kubernetes.md has no ```yaml block under '# Kubernetes'"
     service, job = yaml.safe_load_all(match.group(1))
     return service, job
 
@@ -454,7 +455,7 @@ def test_the_kubernetes_recipes_pods_restart_resume_and_go_on_with_the_survivors
     # exist here). The backup volume is a directory both mount. A drain
     # (SIGTERM to both) makes them save and exit 42; OnFailure restarts the
     # containers, which resume from the volume. Then pod 1's node is lost for
-    # good (SIGKILL, never restarted): pod 0 fails, and the README's elastic
+    # good (SIGKILL, never restarted): pod 0 fails, and the Kubernetes guide's elastic
     # step (a new Job of 1 pod, KD_NUM_PODS=1, the old Job's KD_RUN) resumes
     # from the volume and ends as one device does.
     service, job = _kubernetes_recipe()

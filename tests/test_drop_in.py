@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib.loop import EmptyDataError
+from keras_distrib.training import loop as loop_lib
+from keras_distrib.training.loop import EmptyDataError
 from keras_distrib.validation import InputError
 from keras_distrib.validation import NonFiniteDataWarning
 from tests import _harness
@@ -251,6 +252,9 @@ def test_replicas_predict_on_batch_reduction_none_and_generators():
     assert result["arrays_unchanged"]
     # An optional input fed None cannot be split over replicas (plain Keras fails too).
     assert "`x[1]` is None" in result["optional_none"] and "one device" in result["optional_none"]
+    # A plain Keras file loaded into kd under 2 replicas trains on as plain Keras on one device.
+    assert result["loaded_class"] == "FunctionalModel" and result["loaded_steps"] == 3
+    assert result["handed_on_diff"] < 1e-12, result["handed_on_diff"]
 
 
 class Batches(keras.utils.PyDataset):
@@ -365,8 +369,8 @@ def test_python_fed_datasets_are_found_without_serializing_them():
     spec = (tf.TensorSpec((None, 3), tf.float64), tf.TensorSpec((None, 2), tf.float64))
     generated = tf.data.Dataset.from_generator(batches, output_signature=spec)
     from_arrays = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4)
-    assert kd.loop.owned_batches(from_arrays) is from_arrays
-    copied = kd.loop.owned_batches(generated.prefetch(1))
+    assert loop_lib.owned_batches(from_arrays) is from_arrays
+    copied = loop_lib.owned_batches(generated.prefetch(1))
     assert copied is not generated and copied.element_spec == generated.element_spec
     for (x, y), (x_copy, y_copy) in zip(generated, copied):
         np.testing.assert_array_equal(x, x_copy)

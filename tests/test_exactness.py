@@ -53,7 +53,7 @@ MATRIX = {
     "parameter_server": ALL,
 }
 MULTI_WORKER = CORE + ["clipnorm", "mixed_float16", "reshuffled_dataset"]
-# The rest of the cross product (README's table; `python -m pytest -m full`):
+# The rest of the cross product (docs/concepts/exactness.md's matrix; `python -m pytest -m full`):
 # features whose code is the same on these paths as under mirrored2.
 FULL_EXTRA = {
     "mirrored4": ["clipnorm", "cnn", "resnet_bn", "two_sync_bn"],

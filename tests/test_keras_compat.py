@@ -12,6 +12,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import losses as kd_losses
+from tests import _project
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
 
@@ -30,6 +32,48 @@ def test_versions_are_in_the_tested_range():
     assert _keras_compat.TESTED_KERAS[0] <= _keras_compat.KERAS_VERSION <= _keras_compat.TESTED_KERAS[1]
     assert (_keras_compat.TESTED_TENSORFLOW[0] <= _keras_compat.TENSORFLOW_VERSION
             <= _keras_compat.TESTED_TENSORFLOW[1])
+
+
+def _admitted(name):
+    """(first, last) minor versions pyproject.toml's dependencies admit for `name`."""
+    with open(os.path.join(os.path.dirname(PACKAGE), "pyproject.toml")) as f:
+        text = f.read()
+    dependencies = text[text.index("dependencies = ["):text.index("]", text.index("dependencies = ["))]
+    (low, high), = re.findall(rf'"{name}>=(\d+\.\d+),<(\d+\.\d+)"', dependencies)
+    first = tuple(int(p) for p in low.split("."))
+    ceiling = tuple(int(p) for p in high.split("."))
+    return first, (ceiling[0], ceiling[1] - 1)
+
+
+def test_pyproject_admits_exactly_the_tested_versions():
+    assert _admitted("keras") == _keras_compat.TESTED_KERAS
+    assert _admitted("tensorflow") == _keras_compat.TESTED_TENSORFLOW
+
+
+@pytest.mark.parametrize("keras_version,tensorflow_version,found", [
+    ("3.12.0", "2.21.0", "found Keras 3.12.0"),
+    ("3.15.1", "2.20.0", "found TensorFlow 2.20.0"),
+    ("3.16.0.dev2026010203", "2.22.0", "found Keras 3.16.0.dev2026010203 and TensorFlow 2.22.0"),
+])
+def test_an_untested_version_is_refused_naming_the_tested_ones(keras_version, tensorflow_version, found):
+    keras_range, tensorflow_range = _keras_compat.TESTED_KERAS, _keras_compat.TESTED_TENSORFLOW
+    tested = (f"tested with Keras {keras_range[0][0]}.{keras_range[0][1]} and "
+              f"TensorFlow {tensorflow_range[0][0]}.{tensorflow_range[0][1]}")
+    with pytest.raises(ImportError, match=re.escape(tested) + ".*" + re.escape(found)) as raised:
+        _keras_compat.check_versions(keras_version, tensorflow_version, {})
+    message = str(raised.value)
+    assert 'pip install "keras>=' in message and "KD_UNTESTED_VERSIONS=1" in message
+    # Asked to run anyway, kd warns with the same facts.
+    with pytest.warns(UserWarning, match=re.escape(found)):
+        _keras_compat.check_versions(keras_version, tensorflow_version, {"KD_UNTESTED_VERSIONS": "1"})
+
+
+def test_the_tested_versions_pass_the_check_silently(recwarn):
+    for keras_range in _keras_compat.TESTED_KERAS:
+        for tensorflow_range in _keras_compat.TESTED_TENSORFLOW:
+            _keras_compat.check_versions(".".join(map(str, keras_range)) + ".4",
+                                         ".".join(map(str, tensorflow_range)) + ".0rc1", {})
+    assert not recwarn.list
 
 
 def _resolve(path):
@@ -120,7 +164,10 @@ def _private_uses(tree):
 
 def _own_names(trees):
     """Private names kd defines itself (functions, methods, attributes, modules)."""
-    names = {os.path.splitext(f)[0] for _, folders, files in os.walk(PACKAGE) for f in folders + files}
+    names = set()
+    for path in _project.project_files("keras_distrib"):
+        parts = os.path.relpath(path, PACKAGE).split(os.sep)
+        names |= {os.path.splitext(part)[0] for part in parts}
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -142,12 +189,9 @@ _PYTHON_API = {"_exit"}
 
 def test_no_private_keras_or_tensorflow_names_outside_compat():
     sources = {}
-    for folder, _, files in os.walk(PACKAGE):
-        for file in files:
-            if file.endswith(".py"):
-                path = os.path.join(folder, file)
-                with open(path) as f:
-                    sources[os.path.relpath(path, PACKAGE)] = ast.parse(f.read())
+    for path in _project.project_files("keras_distrib", ".py"):
+        with open(path) as f:
+            sources[os.path.relpath(path, PACKAGE)] = ast.parse(f.read())
     own = _own_names(tree for path, tree in sources.items() if not path.startswith("_keras_compat" + os.sep))
     outside = {}
     for path, tree in sources.items():

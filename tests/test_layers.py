@@ -9,18 +9,16 @@ Keras/TensorFlow internals, importing no kd module.
 import ast
 import os
 
+from tests import _project
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = os.path.join(REPO, "keras_distrib")
 
 
 def _modules():
     found = {}
-    for folder, _, files in os.walk(PACKAGE):
-        for file in files:
-            if file.endswith(".py"):
-                path = os.path.join(folder, file)
-                name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
-                found[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    for path in _project.project_files("keras_distrib", ".py"):
+        name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+        found[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return found
 
 

@@ -1,4 +1,4 @@
-"""keras_distrib.penalties: what a term is, read from the graph that computes it.
+"""keras_distrib.training.penalties: what a term is, read from the graph that computes it.
 
 In-process: the graph is the same on one device; the 2-replica arithmetic
 is checked against one device in tests/test_losses.py (loop_layout.py).

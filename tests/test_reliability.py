@@ -322,7 +322,7 @@ def test_a_failing_cleanup_does_not_fail_a_finished_run(tmp_path, caplog, monkey
 
 
 def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     backup = tmp_path / "backup"
     backup.mkdir()
@@ -350,7 +350,7 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
 @pytest.mark.parametrize("kind", ["dangling", "looping"])
 def test_a_broken_symlink_backup_dir_is_refused_at_once(kind, tmp_path):
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     link = tmp_path / "backup"
     link.symlink_to(tmp_path / "gone" if kind == "dangling" else link)
@@ -395,7 +395,7 @@ def test_latest_naming_a_deleted_checkpoint_is_refused(tmp_path):
     import tensorflow as tf
 
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     manager = kd.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), tmp_path / "c")
     manager.save(epoch=1)
@@ -411,7 +411,7 @@ def test_latest_naming_a_deleted_checkpoint_is_refused(tmp_path):
 @pytest.mark.cluster
 @pytest.mark.parametrize("free_pages,what", [(0, "lock file"), (3, "checkpoint")])
 def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, mount_point):
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
     with contextlib.suppress(OSError):
@@ -429,7 +429,7 @@ def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, m
 @pytest.mark.cluster
 def test_a_full_disk_at_model_checkpoints_first_save_is_named(mount_point):
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
     with contextlib.suppress(OSError):
@@ -447,7 +447,7 @@ def test_a_full_disk_at_model_checkpoints_first_save_is_named(mount_point):
 
 def test_a_path_that_is_not_utf8_is_refused_before_training(tmp_path):
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     name = os.fsdecode(os.fsencode(str(tmp_path)) + b"/backup-\xff")
     with pytest.raises(CheckpointError, match=r"`backup_dir`=.*backup-\\udcff' is not valid UTF-8 .*"
@@ -548,7 +548,7 @@ def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_
     import json
 
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     backup = tmp_path / "backup"
     _backup_after_one_epoch(backup)
@@ -593,7 +593,7 @@ def test_another_experiments_backup_is_refused_naming_what_changed(change, match
     import keras
 
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     backup = tmp_path / "backup"
     x, y = _xy(8)
@@ -631,7 +631,7 @@ def test_a_declared_change_resumes_exactly_from_the_backup_and_is_recorded(setti
     import numpy as np
 
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     backup = tmp_path / "backup"
     x, y = _xy(8)
@@ -690,7 +690,7 @@ def test_a_dataset_of_unknown_length_resumed_with_another_batch_size_is_refused(
     import tensorflow as tf
 
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     x, y = _xy(48)
 
@@ -724,7 +724,7 @@ def test_an_old_or_hand_edited_progress_file_is_refused(edit, match, tmp_path):
     import json
 
     import keras_distrib as kd
-    from keras_distrib.checkpoint import CheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     backup = tmp_path / "backup"
     _backup_after_one_epoch(backup)

@@ -1,9 +1,9 @@
-"""The README's Slurm recipe, as written, on a real Slurm cluster on this machine.
+"""The Slurm guide's recipe (docs/guides/slurm.md), as written, on a real Slurm cluster on this machine.
 
 munge, slurmctld and two slurmd (nodes kdn1 and kdn2, both 127.0.0.1) from
 the system's packages (`tools/setup_slurm.sh`), started once for the session
-and ended by pid (tests/_slurm.py). The batch script is the README's, read
-from README.md; `train.py` is tests/scripts/slurm_train.py. Every result is
+and ended by pid (tests/_slurm.py). The batch script is the guide's, read
+from docs/guides/slurm.md; `train.py` is tests/scripts/slurm_train.py. Every result is
 compared with plain Keras on one device.
 """
 
@@ -30,12 +30,15 @@ if _MISSING and os.environ.get("CI", "").lower() != "true":
 _TOLERANCE = 1e-5
 
 
-def _readme_script(heading=r"^### Slurm\n"):
-    """The first ```bash block after `heading` (a regular expression) in README.md."""
-    with open(os.path.join(_harness.REPO, "README.md")) as f:
+GUIDE = os.path.join("docs", "guides", "slurm.md")
+
+
+def _guide_script(heading=r"^# Slurm\n"):
+    """The first ```bash block after `heading` (a regular expression) in the Slurm guide."""
+    with open(os.path.join(_harness.REPO, GUIDE)) as f:
         text = f.read()
     match = re.search(heading + r".*?^```bash\n(.*?)^```", text, re.S | re.M)
-    assert match, f"README.md has no ```bash block after {heading!r}"
+    assert match, f"{GUIDE} has no ```bash block after {heading!r}"
     return match.group(1)
 
 
@@ -67,8 +70,8 @@ def reference(tmp_path_factory):
 
 
 def _job_dir(tmp_path):
-    """`train.sbatch` (the README's script, verbatim) and `train.py` in a directory of their own."""
-    (tmp_path / "train.sbatch").write_text(_readme_script())
+    """`train.sbatch` (the guide's script, verbatim) and `train.py` in a directory of their own."""
+    (tmp_path / "train.sbatch").write_text(_guide_script())
     shutil.copy(os.path.join(_harness.SCRIPTS, "slurm_train.py"), tmp_path / "train.py")
     return tmp_path
 
@@ -103,7 +106,7 @@ def _no_leftovers(slurm):
 
 
 def test_the_recipe_checks_itself():
-    script = _readme_script()
+    script = _guide_script()
     assert "--kill-on-bad-exit=1" in script and "KD_PORT" not in script
     assert "--gpus-per-node" not in script.split("\n# One task per GPU")[0]  # not a fixed #SBATCH line
     assert re.search(r"^#SBATCH --signal=USR1@\d+", script, re.M)
@@ -173,7 +176,7 @@ def test_a_killed_task_ends_the_job_with_a_message_and_leaves_nothing(slurm, tmp
     # training task on one node; its agent says which task died and how,
     # --kill-on-bad-exit ends the other node's agent, nothing stays behind.
     job_dir = _job_dir(tmp_path)
-    step = re.search(r"^  (srun --kill-on-bad-exit=1 .*?\n.*?)\n", _readme_script(), re.S | re.M).group(1)
+    step = re.search(r"^  (srun --kill-on-bad-exit=1 .*?\n.*?)\n", _guide_script(), re.S | re.M).group(1)
     (job_dir / "step.sbatch").write_text(
         "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\nper_node=1\n"
         f"{step}\necho STEP EXITED $?\n")
@@ -201,12 +204,12 @@ def test_keras_distrib_test_under_srun_names_slurm_and_passes(slurm):
 
 
 def test_the_elastic_recipe_goes_on_with_the_node_left_and_ends_as_one_device(slurm, reference, tmp_path):
-    # The README's elastic script, verbatim, on both nodes (2 workers each);
+    # The guide's elastic script, verbatim, on both nodes (2 workers each);
     # after a backup node kdn2 is lost for good. Slurm ends the step and keeps
     # the job (--no-kill); the loop starts the step again on kdn1 alone, whose
     # 2 workers resume from the 4 workers' backup and end as one device.
     job_dir = _job_dir(tmp_path)
-    (job_dir / "elastic.sbatch").write_text(_readme_script(r"^\*\*Elastic Slurm job\.\*\*"))
+    (job_dir / "elastic.sbatch").write_text(_guide_script(r"^## An elastic Slurm job\n"))
     job = _submit(slurm, job_dir, "--nodes=2", script="elastic.sbatch", MIN_NODES="1",
                   CPU_TASKS_PER_NODE="2", KD_SLURM_SLOW="0.5")
     backup = job_dir / "backup"

@@ -1,3 +1,7 @@
+import re
+import socket
+import time
+
 import pytest
 import tensorflow as tf
 
@@ -44,6 +48,34 @@ def test_tpu_absent_is_explained(monkeypatch):
     monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)
     with pytest.raises(ValueError, match="no TPU was found"):
         kd.make_strategy("tpu")
+
+
+@pytest.mark.parametrize("variable,value", [("TPU_NAME", "local"), ("COLAB_TPU_ADDR", "10.0.0.2:8470"),
+                                            ("TPU_WORKER_HOSTNAMES", "t1k-worker-0")])
+def test_a_tpu_variable_without_a_tpu_is_named_with_the_fix(monkeypatch, variable, value):
+    # TensorFlow's resolver raised URLError ("Name or service not known") for TPU_NAME=local.
+    for name in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"kd looked for a TPU because of {variable}='{re.escape(value)}' "
+                                         rf"in the environment, but TensorFlow could not resolve it \(\w+.*\)\. "
+                                         rf"On a machine without a TPU, unset it \(`unset {variable}`\)"):
+        kd.make_strategy("auto")
+
+
+def test_a_tpu_address_that_does_not_answer_is_refused_at_once(monkeypatch):
+    # TensorFlow waits for ever on it (measured: still waiting after 300 s).
+    for name in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"because of `tpu`='grpc://localhost:{port}', but its worker "
+                                         rf"localhost:{port} does not accept a connection .*Refused.*"
+                                         r"Pass `tpu=` the name or grpc:// address of a TPU"):
+        kd.make_strategy("tpu", tpu=f"grpc://localhost:{port}")
+    assert time.monotonic() - started < 10
 
 
 def test_parameter_server_needs_ps_tasks(monkeypatch):

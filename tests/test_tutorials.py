@@ -12,9 +12,11 @@ from keras_distrib import tf_logs
 TUTORIALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials")
 
 
-def run_notebook(name, parameters, report, workdir):
+def run_notebook(name, parameters, report, workdir, figures=0):
     """Executes tutorials/<name>.ipynb with `parameters` injected after its
-    parameters cell (as papermill does) and returns the `report` expression's value."""
+    parameters cell (as papermill does) and returns the `report` expression's value.
+
+    `figures`: how many figures (PNG outputs: its curves) the run must show at least."""
     notebook = nbformat.read(os.path.join(TUTORIALS, f"{name}.ipynb"), as_version=4)
     index = next(i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", []))
     injected = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
@@ -32,6 +34,9 @@ def run_notebook(name, parameters, report, workdir):
     noise = [line for cell in notebook.cells for output in cell.get("outputs", [])
              for line in output.get("text", "").splitlines() if tf_logs.is_startup_notice(line)]
     assert not noise, f"{name} shows TensorFlow's start-up notices: {noise[:3]}"
+    shown = sum("image/png" in output.get("data", {}) for cell in notebook.cells
+                for output in cell.get("outputs", []))
+    assert shown >= figures, f"{name} showed {shown} figure(s), expected {figures}"
     for output in notebook.cells[-1].outputs:
         for line in output.get("text", "").splitlines():
             if line.startswith("REPORT "):
@@ -43,11 +48,14 @@ def run_notebook(name, parameters, report, workdir):
 def test_overview(tmp_path):
     result = run_notebook(
         "distributed_training_overview", {"DATA": "digits", "EPOCHS": 3, "LIMIT": 2000},
-        "{'accuracy': TEST_ACCURACY, 'diff': MAX_WEIGHT_DIFF, 'replicas': strategy.num_replicas_in_sync}",
-        tmp_path,
+        "{'accuracy': TEST_ACCURACY, 'diff': MAX_WEIGHT_DIFF, 'plain': PLAIN_WEIGHT_DIFF, "
+        "'replicas': strategy.num_replicas_in_sync}",
+        tmp_path, figures=1,
     )
     assert result["replicas"] == 2
     assert result["diff"] <= 1e-5
+    # The contrast its curves show: plain Keras under the same strategy (2.5e-3 when written).
+    assert result["plain"] > 1e-4, result
     assert result["accuracy"] > 0.7, result
 
 
@@ -56,7 +64,7 @@ def test_custom_training_loop(tmp_path):
     result = run_notebook(
         "custom_training_loop", {"DATA": "digits", "EPOCHS": 2, "LIMIT": 2000},
         "{'trained': TRAINED, 'restored': RESTORED, 'total': total, 'custom': CUSTOM_STEP_DIFF, "
-        "'plain': max_difference(runs['plain Keras'])}", tmp_path,
+        "'plain': max_difference(runs['plain Keras'])}", tmp_path, figures=1,
     )
     # A train_step override with clipnorm and an activity regularizer: exact
     # with kd, far off with plain Keras under the same strategy.
@@ -110,8 +118,9 @@ def test_fine_tune_ecosystem_models(tmp_path):
         "fine_tune_ecosystem_models", {"ROWS": 33, "BATCH": 16, "EPOCHS": 1},
         "{'diff': MAX_DIFF, 'reloaded': RELOADED_SAME, 'plain': PLAIN_BERT, 'tags': GRAPH_TAGS, "
         "'reloaded_class': type(reloaded).__name__, 'compiled': reloaded.compiled, "
-        "'steps': int(reloaded.optimizer.iterations.numpy())}",
-        tmp_path,
+        "'steps': int(reloaded.optimizer.iterations.numpy()), "
+        "'curves': BERT_CURVES}",
+        tmp_path, figures=1,
     )
     # A KerasHub task and a keras.applications backbone: exact under the strategy.
     assert sorted(result["diff"]) == ["BertTextClassifier", "MobileNetV2 head"]
@@ -123,13 +132,17 @@ def test_fine_tune_ecosystem_models(tmp_path):
     assert result["reloaded"] is True
     assert (result["reloaded_class"], result["compiled"], result["steps"]) == ("ExactBertClassifier", True, 3)
     assert "keras" in result["tags"], result  # the model graph, for kd's FunctionalModel
+    # Its curves: the loss after each of 1 epoch's 3 steps, kd's one device's to round-off.
+    curves = result["curves"]
+    assert sorted(curves) == ["kd, mirrored", "one device"] and len(curves["one device"]) == 3, curves
+    assert all(abs(a - b) <= 2e-5 * (1 + abs(a)) for a, b in zip(curves["one device"], curves["kd, mirrored"]))
 
 
 @pytest.mark.cluster
 def test_own_train_step(tmp_path):
     result = run_notebook(
         "own_train_step", {"EPOCHS": 2, "ROWS": 225},
-        "{'parity': PARITY, 'curves': CURVES, 'weights': WEIGHT_DIFF}", tmp_path,
+        "{'parity': PARITY, 'curves': CURVES, 'weights': WEIGHT_DIFF}", tmp_path, figures=1,
     )
     # Every pattern (trackers, a loss object, a GAN, a VAE) passed assert_parity on
     # mirrored and central storage; the numbers it returned are within float32 round-off.
@@ -142,3 +155,21 @@ def test_own_train_step(tmp_path):
     assert result["weights"]["kd.Model, mirrored"] <= 2e-5, result
     # The contrast: the same class body on keras.Model under the same strategy.
     assert result["weights"]["keras.Model, mirrored"] > 1e-3, result
+
+
+@pytest.mark.cluster
+def test_contrastive_learning(tmp_path):
+    result = run_notebook(
+        "contrastive_learning", {"DATA": "digits", "EPOCHS": 2, "LIMIT": 600},
+        "{'dual': DUAL_DIFF, 'plain': DUAL_PLAIN_DIFF, 'simclr': SIMCLR_DIFF, "
+        "'parity': max(PARITY.values()), 'caught': CAUGHT, 'recall': [reference_recall, kd_recall]}",
+        tmp_path, figures=2,
+    )
+    # The dual encoder's in-batch negatives and the SimCLR-style step's arange
+    # labels: one device's model on 2 replicas; plain Keras there is far off.
+    assert result["dual"] <= 2e-5 and result["simclr"] <= 2e-5, result
+    assert result["plain"] > 1e-3, result
+    assert result["recall"][0] == result["recall"][1], result
+    assert result["parity"] <= 2e-5, result
+    assert 'likely cause: rows left to each replica: the model was compiled with ' \
+        'rows_meet="per_replica"' in result["caught"], result["caught"][:2000]

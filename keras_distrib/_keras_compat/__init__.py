@@ -42,13 +42,18 @@ The floor of the layout. May import: no other kd module; every other part
 may import it (`tests/test_layers.py`, `tests/test_layout.py`).
 """
 
+import os
 import warnings
 
 import keras
 import tensorflow as tf
 
-TESTED_KERAS = ((3, 12), (3, 15))
-TESTED_TENSORFLOW = ((2, 20), (2, 21))
+# The minor versions the whole suite passes on (first, last); pyproject.toml
+# admits exactly these (tests/test_keras_compat.py checks that the two agree).
+TESTED_KERAS = ((3, 15), (3, 15))
+TESTED_TENSORFLOW = ((2, 21), (2, 21))
+# Set to 1 to run on other versions anyway: kd then warns instead of refusing.
+UNTESTED_VERSIONS_VARIABLE = "KD_UNTESTED_VERSIONS"
 
 
 def _version_tuple(version):
@@ -59,15 +64,55 @@ def _version_tuple(version):
     return tuple(parts)
 
 
+def _minor_range(tested):
+    first, last = (".".join(map(str, version)) for version in tested)
+    return first if first == last else f"{first} to {last}"
+
+
+def _requirement(name, tested):
+    first, last = tested
+    return f"{name}>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
+
+
+def check_versions(keras_version, tensorflow_version, environ=None):
+    """Refuses Keras or TensorFlow versions outside the tested ranges.
+
+    kd works around Keras and TensorFlow internals (this package), which
+    change between minor versions: on an untested version training may
+    fail, or worse, run and differ from one device. pyproject.toml keeps pip
+    from installing such versions; this catches an environment pip did not
+    check (a `keras-nightly`, `--no-deps`, a pinned image).
+
+    Args:
+        keras_version: Keras's version string (`keras.__version__`).
+        tensorflow_version: TensorFlow's version string.
+        environ: The environment (`os.environ` when `None`); with
+            `KD_UNTESTED_VERSIONS=1` kd warns instead of refusing.
+
+    Raises:
+        ImportError: a version is outside its tested range; the message
+            names the tested versions, the ones found and the fix.
+    """
+    environ = os.environ if environ is None else environ
+    found = {"Keras": (keras_version, TESTED_KERAS), "TensorFlow": (tensorflow_version, TESTED_TENSORFLOW)}
+    wrong = [f"{name} {version}" for name, (version, tested) in found.items()
+             if not tested[0] <= _version_tuple(version) <= tested[1]]
+    if not wrong:
+        return
+    tested = " and ".join(f"{name} {_minor_range(tested)}" for name, (_, tested) in found.items())
+    install = " ".join(f'"{_requirement(name.lower(), tested)}"' for name, (_, tested) in found.items())
+    facts = f"keras_distrib is tested with {tested}, and found {' and '.join(wrong)}"
+    if environ.get(UNTESTED_VERSIONS_VARIABLE, "").strip() == "1":
+        warnings.warn(f"{facts}; running anyway ({UNTESTED_VERSIONS_VARIABLE}=1), without the "
+                      "exactness the tests check there.", stacklevel=3)
+        return
+    raise ImportError(f"{facts}. Install the tested versions (pip install {install}), or set "
+                      f"{UNTESTED_VERSIONS_VARIABLE}=1 to run anyway, unchecked.")
+
+
 KERAS_VERSION = _version_tuple(keras.__version__)
 TENSORFLOW_VERSION = _version_tuple(tf.__version__)
-if not TESTED_KERAS[0] <= KERAS_VERSION <= TESTED_KERAS[1]:
-    warnings.warn(
-        f"keras_distrib is tested with Keras {TESTED_KERAS[0]}..{TESTED_KERAS[1]}"
-        f" and found Keras {keras.__version__}; run its compatibility tests "
-        "(tests/test_keras_compat.py) before trusting exactness.",
-        stacklevel=2,
-    )
+check_versions(keras.__version__, tf.__version__)
 
 # Every private name kd relies on: (owner, name, what kd needs from it).
 # tests/test_keras_compat.py resolves each one on the installed versions.
@@ -111,6 +156,8 @@ PRIVATE_NAMES = (
     ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
     ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
     ("keras.src.models.functional", "Functional", "class"),
+    ("keras.src.ops.function.Function", "_operations",
+     "attribute: the layers and ops of the functional graph, in order (set in __init__)"),
     ("keras.src.models.model", "functional_init_arguments", "function(args, kwargs)"),
     ("keras.src.backend.tensorflow.random", "normal", "function(shape, seed), replaced (kd steps lay draws out)"),
     ("keras.src.backend.tensorflow.random", "uniform", "function(shape, seed), replaced"),
@@ -207,6 +254,7 @@ from keras_distrib._keras_compat.losses import replace_compile_losses  # noqa: F
 from keras_distrib._keras_compat.losses import replace_loss_object_call  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_mean_update  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_metric_result  # noqa: F401
+from keras_distrib._keras_compat.losses import replace_metric_update  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_random_draws  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_tape_gradient  # noqa: F401
 from keras_distrib._keras_compat.losses import set_compiled_loss  # noqa: F401
@@ -224,6 +272,7 @@ from keras_distrib._keras_compat.trainer import created_strategy  # noqa: F401
 from keras_distrib._keras_compat.trainer import flatten_metrics_in_order  # noqa: F401
 from keras_distrib._keras_compat.trainer import functional_init  # noqa: F401
 from keras_distrib._keras_compat.trainer import functional_init_arguments  # noqa: F401
+from keras_distrib._keras_compat.trainer import has_own_operations  # noqa: F401
 from keras_distrib._keras_compat.trainer import initial_epoch  # noqa: F401
 from keras_distrib._keras_compat.trainer import make_functional  # noqa: F401
 from keras_distrib._keras_compat.trainer import set_initial_epoch  # noqa: F401

@@ -1,11 +1,17 @@
-"""`kd.callbacks`: the public path of kd's callbacks (docs/API.md).
+"""Keras's checkpoint and log callbacks, made safe for many workers: only the chief's files persist.
 
-The code lives in `keras_distrib.training.callbacks`; this package only
-re-exports it, so `from keras_distrib.callbacks import BackupAndRestore`
-keeps working.
+Every worker takes part in each save (a save may need collectives), but only
+the chief's files are kept; the others write to scratch space that is removed
+afterwards. Files are written under a temporary name and renamed into place,
+so a reader sees the old file or the new one, never half of one.
 """
 
-from keras_distrib.training import callbacks as _implementation
-from keras_distrib.training.callbacks import *  # noqa: F401,F403  (the names of its __all__)
+from keras_distrib.training.callbacks import BackupAndRestore
+from keras_distrib.training.callbacks import ModelCheckpoint
+from keras_distrib.training.callbacks import TensorBoard
 
-__all__ = _implementation.__all__
+__all__ = [
+    "BackupAndRestore",
+    "ModelCheckpoint",
+    "TensorBoard",
+]

@@ -331,6 +331,16 @@ class CheckpointManager:
     `save` or `restore_or_initialize`, until `close()` or exit: a second live run
     on the same directory is refused; a lock left by a dead run is taken
     over. `restore` alone (e.g. an evaluator reading) takes no lock.
+    Only the chief's checkpoints persist; the other workers take part in each
+    save (it may need collectives) and write to scratch space. A damaged or
+    unreadable checkpoint raises `kd.CheckpointError`, naming the files.
+
+    A checkpoint restores with or without a strategy and into another
+    replica count. A kd model's checkpoint dependencies include the states
+    of its seed generators (one entry per generator, named by its holder's
+    position among the model's layers), so any `tf.train.Checkpoint` of it
+    restores the draws of Dropout, random augmentation and the model's own
+    `SeedGenerator` with the weights.
 
     Args:
         checkpoint: A `tf.train.Checkpoint` (e.g. of a model and optimizer).

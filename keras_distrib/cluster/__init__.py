@@ -1,21 +1,40 @@
-"""The cluster: who this process is, its devices and strategy, and the processes of a run.
+"""Who this process is in the cluster, and where it may write.
 
-Owns "who am I" (`info`: TF_CONFIG, Slurm, Kubernetes, TPU; `sources`: the
-cluster managers read), the devices and strategies (`devices`,
-`strategies`), and the processes: `launcher` and `supervisor` (with `_guard`
-and `_task_entry`, one task's process), `inprocess` (`kd.local_cluster`),
-`watchdog` (a peer that stops answering) and `preemption` (an agreed stop).
-
-May import: the floor (`validation`, `tf_logs`, `files`, `_early_signals`,
-`keras_distrib._keras_compat`). Never `training`, `checkpointing`, `testing`
-or `commands`: the processes of a run know nothing of models
-(`tests/test_layout.py`).
-
-This package is also the public path `kd.cluster` (docs/API.md): it re-exports
-the names of `info`.
+`cluster_info()` reads TF_CONFIG when it is set, else the cluster manager's
+environment (a Slurm step, a Kubernetes Indexed Job or JobSet, a TPU pod), so
+a script needs no change between a laptop and a cluster. Every file writer in
+kd asks `writer_directory` where to write, so the rule "only the chief's files
+persist" lives in one place. Nothing here loads TensorFlow: the launcher and a
+task that only asks who it is start in a fraction of a second.
 """
 
-from keras_distrib.cluster import info as _implementation
-from keras_distrib.cluster.info import *  # noqa: F401,F403  (the names of its __all__)
+# The package also owns the devices and strategies (`devices`, `strategies`)
+# and the processes of a run: `launcher` and `supervisor` (with `_guard` and
+# `_task_entry`, one task's process), `inprocess` (`kd.local_cluster`),
+# `watchdog` (a peer that stops answering) and `preemption` (an agreed stop).
+# May import: the floor (`validation`, `tf_logs`, `files`,
+# `_early_signals`, `keras_distrib._keras_compat`), never `training`,
+# `checkpointing`, `testing` or `commands`: the processes of a run know
+# nothing of models (tests/test_layout.py).
 
-__all__ = _implementation.__all__
+from keras_distrib.cluster.info import SOURCES
+from keras_distrib.cluster.info import ClusterConfigError
+from keras_distrib.cluster.info import ClusterInfo
+from keras_distrib.cluster.info import chief_verbose
+from keras_distrib.cluster.info import cluster_info
+from keras_distrib.cluster.info import cluster_resolver
+from keras_distrib.cluster.info import is_chief
+from keras_distrib.cluster.info import parse_tf_config
+from keras_distrib.cluster.info import writer_directory
+
+__all__ = [
+    "ClusterConfigError",
+    "ClusterInfo",
+    "SOURCES",
+    "chief_verbose",
+    "cluster_info",
+    "cluster_resolver",
+    "is_chief",
+    "parse_tf_config",
+    "writer_directory",
+]

@@ -31,8 +31,8 @@ __all__ = [
     "writer_directory",
 ]
 
-# Where `cluster_info()` found the cluster (`ClusterInfo.source`); None: a single process.
 SOURCES = ("tf_config", "slurm", "kubernetes", "tpu")
+"""Where `cluster_info()` can find the cluster (`ClusterInfo.source`; `None`: a single process)."""
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 TRAINING_TASK_TYPES = ("chief", "worker")
@@ -55,6 +55,10 @@ class ClusterInfo:
         local_index: This task's index among the tasks on its host (Slurm).
         local_tasks: How many tasks share its host (Slurm); a task sharing a
             node's GPUs with others gets its own share of them.
+        num_ps: Number of parameter-server tasks.
+        is_multi_worker: Whether more than one process trains.
+        label: A short name for logs, e.g. `"worker 1"`, or `""` if single.
+        tf_config: This task as a TF_CONFIG dict, or `None` if single.
 
     Example:
         >>> import keras_distrib as kd
@@ -87,10 +91,12 @@ class ClusterInfo:
 
     @property
     def num_ps(self):
+        """Number of parameter-server tasks."""
         return len(self.cluster.get("ps", ()))
 
     @property
     def is_multi_worker(self):
+        """Whether more than one process trains (`num_workers > 1`)."""
         return self.num_workers > 1
 
     @property
@@ -143,6 +149,12 @@ def parse_tf_config(tf_config):
     """Validates a TF_CONFIG value (str or dict) and returns a `ClusterInfo`.
 
     An empty value (`""`, `{}`) means a single process.
+
+    Args:
+        tf_config: The TF_CONFIG value: a JSON string or a dict.
+
+    Returns:
+        A `ClusterInfo` with `source="tf_config"` (`None` for a single process).
 
     Raises:
         ClusterConfigError: listing every problem, with the fix.
@@ -291,7 +303,8 @@ def cluster_info(tf_config=None):
     Reads the `TF_CONFIG` environment variable when it is set; otherwise the
     cluster manager's environment: a Slurm task started by `srun`, a pod of
     a Kubernetes Indexed Job or JobSet (with `KD_NUM_PODS` set), or a TPU
-    pod's client (see `keras_distrib.cluster.sources` for the variables).
+    pod's client (the variables kd reads are listed with the environment
+    variables of the API reference).
     `source` says which; nothing found means a single process.
 
     Args:
@@ -325,6 +338,9 @@ def cluster_resolver(info=None):
     single process); for Slurm and Kubernetes a `SimpleClusterResolver` of
     the cluster `cluster_info()` found, so strategies and servers use the
     same addresses kd does.
+
+    Args:
+        info: A `ClusterInfo`; `cluster_info()` when `None`.
     """
     info = info or cluster_info()
     if info.source not in ("slurm", "kubernetes"):
@@ -341,6 +357,12 @@ def is_chief(tf_config=None):
 
     """Whether this process is the chief (the one whose files persist).
 
+    The chief is the `chief` task, else worker 0, else the single process.
+
+    Args:
+        tf_config: A TF_CONFIG value (JSON string or dict) to read instead
+            of the environment (as `cluster_info`).
+
     Example:
         >>> import keras_distrib as kd
         >>> kd.is_chief({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 0}})
@@ -354,6 +376,9 @@ def chief_verbose(verbose):
 
     `"auto"` becomes 0 on non-chief workers (their bars would repeat the
     chief's); an explicit value is kept.
+
+    Args:
+        verbose: Keras's `verbose`: `"auto"`, 0, 1, 2 or a bool.
 
     Raises:
         ValueError: `verbose` is not "auto", 0, 1, 2 or a bool.

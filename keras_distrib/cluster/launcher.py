@@ -523,6 +523,25 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            min_workers=None):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
+    Each task gets free ports (or `ports`) and its TF_CONFIG. Every output
+    line is prefixed with its task (`[worker 1] ...`) and passed to `sink`
+    (and to `log_dir`). The first failure stops the others; of tasks that
+    end within half a second of each other, the one named is a task that
+    saved for a restart, else one killed from outside, else the one whose
+    death the others' last lines report. The cluster is restarted up to
+    `max_restarts` times on fresh ports (a restart after a quick failure
+    waits 1 s, 2 s, 4 s ... at most 60 s); `timeout` stops everything and
+    names the tasks that were running. Each task runs under a small guard
+    process: its children and daemons end with it, and when the launcher
+    dies (even by SIGKILL); a guard killed or stopped on its own is noticed
+    within about a second. A task that stops on a backup directory in use
+    by another run, or on a backup of another run, ends the launch with
+    exit code 2 (a rerun would fail alike); a stop signal that arrives
+    while the tasks start gives 42 (restart). Without `private_network`, one
+    line at launch names the tasks' open ports and the fix. A temporary
+    directory (TMPDIR) that is full or not writable is named in the error,
+    with the fix.
+
     Args:
         target: A script path, or an importable function given as a callable
             or as `"package.module:function"`; a function is called with
@@ -549,7 +568,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             `kd.SidecarEvaluator`; it gets SIGTERM when training ends and
             the run waits for it.
         grace_period: When this process gets SIGTERM or SIGINT, the seconds
-            the tasks get (after the same signal) to save and exit before
+            (25 by default) the tasks get (after the same signal) to save and exit before
             they are killed. The run then ends without a restart.
         verbose: Keep TensorFlow's C++ start-up and INFO logs in the tasks'
             output. By default the tasks run with `TF_CPP_MIN_LOG_LEVEL=2`

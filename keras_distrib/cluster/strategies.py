@@ -8,6 +8,7 @@ strategy without TF_CONFIG).
 
 import dataclasses
 import os
+import socket
 import weakref
 
 import tensorflow as tf
@@ -184,12 +185,19 @@ def _communication_options(communication):
     )
 
 
+# The variables that tell TensorFlow's TPU resolver where a TPU is.
+_TPU_VARIABLES = ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES")
+# Seconds a TPU worker's address gets to accept a connection: TensorFlow
+# itself waits for ever on an address that does not answer.
+TPU_CONNECT_TIMEOUT = 20.0
+
+
 def _tpu_present():
     # Physical devices: listing logical ones would initialize TensorFlow's
     # context, after which a multi-worker strategy can no longer be created.
     if tf.config.list_physical_devices("TPU"):
         return True
-    return any(os.environ.get(v) for v in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_WORKER_HOSTNAMES"))
+    return any(os.environ.get(v) for v in _TPU_VARIABLES)
 
 
 def gpu_share(gpus, local_index, local_tasks):
@@ -267,6 +275,45 @@ def resolve_auto_kind(cluster_resolver=None):
     return "one_device"
 
 
+def _tpu_source(tpu):
+    """What made kd look for a TPU, for an error: the `tpu` argument or the variables set."""
+    if tpu is not None:
+        return f"`tpu`={tpu!r}", "Pass `tpu=` the name or grpc:// address of a TPU this VM can reach."
+    named = [v for v in _TPU_VARIABLES if os.environ.get(v)]
+    if not named:
+        return "the local TPU", "Check the TPU runtime on this VM (`tf.config.list_physical_devices('TPU')`)."
+    shown = ", ".join(f"{v}={os.environ[v]!r}" for v in named)
+    unset = " ".join(named)
+    return (f"{shown} in the environment",
+            f"On a machine without a TPU, unset it (`unset {unset}`), and kd uses CPUs or GPUs; on a "
+            "Cloud TPU VM, set TPU_NAME to the TPU's name (or pass `tpu=` its name or grpc:// "
+            "address) and check that this VM can reach it.")
+
+
+def _tpu_error(tpu, what, error):
+    source, fix = _tpu_source(tpu)
+    lines = str(error).strip().splitlines()
+    cause = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    return ValueError(f"kd looked for a TPU because of {source}, but {what} ({cause}). {fix}")
+
+
+def _unreachable_tpu_worker(cluster_resolver):
+    """(address, error) of the first TPU worker that does not accept a connection, or None."""
+    try:
+        workers = cluster_resolver.cluster_spec().as_dict().get("worker", [])
+    except Exception:  # no spec to probe (a local TPU): TensorFlow connects itself
+        return None
+    for address in workers if isinstance(workers, list) else workers.values():
+        host, _, port = str(address).rpartition(":")
+        if not host or not port.isdigit():
+            continue
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=TPU_CONNECT_TIMEOUT).close()
+        except OSError as error:
+            return address, error
+    return None
+
+
 def _make_tpu(tpu, cluster_resolver):
     if cluster_resolver is None:
         if not _tpu_present() and tpu is None:
@@ -280,13 +327,18 @@ def _make_tpu(tpu, cluster_resolver):
             cluster_resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
                 tpu=tpu or ""
             )
-        except (ValueError, RuntimeError) as error:
-            raise ValueError(
-                f"`kind`='tpu': could not resolve TPU {tpu!r}: {error}. Check "
-                "the TPU name and that this VM can reach it."
-            ) from error
-    tf.config.experimental_connect_to_cluster(cluster_resolver)
-    tf.tpu.experimental.initialize_tpu_system(cluster_resolver)
+        except Exception as error:  # a URLError, an HTTP error, a ValueError: any means no TPU
+            raise _tpu_error(tpu, "TensorFlow could not resolve it", error) from error
+    unreachable = _unreachable_tpu_worker(cluster_resolver)
+    if unreachable is not None:
+        address, error = unreachable
+        raise _tpu_error(tpu, f"its worker {address} does not accept a connection "
+                              f"within {TPU_CONNECT_TIMEOUT:g} s", error) from error
+    try:
+        tf.config.experimental_connect_to_cluster(cluster_resolver)
+        tf.tpu.experimental.initialize_tpu_system(cluster_resolver)
+    except (tf.errors.OpError, ValueError, RuntimeError) as error:
+        raise _tpu_error(tpu, "TensorFlow could not start the TPU system there", error) from error
     return tf.distribute.TPUStrategy(cluster_resolver)
 
 
@@ -345,6 +397,12 @@ def make_strategy(
     (`kd.cluster_info()`: TF_CONFIG, Slurm, Kubernetes) has several workers,
     parameter-server if it has `ps` tasks, mirrored if several GPUs (or
     virtual devices) exist, and one-device otherwise.
+
+    Each `"mirrored"` strategy has collective keys of its own, so a process
+    (a notebook) may make several; a kd model under a second plain
+    `tf.distribute.MirroredStrategy()`, whose collectives would collide with
+    the first one's, stops before its first step with an error saying to
+    reuse the first (Keras 3 aborts in a collective with a shape mismatch).
 
     Args:
         kind: One of `"auto"`, `"default"`, `"one_device"`, `"mirrored"`,

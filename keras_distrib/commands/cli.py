@@ -57,7 +57,8 @@ def _launch(options):
             if options.min_workers is not None:
                 raise launch_lib.LaunchError(
                     "`--min-workers` is for a local cluster (`--workers N`): under Slurm or "
-                    "Kubernetes the job's recipe starts the survivors again (README, \"Elastic runs\")."
+                    "Kubernetes the job's recipe starts the survivors again "
+                    "(docs/guides/slurm.md, docs/guides/kubernetes.md)."
                 )
             if options.chief or options.evaluator or options.network is not None:
                 raise launch_lib.LaunchError(
@@ -136,7 +137,7 @@ def _test(options):
     from keras_distrib.commands import selftest
 
     return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
-                         directory=options.dir)
+                         directory=options.dir, gpu=options.gpu)
 
 
 def _env(options):
@@ -155,6 +156,15 @@ def build_parser():
     launch = commands.add_parser(
         "launch", help="run a script on a local cluster (--workers N), or as the per-node "
         "agent of a Slurm/Kubernetes job (no --workers)",
+        description="Runs SCRIPT on a local cluster of --workers processes (free ports, a "
+        "TF_CONFIG per task, logs prefixed by task), or, without --workers under srun or in a "
+        "Kubernetes pod, this node's --per-node tasks (the per-node agent). The first failure "
+        "stops the other tasks. SIGTERM, SIGINT and SIGUSR1 to the launcher give the tasks "
+        "SIGTERM and --grace-period seconds to save.",
+        epilog="exit codes: 0 trained; 42 the tasks saved for a restart (a preemption); 2 a "
+        "configuration error of kd (the arguments, the cluster's variables, a taken port, a "
+        "node name that does not resolve), which a rerun would meet again; else the failing "
+        "task's own code.",
     )
     launch.add_argument("--workers", type=int, default=None,
                         help="worker processes of a local cluster (default 2; without it under "
@@ -193,6 +203,9 @@ def build_parser():
     tf_config = commands.add_parser(
         "tf-config", help="print the cluster kd finds here (TF_CONFIG, Slurm, Kubernetes, TPU) "
         "as TF_CONFIG, with its source",
+        description="Prints the cluster kd finds here (TF_CONFIG, a Slurm step, a Kubernetes "
+        "Indexed Job or JobSet, a TPU pod) as TF_CONFIG, with where it found it: the first "
+        "thing to check on a new cluster.",
     )
     tf_config.add_argument("--per-node", type=_per_node, default=None,
                            help="as `launch --per-node`: the TF_CONFIG of each of this node's tasks")
@@ -201,7 +214,12 @@ def build_parser():
     tf_config.add_argument("--compact", action="store_true", help="one line of JSON")
     tf_config.set_defaults(run=_tf_config)
 
-    demo = commands.add_parser("demo", help="show exact distributed training on this machine")
+    demo = commands.add_parser(
+        "demo", help="show exact distributed training on this machine",
+        description="One device against kd on 2 replicas, kd on 2 launched worker processes "
+        "and kd.TrainLoop, with plain Keras's results under the same strategy beside them "
+        "(CPU only, no download).",
+    )
     demo.add_argument("--quick", action="store_true", help="fewer epochs (for tests)")
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
     demo.add_argument("--verbose", action="store_true",
@@ -211,6 +229,10 @@ def build_parser():
     test = commands.add_parser(
         "test", help="check this machine (or cluster) in a minute: devices, collectives, "
         "training against one device, sharding, chief-only checkpoints",
+        description="A pass/fail self-check of this machine, in about a minute: devices, "
+        "collectives, training against one device, data sharding, chief-only checkpoints. "
+        "Run on every task of a cluster (TF_CONFIG set, as for training), each task checks "
+        "the real cluster and prints its own table.",
     )
     test.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
     test.add_argument("--timeout", type=float, default=120, help="seconds for the worker processes")
@@ -219,10 +241,16 @@ def build_parser():
     test.add_argument("--dir", default=None,
                       help="where the checkpoint check writes inside a TF_CONFIG cluster "
                       "(shared storage); a temporary directory by default")
+    test.add_argument("--gpu", action="store_true",
+                      help="check the GPU path instead: one GPU split into 2 logical GPUs (or 2 GPUs), "
+                      "an NCCL all-reduce, and training against one GPU in float32, mixed_float16 "
+                      "and with jit_compile=True (a few minutes; exit code 2 without a GPU)")
     test.set_defaults(run=_test)
 
     env = commands.add_parser(
-        "env", help="versions, devices, cluster source and the strategy 'auto' picks (for bug reports)"
+        "env", help="versions, devices, cluster source and the strategy 'auto' picks (for bug reports)",
+        description="Prints what a bug report needs: versions, devices, where the cluster "
+        "comes from, and the strategy kd.make_strategy('auto') picks.",
     )
     env.set_defaults(run=_env)
 

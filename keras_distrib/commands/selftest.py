@@ -12,6 +12,16 @@ prints a pass/fail table (exit code 1 if any check fails):
   against one device, data sharding (every example seen exactly once, summed
   over the workers with a collective) and a chief-only checkpoint write.
 
+`keras-distrib test --gpu` checks the GPU path instead, in this process,
+in a few minutes: one GPU split into 2 logical GPUs (or the first 2 GPUs
+of a machine that has several), an NCCL all-reduce, and kd's training
+against plain Keras on one GPU in float32 (NCCL), `mixed_float16` and
+`jit_compile=True` (XLA compiles kd's whole step on GPUs). TensorFloat-32
+is turned off, so float32 compares to float32 round-off. NCCL needs a GPU
+per replica: where it refuses 2 logical GPUs of one card, its row says so
+(SKIP) and the training rows all-reduce as TensorFlow does there (RING
+collectives). Without a GPU it says so and exits 2.
+
 Run inside a real cluster (TF_CONFIG names several workers, one
 `keras-distrib test` per task), the worker checks run on that cluster
 instead of a local one, and every task prints its own table. Everything
@@ -32,6 +42,7 @@ import numpy as np
 __all__ = [
     "Check",
     "cluster_checks",
+    "gpu_checks",
     "launched_checks",
     "local_checks",
     "main",
@@ -42,7 +53,10 @@ ROWS = 33  # global batch 16: the last batch has 1 row, so one replica of 2 is e
 GLOBAL_BATCH = 16
 EPOCHS = 2
 TOLERANCE = 2e-5
+FLOAT16_TOLERANCE = 5e-3
 CLUSTER_TIMEOUT = 120
+# Exit code of `--gpu` where TensorFlow finds no GPU.
+NO_GPU = 2
 
 
 @dataclasses.dataclass
@@ -53,6 +67,7 @@ class Check:
     ok: bool
     detail: str
     seconds: float = 0.0
+    skipped: bool = False  # not run here (the detail says why); not a failure
 
 
 def _run(name, function):
@@ -159,6 +174,180 @@ def local_checks():
     checks.append(_run("all-reduce, 2 replicas (mirrored)", lambda: _all_reduce(strategy)))
     checks.append(_run("training: mirrored vs one device", _mirrored_parity))
     return checks
+
+
+# ---------------------------------------------------------------------------
+# The GPU path (`keras-distrib test --gpu`).
+
+
+def _gpu_model(model_class, *, batch_norm=True, jit_compile=False):
+    """The training checks' model with a BatchNormalization layer (global statistics in kd)."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    if batch_norm:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    model = model_class(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.5)
+    if keras.config.dtype_policy().compute_dtype == "float16":
+        # A loss scale at which no float16 gradient overflows: where the
+        # global batch's would and a replica's would not, one device skips
+        # a step that the replicas take (README, "Exactness").
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=256.0)
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile)
+    return model
+
+
+def _against_one_device(strategy, reference_device, *, policy="float32", batch_norm=True,
+                        jit_compile=False):
+    """Trains plain Keras on `reference_device` and kd under `strategy`; compares the weights."""
+    import keras
+    import tensorflow as tf
+
+    import keras_distrib as kd
+
+    x, y = _data()
+    tolerance = FLOAT16_TOLERANCE if "16" in policy else TOLERANCE
+    before = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        with tf.device(reference_device):
+            reference = _gpu_model(keras.Model, batch_norm=batch_norm, jit_compile=jit_compile)
+            initial = reference.get_weights()
+            reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        with strategy.scope():
+            model = _gpu_model(kd.Model, batch_norm=batch_norm, jit_compile=jit_compile)
+        model.set_weights(initial)
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    finally:
+        keras.config.set_dtype_policy(before)
+    difference = max(
+        float(np.max(np.abs(a - b) / (1 + np.abs(a))))
+        for a, b in zip(reference.get_weights(), model.get_weights())
+    )
+    if not difference <= tolerance:
+        raise _Failed(f"weights differ from one device by {difference:.2e} (tolerance {tolerance:g})")
+    return (f"{EPOCHS} epochs of {ROWS} rows, last batch 1 row (a replica empty): "
+            f"max difference {difference:.1e} (tolerance {tolerance:g})")
+
+
+def _gpu_devices(device_type):
+    """Splits the device into 2 logical ones (unless there are 2 GPUs); returns (names, description)."""
+    import tensorflow as tf
+
+    import keras_distrib as kd
+    from keras_distrib import tf_logs
+
+    with tf_logs.hidden_notices():
+        physical = tf.config.list_physical_devices(device_type)
+    if device_type == "CPU":
+        return kd.virtual_devices(2, "CPU"), (
+            "no GPU: the GPU path's logic on 2 logical CPU devices (a stand-in; run "
+            "`keras-distrib test --gpu` on a GPU machine for the real thing)")
+    details = tf.config.experimental.get_device_details(physical[0])
+    name = details.get("device_name", "GPU")
+    capability = details.get("compute_capability")
+    card = name + (f", compute capability {capability[0]}.{capability[1]}" if capability else "")
+    if len(physical) >= 2:
+        tf.config.set_visible_devices(physical[:2], "GPU")
+        return [f"/device:GPU:{i}" for i in range(2)], f"{len(physical)} GPUs ({card}): using 2"
+    devices = kd.virtual_devices(2, "GPU")
+    return devices, f"1 GPU ({card}), split into 2 logical GPUs"
+
+
+def _nccl_refused_on_one_card(error, devices_on_one_card):
+    return devices_on_one_card and ("nccl" in str(error).lower() or "duplicate gpu" in str(error).lower())
+
+
+def gpu_checks(device_type="GPU"):
+    """The GPU path's checks, in this process (it must not have started TensorFlow's devices).
+
+    `device_type="CPU"` runs the same logic on 2 logical CPU devices, where
+    NCCL does not exist: its row runs TensorFlow's RING collectives instead
+    and says so, and `jit_compile=True` trains a model without
+    BatchNormalization (kd refuses that layer with XLA on CPU replicas).
+    """
+    import tensorflow as tf
+
+    import keras_distrib as kd
+
+    on_gpu = device_type == "GPU"
+    # TensorFloat-32 rounds float32 matmuls to 10 bits: not float32 round-off.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    started = time.monotonic()
+    try:
+        devices, description = _gpu_devices(device_type)
+    except (RuntimeError, ValueError) as error:
+        return [Check("2 devices", False, str(error)[:200], time.monotonic() - started)]
+    checks = [Check("devices", True, description, time.monotonic() - started)]
+    one_card = on_gpu and "split" in description
+    strategy, collective = None, "RING"
+    if on_gpu:
+        started = time.monotonic()
+        name = "all-reduce, 2 GPU replicas (NCCL)"
+        try:
+            nccl = kd.make_strategy("mirrored", devices=devices, cross_device_ops="nccl")
+            detail = _all_reduce(nccl)
+            strategy, collective = nccl, "NCCL"
+            checks.append(Check(name, True, detail, time.monotonic() - started))
+        except Exception as error:  # a failed check is a row, not a crash
+            from keras_distrib import report
+
+            seconds = time.monotonic() - started
+            if _nccl_refused_on_one_card(error, one_card):
+                checks.append(Check(
+                    name, True,
+                    "NCCL refused 2 logical GPUs of one card (it needs a GPU per replica): "
+                    f"{report.error_line(error, width=70)}. The rows below all-reduce as "
+                    "TensorFlow does on logical GPUs (RING collectives); run on 2 GPUs to check NCCL.",
+                    seconds, skipped=True))
+            else:
+                checks.append(Check(name, False, report.error_line(error, width=90), seconds))
+                collective = "TensorFlow's choice"
+    if strategy is None:
+        strategy = kd.make_strategy("mirrored", devices=devices)
+        if not on_gpu:
+            checks.append(_run("all-reduce, 2 replicas (RING, NCCL's stand-in on CPU)",
+                               lambda: _all_reduce(strategy) + "; NCCL all-reduces GPU memory only"))
+    reference = devices[0]
+    unit = "GPU" if on_gpu else "device"
+    checks.append(_run(f"training: float32, {collective} vs one {unit}",
+                       lambda: _against_one_device(strategy, reference)))
+    checks.append(_run(f"training: mixed_float16 vs one {unit}",
+                       lambda: _against_one_device(strategy, reference, policy="mixed_float16")))
+    jit_name = f"training: jit_compile=True vs one {unit}"
+    if on_gpu:
+        checks.append(_run(jit_name, lambda: _against_one_device(strategy, reference, jit_compile=True)))
+    else:
+        checks.append(_run(jit_name, lambda: _against_one_device(
+            strategy, reference, batch_norm=False, jit_compile=True)
+            + "; on CPU without BatchNormalization, which kd refuses with XLA on CPU replicas"))
+    return checks
+
+
+def _gpu_main(say, started, device_type):
+    import tensorflow as tf
+
+    from keras_distrib import tf_logs
+
+    if device_type == "GPU":
+        with tf_logs.hidden_notices():
+            gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            built = "with" if tf.test.is_built_with_cuda() else "without"
+            say(f"keras-distrib test --gpu: TensorFlow finds no GPU here{hint}; this TensorFlow is "
+                f"built {built} CUDA. Run it on a machine with a GPU (`pip install "
+                "\"tensorflow[and-cuda]\"` on Linux), or `keras-distrib test` for the CPU checks.")
+            return NO_GPU
+    say(f"checking the GPU path ({'on 2 logical CPU devices' if device_type == 'CPU' else 'on GPUs'})...")
+    checks = gpu_checks(device_type)
+    say()
+    print_table(checks, time.monotonic() - started, print_fn=say)
+    return 0 if all(check.ok for check in checks) else 1
 
 
 # ---------------------------------------------------------------------------
@@ -334,11 +523,16 @@ def print_table(checks, seconds, print_fn=print):
     """Prints `checks` as a pass/fail table, then the verdict and the time taken."""
     from keras_distrib import report
 
-    rows = [(c.name, "PASS" if c.ok else "FAIL", f"{c.seconds:.1f} s", c.detail) for c in checks]
+    rows = [(c.name, "SKIP" if c.skipped else "PASS" if c.ok else "FAIL", f"{c.seconds:.1f} s", c.detail)
+            for c in checks]
     for line in report.table(rows, ("check", "result", "time", "detail"), align=["<", "<", ">", "<"]):
         print_fn(line)
     failed = sum(not c.ok for c in checks)
-    verdict = f"{failed} of {len(checks)} checks FAILED" if failed else f"All {len(checks)} checks passed"
+    skipped = sum(c.skipped for c in checks)
+    ran = len(checks) - skipped
+    verdict = f"{failed} of {ran} checks FAILED" if failed else f"All {ran} checks passed"
+    if skipped:
+        verdict += f" ({skipped} skipped)"
     print_fn(f"\n{verdict} in {seconds:.1f} s (TensorFlow's start-up included).")
 
 
@@ -346,8 +540,13 @@ def print_table(checks, seconds, print_fn=print):
 _SOURCE_NAMES = {"tf_config": "TF_CONFIG", "slurm": "Slurm", "kubernetes": "Kubernetes"}
 
 
-def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None):
-    """Runs the checks and prints the table; returns the exit code (0: all passed)."""
+def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None, gpu=False,
+         device_type="GPU"):
+    """Runs the checks and prints the table; returns the exit code (0: all passed).
+
+    `gpu=True` runs `gpu_checks` instead (exit code 2 without a GPU);
+    `device_type="CPU"` runs their logic on CPU devices (the test suite).
+    """
     import keras_distrib as kd
     from keras_distrib import tf_logs
 
@@ -360,7 +559,9 @@ def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None):
         for line in text.split("\n"):
             print(label + line if line else line, flush=True)
 
-    say(f"keras-distrib test: {_versions()}")
+    say(f"keras-distrib test{' --gpu' if gpu else ''}: {_versions()}")
+    if gpu:
+        return _gpu_main(say, started, device_type)
     if info.num_workers > 1:
         from keras_distrib.cluster import strategies
 

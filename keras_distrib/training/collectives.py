@@ -40,6 +40,10 @@ def _is_collective(op):
 def graph_collectives(graph_def):
     """Collective ops in `graph_def` and every function it calls, by op type.
 
+    Args:
+        graph_def: A `tf.compat.v1.GraphDef` (e.g. a concrete function's
+            `graph.as_graph_def()`), its function library included.
+
     Returns:
         `{"step": {op: n}, "call": {op: n}}`: `step` counts the ops inside a
         loop's body (a `While`'s `body`, and what it calls), which run once per
@@ -118,6 +122,9 @@ def _step_functions(model, kind):
 def traced(model):
     """Collectives per replica in the steps `model` has traced so far, by kind.
 
+    Args:
+        model: A kd model whose steps have run (`fit`, `evaluate`, `predict`).
+
     Returns:
         `{kind: {"step": n, "call": m, "read": r, "logs_each_call": b,
         "ops": {...}}}` for each of `"train"`, `"test"`, `"predict"` whose
@@ -154,6 +161,15 @@ def count(model, x, y, *, sample_weight=None, batch_size=None):
     batch of every row), then counts the collective ops in the graphs
     TensorFlow traced (see `traced`). `model`'s steps should not have been
     traced yet, or earlier traces are counted with them.
+
+    Args:
+        model: A compiled kd model (`kd.Model`, `kd.Sequential` or
+            `kd.DistributedModelMixin`), built in its strategy's scope.
+        x: Inputs for the epochs counted.
+        y: Labels for them.
+        sample_weight: Optional sample weights.
+        batch_size: The global batch size; all of `x` in one batch when
+            `None`.
 
     Returns:
         `traced(model)`.

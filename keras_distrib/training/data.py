@@ -174,6 +174,13 @@ def _checked_dataset_fn(dataset_fn, global_batch_size, drop_remainder):
 def file_count(dataset):
     """Number of files a dataset reads, or None when it reads no file list.
 
+    Args:
+        dataset: A `tf.data.Dataset` (e.g. a `TFRecordDataset` or
+            `list_files` pipeline).
+
+    Returns:
+        The number of files, or `None`.
+
     Raises:
         ValueError: `dataset` is not a `tf.data.Dataset`.
     """
@@ -378,6 +385,17 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
 
     The split of the last batch is TensorFlow's (`replica_split`): 26 rows
     on 4 replicas are [7, 7, 7, 5], 2 rows are [1, 1, 0, 0].
+
+    Args:
+        data: What you would pass to `fit` or `distribute_dataset`: NumPy
+            arrays (or a dict or tuple of them), a `tf.data.Dataset` or a
+            `dataset_fn(input_context)`.
+        strategy: The strategy; the current one when `None`.
+        global_batch_size: Examples per step over all replicas.
+        shard_policy: As `distribute_dataset`.
+        drop_remainder: As `distribute_dataset`.
+        steps_per_epoch: Steps per epoch, for data of unknown size.
+        print_fn: Where the report's lines go (`print` by default).
 
     Returns:
         A dict with the same facts (`policy`, `examples`, `steps`,

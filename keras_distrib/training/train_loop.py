@@ -112,8 +112,14 @@ class TrainLoop:
         """`strategy.experimental_distribute_dataset(dataset)`, Python-fed batches copied first.
 
         A `Dataset.from_generator` (or `py_function`) pipeline gets a copy of
-        each batch (`owned_batches`), so training cannot write into the
-        generator's arrays.
+        each batch, so training cannot write into the generator's arrays.
+
+        Args:
+            dataset: A batched `tf.data.Dataset` (global batches).
+
+        Returns:
+            A `tf.distribute.DistributedDataset` for `train_step`,
+            `test_step` and `train_epoch`.
         """
         return self.strategy.experimental_distribute_dataset(loop.owned_batches(dataset))
 
@@ -121,8 +127,10 @@ class TrainLoop:
         """Creates the model, metric and optimizer variables in the scope.
 
         Variables created inside a compiled step fail under several replicas
-        (e.g. Adam's slots), so this runs before the first step. `data_batch`
-        may be a batch, or an element spec.
+        (e.g. Adam's slots), so this runs before the first step.
+
+        Args:
+            data_batch: A batch, or a dataset's element spec.
         """
         loop.build_model(self.model, data_batch)
 
@@ -143,17 +151,42 @@ class TrainLoop:
             self.build(iterator.element_spec)
 
     def train_step(self, iterator):
-        """Runs up to `steps_per_loop` training steps; returns global logs."""
+        """Runs up to `steps_per_loop` training steps in one compiled call; returns global logs.
+
+        For hand-written loops: create the iterator in Python
+        (`iter(loop.distribute(dataset))`) and pass it in, once per call.
+
+        Args:
+            iterator: An iterator over a distributed dataset.
+
+        Returns:
+            A dict of the global logs after the last step (loss, metrics).
+        """
         self._check_iterator(iterator)
         return self._step("train")(iterator)
 
     def test_step(self, iterator):
-        """Runs up to `steps_per_loop` evaluation steps; returns global logs."""
+        """Runs up to `steps_per_loop` evaluation steps in one compiled call; returns global logs.
+
+        Args:
+            iterator: An iterator over a distributed dataset.
+
+        Returns:
+            A dict of the global logs (loss, metrics).
+        """
         self._check_iterator(iterator)
         return self._step("test")(iterator)
 
     def train_epoch(self, distributed_dataset):
-        """Trains on a whole distributed dataset in one compiled call; returns global logs."""
+        """Trains on a whole distributed dataset in one compiled call; returns global logs.
+
+        Args:
+            distributed_dataset: A `tf.distribute.DistributedDataset`
+                (`loop.distribute(dataset)`).
+
+        Returns:
+            A dict of the global logs at the end of the epoch.
+        """
         if not isinstance(distributed_dataset, tf.distribute.DistributedDataset):
             if self.strategy.num_replicas_in_sync > 1:
                 raise ValueError(
@@ -175,12 +208,38 @@ class TrainLoop:
             backup_dir=None, backup_freq="epoch", declared_changes=()):
         """Trains like `Model.fit` and returns its `keras.callbacks.History`.
 
-        The same front door as `Model.fit` (`keras_distrib.training.front`): the same
-        arguments and checks. With `backup_dir`, a
-        `kd.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq,
-        declared_changes=declared_changes)` is added: a restarted run resumes
-        at the saved epoch and step (`declared_changes`: the settings it
-        changed on purpose, e.g. `["optimizer.learning_rate"]`).
+        The same front door as `Model.fit`: Keras's `fit` arguments (keyword
+        only after `x` and `y`), the same checks and errors, the same loop
+        and compiled steps, `steps_per_loop` steps per call.
+
+        Args:
+            x: As `keras.Model.fit`.
+            y: As `keras.Model.fit`.
+            batch_size: As `keras.Model.fit`.
+            epochs: As `keras.Model.fit`.
+            verbose: As `keras.Model.fit` (progress bars on the chief only).
+            callbacks: As `keras.Model.fit`.
+            validation_split: As `keras.Model.fit`.
+            validation_data: As `keras.Model.fit`.
+            shuffle: As `keras.Model.fit`.
+            class_weight: As `keras.Model.fit`.
+            sample_weight: As `keras.Model.fit`.
+            initial_epoch: As `keras.Model.fit`.
+            steps_per_epoch: As `keras.Model.fit`.
+            validation_steps: As `keras.Model.fit`.
+            validation_batch_size: As `keras.Model.fit`.
+            validation_freq: As `keras.Model.fit`.
+            backup_dir: Resume an interrupted run exactly: adds
+                `kd.callbacks.BackupAndRestore(backup_dir,
+                save_freq=backup_freq, declared_changes=declared_changes)`.
+            backup_freq: `"epoch"` or a number of steps between backups.
+            declared_changes: The settings this run changed on purpose
+                since the backup was written (e.g.
+                `["optimizer.learning_rate"]`), accepted at the resume and
+                recorded in the run record (see `BackupAndRestore`).
+
+        Returns:
+            A `keras.callbacks.History`.
         """
         if declared_changes and backup_dir is None:
             raise ValueError(f"`declared_changes`={declared_changes!r} without `backup_dir`: they "
@@ -200,7 +259,22 @@ class TrainLoop:
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, shards=None):
-        """Evaluates like `Model.evaluate(return_dict=True)` (the same front door)."""
+        """Evaluates like `Model.evaluate(return_dict=True)` (the same front door).
+
+        Args:
+            x: As `keras.Model.evaluate`.
+            y: As `keras.Model.evaluate`.
+            batch_size: As `keras.Model.evaluate`.
+            verbose: As `keras.Model.evaluate`.
+            sample_weight: As `keras.Model.evaluate`.
+            steps: As `keras.Model.evaluate`.
+            callbacks: As `keras.Model.evaluate`.
+            shards: Parameter-server training only: evaluate on the workers
+                in this many shards (as `compile(pss_evaluation_shards=...)`).
+
+        Returns:
+            A dict of the global logs.
+        """
         return front.evaluate(
             self.model, self._step, x, y, batch_size=batch_size, verbose=verbose,
             sample_weight=sample_weight, steps=steps, callbacks=callbacks, return_dict=True,
@@ -208,6 +282,17 @@ class TrainLoop:
         )
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """Predicts like `Model.predict`: every row once, in input order (the same front door)."""
+        """Predicts like `Model.predict`: every row once, in input order (the same front door).
+
+        Args:
+            x: As `keras.Model.predict`.
+            batch_size: As `keras.Model.predict`.
+            verbose: As `keras.Model.predict`.
+            steps: As `keras.Model.predict`.
+            callbacks: As `keras.Model.predict`.
+
+        Returns:
+            The predictions, as `keras.Model.predict` returns them.
+        """
         return front.predict(self.model, self._step, x, batch_size=batch_size, verbose=verbose,
                              steps=steps, callbacks=callbacks)

@@ -2,7 +2,7 @@
 
 Usage: python tests/scripts/autograph_rules.py
 
-The step is the recipe kd documents (README, tutorials/custom_training_loop)
+The step is the recipe kd documents (docs/guides/hand-written-loops.md, tutorials/custom_training_loop)
 on 2 replicas: a kd model with BatchNormalization and penalties, per-example
 losses through `kd.losses.global_mean`, `model.losses` through
 `kd.losses.scale_regularization` (inside a helper of the user's own),

@@ -3,10 +3,13 @@
 predict_on_batch (each row once, in order; plain Keras under mirrored as the
 contrast), a reduction="none" loss with an uneven last batch, and
 Python-fed input (PyDataset, a generator, Dataset.from_generator) trained
-three times each, every step compared with one device.
+three times each, every step compared with one device, and a plain Keras
+`.keras` file trained on with kd.load_model.
 """
 
 import json
+import os
+import tempfile
 
 import keras_distrib as kd
 
@@ -132,4 +135,28 @@ for kind in ("pydataset", "generator", "from_generator"):
         diffs.append(float(np.abs(got - expected).max()) if got.shape == expected.shape else float("inf"))
     result[kind] = {"steps": int(expected.shape[0]), "diffs": diffs}
 result["arrays_unchanged"] = bool(np.array_equal(features, saved[0]) and np.array_equal(labels, saved[1]))
+
+
+# A plain Keras file (Adam's state, BatchNormalization) trained on under 2
+# replicas with kd.load_model, against plain Keras going on from it on one device.
+def batch_norm_model():
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+handed = os.path.join(tempfile.mkdtemp(), "plain.keras")
+plain = batch_norm_model()
+plain.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+plain.save(handed)
+with strategy.scope():
+    loaded = kd.load_model(handed)
+result["loaded_class"] = type(loaded).__name__
+result["loaded_steps"] = int(loaded.optimizer.iterations.numpy())
+loaded.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+plain.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+result["handed_on_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(plain.get_weights(), loaded.get_weights()))
 print("RESULT " + json.dumps(result), flush=True)

@@ -321,7 +321,7 @@ if __name__ == "__main__":
         hub = _hub()
 
         # The documented way: kd's mixin first, then the task; registered so a
-        # saved model reloads (see README, "Models from KerasHub ...").
+        # saved model reloads (see docs/guides/ecosystem.md).
         @keras.saving.register_keras_serializable(package="ecosystem")
         class ExactBertClassifier(kd.DistributedModelMixin, hub.models.BertTextClassifier):
             pass

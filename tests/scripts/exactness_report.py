@@ -1,4 +1,4 @@
-"""Runs the whole exactness matrix and prints it as a Markdown table (for README).
+"""Runs the whole exactness matrix and prints it as a Markdown table (for docs/concepts/exactness.md).
 
 Usage: python tests/scripts/exactness_report.py [TF_KERAS_JSON]
 

@@ -104,7 +104,7 @@ def mixed_float16():
     # float16 compute, float32 variables, dynamic loss scaling. The initial
     # scale is one at which no float16 gradient overflows: where the full
     # batch overflows and a replica's part does not, the two runs skip
-    # different steps (see README, "Exactness").
+    # different steps (see docs/concepts/exactness.md).
     return _regression_feature(
         lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=256.0),
         build=lambda cls: _mlp(cls, dtype="float32"),

@@ -9,7 +9,7 @@ prints one `RESULT {json}` line per dtype (the contrasts: float64 only): `weight
 |a - b| / (1 + |a|) over every weight, moving statistics included),
 `losses` (the same over the global loss of every step), or `error`.
 
-The loop is the one kd documents (README, tutorials/custom_training_loop):
+The loop is the one kd documents (docs/guides/hand-written-loops.md, tutorials/custom_training_loop):
 a `tf.function` around `strategy.run`, per-example losses through
 `kd.losses.global_mean`, `model.losses` through
 `kd.losses.scale_regularization(..., local_rows=rows)`, and

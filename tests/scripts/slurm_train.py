@@ -1,4 +1,4 @@
-"""The `train.py` of the README's Slurm recipe, for tests/test_slurm.py.
+"""The `train.py` of the Slurm guide's recipe (docs/guides/slurm.md), for tests/test_slurm.py.
 
 Usage: slurm_train.py --backup-dir DIR [--out FILE.npz] [--reference]
 kd `fit` with `kd.callbacks.BackupAndRestore(DIR, save_freq=2)` on the

@@ -275,8 +275,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: Remove the backup after training completes.
         save_on_preemption: On SIGTERM or SIGUSR1 (or when `termination_watcher`
             fires), every worker backs up at the same agreed step, then the
-            process exits with code 42 (`kd.preemption.RESTART_EXIT_CODE`)
-            so that `keras-distrib launch --max-restarts`, Slurm's requeue
+            process exits with code 42 so that `keras-distrib launch --max-restarts`, Slurm's requeue
             or a Kubernetes Job restarts it; the restart resumes exactly.
             The agreement costs nothing per step.
         grace_period: Seconds between the signal and the forced kill that
@@ -307,6 +306,26 @@ class BackupAndRestore(keras.callbacks.Callback):
     Only the chief writes (and locks) `backup_dir`: a second live run on
     the same directory is refused at the start of training, before it
     restores or writes anything; the lock of a run that died is taken over.
+
+    The interrupted epoch is not ended: no `on_epoch_end`, so no
+    `ModelCheckpoint` file, log line or History entry counts it; the
+    restarted run finishes it and ends it once, with its real logs.
+
+    A backup holds everything that decides the rest of the run: weights,
+    optimizer, metrics, the position in the epoch and every random state
+    (the model's and its layers' seed generators; a dataset that reshuffles
+    each epoch is replayed to the resumed epoch's order), so a resume on
+    another replica or worker count ends at the uninterrupted one-device
+    model. Weights or a logged loss holding NaN or Inf are never backed up
+    (the last finite backup is kept, and kept at the end). A backup records
+    what defines its run (each layer's class, settings and weights' shapes;
+    the optimizer and its configuration; the loss; the global batch size,
+    also of a `tf.data` pipeline of unknown length; the batches per epoch;
+    under a parameter server, the parts a `variable_partitioner` split each
+    weight into): a resume that differs is refused before anything is
+    restored, naming what changed, and so is a hand-edited progress file.
+    `backup_dir` itself is removed at the end only if kd created it (never
+    a symbolic link or a mount point); a failing clean-up only warns.
 
     Raises:
         CheckpointError: `backup_dir` is a file or not writable; at the

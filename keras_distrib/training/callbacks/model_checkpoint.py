@@ -54,6 +54,18 @@ _MODES = ("auto", "min", "max")
 class ModelCheckpoint(keras.callbacks.Callback):
     """Saves the model or its weights, like `keras.callbacks.ModelCheckpoint`.
 
+    Every worker takes part in each save; only the chief's file persists,
+    written under a temporary name and renamed into place. Every argument is
+    checked when the callback is made, so a bad one fails before training:
+    `{placeholders}` in `filepath` must parse, be plain names and have a
+    format spec that works for their value (`{epoch:02d}`, `{val_loss:.2f}`;
+    not `{loss:d}`), `{batch}` needs a batch `save_freq`, and a name one typo
+    away from a known key (`{epch}`) is refused with the likely intent. When
+    training begins, a placeholder one typo away from one of the compiled
+    model's log keys is refused (one merely unknown only warns: another
+    callback may add it); at a save, one absent from the logs raises an error
+    listing the logs' keys.
+
     Args:
         filepath: Path ending in `.keras` (whole model) or `.weights.h5`
             (weights only); may hold `{epoch}`, `{batch}` and log keys, e.g.
@@ -69,8 +81,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
     Raises:
         ValueError: listing every invalid argument: types, a file path that
             is a directory or lies under a file, a folder this process cannot
-            write, and malformed or mistyped `{placeholders}` (see the module
-            docstring).
+            write, and malformed or mistyped `{placeholders}`.
 
     Example:
         >>> import os, tempfile, keras_distrib as kd

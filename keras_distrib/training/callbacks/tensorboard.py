@@ -68,6 +68,12 @@ class TensorBoard(keras.callbacks.TensorBoard):
     system), a warning names the log directory and the fix, logging stops
     for the rest of the run and training goes on.
 
+    Args:
+        log_dir: Where the chief writes the logs (the other workers write
+            to scratch space that is removed).
+        **kwargs: `keras.callbacks.TensorBoard`'s other arguments
+            (`histogram_freq`, `write_graph`, `update_freq`, ...).
+
     Raises:
         CheckpointError: `log_dir` is a file, lies under a file, or is not
             writable (checked on the chief, which writes there).
