@@ -71,7 +71,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # frame counts. Parts overlap (the graph walks run inside the replica step).
 PARTS = (
     ("tracing (every function traced)",
-     ("tensorflow/python/framework/func_graph.py:func_graph_from_py_func",)),
+     ("tensorflow/python/framework/func_graph.py:func_graph_from_py_func",
+      "tensorflow/python/distribute/mirrored_run.py:run")),  # a replica's thread
     ("  step traced per replica (all replicas)",
      ("keras_distrib/training/step.py:replica_step",
       "keras/src/backend/tensorflow/trainer.py:one_step_on_data")),
