@@ -633,7 +633,9 @@ def _unmasked_global_moments(context, batch, inputs, axes):
     (2C values, the one collective the backward pass made before) and
     applies one device's formula to the replica's rows. The moments
     token (see `_moments_token`) and N, when it travels here, leave as
-    outputs of the same function.
+    outputs of the same function. Every op counts twice (traced, then
+    optimized at the first step) and once more per layer and replica:
+    what is known when traced is a number, not an op.
     """
     shape = inputs.shape
     if shape.rank is None or 0 not in axes:
@@ -643,55 +645,66 @@ def _unmasked_global_moments(context, batch, inputs, axes):
     if any(d is None for d in reduced + channels):
         return None
     size = math.prod(channels)
-    keep = [1 if d in axes else shape[d] for d in range(shape.rank)]  # broadcasts over the rows
+    # Statistics broadcast over the rows as they are when the channels come last.
+    last = axes == list(range(shape.rank - len(channels)))
+    keep = [1 if d in axes else shape[d] for d in range(shape.rank)]
+    spread_out = (lambda value: value) if last and len(channels) == 1 else (
+        lambda value: tf.reshape(value, keep))
     dtype = inputs.dtype
     # A replica whose rows are known when traced needs no zeroing of a padded row.
     live = None if batch.surely_has_rows else tf.cast(batch.has_rows, dtype)
     live_times = (lambda value: value) if live is None else (lambda value: value * live)
+    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
     if shape[0] is not None and live is None:
-        count = tf.constant(shape[0] * math.prod(reduced), dtype)
+        count = float(shape[0] * math.prod(reduced))
+        heads = tf.constant(([float(batch.static_rows)] if brings_rows else []) + [count], dtype)
     else:
         count = live_times(tf.cast(tf.shape(inputs)[0], dtype) * math.prod(reduced))
-    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
-    heads = [tf.cast(batch.local_rows, dtype)] if brings_rows else []
-    slot = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync, dtype=dtype)
+        heads = tf.stack(([tf.cast(batch.local_rows, dtype)] if brings_rows else []) + [count])
+    replicas = context.num_replicas_in_sync
+    replica_id = tf.get_static_value(context.replica_id_in_sync_group)
     token = [batch.moments_token] if batch.moments_token is not None else []
+    first = int(brings_rows)  # the row count's column, if it travels here
 
     @tf.custom_gradient
     def moments(x, *token):
         local_mean = tf.math.divide_no_nan(live_times(tf.reduce_sum(x, axes)), count)
-        centred = tf.math.squared_difference(x, tf.reshape(local_mean, keep))
-        local_m2 = live_times(tf.reduce_sum(centred, axes))
-        own = tf.concat([tf.stack(heads + [count]), tf.reshape(local_mean, [-1]),
-                         tf.reshape(local_m2, [-1])], 0)
-        local = slot[:, None] * own[None, :]
+        local_m2 = live_times(tf.reduce_sum(tf.math.squared_difference(x, spread_out(local_mean)), axes))
+        own = tf.concat([heads, tf.reshape(local_mean, [-1]) if len(channels) > 1 else local_mean,
+                         tf.reshape(local_m2, [-1]) if len(channels) > 1 else local_m2], 0)
+        # This replica's slot of a zero-filled [replicas, values] buffer.
+        if replica_id is not None:
+            local = tf.pad(tf.expand_dims(own, 0), [[int(replica_id), replicas - 1 - int(replica_id)], [0, 0]])
+        else:
+            slot = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
+            local = tf.expand_dims(slot, 1) * own
         if token:
             local += tf.cast(token[0], dtype)
         gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-        *rows, counts, means, m2s = tf.split(gathered, [1] * len(heads) + [1, size, size], axis=1)
+        *rows, counts, means, m2s = tf.split(gathered, [1] * first + [1, size, size], axis=1)
         total = tf.reduce_sum(counts)
         mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
-        spread = tf.reduce_sum(m2s, 0) + tf.reduce_sum(
-            counts * tf.math.squared_difference(means, mean), 0)
+        spread = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
         variance = tf.math.divide_no_nan(spread, total)
-        global_rows = tf.reduce_sum(rows[0]) if rows else tf.zeros((), dtype)
+        outputs = (mean, variance, tf.math.multiply_no_nan(total, tf.zeros((), dtype)))
+        if rows:
+            outputs += (tf.reduce_sum(rows[0]),)
 
         def gradient(d_mean, d_variance, *_):
             # One device's gradient of the rows from the global loss's
             # gradients of the statistics: every replica's, summed.
             d_mean = tf.zeros_like(mean) if d_mean is None else d_mean
             d_variance = tf.zeros_like(variance) if d_variance is None else d_variance
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([d_mean, d_variance], 0))
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([d_mean, 2 * d_variance], 0))
             of_mean, of_variance = tf.split(tf.math.divide_no_nan(summed, total), 2)
-            d_x = tf.reshape(of_mean, keep) + tf.reshape(2 * of_variance, keep) * (
-                x - tf.reshape(mean, keep))
-            return (live_times(d_x),) + tuple(tf.zeros_like(t) for t in token)
+            d_x = spread_out(of_mean) + spread_out(of_variance) * (x - spread_out(mean))
+            return (live_times(d_x),) + (None,) * len(token)
 
-        return (mean, variance, _moments_token(gathered, dtype), global_rows), gradient
+        return outputs, gradient
 
-    mean, variance, batch.moments_token, global_rows = moments(inputs, *token)
+    mean, variance, batch.moments_token, *global_rows = moments(inputs, *token)
     if brings_rows:
-        batch.learn_global_rows(tf.stop_gradient(global_rows))
+        batch.learn_global_rows(tf.stop_gradient(global_rows[0]))
     if len(channels) > 1:
         mean, variance = tf.reshape(mean, channels), tf.reshape(variance, channels)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.
