@@ -39,13 +39,18 @@ slow the Python parts several times more than the rest.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from keras_distrib.commands import bench
+from keras_distrib.commands import bench_network
 
 __all__ = [
     "FRAMEWORKS",
@@ -175,7 +180,6 @@ def _hub_bert(keras, kd, distributed):
 
 
 def _build(name, framework, keras, kd):
-    from keras_distrib.commands import bench
 
     keras.utils.set_random_seed(0)
     distributed = framework.startswith("kd")
@@ -364,11 +368,19 @@ def _child(framework, model_name, replicas, profile, before, timeout):
         # TensorFlow's AutoGraph writes its converted sources to the
         # temporary folder; each child keeps its own, removed afterwards.
         env["TMPDIR"] = scratch
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env, cwd=root, start_new_session=True)
         try:
-            completed = subprocess.run(command, capture_output=True, text=True, env=env,
-                                       cwd=root, timeout=timeout)
+            stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout:.0f} s"
+        finally:
+            # Ended, timed out, or this process stopped (SIGINT, SIGTERM,
+            # SIGHUP): nothing the child started outlives it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    completed = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     lines = [l for l in completed.stdout.splitlines() if l.startswith("FIRST_STEP ")]
     if completed.returncode != 0 or not lines:
         tail = (completed.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -547,6 +559,15 @@ def _parse(argv):
 def main(argv=None, print_fn=print):
     """Runs `keras-distrib bench --first-step ARGS`; returns the exit code."""
     options, models, frameworks = _parse(argv)
+    try:
+        with bench_network._signals_raise():
+            return _measure(options, models, frameworks, print_fn)
+    except bench_network._Stopped as stopped:
+        print_fn(f"stopped by {signal.Signals(stopped.signum).name}")
+        return 128 + stopped.signum
+
+
+def _measure(options, models, frameworks, print_fn):
     runs = {(f, m): [] for m in models for f in frameworks}
     total = len(runs) * options.repeats
     done = 0
