@@ -15,12 +15,14 @@ trackers, logs and the gradient all-reduce tell them from values kd did not
 compute.
 """
 
+from keras_distrib.training.losses import global_batch
 from keras_distrib.training.losses import global_mean
 from keras_distrib.training.losses import global_share
 from keras_distrib.training.losses import row_weighted
 from keras_distrib.training.losses import scale_regularization
 
 __all__ = [
+    "global_batch",
     "global_mean",
     "global_share",
     "row_weighted",

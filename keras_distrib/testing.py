@@ -482,6 +482,15 @@ def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
             + ". kd models compute global statistics (unless compiled with "
             "batch_norm=\"per_replica\"); or use BatchNormalization(synchronized=True)."
         )
+    if kd_model and getattr(model, "rows_meet", "global") == "per_replica" and replicas > 1:
+        causes.append(
+            "rows left to each replica: the model was compiled with rows_meet=\"per_replica\", "
+            "so wherever the rows of a batch meet (in-batch negatives, labels numbered from the "
+            "batch size, a layer or loss reading statistics of the batch, a loss mining the "
+            "batch), each replica sees only its own rows, not the global batch one device sees. "
+            "Compile with rows_meet=\"global\" (the default), where kd gathers the global batch "
+            "there."
+        )
     if not kd_model and uneven:
         causes.append(
             f"a plain Keras model ({type(model).__name__}, not a kd model) on an uneven batch: Keras 3 "
@@ -508,9 +517,9 @@ def _likely_causes(model, *, replicas, uneven, first_step, variable_name=None):
     if _is_own_code(_defining_module(model, "train_step")):
         if kd_model:
             what = ("kd reads a loss it did not compute from its graph (a mean or a sum of "
-                    "per-row terms is exact, a batch statistic is refused); one through ops it "
-                    "cannot follow is taken as a mean over the replica's rows, which it may "
-                    "not be")
+                    "per-row terms is exact; where rows meet, kd computes on the global batch); "
+                    "one through ops it cannot follow is taken as a mean over the replica's "
+                    "rows, which it may not be")
             advice = "call self.compute_loss(...) or kd.losses.global_mean, which kd makes exact"
         else:
             what = ("a loss averaged over the replica's own rows (e.g. tf.reduce_mean) is a "

@@ -114,17 +114,20 @@ class OwnLoss(kd.Model):
                 loss = tf.reduce_mean(errors)
             elif self.LOSS == "sum":  # a sum over a fixed batch size: exact
                 loss = tf.reduce_sum(errors) / 16.0
-            elif self.LOSS == "rmse":  # no split over replicas: refused at the first step
+            elif self.LOSS == "rmse":  # rows meet: kd computes it on the global batch
                 loss = tf.sqrt(tf.reduce_mean(errors))
-            else:  # later rows weigh more: an op kd does not follow, taken as a mean
+            elif self.LOSS == "cumsum":  # later rows weigh more: rows meet, the global batch
                 loss = tf.reduce_mean(tf.math.cumsum(errors, axis=0)) / 8.0
+            else:  # later rows weigh more, in a loop kd does not follow: taken as a mean
+                loss = tf.foldl(lambda total, row: 0.9 * total + row,
+                                tf.reduce_mean(errors, axis=1), initializer=tf.zeros((), errors.dtype))
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         return {}
 
 
 class HandMadeLoss(OwnLoss):
-    LOSS = "top_k"
+    LOSS = "fold"
 
 
 def hand_made_loss():
@@ -243,15 +246,19 @@ def test_custom_reduction_is_caught():
     with pytest.raises(AssertionError) as caught:
         kd.testing.assert_parity(hand_made_loss, (X, Y), batch_size=16)
     assert "likely cause: a custom reduction in HandMadeLoss.train_step" in str(caught.value)
-    # A mean or a sum over the replica's rows: kd reads which from the graph, exact.
-    for kind in ("mean", "sum"):
+    # A mean or a sum over the replica's rows: kd reads which from the graph,
+    # exact; where the rows meet (the root of a mean, a cumulative sum over
+    # rows), kd computes the loss on the global batch.
+    for kind in ("mean", "sum", "rmse", "cumsum"):
         result = kd.testing.assert_parity(own_loss(kind), (X, Y), batch_size=16)
         assert max(result.values()) <= 2e-5, kind
-    # A loss with no split over replicas is refused at the first step, naming the op.
+    # Told to leave each replica its own rows, the same model is caught.
     with pytest.raises(AssertionError) as caught:
-        kd.testing.assert_parity(own_loss("rmse"), (X, Y), batch_size=16)
-    assert "(Sqrt) is a nonlinear function of a sum or mean over this replica's rows" \
-        in str(caught.value)
+        kd.testing.assert_parity(
+            lambda: build(type("RmseLoss", (OwnLoss,), {"LOSS": "rmse"}),
+                          compile_options={"rows_meet": "per_replica"}), (X, Y), batch_size=16)
+    assert "likely cause: rows left to each replica: the model was compiled with " \
+        'rows_meet="per_replica"' in str(caught.value)
 
 
 def test_plain_model_is_caught_at_the_uneven_batch():

@@ -155,3 +155,21 @@ def test_own_train_step(tmp_path):
     assert result["weights"]["kd.Model, mirrored"] <= 2e-5, result
     # The contrast: the same class body on keras.Model under the same strategy.
     assert result["weights"]["keras.Model, mirrored"] > 1e-3, result
+
+
+@pytest.mark.cluster
+def test_contrastive_learning(tmp_path):
+    result = run_notebook(
+        "contrastive_learning", {"DATA": "digits", "EPOCHS": 2, "LIMIT": 600},
+        "{'dual': DUAL_DIFF, 'plain': DUAL_PLAIN_DIFF, 'simclr': SIMCLR_DIFF, "
+        "'parity': max(PARITY.values()), 'caught': CAUGHT, 'recall': [reference_recall, kd_recall]}",
+        tmp_path, figures=2,
+    )
+    # The dual encoder's in-batch negatives and the SimCLR-style step's arange
+    # labels: one device's model on 2 replicas; plain Keras there is far off.
+    assert result["dual"] <= 2e-5 and result["simclr"] <= 2e-5, result
+    assert result["plain"] > 1e-3, result
+    assert result["recall"][0] == result["recall"][1], result
+    assert result["parity"] <= 2e-5, result
+    assert 'likely cause: rows left to each replica: the model was compiled with ' \
+        'rows_meet="per_replica"' in result["caught"], result["caught"][:2000]

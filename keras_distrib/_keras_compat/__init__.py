@@ -156,6 +156,8 @@ PRIVATE_NAMES = (
     ("keras.src.utils.python_utils", "pythonify_logs", "function(logs)"),
     ("keras.src.utils.tracking", "no_automatic_dependency_tracking", "decorator"),
     ("keras.src.models.functional", "Functional", "class"),
+    ("keras.src.ops.function.Function", "_operations",
+     "attribute: the layers and ops of the functional graph, in order (set in __init__)"),
     ("keras.src.models.model", "functional_init_arguments", "function(args, kwargs)"),
     ("keras.src.backend.tensorflow.random", "normal", "function(shape, seed), replaced (kd steps lay draws out)"),
     ("keras.src.backend.tensorflow.random", "uniform", "function(shape, seed), replaced"),
@@ -258,6 +260,7 @@ from keras_distrib._keras_compat.losses import replace_compile_losses  # noqa: F
 from keras_distrib._keras_compat.losses import replace_loss_object_call  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_mean_update  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_metric_result  # noqa: F401
+from keras_distrib._keras_compat.losses import replace_metric_update  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_random_draws  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_tape_gradient  # noqa: F401
 from keras_distrib._keras_compat.losses import set_compiled_loss  # noqa: F401
@@ -275,6 +278,7 @@ from keras_distrib._keras_compat.trainer import created_strategy  # noqa: F401
 from keras_distrib._keras_compat.trainer import flatten_metrics_in_order  # noqa: F401
 from keras_distrib._keras_compat.trainer import functional_init  # noqa: F401
 from keras_distrib._keras_compat.trainer import functional_init_arguments  # noqa: F401
+from keras_distrib._keras_compat.trainer import has_own_operations  # noqa: F401
 from keras_distrib._keras_compat.trainer import initial_epoch  # noqa: F401
 from keras_distrib._keras_compat.trainer import make_functional  # noqa: F401
 from keras_distrib._keras_compat.trainer import set_initial_epoch  # noqa: F401

@@ -31,6 +31,7 @@ __all__ = [
     "replace_loss_object_call",
     "replace_mean_update",
     "replace_metric_result",
+    "replace_metric_update",
     "replace_random_draws",
     "replace_tape_gradient",
     "set_compiled_loss",
@@ -217,6 +218,11 @@ def replace_mean_update(metric, make_update):
     """
     if type(metric).update_state is keras.metrics.Mean.update_state:
         _replace_on_instance(metric, "update_state", make_update)
+
+
+def replace_metric_update(metric, make_update):
+    """Makes `metric.update_state` call `make_update(metric, keras_update)` (idempotent)."""
+    _replace_on_instance(metric, "update_state", make_update)
 
 
 def mean_variables(metric):

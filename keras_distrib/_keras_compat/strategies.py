@@ -238,8 +238,8 @@ def sum_without_gradient(context, value):
     and then optimized at the first step). TensorFlow takes the same path
     itself where it may not merge (XLA on GPUs). Collectives pair by their
     instance keys, numbered per device in the order each replica builds
-    them: kd builds them in one order on every replica (see
-    `models._moments_token`). Elsewhere (other strategies, another
+    them: kd builds them in one order on every replica (its collectives
+    are chained, see `training.replica.ReplicaBatch.chain`). Elsewhere (other strategies, another
     cross-device reduction, eager execution, XLA): `context.all_reduce`.
     """
     strategy = context.strategy

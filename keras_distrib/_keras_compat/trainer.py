@@ -20,6 +20,7 @@ __all__ = [
     "flatten_metrics_in_order",
     "functional_init",
     "functional_init_arguments",
+    "has_own_operations",
     "initial_epoch",
     "make_functional",
     "set_initial_epoch",
@@ -28,6 +29,11 @@ __all__ = [
 
 
 Functional = keras_functional.Functional
+
+
+def has_own_operations(model):
+    """Whether a functional model holds operations that are not layers (`keras.ops` on its tensors)."""
+    return any(not isinstance(op, keras.layers.Layer) for op in getattr(model, "_operations", ()))
 
 
 def functional_init_arguments(args, kwargs):

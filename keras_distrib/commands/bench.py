@@ -37,6 +37,7 @@ VARIANTS = (
     "kd_fit_mirrored_bn_per_replica",
     "plain_fit_mirrored_sync_bn",
     "tutorial_loop_sync_bn",
+    "gathered_loop",
 )
 # Ratio name -> (numerator, denominator): the comparisons the targets use.
 RATIOS = {
@@ -55,6 +56,10 @@ RATIOS = {
     # exact) against per-replica ones (compile(batch_norm="per_replica")).
     "kd_fit BN global / BN per_replica": ("kd_fit_mirrored", "kd_fit_mirrored_bn_per_replica"),
     "kd_fit BN global / Keras 3 SyncBN": ("kd_fit_mirrored", "plain_fit_mirrored_sync_bn"),
+    # --model contrastive: kd gathering the global batch where rows meet, against
+    # a loop gathering it by hand (SimCLR's and CLIP's code) and plain Keras,
+    # which compares each replica's rows only (not the same model).
+    "kd_fit / hand-gathered loop (contrastive)": ("kd_fit_mirrored", "gathered_loop"),
 }
 TARGETS = {  # name -> (comparison, bound)
     "kd_fit / Keras 3 fit (mirrored)": (">=", 0.99),
@@ -94,18 +99,70 @@ def _model(kind, model_class, synchronized=False):
 def _compile(model, steps_per_execution=1, **kd_options):
     import keras
 
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        steps_per_execution=steps_per_execution, **kd_options,
-    )
+    loss = None if hasattr(model, "towers") else keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss,
+                  steps_per_execution=steps_per_execution, **kd_options)
+
+
+def _tower(keras):
+    inputs = keras.Input((28, 28, 1))
+    hidden = keras.layers.Dense(128, activation="relu")(keras.layers.Flatten()(inputs))
+    return keras.Model(inputs, keras.layers.Dense(32)(hidden))
+
+
+def _views(images):
+    """An image and its mirror image: the two views the contrastive model pairs."""
+    import tensorflow as tf
+
+    return images, tf.reverse(images, axis=[2])
+
+
+def _contrastive_model(model_class):
+    """A dual encoder with in-batch negatives (CLIP's symmetric loss in its own compute_loss)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from keras import ops
+
+    class DualEncoder(model_class):
+        def __init__(self):
+            super().__init__()
+            self.towers = [_tower(keras), _tower(keras)]
+
+        def call(self, images, training=False):
+            first, second = _views(images)
+            return (ops.normalize(self.towers[0](first), axis=1),
+                    ops.normalize(self.towers[1](second), axis=1))
+
+        def compute_loss(self, a, b):
+            logits = ops.matmul(a, ops.transpose(b)) / 0.1
+            pairs = ops.arange(ops.shape(a)[0])
+            return (keras.losses.sparse_categorical_crossentropy(pairs, logits, from_logits=True)
+                    + keras.losses.sparse_categorical_crossentropy(
+                        pairs, ops.transpose(logits), from_logits=True)) / 2
+
+        def train_step(self, data):
+            images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(*self(images, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": ops.mean(loss)}
+
+    keras.utils.set_random_seed(0)
+    model = DualEncoder()
+    model(np.zeros((1, 28, 28, 1), "float32"))
+    return model
 
 
 def runners(kind, steps, strategy, only=None, on_step_end=None):
     """name -> callable running one epoch of `steps` steps (after building).
 
     Args:
-        kind: The model: `"mlp"`, `"cnn"` or `"cnn_bn"`.
+        kind: The model: `"mlp"`, `"cnn"`, `"cnn_bn"`, or `"contrastive"` (a dual
+            encoder with in-batch negatives, which the hand-gathered loop
+            `gathered_loop` also trains).
         steps: Global batches (of `GLOBAL_BATCH` rows) in the epoch.
         strategy: The strategy every distributed variant trains under.
         only: Names from `VARIANTS` to build; all by default. Building a
@@ -142,14 +199,15 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
 
     def fit_runner(model_class, scope, steps_per_execution=1, synchronized=False, **kd_options):
         with scope:
-            model = _model(kind, model_class, synchronized)
+            model = _contrastive_model(model_class) if kind == "contrastive" else \
+                _model(kind, model_class, synchronized)
             _compile(model, steps_per_execution, **kd_options)
         callbacks = step_clock(keras.callbacks.Callback)
         return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def loop_runner(steps_per_loop):
         with strategy.scope():
-            model = _model(kind, kd.Model)
+            model = _contrastive_model(kd.Model) if kind == "contrastive" else _model(kind, kd.Model)
             _compile(model)
         loop = kd.TrainLoop(model, steps_per_loop=steps_per_loop)
         distributed = loop.distribute(dataset)
@@ -189,6 +247,45 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
         def run():
             for batch in distributed:
                 distributed_step(batch)
+                if on_step_end is not None:
+                    on_step_end()
+
+        return run
+
+    def gathered_runner():
+        # In-batch negatives gathered by hand, as SimCLR's and CLIP's own code
+        # does: each replica's queries against every replica's keys
+        # (`all_gather`, whose gradient is summed back to each replica), labels
+        # offset by the replica's place, the loss over the fixed global batch.
+        with strategy.scope():
+            model = _contrastive_model(keras.Model)
+            optimizer = keras.optimizers.Adam(1e-3)
+            optimizer.build(model.trainable_variables)
+
+        def step(images):
+            context = tf.distribute.get_replica_context()
+            with tf.GradientTape() as tape:
+                a, b = model(images, training=True)
+                keys = context.all_gather(b, axis=0)
+                rows = tf.shape(a)[0]
+                offset = context.replica_id_in_sync_group * rows
+                logits = tf.matmul(a, keys, transpose_b=True) / 0.1
+                labels = offset + tf.range(rows)
+                per_row = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                loss = tf.nn.compute_average_loss(per_row, global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        @tf.function
+        def distributed_step(images):
+            return strategy.reduce("SUM", strategy.run(step, args=(images,)), axis=None)
+
+        distributed = strategy.experimental_distribute_dataset(dataset.map(lambda x, y: x))
+
+        def run():
+            for images in distributed:
+                distributed_step(images)
                 if on_step_end is not None:
                     on_step_end()
 
@@ -264,6 +361,16 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
 
         return skip_before if before_distribution else skip_pulled
 
+    if kind == "contrastive":
+        builders = {
+            "plain_fit_one_device": lambda: fit_runner(keras.Model, tf.distribute.get_strategy().scope()),
+            "plain_fit_mirrored": lambda: fit_runner(keras.Model, strategy.scope()),
+            "kd_fit_mirrored": lambda: fit_runner(kd.Model, strategy.scope()),
+            "kd_loop_1": lambda: loop_runner(1),
+            "gathered_loop": gathered_runner,
+        }
+        return {name: builders[name]() for name in VARIANTS
+                if name in builders and (only is None or name in only)}
     builders = {
         "plain_fit_one_device": lambda: fit_runner(keras.Model, tf.distribute.get_strategy().scope()),
         "plain_fit_mirrored": lambda: fit_runner(keras.Model, strategy.scope()),
@@ -423,9 +530,11 @@ def main(argv=None):
         "data and global batch (64), in one process with --replicas virtual devices, the "
         "variants taking turns; medians of --repeats epochs of --steps steps after a warm-up, "
         "and their ratios (cnn_bn: also kd fit with per-replica BatchNormalization statistics "
-        "and Keras 3 with synchronized=True). Without --variants, also the time from a "
-        "2-worker launch to the first training step.")
-    parser.add_argument("--model", choices=("mlp", "cnn", "cnn_bn"), default="cnn")
+        "and Keras 3 with synchronized=True; contrastive: a dual encoder with in-batch "
+        "negatives, kd against a loop that gathers the global batch by hand as SimCLR's code "
+        "does, and plain Keras, which compares each replica's rows only). Without --variants, "
+        "also the time from a 2-worker launch to the first training step.")
+    parser.add_argument("--model", choices=("mlp", "cnn", "cnn_bn", "contrastive"), default="cnn")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)

@@ -12,7 +12,9 @@ two BatchNormalization layers instead: kd's global statistics (its default,
 exact), kd's `batch_norm="per_replica"`, Keras 3's `synchronized=True` (in
 the tutorial's loop: Keras 3's `fit` of this model failed under
 MultiWorkerMirroredStrategy)
-and tf-keras (per-replica statistics). Steps per second count from the
+and tf-keras (per-replica statistics); `--model contrastive` a dual encoder
+with in-batch negatives: kd `fit` (the global batch gathered where rows meet)
+and a loop gathering it by hand as SimCLR's code does. Steps per second count from the
 end of an epoch's first step to the end of its last: what a long epoch
 feels, without `fit`'s set-up and epoch end.
 
@@ -86,7 +88,7 @@ RATIOS = {
     "kd_fit / tf_keras_fit": ("kd_fit", "tf_keras_fit"),
     "kd_fit / tutorial_loop": ("kd_fit", "tutorial_loop"),
 }
-MODELS = ("mlp", "cnn_bn")
+MODELS = ("mlp", "cnn_bn", "contrastive")
 # --model cnn_bn: what BatchNormalization's statistics cost per step.
 BN_VARIANTS = {
     "kd_fit": "kd_fit_mirrored",
@@ -101,9 +103,22 @@ BN_RATIOS = {
 }
 
 
+# --model contrastive: in-batch negatives, kd gathering the global batch itself
+# against a loop gathering it by hand (SimCLR's code; Keras 3's `fit` fails
+# under MultiWorkerMirroredStrategy).
+CONTRASTIVE_VARIANTS = {
+    "kd_fit": "kd_fit_mirrored",
+    "gathered_loop": "gathered_loop",
+}
+CONTRASTIVE_RATIOS = {
+    "kd_fit / gathered_loop": ("kd_fit", "gathered_loop"),
+}
+
+
 def _variants(model):
     """The report's variants and ratios for `model`."""
-    return (BN_VARIANTS, BN_RATIOS) if model == "cnn_bn" else (VARIANTS, RATIOS)
+    return {"cnn_bn": (BN_VARIANTS, BN_RATIOS),
+            "contrastive": (CONTRASTIVE_VARIANTS, CONTRASTIVE_RATIOS)}.get(model, (VARIANTS, RATIOS))
 # The relay's MTU: large, so a gradient all-reduce is a few packets.
 RELAY_MTU = 65000
 _CLONE_NEWNET = 0x40000000
@@ -714,8 +729,10 @@ def build_parser():
                         "in this process) or auto: veth where the kernel has netem (default)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run (default 1800)")
     parser.add_argument("--model", choices=MODELS, default="mlp",
-                        help="mlp (kd, tf-keras, the tutorial loop; default) or cnn_bn (a CNN with "
-                        "BatchNormalization: kd global and per-replica statistics, Keras 3 SyncBN, tf-keras)")
+                        help="mlp (kd, tf-keras, the tutorial loop; default), cnn_bn (a CNN with "
+                        "BatchNormalization: kd global and per-replica statistics, Keras 3 SyncBN, tf-keras) "
+                        "or contrastive (a dual encoder with in-batch negatives: kd, and a loop gathering "
+                        "the global batch by hand)")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Marks the worker processes of one run (tests look for leftovers by it).

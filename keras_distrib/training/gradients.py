@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import coupling
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
 from keras_distrib.training import step
@@ -84,8 +85,12 @@ def all_reduce(gradients):
     if batch is not None and batch.deferred:
         present = _all_reduce_deferred(context, batch, present)
     else:
-        if batch is not None and not batch.shares:
-            present = _row_weighted(batch, present, batch.plain_loss_kind)
+        if batch is not None:
+            kind, batch.gradient_kind = batch.gradient_kind, None
+            if kind is None and batch.shares:
+                kind = replica.SHARE  # no target judged (gradients of a share kd computed)
+            if kind != replica.SHARE:
+                present = _row_weighted(batch, present, kind)
         present = _sum_with_metric_states(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
@@ -146,7 +151,15 @@ def _row_weighted(batch, gradients, kind=None):
     is NaN). A loss the graph shows to be a sum over rows (`kind`
     `penalties.ROW_SUM`, see `judge_target`: `tf.reduce_sum(...) / 16`)
     adds up over replicas as it is: its gradients are summed unweighted.
+    A loss computed on the global batch kd gathered (`penalties.GLOBAL`)
+    adds 1/R of each replica's gradient.
     """
+    if kind == penalties.GLOBAL:
+        # Computed on the global batch, the same on every replica: each
+        # replica's gradient holds its own rows' part R times (coupling.gather)
+        # and the rest once, so 1/R of each adds up to one device's.
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        return [_map_values(g, lambda v: v / tf.cast(replicas, v.dtype)) for g in gradients]
     fractions = _per_dtype(gradients, lambda dtype: tf.cast(batch.fraction, dtype)) \
         if kind != penalties.ROW_SUM else None
 
@@ -163,21 +176,32 @@ def _row_weighted(batch, gradients, kind=None):
 def judge_target(target):
     """Reads how `tape.gradient`'s `target` adds up over replicas, in a kd step.
 
-    A target kd did not compute (no loss share: plain ops on the replica's
-    rows) is judged from its graph (`penalties.kind_of`): a sum over rows
-    is summed over replicas as it is, and one that mixes the replica's rows
-    (a maximum over them, a statistic of this replica's rows combined with
-    its rows) has no exact split and is refused, naming the op. Anything
-    else is taken as a mean over rows (`_row_weighted`).
+    A loss share kd computed is summed over replicas as it is. Any other
+    target (plain ops on the replica's rows) is judged from its graph
+    (`penalties.kind_of`): a sum over rows is summed over replicas as it is;
+    a loss computed on the global batch kd gathered adds 1/R of each
+    replica's gradient; where the rows of the batch meet in it (an in-batch
+    contrastive loss written in the step), kd gathers the tensors it starts
+    from and traces the step again (`coupling.inline`); one that mixes the
+    replica's rows with per-replica random draws has no exact split and is
+    refused, naming the op. Anything else is taken as a mean over rows
+    (`_row_weighted`).
     """
     batch = replica.current_batch()
     context = tf.distribute.get_replica_context()
     if batch is None or context is None or context.num_replicas_in_sync == 1 \
-            or tf.executing_eagerly() or not isinstance(target, tf.Tensor) \
-            or batch.shares or replica.is_share(target):
+            or tf.executing_eagerly() or not isinstance(target, tf.Tensor):
+        return
+    if replica.is_share(target):
+        batch.gradient_kind = replica.SHARE
         return
     kind = penalties.kind_of(target)
-    if isinstance(kind, penalties.Unknown) and kind.mixing:
+    if kind == penalties.SHARE:  # shares kd computed, scaled by constants or summed
+        batch.gradient_kind = replica.SHARE
+        return
+    if isinstance(kind, penalties.Unknown) and kind.meets and batch.rows_meet == "global":
+        coupling.inline(kind, batch, "the loss whose gradient the step takes", target.graph)
+    if isinstance(kind, penalties.Unknown) and kind.mixing and not kind.meets:
         raise ValueError(
             f"The loss whose gradient the step takes is not one kd can split over "
             f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
@@ -186,7 +210,12 @@ def judge_target(target):
             "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "
             "per-row terms."
         )
-    batch.plain_loss_kind = kind if kind == penalties.ROW_SUM else None
+    if kind in (penalties.ROW_SUM, penalties.GLOBAL):
+        batch.gradient_kind = kind
+    elif batch.shares:
+        batch.gradient_kind = replica.SHARE  # a share with terms kd cannot read: summed as it is
+    else:
+        batch.gradient_kind = None
 
 
 def _divided(gradients, global_rows):

@@ -558,11 +558,12 @@ def build_model(model, data_batch):
     whole weights, which it then cannot update).
     """
     data_batch = tree.map_structure(_first_replica_spec, data_batch)
-    layers = _keras_compat.flatten_layers(model)
-    if type(model).call is keras.Model.call and all(layer.built for layer in layers[1:]):
-        # No `call` of its own (a GAN whose train_step calls its built
-        # sub-models): nothing for Keras to trace, as on one device, where
-        # Keras builds lazily.
+    # No `call` of its own (a GAN or SimCLR whose train_step calls its
+    # sub-models): nothing for Keras to trace, as on one device, where Keras
+    # builds lazily; a sub-model not built yet (an augmentation pipeline
+    # without an Input) builds at the first trace.
+    call_less = type(model).call is keras.Model.call
+    if call_less:
         model.built = True
     optimizer = model.optimizer
     hold = optimizer is not None and not optimizer.built
@@ -570,7 +571,8 @@ def build_model(model, data_batch):
         if hold:
             optimizer.built = True  # Keras's build would use the whole weights
         try:
-            _keras_compat.symbolic_build(model, data_batch)
+            if not call_less:
+                _keras_compat.symbolic_build(model, data_batch)
         finally:
             if hold:
                 optimizer.built = False

@@ -28,12 +28,16 @@ The classic mistakes this prevents:
   shares gives (2+3)/4 averaged with (4+5)/4 = 1.75.
 """
 
+import inspect
+
 import keras
 import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import coupling
 from keras_distrib.training import penalties
+from keras_distrib.training.coupling import global_batch  # kd.losses.global_batch
 from keras_distrib import validation
 from keras_distrib.training.replica import current_batch
 from keras_distrib.training.replica import is_share
@@ -41,8 +45,10 @@ from keras_distrib.training.replica import mark_share
 from keras_distrib.training.replica import replica_sum
 
 __all__ = [
+    "global_batch",
     "global_mean",
     "global_share",
+    "replica_part",
     "row_weighted",
     "scale_regularization",
 ]
@@ -166,6 +172,17 @@ def _replicas_in_sync():
 def _refuse_row_mixing(values):
     if _replicas_in_sync() == 1 or current_batch() is not None:
         return
+    kind = penalties.kind_of_value(values)
+    if isinstance(kind, penalties.Unknown) and kind.meets:
+        raise ValueError(
+            f"`per_example_loss` depends on the rows of the batch together: {kind.mixing}. On "
+            f"{_replicas_in_sync()} replicas each computes that from its own rows, not from the "
+            f"global batch one device sees. {_LAYOUT_FIX}; kd's models compute any layer whose "
+            "rows meet on the global batch. For a loss of your own, gather the tensors the rows "
+            "meet in with `kd.losses.global_batch(tensor)` (every replica's rows, the gradient "
+            "flowing back to each; it also returns this replica's offset, for labels such as "
+            "`offset + tf.range(rows)`)."
+        )
     mixing = penalties.row_mixing(values)
     if mixing:
         raise ValueError(
@@ -244,8 +261,11 @@ def scale_regularization(losses, *, local_rows=None):
         by_kind.setdefault(kind, []).append(tf.reduce_sum(term))
     share = tf.zeros((), dtype)
     rows = None if local_rows is None else tf.cast(local_rows, dtype)
-    if penalties.FIXED in by_kind:
-        share += tf.add_n(by_kind[penalties.FIXED]) / replicas
+    if penalties.SHARE in by_kind:  # shares kd computed already
+        share += tf.add_n(by_kind[penalties.SHARE])
+    same_everywhere = by_kind.get(penalties.FIXED, []) + by_kind.get(penalties.GLOBAL, [])
+    if same_everywhere:
+        share += tf.add_n(same_everywhere) / replicas
     if penalties.ROW_SUM in by_kind:
         sums = tf.add_n(by_kind[penalties.ROW_SUM])
         # A sum over no rows is 0 (a kd model feeds an empty replica one
@@ -344,41 +364,29 @@ class GlobalReductionLoss(keras.losses.Loss):
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         reduction = self.inner.reduction
-        if reduction in (None, "none"):
-            return self.inner(y_true, y_pred, sample_weight)
         dtype = self.inner.dtype
         in_mask = _keras_compat.get_keras_mask(y_pred)
+        batch = current_batch()
         with tf.name_scope(self.name):
-            y_pred = tree.map_structure(lambda x: tf.cast(x, dtype), y_pred)
-            y_true = tree.map_structure(lambda x: tf.cast(x, dtype), y_true)
-            values = tf.convert_to_tensor(self.inner.call(y_true, y_pred), dtype)
-            mask = _combine_masks(in_mask, _keras_compat.get_keras_mask(values))
-            weights = None
-            if sample_weight is not None:
-                weights = tf.cast(tf.convert_to_tensor(sample_weight), dtype)
-            if mask is not None:
-                float_mask = tf.cast(mask, dtype)
-                if weights is None:
-                    weights = float_mask
-                else:
-                    float_mask, weights = _keras_compat.squeeze_or_expand_to_same_rank(
-                        float_mask, weights
-                    )
-                    weights = weights * float_mask
-            if weights is not None:
-                values, weights = _keras_compat.squeeze_or_expand_to_same_rank(
-                    values, weights
-                )
-                values = values * weights
-            numerator = tf.reduce_sum(values)
-            batch = current_batch()
+            # Where the rows of the batch meet in the loss (in-batch negatives, a
+            # mined triplet), it is computed on the global batch (`coupling`).
+            (numerator, denominator, values), global_batch = coupling.call_on_global_batch(
+                self.inner, self._terms, (y_true, y_pred, sample_weight, in_mask))
+            if reduction in (None, "none"):
+                return values
+            whole = batch is not None and batch.global_region
+            if global_batch or whole:
+                if denominator is None:
+                    denominator = tf.cast(tf.size(values), dtype)
+                value = numerator if reduction == "sum" else tf.math.divide_no_nan(numerator, denominator)
+                if whole:
+                    return value  # inside a computation on the global batch: its value
+                # The same on every replica: each replica's share is 1/R of it.
+                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                return mark_share(value / tf.cast(replicas, value.dtype))
             if reduction == "sum":
                 return numerator if batch is None or not batch.deferred else batch.defer(numerator)
-            if reduction == "mean_with_sample_weight" and weights is not None:
-                denominator = tf.reduce_sum(weights)
-            elif reduction in _MEAN_REDUCTIONS and mask is not None:
-                denominator = tf.reduce_sum(tf.cast(mask, dtype))
-            else:
+            if denominator is None:  # an element count: one entry per row
                 denominator = tf.cast(tf.size(values), dtype)
                 if batch is not None and batch.deferred and _counts_rows(values):
                     # The global element count is N times the elements per
@@ -396,6 +404,47 @@ class GlobalReductionLoss(keras.losses.Loss):
                 return global_share(numerator, denominator)
             share = tf.math.divide_no_nan(numerator, batch.global_sum(denominator))
             return batch.defer(share) if batch.deferred else share
+
+    def _terms(self, y_true, y_pred, sample_weight, in_mask):
+        """(numerator, denominator or None for the element count, per-element losses) of a batch.
+
+        The per-element losses, masks and sample weights combine exactly as
+        `keras.losses.Loss.__call__` does on one device; the denominator is
+        the batch's own (its weight or mask sum), None for its element count.
+        """
+        reduction = self.inner.reduction
+        dtype = self.inner.dtype
+        if reduction in (None, "none"):
+            if in_mask is not None:
+                _keras_compat.set_keras_mask(y_pred, in_mask)
+            return None, None, self.inner(y_true, y_pred, sample_weight)
+        y_pred = tree.map_structure(lambda x: tf.cast(x, dtype), y_pred)
+        y_true = tree.map_structure(lambda x: tf.cast(x, dtype), y_true)
+        values = tf.convert_to_tensor(self.inner.call(y_true, y_pred), dtype)
+        mask = _combine_masks(in_mask, _keras_compat.get_keras_mask(values))
+        weights = None
+        if sample_weight is not None:
+            weights = tf.cast(tf.convert_to_tensor(sample_weight), dtype)
+        if mask is not None:
+            float_mask = tf.cast(mask, dtype)
+            if weights is None:
+                weights = float_mask
+            else:
+                float_mask, weights = _keras_compat.squeeze_or_expand_to_same_rank(
+                    float_mask, weights
+                )
+                weights = weights * float_mask
+        if weights is not None:
+            values, weights = _keras_compat.squeeze_or_expand_to_same_rank(values, weights)
+            values = values * weights
+        numerator = tf.reduce_sum(values)
+        if reduction == "mean_with_sample_weight" and weights is not None:
+            denominator = tf.reduce_sum(weights)
+        elif reduction in _MEAN_REDUCTIONS and mask is not None:
+            denominator = tf.reduce_sum(tf.cast(mask, dtype))
+        else:
+            denominator = None
+        return numerator, denominator, values
 
 
 def _counts_rows(values):
@@ -584,6 +633,9 @@ def row_weighted(value):
     replica without rows adds 0 (its mean of no rows is NaN). A recorded
     loss share is returned as it is (its sum is already the global value).
 
+    A value computed on the global batch kd gathered (GLOBAL, the same on
+    every replica) adds 1/R of itself.
+
     Outside a step on several replicas, returns `value`.
 
     Args:
@@ -597,12 +649,29 @@ def row_weighted(value):
         >>> kd.losses.row_weighted(2.5)  # outside a step: as it is
         2.5
     """
+    return replica_part(value)
+
+
+def replica_part(value, what=None):
+    """`row_weighted(value)`; where the rows of the batch meet in it, `what` names the value.
+
+    kd then gathers what it starts from at the next trace, or refuses
+    (`coupling.inline`).
+    """
     batch = current_batch()
     context = tf.distribute.get_replica_context()
     if batch is None or context is None or context.num_replicas_in_sync == 1 or is_share(value):
         return value
     value = tf.convert_to_tensor(value)
-    if penalties.kind_of(value) != penalties.ROW_SUM:  # a sum over rows adds up as it is
+    kind = penalties.kind_of(value)
+    if kind == penalties.SHARE:  # a share kd computed, scaled or summed: as it is
+        return value
+    if kind == penalties.GLOBAL:
+        # Computed on the global batch: the same on every replica, rows or none.
+        return value / tf.cast(context.num_replicas_in_sync, value.dtype)
+    if isinstance(kind, penalties.Unknown) and kind.meets and what is not None:
+        coupling.inline(kind, batch, what, value.graph)
+    if kind != penalties.ROW_SUM:  # a sum over rows adds up as it is
         value = value * tf.cast(batch.fraction, value.dtype)
     return tf.where(batch.has_rows, value, tf.zeros_like(value))
 
@@ -619,6 +688,7 @@ def _tracker_update(metric, keras_update):
     per-replica totals and counts is already exact.
     """
     total, count = _keras_compat.mean_variables(metric)
+    other_values = _metric_update(metric, keras_update)
 
     def update_state(values, sample_weight=None):
         batch = current_batch()
@@ -626,8 +696,8 @@ def _tracker_update(metric, keras_update):
         if batch is None or context is None or context.num_replicas_in_sync == 1 \
                 or sample_weight is not None or getattr(values, "shape", None) is None \
                 or values.shape.rank != 0:
-            return keras_update(values, sample_weight=sample_weight)
-        part = row_weighted(values)
+            return other_values(values, sample_weight=sample_weight)
+        part = replica_part(values, what=f"the value the tracker {metric.name!r} is updated with")
         total.assign_add(tf.cast(part, total.dtype))
         count.assign_add(tf.cast(tf.equal(context.replica_id_in_sync_group, 0), count.dtype))
 
@@ -639,3 +709,57 @@ def exact_trackers(metrics):
     for metric in metrics:
         if not isinstance(metric, GlobalShareMean):
             _keras_compat.replace_mean_update(metric, _tracker_update)
+
+
+def _metric_update(metric, keras_update):
+    """A metric's `update_state` that counts what is computed on the global batch once.
+
+    In a kd step on several replicas, values computed from the global batch
+    kd gathered (GLOBAL: the same on every replica, e.g. a contrastive
+    accuracy over in-batch similarities) update the metric on the first
+    replica only (sample weights of 0 elsewhere), as one device updates it
+    once; values where the rows of
+    the batch meet in code kd did not call are gathered (or refused, see
+    `coupling.inline`). Other values are Keras's own update.
+    """
+
+    def update_state(*args, **kwargs):
+        batch = current_batch()
+        if batch is None or _replicas_in_sync() == 1 or batch.global_region:
+            return keras_update(*args, **kwargs)
+        tensors = [v for v in tree.flatten((args, kwargs)) if isinstance(v, tf.Tensor)]
+        kinds = [penalties.kind_of_value(v) for v in tensors]
+        for tensor, kind in zip(tensors, kinds):
+            if isinstance(kind, penalties.Unknown) and kind.meets:
+                coupling.inline(kind, batch, f"what the metric {metric.name!r} is updated with",
+                                tensor.graph)
+        if penalties.GLOBAL not in kinds or not _takes_sample_weight(keras_update):
+            # (A metric without sample weights updates on every replica: each
+            # adds the same, R times, and a ratio of its states stays one device's.)
+            return keras_update(*args, **kwargs)
+        rows = next(v for v, k in zip(tensors, kinds) if k == penalties.GLOBAL and v.shape.rank)
+        first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+        only_first = tf.fill(tf.shape(rows)[:1], tf.cast(first, keras.config.floatx()))
+        weight = kwargs.pop("sample_weight", args[2] if len(args) > 2 else None)
+        args = args[:2]
+        if weight is not None:
+            weight = tf.cast(weight, only_first.dtype)
+            only_first = weight * tf.reshape(only_first, [-1] + [1] * (weight.shape.rank - 1)) \
+                if weight.shape.rank else weight * only_first
+        return keras_update(*args, sample_weight=only_first, **kwargs)
+
+    return update_state
+
+
+def _takes_sample_weight(update):
+    try:
+        return "sample_weight" in inspect.signature(update).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def exact_metric_updates(metrics):
+    """Gives every metric in `metrics` but the Mean trackers kd's global-batch update (idempotent)."""
+    for metric in metrics:
+        if not isinstance(metric, GlobalShareMean):
+            _keras_compat.replace_metric_update(metric, _metric_update)

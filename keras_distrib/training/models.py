@@ -9,6 +9,7 @@ training.
 
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import coupling
 from keras_distrib.training import front
 from keras_distrib.training import gradients
 from keras_distrib.training import losses as kd_losses
@@ -112,12 +114,13 @@ def _pad_empty_batch(x, batch):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
         filler = lambda: tf.zeros(tf.concat([[1], tf.shape(value)[1:]], 0), value.dtype)
-        return penalties.mark_rows(tf.cond(batch.has_rows, lambda: value, filler))
+        padded = penalties.mark_rows(tf.cond(batch.has_rows, lambda: value, filler))
+        return coupling.mark_layout(padded, coupling.row_layout(value, batch), batch)
 
     return tree.map_structure(pad, x)
 
 
-def _drop_padding(outputs, batch):
+def _drop_padding(outputs, batch, first=None):
     """Outputs without the padded row (and its Keras mask, if any)."""
     if batch.surely_has_rows:
         return outputs
@@ -136,8 +139,11 @@ def _drop_padding(outputs, batch):
             _keras_compat.set_keras_mask(
                 result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
             )
-        return penalties.mark_rows(result)
+        # The model's rows, each its own, as its first input's (kd's models map rows to rows).
+        return coupling.mark_layout(penalties.mark_rows(result), layout, batch)
 
+    first = next((t for t in tree.flatten(first) if isinstance(t, tf.Tensor) and t.shape.rank), None)
+    layout = coupling.row_layout(first, batch) if first is not None else None
     return tree.map_structure(cut, outputs)
 
 
@@ -146,13 +152,33 @@ def _spreads_over_replicas():
     return context is not None and context.num_replicas_in_sync > 1
 
 
-def _place_in_global_batch(value, batch):
-    """`value` (this replica's rows) at its rows of a zero global batch."""
-    rows = tf.shape(value)[0]
-    offset = tf.cast(batch.offset, tf.int32)
-    after = tf.maximum(tf.cast(batch.global_rows, tf.int32) - offset - rows, 0)
-    zeros = lambda count: tf.zeros(tf.concat([[count], tf.shape(value)[1:]], 0), value.dtype)
-    return tf.concat([zeros(offset), value, zeros(after)], 0)
+def _global_rows_of(rows, of, batch):
+    """Where a replica's `rows` of `of` lie in one device's tensor: (its rows, the indices of these).
+
+    `of` (a tensor, or the count of its rows) has its rows laid out as kd
+    reads them (`coupling.row_layout`: the batch's rows, several batches
+    concatenated); else as k stacked blocks of the batch's rows
+    (`_blocks_of`). A replica without rows of the step, fed one padded row,
+    draws for it as asked (its outputs are dropped).
+    """
+    rows = tf.cast(rows, tf.int32)
+    layout = coupling.row_layout(of, batch)
+    if not layout:
+        return _blocks_of(rows, batch)
+    indices, total, expected = coupling.global_indices(layout, batch)
+    padded = tf.logical_and(tf.equal(expected, 0), tf.equal(rows, 1))
+    check = tf.debugging.Assert(
+        tf.logical_or(padded, tf.equal(rows, expected)),
+        [replica.DRAW_REFUSAL, "rows drawn:", rows, "rows kd laid out:", expected],
+    )
+    with tf.control_dependencies([check]):
+        indices = tf.cond(padded, lambda: tf.range(rows), lambda: indices)
+    return tf.where(padded, rows, total), indices
+
+
+def _spread(value, indices, total):
+    """`value`'s rows at `indices` of a zero tensor of `total` rows."""
+    return tf.scatter_nd(indices[:, None], value, tf.concat([[total], tf.shape(value)[1:]], 0))
 
 
 def _global_batch_call(layer, call):
@@ -162,12 +188,15 @@ def _global_batch_call(layer, call):
     same on every replica; one device draws them for every row of the
     global batch. So each replica runs the layer on the global batch (its
     own rows in place, zeros elsewhere) and keeps its rows: the same draws
-    one device makes for them, whatever the replica layout.
+    one device makes for them, whatever the replica layout. Rows of several
+    batches concatenated (`concat([unlabeled, labeled])`) lie where one
+    device holds them (`coupling.row_layout`).
     """
 
     def laid_out(inputs, *args, **kwargs):
         batch = replica.current_batch()
-        if batch is None or kwargs.get("training") in (None, False) or not _spreads_over_replicas():
+        if batch is None or kwargs.get("training") in (None, False) or batch.global_region \
+                or not _spreads_over_replicas():
             return call(inputs, *args, **kwargs)
         if not isinstance(inputs, tf.Tensor):
             raise ValueError(
@@ -176,18 +205,19 @@ def _global_batch_call(layer, call):
                 "random draws over the global batch only for a single tensor input. Pass a "
                 "tensor, or apply the layer in the input pipeline instead."
             )
+        total, indices = _global_rows_of(tf.shape(inputs)[0], inputs, batch)
         mask = kwargs.get("mask")
         if isinstance(mask, tf.Tensor) and mask.shape.rank:
-            kwargs["mask"] = _place_in_global_batch(mask, batch)
+            kwargs["mask"] = _spread(mask, indices, total)
         batch.laid_out += 1  # its draws are already the global batch's
         try:
-            outputs = call(_place_in_global_batch(inputs, batch), *args, **kwargs)
+            outputs = call(_spread(inputs, indices, total), *args, **kwargs)
         finally:
             batch.laid_out -= 1
-        offset = tf.cast(batch.offset, tf.int32)
-        mine = outputs[offset:offset + tf.shape(inputs)[0]]
+        mine = tf.gather(outputs, indices)
         mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
-        return penalties.mark_rows(mine)  # each row its own, as on one device
+        # Each row its own, as on one device, where the inputs' rows lie.
+        return coupling.mark_layout(penalties.mark_rows(mine), coupling.row_layout(inputs, batch), batch)
 
     return laid_out
 
@@ -222,7 +252,8 @@ def _blocks_of(rows, batch):
 
 def _lays_out_draws():
     batch = replica.current_batch()
-    return batch is not None and not batch.laid_out and _spreads_over_replicas()
+    return batch is not None and not batch.laid_out and not batch.global_region \
+        and _spreads_over_replicas()
 
 
 def _batch_shaped(rows):
@@ -256,54 +287,76 @@ def _global_batch_draw(name, shaped, draw):
                 else tf.stack([tf.cast(d, tf.int32) for d in first])
             if shape.shape.rank != 1 or shape.shape[0] in (None, 0) or not _batch_shaped(shape[0]):
                 return draw(first, *args, **kwargs)
-            total, indices = _blocks_of(shape[0], batch)
+            leading = first[0] if isinstance(first, (list, tuple)) and tf.is_tensor(first[0]) else shape[0]
+            total, indices = _global_rows_of(shape[0], leading, batch)
             drawn = draw(tf.concat([[total], shape[1:]], 0), *args, **kwargs)
-            return tf.gather(drawn, indices)
+            return penalties.mark_rows(tf.gather(drawn, indices))  # one device's draws for these rows
         inputs = tf.convert_to_tensor(first)
         noise_shape = kwargs.get("noise_shape", args[1] if name == "dropout" and len(args) > 1 else None)
         if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
             return draw(first, *args, **kwargs)
         if inputs.shape.rank in (None, 0) or (noise_shape is not None and noise_shape[0] is not None):
             return draw(first, *args, **kwargs)
-        total, indices = _blocks_of(tf.shape(inputs)[0], batch)
-        spread = tf.scatter_nd(indices[:, None], inputs,
-                               tf.concat([[total], tf.shape(inputs)[1:]], 0))
+        total, indices = _global_rows_of(tf.shape(inputs)[0], inputs, batch)
+        spread = _spread(inputs, indices, total)
         mine = tf.gather(draw(spread, *args, **kwargs), indices)
         if name == "dropout":
             mine.set_shape(inputs.shape)
-        return mine
+        return penalties.mark_rows(mine)
 
     return drawing
 
 
 
-def _pad_empty_call(layer, call):
-    """`call` of a plain Keras sub-model, fed one row of zeros for an empty input.
+def _metric_in_scope(metric):
+    """`metric`, made again in the current strategy's scope if it was made outside it.
 
-    TensorFlow's CPU convolution kernels fail on 0 rows (a replica without
-    rows of the last batch); kd's models pad there (see StepPlan.pad_empty)
-    and so does a plain `keras.Model` called inside a kd model's step.
+    A metric object made before the scope holds plain variables: each
+    replica updates the one copy, and its state cannot travel in the step's
+    gradient all-reduce with the other metrics' (it cost a collective of its
+    own per step). Its config makes the same metric, with per-replica states.
     """
+    if not isinstance(metric, keras.metrics.Metric) or \
+            tf.distribute.get_strategy().num_replicas_in_sync == 1 or \
+            all(_keras_compat.sync_on_read_aggregation(v) is not None for v in metric.variables):
+        return metric
+    try:
+        return type(metric).from_config(metric.get_config())
+    except (TypeError, ValueError, NotImplementedError):
+        return metric  # a metric of one's own that cannot be made again: as it is
 
-    def padded(inputs, *args, **kwargs):
-        batch = replica.current_batch()
-        if batch is None or batch.in_forward or not batch.plan.pad_empty or \
-                not isinstance(inputs, tf.Tensor) or inputs.shape.rank in (None, 0) or \
-                (inputs.shape[0] or 0) > 0:
-            return call(inputs, *args, **kwargs)
-        has_rows = tf.shape(inputs)[0] > 0
-        filler = lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-        outputs = call(tf.cond(has_rows, lambda: inputs, filler), *args, **kwargs)
 
-        def cut(value):
-            if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
-                return value
-            return _keras_compat.keep_keras_logits(
-                value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
+def _sub_model_call(layer, call):
+    """`call` of a plain Keras model inside a kd model's step (see `coupling.layer_call`)."""
+    layer_call = coupling.layer_call(layer, call, pad=True)
 
-        return tree.map_structure(cut, outputs)
+    def called(inputs, *args, **kwargs):
+        return coupling.anchor(layer_call(inputs, *args, **kwargs), layer)
 
-    return padded
+    return called
+
+
+def _layer_call(layer, call):
+    return coupling.layer_call(layer, call, pad=False)
+
+
+# Layers of these libraries compute each row from its own row (kd handles
+# BatchNormalization and the random layers itself); kd reads the graph of
+# the others' `call` (a layer of one's own, a Lambda, a functional model's
+# own ops) at the first trace, for rows that meet.
+_LIBRARIES = ("keras.", "keras_hub.", "keras_nlp.", "keras_cv.", "keras_distrib.", "tf_keras.")
+
+
+def _may_meet(layer):
+    """Whether the rows of a batch may meet in `layer`'s own computation."""
+    if isinstance(layer, (keras.layers.BatchNormalization,) + _GLOBAL_BATCH_RANDOM_LAYERS):
+        return False
+    if isinstance(layer, keras.layers.Lambda):
+        return True
+    if isinstance(layer, _keras_compat.Functional) and _keras_compat.has_own_operations(layer):
+        return True
+    defined = next((cls for cls in type(layer).__mro__ if "call" in vars(cls)), type(layer))
+    return not defined.__module__.startswith(_LIBRARIES)
 
 
 def _recorded_result(metric, result):
@@ -449,8 +502,12 @@ def _replica_state_updates(layer, variable):
                 if not _in_replica_step():
                     return current[name](value, *args, **kwargs)
                 value = tf.convert_to_tensor(value, variable.dtype)
+                batch = replica.current_batch()
+                if batch.global_region:
+                    # Computed from the global batch, the same on every replica: added once.
+                    first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+                    return keras_assign(variable.value + sign * value * tf.cast(first, value.dtype))
                 if tf.get_static_value(value) is None:
-                    batch = replica.current_batch()
                     if batch.plan.xla_forward and batch.in_forward:
                         raise ValueError(
                             f"layer {layer.name!r} ({type(layer).__name__}) updates its variable "
@@ -489,9 +546,11 @@ def _defers_scaling(model, batch, *, training):
     """
     if not _spreads_over_replicas():
         return False
-    if training and any(_global_batch_norm(layer) and layer.trainable
-                        for layer in _keras_compat.flatten_layers(model)):
+    layers = _keras_compat.flatten_layers(model)
+    if training and any(_global_batch_norm(layer) and layer.trainable for layer in layers):
         return False
+    if coupling.meets_at_any(layers + _compiled_loss_objects(model)):
+        return False  # computed on the global batch: shares are exact, a layer's gradient crosses replicas
     for name, own in (("compute_loss", DistributedModelMixin.compute_loss),
                       ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
         if getattr(getattr(model, name), "__func__", None) is not own:
@@ -511,21 +570,14 @@ def _defers_scaling(model, batch, *, training):
     return True
 
 
+def _compiled_loss_objects(model):
+    compiled = _keras_compat.compiled_loss(model)
+    losses = _keras_compat.compiled_losses(compiled) if compiled is not None else None
+    return [getattr(loss, "inner", loss) for loss in losses or ()]
+
+
 def _in_replica_step():
     return replica.current_batch() is not None and _spreads_over_replicas()
-
-
-def _moments_token(value, dtype):
-    """A zero that carries a gradient path from `value`.
-
-    Added to the next all-reduced sum, it orders the backward pass: the
-    tape processes independent branches (two BatchNormalizations on one
-    input) in an order that can differ between replicas, and collectives
-    pair up by the order in which each replica creates them. With every
-    all-reduce of the forward pass chained, their gradients are created in
-    one order on every replica.
-    """
-    return tf.math.multiply_no_nan(tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
 
 
 def global_moments(layer, inputs, mask, keras_moments):
@@ -560,8 +612,8 @@ def global_moments(layer, inputs, mask, keras_moments):
     """
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()
-    if context is None or context.num_replicas_in_sync == 1 or batch is None:
-        return keras_moments(inputs, mask)
+    if context is None or context.num_replicas_in_sync == 1 or batch is None or batch.global_region:
+        return keras_moments(inputs, mask)  # one replica, or the global batch already
     if layer in _PER_REPLICA_BATCH_NORM and not layer.synchronized:
         return keras_moments(inputs, mask)
     axes = _keras_compat.batch_norm_axes(layer)
@@ -593,11 +645,9 @@ def global_moments(layer, inputs, mask, keras_moments):
     own = tf.concat(own, 0)
     replicas = context.num_replicas_in_sync
     slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
-    local = slots[:, None] * own[None, :]
-    if batch.moments_token is not None:
-        local += tf.cast(batch.moments_token, dtype)
+    local = batch.chain(slots[:, None] * own[None, :])
     gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    batch.moments_token = _moments_token(gathered, dtype)
+    batch.after_collective(gathered)
     if brings_rows:
         batch.learn_global_rows(tf.reduce_sum(tf.stop_gradient(gathered[:, 0])))
         gathered = gathered[:, 1:]
@@ -631,9 +681,9 @@ def _unmasked_global_moments(context, batch, inputs, axes):
     traced taken as numbers, under a `tf.custom_gradient` whose backward
     pass all-reduces the replicas' gradients of the mean and the variance
     (2C values, the one collective the backward pass made before) and
-    applies one device's formula to the replica's rows. The moments
-    token (see `_moments_token`) and N, when it travels here, leave as
-    outputs of the same function. Every op counts twice (traced, then
+    applies one device's formula to the replica's rows. The token that
+    chains the step's collectives (`replica.ReplicaBatch.chain`) and N,
+    when it travels here, leave as outputs of the same function. Every op counts twice (traced, then
     optimized at the first step) and once more per layer and replica:
     what is known when traced is a number, not an op.
     """
@@ -845,14 +895,15 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     - A loss of plain ops with no share computed in the step (no
       `compute_loss`, loss object or `kd.losses` call) is read from its graph
       at `tape.gradient`: a sum over rows is summed over replicas as it is;
-      one with no split over replicas (a maximum over rows, a nonlinear
-      function of a mean, a product of means, a sum plus a constant) raises
-      `ValueError` at the first step, naming the op; anything else is taken
-      as a mean over the replica's rows (each replica's gradient weighted by
-      n_r / N before the all-reduce: exact for a mean of per-row terms plus
-      terms of the weights). A share mixed with a plain mean in one loss, or
-      ops the walk does not follow, are not detected: use `compute_loss` or
-      `kd.losses.global_mean` there.
+      one in which the rows of the batch meet (a maximum over rows, the root
+      of a mean, in-batch negatives, `arange(batch_size)` labels) is computed
+      on the global batch (kd gathers the tensors it starts from and traces
+      the step again); anything else is taken as a mean over the replica's
+      rows (each replica's gradient weighted by n_r / N before the
+      all-reduce: exact for a mean of per-row terms plus terms of the
+      weights). A share mixed with a plain mean in one loss, or ops the walk
+      does not follow (a `tf.while_loop` over rows), are not detected: use
+      `compute_loss` or `kd.losses.global_mean` there.
     - What the step returns: a metric's `result()` (recognised by identity,
       nested `compile_metrics` included) is the metric's global value; a
       loss share is summed over replicas; another scalar is weighted by
@@ -889,7 +940,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         >>> model.compile(optimizer="sgd", loss="mse")
     """
 
-    def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", **kwargs):
+    def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", rows_meet="global",
+                **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
         Called outside any strategy scope, it runs in the scope of the
@@ -905,7 +957,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         does; `"per_replica"`: layers without `synchronized=True` normalize
         each replica's rows separately (Keras's behaviour: no all-reduce in
         the forward pass, but not what one device computes).
+
+        `rows_meet`: `"global"` (default): where the rows of a batch meet
+        (in-batch negatives, labels from the batch size, a layer reading
+        statistics of the batch, a loss mining the batch), kd computes on the
+        global batch gathered from every replica, as one device does
+        (`keras_distrib.training.coupling`); `"per_replica"`: each replica
+        sees only its own rows (Keras's behaviour).
         """
+        if rows_meet not in coupling.MODES:
+            raise ValueError(
+                f"`rows_meet`={rows_meet!r}: expected one of {list(coupling.MODES)}. \"global\" "
+                "computes where the rows of a batch meet on the global batch (exact); "
+                "\"per_replica\" on each replica's rows."
+            )
         if batch_norm not in BATCH_NORM_MODES:
             raise ValueError(
                 f"`batch_norm`={batch_norm!r}: expected one of {list(BATCH_NORM_MODES)}. "
@@ -914,15 +979,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             )
         self.pss_evaluation_shards = pss_evaluation_shards
         self.batch_norm = batch_norm
+        self.rows_meet = rows_meet
         # Called outside any scope, compile runs in the model's strategy (as
         # tf-keras does): Keras creates the loss tracker here, and a tracker
         # made outside the scope is a plain variable on one device.
         scope = contextlib.nullcontext() if tf.distribute.has_strategy() else self.distribute_strategy.scope()
         with scope:
+            for name in ("metrics", "weighted_metrics"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = tree.map_structure(_metric_in_scope, kwargs[name])
             super().compile(*args, **kwargs)
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
-            self._prepare_layers()
+            # Not the metrics yet: a subclass's compile may create them after this returns.
+            self._prepare_layers(variables=False)
 
     def get_compile_config(self):
         """The arguments `compile` was called with, serialized (saved in `.keras` files).
@@ -934,6 +1004,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if config is None:
             return config
         own = {"batch_norm": (getattr(self, "batch_norm", "global"), "global"),
+               "rows_meet": (getattr(self, "rows_meet", "global"), "global"),
                "pss_evaluation_shards": (getattr(self, "pss_evaluation_shards", 0), 0)}
         return {**config, **{name: value for name, (value, default) in own.items() if value != default}}
 
@@ -960,8 +1031,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    def _prepare_layers(self):
-        """Per-replica bookkeeping on every layer and variable (idempotent)."""
+    def _prepare_layers(self, variables=True):
+        """Per-replica bookkeeping on every layer and variable (idempotent).
+
+        `variables`: also the model's, metrics' and optimizer's variables;
+        not in `compile`, where a subclass's own `compile` creates metrics
+        after calling `super().compile()` (SimCLR's order).
+        """
         per_replica = getattr(self, "batch_norm", "global") == "per_replica"
         for layer in _keras_compat.flatten_layers(self):
             _keras_compat.record_add_loss(layer, _record_loss)
@@ -975,12 +1051,18 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 _keras_compat.replace_call(layer, _global_batch_call)
             elif isinstance(layer, keras.Model) and layer is not self \
                     and not isinstance(layer, DistributedModelMixin):
-                _keras_compat.replace_call(layer, _pad_empty_call)
+                # A plain Keras model inside: padded for an empty replica, a
+                # place where rows may meet, and its outputs where a custom
+                # step's own computations start (coupling.anchor).
+                _keras_compat.replace_call(layer, _sub_model_call)
+            elif layer is not self and _may_meet(layer):
+                _keras_compat.replace_call(layer, _layer_call)
         for layer, variable in layer_state(self):
             _keras_compat.replace_variable_updates(variable, _replica_state_updates(layer, variable))
         self._prepare_replica_writes()
         self._track_random_states()
-        _keras_compat.fix_variables(_keras_compat.model_variables(self))
+        if variables:
+            _keras_compat.fix_variables(_keras_compat.model_variables(self))
 
     def _track_random_states(self):
         # Keras's seed generators (random layers, a `SeedGenerator` of the
@@ -1034,7 +1116,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if batch is None:
             return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
-        if _spreads_over_replicas() and penalties.kind_of(loss) == penalties.ROW_SUM:
+        kind = penalties.kind_of(loss) if _spreads_over_replicas() else None
+        if kind == penalties.GLOBAL:
+            # Computed on the global batch (a layer whose rows meet): the same
+            # on every replica, each adds 1/R of it, rows or none.
+            return total / tf.cast(tf.distribute.get_replica_context().num_replicas_in_sync, total.dtype)
+        if kind == penalties.ROW_SUM:
             share = batch.defer(total) if batch.deferred else total
         else:
             share = total * tf.cast(batch.fraction, total.dtype)
@@ -1079,14 +1166,19 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             self._prepare_layers()
             with replica.replica_batch(replica.batch_rows(_first_input(args, kwargs)),
                                        _loop_plan(self)) as batch:
+                batch.rows_meet = getattr(self, "rows_meet", "global")
+                batch.leaves = [t for t in tree.flatten(_first_input(args, kwargs))
+                                if isinstance(t, tf.Tensor) and t.shape.rank][:1]
                 outputs = self.__call__(*args, **kwargs)
                 replica.keep_losses(self, batch.losses)
             return outputs
         if batch is None or batch.in_forward:
             return super().__call__(*args, **kwargs)
         plan = batch.plan
-        if args and plan.pad_empty:
+        padding = bool(args) and plan.pad_empty and not batch.global_region
+        if padding:
             args = (_pad_empty_batch(args[0], batch),) + args[1:]
+            batch.padded.append(tf.logical_not(batch.has_rows))
         batch.losses, batch.owner, batch.in_forward = [], self, True
         try:
             if plan.xla_forward:
@@ -1094,13 +1186,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                        for layer in _keras_compat.flatten_layers(self)):
                     batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
                 outputs, batch.losses = self._xla_forward(*args, **kwargs)
+            elif _may_meet(self):
+                # The model's own `call` (a subclass's, a functional model's
+                # own ops) may make rows meet: see coupling.layer_call.
+                own_call = coupling.layer_call(self, super().__call__, pad=False)
+                outputs = own_call(*args, **kwargs)
             else:
                 outputs = super().__call__(*args, **kwargs)
         finally:
             batch.in_forward = False
-        if plan.pad_empty:
-            outputs = _drop_padding(outputs, batch)
-        return outputs
+            if padding:
+                batch.padded.pop()
+        if plan.pad_empty and not batch.global_region:
+            outputs = _drop_padding(outputs, batch, _first_input(args, kwargs))
+        return coupling.anchor(outputs, self, batch)
 
     def _xla_forward(self, *args, **kwargs):
         # The forward pass (and its gradient) compiled on the replica's
@@ -1259,10 +1358,32 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         _keras_compat.replace_tape_gradient(gradients.judge_target)
         for optimizer in self._optimizers():
             gradients.install(optimizer)
+        self._own_compute_loss_on_global_batch()
         metrics = list(self.metrics)
         kd_losses.exact_trackers(metrics)
+        kd_losses.exact_metric_updates(metrics)
         for metric in metrics:
             _keras_compat.replace_metric_result(metric, _recorded_result)
+
+    def _own_compute_loss_on_global_batch(self):
+        """A `compute_loss` of the subclass's own runs on the global batch where its rows meet.
+
+        (An in-batch contrastive loss: `coupling.call_on_global_batch`.) Its
+        scalar result is then this replica's share, as kd's own `compute_loss`
+        returns; a per-row result is the global batch's (GLOBAL).
+        """
+        if type(self).compute_loss is DistributedModelMixin.compute_loss or "compute_loss" in vars(self):
+            return
+        own = type(self).compute_loss.__get__(self)
+
+        def compute_loss(*args, **kwargs):
+            result, _ = coupling.call_on_global_batch(
+                self, lambda a, k: own(*a, **k), (args, kwargs), share_scalars=True)
+            return result
+
+        compute_loss.__signature__ = inspect.signature(own)  # Keras reads its arguments
+        compute_loss.__doc__ = own.__doc__
+        object.__setattr__(self, "compute_loss", compute_loss)
 
     def _make_step(self, kind):
         self._check_strategy(training=kind == "train")

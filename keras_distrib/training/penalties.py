@@ -25,25 +25,45 @@ they compute over the global batch (`mark_global`, `mark_rows`): global
 BatchNormalization statistics are the same on every replica, and a random
 layer laid out over the global batch keeps the replica's rows.
 
-The same walk finds per-replica batch statistics and per-replica random
-draws inside per-example losses (`row_mixing`): what a plain Keras model's
-BatchNormalization and Dropout compute in a hand-written loop.
+The same walk finds where the rows of a batch meet (`Unknown.meets`):
+a product of two row-aligned tensors across the batch (`x @ y^T`, an
+einsum over two row indices), a statistic of the rows fed back into rows,
+a maximum, sort or top-k across rows, rows picked by index, labels
+numbered from the batch size (`arange(batch_size)`, `eye(batch_size)`),
+cumulative sums over rows. Each is exact given the whole global batch,
+which `keras_distrib.training.coupling` then gathers (`mark_gathered`:
+the same on every replica, GLOBAL); everything computed from gathered
+tensors alone is GLOBAL too. It also finds per-replica random draws inside
+per-example losses (`row_mixing`): what a plain Keras model's Dropout
+computes in a hand-written loop, which no gathering makes exact.
 """
 
 import dataclasses
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = [
+    "ELEMENTWISE",
     "FIXED",
+    "GLOBAL",
+    "ROWS",
     "ROW_MEAN",
     "ROW_SUM",
+    "SHAPE_OPS",
+    "SHARE",
     "Unknown",
+    "keeps_rows",
     "kind_of",
+    "kind_of_value",
+    "mark_gathered",
     "mark_global",
+    "mark_offset",
     "mark_rows",
+    "mark_share",
     "row_mixing",
+    "row_sources",
 ]
 
 FIXED = "fixed"  # the same on every replica
@@ -55,14 +75,38 @@ _COUNT = "count"  # the replica's row count
 _DRAW = "draw"  # random numbers drawn per replica, one per row
 _STATIC = "static"  # an integer constant cast to a number, maybe the static row count
 _OPTIONAL = "optional"  # the replica's next batch as an Optional (get_next_as_optional)
+_COLUMNS = "columns"  # rows transposed onto the second axis (`transpose(x)`, `x[None, :]`)
+_OFFSET = "offset"  # where the replica's rows start in the global batch (`kd.losses.global_batch`)
+# A replica's share of a loss kd computed (its shares add up over replicas to
+# the global loss): what it is made of is kd's arithmetic, not the walk's.
+SHARE = "share"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    """The replica's rows numbered from 0 (`range` over the row count), by the op that numbered them."""
+
+    op: str
+
+
+# Computed from the global batch (tensors kd gathered from every replica) and
+# weights alone: the same on every replica; its gradient reaches each
+# replica's own rows through the gather (see coupling.gather).
+GLOBAL = "global"
 
 
 @dataclasses.dataclass(frozen=True)
 class Unknown:
-    """A value kd cannot split over replicas; `mixing` says where rows were mixed, if so."""
+    """A value kd cannot split over replicas; `mixing` says where rows were mixed, if so.
+
+    `meets`: the rows of the batch meet at `op` in a way the whole global
+    batch makes exact (`mixing` says how); False where they mix with
+    something no gathering fixes (a per-replica random draw).
+    """
 
     op: str
     mixing: str = ""
+    meets: bool = False
 
 
 _MARKS = weakref.WeakKeyDictionary()  # graph -> {tensor name: kind}
@@ -82,6 +126,24 @@ def _mark(tensor, kind):
 def mark_global(tensor):
     """Marks `tensor` as the same on every replica (e.g. global batch statistics)."""
     return _mark(tensor, FIXED)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_share(tensor):
+    """Marks `tensor` as a loss share kd computed (see `SHARE`)."""
+    return _mark(tensor, SHARE)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_offset(tensor):
+    """Marks `tensor` as where the replica's rows start in the global batch."""
+    return _mark(tensor, _OFFSET)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_gathered(tensor):
+    """Marks `tensor` as holding the global batch, the same on every replica (GLOBAL)."""
+    return _mark(tensor, GLOBAL)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -112,9 +174,34 @@ _STATELESS_RANDOM_PREFIX = "StatelessRandom"
 _STATEFUL_READS = {"ReadVariableOp", "VarHandleOp", "ResourceGather"}
 
 
-def _const(tensor):
+_FOLDED = {"Sub": np.subtract, "AddV2": np.add, "Add": np.add, "Mul": np.multiply}
+
+
+def _const(tensor, depth=0):
+    """`tensor`'s value if known when traced (TensorFlow's own folding, and small integer arithmetic)."""
     value = tf.get_static_value(tensor)
-    return None if value is None else value
+    if value is not None or depth > 4:
+        return value
+    op = tensor.op
+    if op.type in _FOLDED:
+        a, b = (_const(t, depth + 1) for t in op.inputs)
+        return None if a is None or b is None else _FOLDED[op.type](a, b)
+    if op.type == "Pack":
+        parts = [_const(t, depth + 1) for t in op.inputs]
+        return None if any(p is None for p in parts) else np.stack(parts, op.get_attr("axis"))
+    if op.type == "ConcatV2":
+        parts = [_const(t, depth + 1) for t in op.inputs]
+        return None if any(p is None for p in parts) else np.concatenate(parts[:-1], int(parts[-1]))
+    if op.type == "Slice" and op.inputs[0].op.type == "Shape":
+        # The known dimensions of a partly known shape (the features, not the rows).
+        dims = op.inputs[0].op.inputs[0].shape.as_list()
+        begin, size = _const(op.inputs[1], depth + 1), _const(op.inputs[2], depth + 1)
+        if begin is None or size is None or len(begin) != 1:
+            return None
+        start = int(begin[0])
+        part = dims[start:] if int(size[0]) == -1 else dims[start:start + int(size[0])]
+        return None if any(d is None for d in part) else np.array(part, np.int32)
+    return None
 
 
 def _rank(tensor):
@@ -145,6 +232,11 @@ def _mixing(op, why):
     return Unknown(op.name, f"`{op.name}` ({op.type}) {why}")
 
 
+def _meeting(op, why):
+    """The rows of the batch meet at `op`: exact given the whole global batch."""
+    return Unknown(op.name, f"`{op.name}` ({op.type}) {why}", meets=True)
+
+
 def _broadcasts_into_rows(rows, other):
     """Whether `other` (FIXED) combined with a ROWS tensor keeps its rows."""
     if _rank(rows) is None or _rank(other) is None:
@@ -160,6 +252,13 @@ def _binary(op, kinds):
     kind_set = {a, b}
     if kind_set == {FIXED}:
         return FIXED
+    if _COLUMNS in kind_set:
+        if kind_set <= {_COLUMNS, FIXED}:
+            return _COLUMNS
+        if ROWS in kind_set:
+            return _meeting(op, "combines every row of the batch with every other row (e.g. "
+                                "`labels[:, None] == labels[None, :]`)")
+        return Unknown(op.name)
     if kind_set <= {ROWS, FIXED, _DRAW}:
         if ROWS in kind_set and _DRAW in kind_set:
             return _mixing(op, "combines the rows with random numbers drawn for this replica's "
@@ -171,8 +270,8 @@ def _binary(op, kinds):
         return _DRAW if _DRAW in kind_set else ROWS
     statistics = {ROW_SUM, ROW_MEAN}
     if kind_set & {ROWS, _DRAW} and kind_set & statistics:
-        return _mixing(op, "combines the rows with a statistic of this replica's rows only "
-                           "(e.g. the batch mean of a plain Keras BatchNormalization)")
+        return _meeting(op, "combines the rows with a statistic of the batch's rows (e.g. "
+                            "`x - mean(x, axis=0)`)")
     if op.type in ("Add", "AddV2", "Sub") and len(kind_set) == 1 and a in statistics:
         return a
     if op.type in ("Add", "AddV2", "Sub") and kind_set == {ROW_MEAN, FIXED}:
@@ -194,8 +293,8 @@ def _binary(op, kinds):
     if _COUNT in kind_set and kind_set <= {_COUNT, FIXED}:
         return _COUNT if op.type in ("Mul", "Maximum") else Unknown(op.name)
     if kind_set & statistics and kind_set <= statistics | {FIXED}:
-        return _mixing(op, "combines sums or means over this replica's rows into a value that "
-                           "is neither one sum nor one mean over the rows")
+        return _meeting(op, "combines sums or means over the batch's rows into a value that "
+                            "is neither one sum nor one mean over the rows")
     return Unknown(op.name)
 
 
@@ -214,8 +313,8 @@ def _reduce(op, kinds):
         return kind
     if kind == _DRAW:
         return Unknown(op.name)
-    return {"Sum": ROW_SUM, "Mean": ROW_MEAN}.get(op.type) or _mixing(
-        op, "reduces over this replica's rows only")
+    return {"Sum": ROW_SUM, "Mean": ROW_MEAN}.get(op.type) or _meeting(
+        op, "reduces across the batch's rows")
 
 
 def _keeps_rows(op):
@@ -223,8 +322,12 @@ def _keeps_rows(op):
     source, result = op.inputs[0], op.outputs[0]
     if op.type == "Reshape":
         before, after = source.shape[1:], result.shape[1:]
-        return before.is_fully_defined() and after.is_fully_defined() and \
-            before.num_elements() == after.num_elements()
+        if before.is_fully_defined() and after.is_fully_defined():
+            return before.num_elements() == after.num_elements()
+        target = _const(op.inputs[1])  # e.g. [-1, features], computed in the graph
+        return before.is_fully_defined() and target is not None and target.ndim == 1 and \
+            len(target) >= 1 and int(target[0]) == -1 and all(int(d) >= 0 for d in target[1:]) and \
+            int(np.prod(target[1:])) == before.num_elements()
     if op.type == "ExpandDims":
         axis = _const(op.inputs[1])
         return axis is not None and int(axis) % (_rank(result) or 1) != 0
@@ -245,13 +348,41 @@ def _keeps_rows(op):
         strides = _const(op.inputs[3])
         full = op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
         return bool(full) and strides is not None and int(strides[0]) == 1 and \
-            not op.get_attr("shrink_axis_mask") & 1 and not op.get_attr("new_axis_mask") and \
+            not op.get_attr("shrink_axis_mask") & 1 and not op.get_attr("new_axis_mask") & 1 and \
             not op.get_attr("ellipsis_mask")
+    return False
+
+
+def _makes_columns(op):
+    """Whether a shape op puts a 2-D result's rows on its second axis."""
+    result = op.outputs[0]
+    if _rank(result) != 2:
+        return False
+    if op.type == "Transpose":
+        perm = _const(op.inputs[1])
+        return perm is not None and list(perm) == [1, 0]
+    if op.type == "ExpandDims":
+        axis = _const(op.inputs[1])
+        return axis is not None and int(axis) % 2 == 0
+    if op.type == "StridedSlice":
+        strides = _const(op.inputs[3])
+        return bool(op.get_attr("new_axis_mask") & 1) and strides is not None and \
+            all(int(s) == 1 for s in strides) and not op.get_attr("shrink_axis_mask") and \
+            not op.get_attr("ellipsis_mask") and \
+            op.get_attr("begin_mask") | 1 == op.get_attr("end_mask") | 1 == (1 << len(strides)) - 1
     return False
 
 
 _SHAPE_OPS = {"Reshape", "ExpandDims", "Squeeze", "Transpose", "Pad", "PadV2", "MirrorPad", "Tile",
               "StridedSlice"}
+# What other modules read of the tables (coupling's row layouts).
+SHAPE_OPS = frozenset(_SHAPE_OPS)
+ELEMENTWISE = frozenset(_UNARY | _BINARY)
+
+
+def keeps_rows(op):
+    """Whether a shape op (`SHAPE_OPS`) on a row-aligned tensor keeps its first axis the rows."""
+    return _keeps_rows(op)
 
 
 def _kind_of_op_output(op, index, kinds):
@@ -285,6 +416,13 @@ def _kind_of_op_output(op, index, kinds):
         return Unknown(op.name)
     if unknown is not None:
         return unknown
+    if SHARE in kinds:
+        return _with_share(op, kinds)
+    index = next((k for k in kinds if isinstance(k, _Index)), None)
+    if index is not None:
+        return _with_index(op, kinds, index)
+    if GLOBAL in kinds:
+        return _with_global(op, kinds)
     if kind_type.startswith(_STATELESS_RANDOM_PREFIX):
         if all(k == FIXED for k in kinds):
             return FIXED
@@ -297,9 +435,11 @@ def _kind_of_op_output(op, index, kinds):
         return _STATIC
     if kind_type in _IDENTITY or kind_type in _UNARY:
         kind = kinds[0]
+        if kind == _COLUMNS and kind_type in ("Softmax", "LogSoftmax"):
+            return _meeting(op, "normalizes across the batch's rows")
         if kind in (ROW_SUM, ROW_MEAN) and kind_type not in _LINEAR_UNARY:
-            return _mixing(op, "is a nonlinear function of a sum or mean over this replica's "
-                               "rows only")
+            return _meeting(op, "is a nonlinear function of a sum or mean over the batch's "
+                                "rows")
         if kind in (_COUNT, _SHAPE):
             return kind if kind_type in _LINEAR_UNARY else Unknown(op.name)
         if kind in (ROW_SUM, ROW_MEAN):
@@ -314,7 +454,9 @@ def _kind_of_op_output(op, index, kinds):
     if kind_type in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin"):
         if kind_type in ("ArgMax", "ArgMin") and kinds[0] == ROWS:
             axes = _axes(op, op.inputs[0], op.inputs[1])
-            return ROWS if axes is not None and 0 not in axes else Unknown(op.name)
+            if axes is None:
+                return Unknown(op.name)
+            return ROWS if 0 not in axes else _meeting(op, "picks one of the batch's rows")
         return _reduce(op, kinds)
     if kind_type == "L2Loss":
         return {FIXED: FIXED, ROWS: ROW_SUM}.get(kinds[0], Unknown(op.name))
@@ -324,14 +466,39 @@ def _kind_of_op_output(op, index, kinds):
         return _SHAPE if kinds[0] in (ROWS, _DRAW) else Unknown(op.name)
     if kind_type == "Pack" and kinds and kinds[0] == _COUNT and all(k == FIXED for k in kinds[1:]):
         return _SHAPE if op.get_attr("axis") == 0 else Unknown(op.name)
+    if kind_type == "Pack" and _COUNT in kinds and set(kinds) <= {_COUNT, FIXED} and \
+            op.get_attr("axis") == 0:
+        return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
+                            "`eye(batch_size)`)")
     if kind_type == "StridedSlice" and kinds[0] == _SHAPE:
         begin = _const(op.inputs[1])
         if begin is None or not op.get_attr("shrink_axis_mask") & 1:
             return Unknown(op.name)
         return _COUNT if int(begin.reshape(-1)[0]) == 0 else FIXED
+    if kind_type == "Reshape" and kinds[0] == ROWS and kinds[1] == _SHAPE:
+        return ROWS  # back to a shape read off the rows (a loss reshaped to its rows)
     if kind_type in _SHAPE_OPS and kinds[0] in (ROWS, _DRAW):
         others_fixed = all(k == FIXED for k in kinds[1:])
+        if others_fixed and kinds[0] == ROWS and _makes_columns(op):
+            return _COLUMNS
         return kinds[0] if others_fixed and _keeps_rows(op) else Unknown(op.name)
+    if kind_type == "Transpose" and kinds[0] == _COLUMNS and kinds[1] == FIXED:
+        perm = _const(op.inputs[1])
+        return ROWS if perm is not None and list(perm) == [1, 0] else Unknown(op.name)
+    if kind_type in ("Slice", "StridedSlice") and kinds[0] == _SHAPE and \
+            all(k == FIXED for k in kinds[1:]):
+        begin = _const(op.inputs[1])
+        if begin is None:
+            return Unknown(op.name)
+        return _SHAPE if int(begin.reshape(-1)[0]) == 0 else FIXED
+    if kind_type == "ConcatV2" and kinds and kinds[-1] == FIXED and \
+            set(kinds[:-1]) <= {_SHAPE, FIXED} and _SHAPE in kinds:
+        parts = [k for k, t in zip(kinds[:-1], op.inputs[:-1])
+                 if not (k == FIXED and t.shape.num_elements() == 0)]
+        if parts[0] == _SHAPE and all(k == FIXED for k in parts[1:]):
+            return _SHAPE
+        return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
+                            "`zeros((batch_size, batch_size))`)")
     if kind_type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
         a, b = kinds[0], kinds[1]
         transposed = any(op.get_attr(name) for name in ("transpose_a", "adj_x")
@@ -341,7 +508,24 @@ def _kind_of_op_output(op, index, kinds):
             return ROWS
         if kind_type != "MatMul" and a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) >= 3:
             return ROWS
+        if a == ROWS and b == _COLUMNS and not transposed and not any(
+                op.get_attr(name) for name in ("transpose_b", "adj_y") if name in op.node_def.attr):
+            return _meeting(op, "multiplies two row-aligned tensors across the batch, so each "
+                                "row meets every other row (e.g. similarities `x @ transpose(y)`)")
+        if a == _COLUMNS and b == ROWS and not transposed:
+            return ROW_SUM  # transpose(x) @ y: a sum over the rows of their outer products
+        if a == FIXED and b == _COLUMNS and not transposed:
+            return _COLUMNS
+        if a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) == 2:
+            second = any(op.get_attr(name) for name in ("transpose_b", "adj_y")
+                         if name in op.node_def.attr)
+            if transposed and not second:
+                return ROW_SUM  # x^T y: a sum over the rows of their outer products
+            return _meeting(op, "multiplies two row-aligned tensors across the batch, so each "
+                                "row meets every other row (e.g. similarities `x @ transpose(y)`)")
         return Unknown(op.name)
+    if kind_type == "Einsum":
+        return _einsum(op, kinds)
     if kind_type in _PER_ROW_IMAGE:
         data_format = op.get_attr("data_format") if "data_format" in op.node_def.attr else b"N"
         if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) and \
@@ -368,14 +552,133 @@ def _kind_of_op_output(op, index, kinds):
         if kinds[0] == FIXED and kinds[1] == ROWS and axis is not None and int(axis) == 0 and \
                 not op.get_attr("batch_dims"):
             return ROWS
-        return Unknown(op.name)
+        return _rows_or_meeting(op, kinds)
     if kind_type == "ResourceGather":
         if kinds[0] == FIXED and kinds[1] == ROWS and not op.get_attr("batch_dims"):
             return ROWS
         return Unknown(op.name)
     if kind_type == "OneHot":
         return ROWS if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) else Unknown(op.name)
+    return _rows_or_meeting(op, kinds)
+
+
+def _with_share(op, kinds):
+    """A loss share kd computed, scaled or summed with others: still a share; else unknown."""
+    others = {k for k in kinds if k != SHARE}
+    if op.type in _IDENTITY or (op.type in ("Add", "AddV2", "Sub", "AddN") and not others):
+        return SHARE
+    if op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Neg") and others <= {FIXED, _STATIC}:
+        if op.type not in ("RealDiv", "Div", "DivNoNan") or kinds[0] == SHARE:
+            return SHARE
     return Unknown(op.name)
+
+
+def _with_index(op, kinds, index):
+    """The replica's row numbers: the global batch's once its offset is added, else the rows meet."""
+    if op.type in _IDENTITY and len(kinds) == 1:
+        return index
+    if op.type in ("Add", "AddV2") and set(kinds) == {index, _OFFSET}:
+        return ROWS  # global row numbers, each row its own
+    return _numbered(index)
+
+
+def _numbered(index):
+    return Unknown(index.op, f"`{index.op}` (Range) numbers the rows from the batch size (e.g. "
+                             "`arange(batch_size)` labels): each replica numbers its own rows "
+                             "from 0, one device the global batch's", meets=True)
+
+
+def _with_global(op, kinds):
+    """An op with a GLOBAL input: GLOBAL with weights and constants, else the global batch meets local rows."""
+    if not any(k in (ROWS, _COLUMNS, _DRAW, _COUNT, _SHAPE, ROW_SUM, ROW_MEAN) for k in kinds):
+        return GLOBAL
+    return _meeting(op, "combines the global batch with this replica's own rows")
+
+
+def _constant_axes(op, position):
+    axes = _const(op.inputs[position])
+    rank = _rank(op.inputs[0])
+    if axes is None or not rank:
+        return None
+    return {int(a) % rank for a in axes.reshape(-1)}
+
+
+def _rows_or_meeting(op, kinds):
+    """The ops that reorder, number, accumulate or pick rows; and per-row ops with no table above.
+
+    Along any axis but the first they keep the rows; along the rows, each
+    row's value depends on the others: the rows meet.
+    """
+    kind_type = op.type
+    rows = kinds[0] == ROWS
+    others_fixed = all(k == FIXED for k in kinds[1:])
+    if kind_type == "Range" and _COUNT in kinds and set(kinds) <= {_COUNT, FIXED}:
+        return _Index(op.name)
+    if kind_type == "Fill" and kinds[0] == _SHAPE and kinds[1] == FIXED:
+        return ROWS  # e.g. ones((batch_size, 1)): one constant row per row
+    if kind_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
+                     "InTopKV2") and ROWS in kinds and set(kinds) <= {ROWS, FIXED}:
+        return ROWS
+    if kind_type == "GatherV2" and rows and kinds[1] in (ROWS, FIXED) and kinds[2] == FIXED:
+        axis = _const(op.inputs[2])
+        if axis is not None and int(axis) % (_rank(op.inputs[0]) or 1) == 0:
+            return _meeting(op, "picks rows of the batch by index")
+    if not (rows and others_fixed):
+        return Unknown(op.name)
+    if kind_type in ("MatrixDiag", "MatrixDiagV2", "MatrixDiagV3"):
+        return _meeting(op, "builds a square of the batch's rows (e.g. `eye(batch_size)`)")
+    if kind_type in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
+        axes = _constant_axes(op, 1)
+        if axes is None:
+            return Unknown(op.name)
+        return _meeting(op, "accumulates along the batch's rows") if 0 in axes else ROWS
+    if kind_type in ("ReverseV2", "Roll"):
+        axes = _constant_axes(op, 1 if kind_type == "ReverseV2" else 2)
+        if axes is None:
+            return Unknown(op.name)
+        return _meeting(op, "reorders the batch's rows") if 0 in axes else ROWS
+    if kind_type == "TopKV2":
+        if _rank(op.inputs[0]) == 1:
+            return _meeting(op, "sorts or picks the top of the batch's rows")
+        return ROWS
+    if kind_type == "GatherV2":
+        axis = _const(op.inputs[2])
+        if axis is None:
+            return Unknown(op.name)
+        if int(axis) % (_rank(op.inputs[0]) or 1) == 0:
+            return _meeting(op, "picks rows of the batch by index")
+        return ROWS if not op.get_attr("batch_dims") else Unknown(op.name)
+    if kind_type == "ClipByValue":
+        return ROWS
+    return Unknown(op.name)
+
+
+def _per_row_subscripts(subscripts, letter):
+    return subscripts[:1] == letter and letter not in subscripts[1:]
+
+
+def _einsum(op, kinds):
+    """An einsum's kind from its equation: each ROWS operand's first subscript indexes rows."""
+    equation = op.get_attr("equation").decode()
+    if "->" not in equation or "." in equation:
+        return Unknown(op.name)
+    inputs, output = equation.replace(" ", "").split("->")
+    inputs = inputs.split(",")
+    if len(inputs) != len(kinds) or not set(kinds) <= {ROWS, FIXED}:
+        return Unknown(op.name)
+    letters = {subscripts[:1] for subscripts, kind in zip(inputs, kinds) if kind == ROWS}
+    if not letters:
+        return FIXED
+    if len(letters) > 1:
+        return _meeting(op, "multiplies row-aligned tensors across the batch, so each row meets "
+                            "every other row (e.g. similarities `einsum('ie,je->ij', x, y)`)")
+    (letter,) = letters
+    if not all(_per_row_subscripts(s, letter) for s, k in zip(inputs, kinds) if k == ROWS) or \
+            any(letter in s for s, k in zip(inputs, kinds) if k == FIXED):
+        return Unknown(op.name)
+    if letter not in output:
+        return ROW_SUM  # summed over the rows: a sum of per-row products
+    return ROWS if _per_row_subscripts(output, letter) else Unknown(op.name)
 
 
 _ROW_SIZES = {}  # graph -> static row counts of the batch tensors seen in this evaluation
@@ -399,9 +702,9 @@ def _evaluate(tensor):
         _ROW_SIZES.clear()
 
 
-def _walk(tensor):
+def _walk(tensor, memo=None):
+    memo = {} if memo is None else memo
     marks = {}
-    memo = {}
     stack = [(tensor.op, False)]
     while stack:
         op, ready = stack.pop()
@@ -429,7 +732,7 @@ def _walk(tensor):
 
 @tf.autograph.experimental.do_not_convert
 def kind_of(term):
-    """How `term` adds up over replicas: FIXED, ROW_SUM, ROW_MEAN or an `Unknown`.
+    """How `term` adds up over replicas: FIXED, ROW_SUM, ROW_MEAN, GLOBAL or an `Unknown`.
 
     A term that still has one entry per row (not reduced) counts as its sum
     over rows (`scale_regularization` sums each term). Needs a graph tensor
@@ -445,15 +748,81 @@ def kind_of(term):
         kind = _evaluate(term)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return Unknown(term.op.name)  # a graph shape the walk does not know: not split
-    if kind == _STATIC:
-        kind = FIXED
+    kind = _settled(kind)
     if kind == ROWS:
         return ROW_SUM
-    if kind in (FIXED, ROW_SUM, ROW_MEAN):
+    if kind in (FIXED, ROW_SUM, ROW_MEAN, GLOBAL, SHARE):
         return kind
     if isinstance(kind, Unknown):
         return kind
     return Unknown(term.op.name)
+
+
+@tf.autograph.experimental.do_not_convert
+def kind_of_value(tensor):
+    """What `tensor` holds: ROWS, GLOBAL, FIXED, ROW_SUM, ROW_MEAN, another kind or an `Unknown`.
+
+    Unlike `kind_of`, a tensor with one entry per row stays ROWS. Needs a
+    graph tensor; anything else is `Unknown`.
+    """
+    if not isinstance(tensor, tf.Tensor) or tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return Unknown("a value that is not a graph tensor")
+    try:
+        kind = _evaluate(tensor)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return Unknown(tensor.op.name)
+    return _settled(kind)
+
+
+def _settled(kind):
+    if kind == _STATIC:
+        return FIXED
+    if isinstance(kind, _Index):
+        return _numbered(kind)
+    return kind
+
+
+_LOCAL = (ROWS, _COLUMNS, _COUNT, _SHAPE, ROW_SUM, ROW_MEAN)
+
+
+@tf.autograph.experimental.do_not_convert
+def row_sources(op_name, graph, anchor_of):
+    """The anchors above the op `op_name` along the replica's own rows.
+
+    Walks up from the op's inputs through tensors that hold (or count) the
+    replica's rows, stopping at those `anchor_of(tensor)` names (a key).
+    Returns `(keys, complete)`: the keys found, and whether every such path
+    ended at one (False: a path reached the data or a value without one).
+    """
+    memo = {}
+    try:
+        op = graph.get_operation_by_name(op_name)
+    except (KeyError, ValueError):
+        return set(), False
+    found, complete = set(), True
+    stack, seen = list(op.inputs), set()
+    while stack:
+        tensor = stack.pop()
+        if tensor.ref() in seen:
+            continue
+        seen.add(tensor.ref())
+        key = anchor_of(tensor)
+        if key is not None:
+            found.add(key)
+            continue
+        try:
+            kind = _walk(tensor, memo)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            kind = Unknown(tensor.op.name)
+        finally:
+            _ROW_SIZES.clear()
+        if kind in (FIXED, GLOBAL, _STATIC, _OFFSET) or tensor.dtype == tf.resource:
+            continue
+        if tensor.op.type == "Placeholder" or tensor.op.type in _DATA or not tensor.op.inputs:
+            complete = False
+            continue
+        stack.extend(tensor.op.inputs)
+    return found, complete
 
 
 @tf.autograph.experimental.do_not_convert

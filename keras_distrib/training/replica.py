@@ -22,8 +22,11 @@ import threading
 import tensorflow as tf
 from keras import tree
 
+from keras_distrib.training import penalties
+
 __all__ = [
     "ReplicaBatch",
+    "SHARE",
     "StepPlan",
     "batch_rows",
     "current_batch",
@@ -34,10 +37,14 @@ __all__ = [
     "piece_order",
     "replica_batch",
     "replica_sum",
+    "rows_and_offsets",
     "sum_packed",
 ]
 
 _STATE = threading.local()
+
+# `ReplicaBatch.gradient_kind` of a target that is a loss share kd computed.
+SHARE = "share"
 
 # Said (and raised as a ValueError by kd's step) when a random draw's leading
 # dimension is not a multiple of the replica's rows (see models._blocks_of).
@@ -102,6 +109,17 @@ class ReplicaBatch:
         global_metric_states: Their global values (summed over every
             replica, as a read in cross-replica context), once the gradient
             all-reduce has brought them; None otherwise.
+        global_region: > 0 while a computation runs on the global batch
+            kd gathered (`coupling`): kd's own sites leave it alone there.
+        rows_meet: `"global"` (kd gathers the global batch where rows meet)
+            or `"per_replica"` (the model was compiled to leave them).
+        model: The kd model whose step this is (None in a hand-written loop).
+        step_kind: `"train"`, `"test"` or `"predict"` (None in a hand-written loop).
+        retraceable: Whether kd's `Step` traces this step and can trace it
+            again (`coupling.RowsMeet`).
+        gradient_kind: How the next gradients' target adds up over replicas
+            (`gradients.judge_target`): `SHARE`, `penalties.ROW_SUM`,
+            `penalties.GLOBAL`, or None for a mean over rows.
         static_rows: n_r as a number when the batch's shape says it when
             traced (every batch the traced function takes has that many
             rows), else None.
@@ -123,23 +141,54 @@ class ReplicaBatch:
         self.global_metric_states = None
         self.seed_draws = {}  # id of a SeedGenerator -> (its state read, draws) in this step
         self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
-        # How the next gradients' plain-ops loss adds up (gradients.judge_target):
-        # penalties.ROW_SUM, else a mean over rows.
-        self.plain_loss_kind = None
+        self.gradient_kind = None
         self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
         self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
+        self.global_region = 0
+        self.rows_meet = "global"
+        self.model = None
+        self.step_kind = None
+        self.retraceable = False
+        self.occurrences = {}  # id of a call's owner -> calls so far in this step (coupling.anchor)
+        self.anchors = {}  # tensor ref -> anchor key (coupling.anchor)
+        # The step's data leaves (leaf 0 holds the batch's rows) and, once
+        # all-reduced, their global row counts and this replica's offsets.
+        self.leaves = []
+        self._leaf_rows = None
+        self.layouts = {}  # tensor ref -> the leaves its rows come from (coupling.row_layout)
+        # Inside forward passes fed one padded row: whether that row is padding (innermost last).
+        self.padded = []
 
     @property
     def global_rows(self):
         if self._global_rows is None:
-            self._global_rows, self._offset = _global_rows_and_offset(self.local_rows)
+            self._learn_leaf_rows()
         return self._global_rows
 
     @property
     def offset(self):
         if self._offset is None:
-            self._global_rows, self._offset = _global_rows_and_offset(self.local_rows)
+            self._learn_leaf_rows()
         return self._offset
+
+    def leaf_rows(self):
+        """`(local, totals, offsets)` of the step's data leaves (int32 vectors; see `leaves`).
+
+        Each leaf's rows on this replica, over all replicas, and where this
+        replica's start in the global batch of that leaf: one all-reduce of
+        every leaf's count, which also gives N and the offset of leaf 0 (the
+        batch's). Without leaves, leaf 0 is the batch's rows.
+        """
+        if self._leaf_rows is None:
+            self._learn_leaf_rows()
+        return self._leaf_rows
+
+    def _learn_leaf_rows(self):
+        local = [self.local_rows] + [tf.cast(tf.shape(leaf)[0], tf.float32) for leaf in self.leaves[1:]]
+        local = tf.stack(local)
+        totals, offsets = rows_and_offsets(local)
+        self._global_rows, self._offset = totals[0], offsets[0]
+        self._leaf_rows = tuple(tf.cast(v, tf.int32) for v in (local, totals, offsets))
 
     @property
     def knows_global_rows(self):
@@ -186,6 +235,27 @@ class ReplicaBatch:
         """Keeps N, all-reduced along with something else (the gradients)."""
         self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
 
+    def chain(self, value):
+        """`value` plus a zero that follows the previous forward-pass collective (see `after_collective`)."""
+        if self.moments_token is None:
+            return value
+        return value + tf.cast(self.moments_token, value.dtype)
+
+    def after_collective(self, value):
+        """Makes the next `chain`ed collective follow the one that gave `value`.
+
+        A zero that carries a gradient path from `value`, added to the next
+        all-reduced sum: it orders the backward pass. The tape processes
+        independent branches (two BatchNormalizations on one input) in an
+        order that can differ between replicas, and collectives pair up by
+        the order in which each replica creates them. With every all-reduce
+        of the forward pass chained, their gradients are created in one
+        order on every replica.
+        """
+        dtype = value.dtype if value.dtype.is_floating else tf.float32
+        self.moments_token = tf.math.multiply_no_nan(
+            tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
+
     def when_global_rows(self, function):
         """Runs `function(N)` now if N is known, else after the gradient all-reduce brings it."""
         if self._global_rows is not None:
@@ -229,11 +299,13 @@ def mark_share(value):
     """Records `value` as a loss share kd computed (their sum over replicas is the global loss).
 
     Trackers, logs and the gradient all-reduce tell shares from values kd
-    did not compute (see `is_share`). Returns `value`.
+    did not compute (see `is_share`). Returns `value`. On the global batch
+    (`ReplicaBatch.global_region`) a value is the whole batch's, not a share.
     """
     batch = current_batch()
-    if batch is not None and tf.is_tensor(value):
+    if batch is not None and tf.is_tensor(value) and not batch.global_region:
         batch.shares[id(value)] = value
+        penalties.mark_share(value)
     return value
 
 
@@ -349,28 +421,42 @@ def piece_order(replicas, workers):
     return [(g % local) * workers + g // local for g in range(replicas)]
 
 
-def _global_rows_and_offset(local_rows):
-    # One all-reduce of every replica's row count (a one-hot vector) gives
-    # both the global count and this replica's first row in the global batch.
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return replica_sum(local_rows), tf.zeros_like(local_rows)
+def _order_before(context):
+    """before[me][other] = 1.0 where replica `other`'s piece of a global batch comes before `me`'s."""
     replicas = context.num_replicas_in_sync
     devices = getattr(tf.distribute.get_strategy().extended, "worker_devices", None) or ()
     workers = max(replicas // max(len(devices), 1), 1)
     if replicas % workers:
         workers = 1
     order = piece_order(replicas, workers)
-    before = tf.constant(
+    return tf.constant(
         [[1.0 if order[other] < order[mine] else 0.0 for other in range(replicas)]
          for mine in range(replicas)]
     )
+
+
+def rows_and_offsets(local_counts):
+    """Each count's global sum and this replica's offset: one all-reduce of every replica's counts.
+
+    `local_counts`: float32 counts of rows on this replica (a vector). Each
+    replica's counts go in its own slot of a zero buffer, so one all-reduce
+    gives every replica's, hence both the global counts and where this
+    replica's rows start in each global batch (the rows of the replicas
+    whose pieces come before its own, see `piece_order`).
+
+    Returns:
+        `(totals, offsets)`, float32 vectors like `local_counts`.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return replica_sum(local_counts), tf.zeros_like(local_counts)
+    replicas = context.num_replicas_in_sync
     replica_id = context.replica_id_in_sync_group
     counts = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, tf.one_hot(replica_id, replicas) * local_rows
+        tf.distribute.ReduceOp.SUM, tf.one_hot(replica_id, replicas)[:, None] * local_counts[None, :]
     )
-    offset = tf.reduce_sum(tf.gather(before, replica_id) * counts)
-    return tf.reduce_sum(counts), offset
+    offsets = tf.linalg.matvec(counts, tf.gather(_order_before(context), replica_id), transpose_a=True)
+    return tf.reduce_sum(counts, 0), offsets
 
 
 @contextlib.contextmanager

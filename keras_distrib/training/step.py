@@ -26,6 +26,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import collectives
+from keras_distrib.training import coupling
 from keras_distrib.training import replica
 from keras_distrib.cluster import strategies
 from keras_distrib import validation
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 KINDS = ("train", "test", "predict")
+# Traces of a step at most, each finding a new place where rows meet (coupling.RowsMeet).
+_RETRACES = 8
 
 
 class SparseGradientInLoop(Exception):
@@ -276,7 +279,8 @@ def replica_logs(outputs, sources):
             sources[path] = record[1]
         elif replicas > 1 and tf.is_tensor(value) and value.dtype.is_floating \
                 and value.shape.rank == 0:
-            value = kd_losses.row_weighted(value) * tf.cast(replicas, value.dtype)
+            value = kd_losses.replica_part(value, what=f"the step's log {_path_key(path)!r}") \
+                * tf.cast(replicas, value.dtype)
         leaves.append(value)
     return tree.pack_sequence_as(outputs, leaves)
 
@@ -465,9 +469,17 @@ def replica_function(model, kind, *, looped=False, sources=None):
         with tf.control_dependencies(arrived), \
                 replica.replica_batch(replica.batch_rows(x), plan) as batch, \
                 tf.variable_creator_scope(_created_before_the_batch):
+            batch.model, batch.step_kind, batch.retraceable = model, kind, True
+            batch.rows_meet = getattr(model, "rows_meet", "global")
+            # The data's leaves, the batch's first (kd lays out rows of each, coupling.row_layout).
+            leaves = [t for t in tree.flatten(x) + tree.flatten(data)
+                      if isinstance(t, tf.Tensor) and t.shape.rank]
+            batch.leaves = list({t.ref(): t for t in leaves}.values())
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations()) if not tf.executing_eagerly() else None
-            outputs = step_fn(data)
+            # Leaves of the data a previous trace found rows meeting in are
+            # gathered (a custom step's labels against gathered embeddings).
+            outputs = step_fn(coupling.planned_data(data, batch))
             if first is not None:
                 refuse_stateful_draws(graph.get_operations()[first:],
                                       f"{type(model).__name__}.{kind}_step")
@@ -672,6 +684,26 @@ class Step:
     # Calling.
 
     def __call__(self, iterator, count=None, *, logs=True):
+        # Where a trace finds the rows of the batch meeting at a place kd had
+        # not looked (coupling.RowsMeet), kd has recorded what to gather: the
+        # step is traced again, from new functions. A trace raises before any
+        # batch is read, so no data is lost.
+        for _ in range(_RETRACES):
+            try:
+                return self._call(iterator, count, logs)
+            except coupling.RowsMeet as meeting:
+                where = str(meeting)
+                self._compile()
+                self._sources.clear()
+                self._carried_specs = None
+        raise ValueError(
+            f"{type(self.model).__name__}'s {self.kind} step: the rows of the batch still meet "
+            f"after {_RETRACES} traces on the global batch ({where}). Compile the model with "
+            "rows_meet=\"per_replica\" to leave each replica its own rows, or gather them yourself "
+            "with kd.losses.global_batch(tensor)."
+        )
+
+    def _call(self, iterator, count, logs):
         count = self.steps if count is None else int(count)
         functions = self._functions
         # Without logs (evaluation whose logs are read once, at its end:
@@ -685,17 +717,20 @@ class Step:
             if self._looping:
                 try:
                     return self._call_many(iterator, count, quiet)
-                except SparseGradientInLoop:
+                except (SparseGradientInLoop, coupling.GatherInLoop) as why:
                     self._looping = False
-                    _warn_stepwise(self.model, count)
+                    _warn_stepwise(self.model, count, why)
                 except _CompositeInLoop:  # ragged or sparse predictions
                     self._looping = False
             return self._stepwise(iterator, count, quiet)
         except tf.errors.OutOfRangeError:
             raise StopIteration from None
         except tf.errors.InvalidArgumentError as error:
-            if replica.DRAW_REFUSAL in str(error.message):
+            message = str(error.message)
+            if replica.DRAW_REFUSAL in message:
                 raise ValueError(replica.DRAW_REFUSAL) from None
+            if coupling.ROWS_REFUSAL in message:
+                raise ValueError(message[message.index(coupling.ROWS_REFUSAL):].split("\n")[0]) from None
             raise
 
     def _call_many(self, iterator, count, quiet=""):
@@ -772,11 +807,14 @@ class Step:
         return run_on_worker
 
 
-def _warn_stepwise(model, count):
+def _warn_stepwise(model, count, why):
+    what = ("the model has sparse gradients (e.g. from an Embedding), which cannot be "
+            "all-gathered inside a compiled loop" if isinstance(why, SparseGradientInLoop) else
+            "the rows of its batch meet, and kd gathers the global batch there, which a "
+            "compiled loop cannot hold (its shape changes with an uneven last batch)")
     warnings.warn(
-        f"{model.name}: {count} steps per call run as {count} calls of one step: the "
-        "model has sparse gradients (e.g. from an Embedding), which cannot be all-gathered "
-        "inside a compiled loop. The results are exact either way.",
+        f"{model.name}: {count} steps per call run as {count} calls of one step: {what}. "
+        "The results are exact either way.",
         stacklevel=3,
     )
 

@@ -2,7 +2,8 @@
 
 Usage: collectives.py KIND CASE[,CASE...]. KIND: one_device, mirrored or
 central_storage (2 virtual devices but one_device). Cases: `metrics0`,
-`metrics1`, `metrics3` (an MLP with 0, 1 or 3 compiled metrics; `_spe3`:
+`metrics1`, `metrics3` (an MLP with 0, 1 or 3 compiled metrics; `_outside`: the metric
+objects made before the strategy's scope; `_spe3`:
 3 steps per call), and the models of `count` below. Each case's evaluation
 runs twice: with verbose=0 (its logs read once) and with a callback that
 reads every batch's logs. Prints one 'RESULT {json}' line per case.
@@ -34,11 +35,13 @@ class BatchLogs(keras.callbacks.Callback):
         pass
 
 
-def _metrics_mlp(strategy, metrics, spe):
+def _metrics_mlp(strategy, metrics, spe, outside=False):
+    # `outside`: the metric objects made before the scope, as a user may make them.
+    made = METRICS[metrics]() if outside else None
     with strategy.scope():
         model = kd.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
                                keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=METRICS[metrics](),
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=made or METRICS[metrics](),
                       steps_per_execution=spe)
     return model
 
@@ -84,8 +87,8 @@ def count(strategy, case):
     sample_weight = None
     batch_size = ROWS
     if case.startswith("metrics"):
-        metrics, _, spe = case.removeprefix("metrics").partition("_spe")
-        model = _metrics_mlp(strategy, int(metrics), int(spe or 1))
+        metrics, _, spe = case.removeprefix("metrics").removesuffix("_outside").partition("_spe")
+        model = _metrics_mlp(strategy, int(metrics), int(spe or 1), case.endswith("_outside"))
         batch_size = ROWS // 4
     elif case == "mlp":
         model = _dense(kd.Model, strategy)

@@ -1,0 +1,98 @@
+"""Rows that meet in the batch: exact on any layout, or refused naming the op and the fix.
+
+Each pattern of tests/scripts/rows_meet.py (a dual encoder's in-batch
+contrastive loss with soft targets in its own `compute_loss`, a SimCLR-style
+step with `arange` labels written inline and its own `compile`, a layer
+standardizing over the batch, a layer returning the batch's mean that a Keras
+layer subtracts from the rows, a compiled loss mining the batch for its
+hardest triplets, a hand-written loop gathering the global batch with
+`kd.losses.global_batch`) is a class whose only change is its base class:
+`keras.Model` on one device (the reference) against `kd.Model` under a
+strategy, from the same initial weights, on 225 rows in global batches of 32
+(the last batch has 1 row, one replica none). Weights and every logged value
+(History, evaluate, predict) are compared, float64 within 1e-9 and float32
+within 2e-5. One process per strategy layout runs every pattern in both.
+"""
+
+import pytest
+
+from tests import _harness
+
+PATTERNS = ["dual_encoder", "info_nce", "batch_statistics", "batch_context", "mined_triplets",
+            "by_hand"]
+TOLERANCE = {True: 1e-9, False: 2e-5}
+
+
+def _check(results, configs, dtypes):
+    by_key = {(r["config"], r["float64"], r["pattern"]): r for r in results}
+    expected = {(c, d == "float64", p) for c in configs for d in dtypes for p in PATTERNS
+                if not c.startswith("spe3-") or (d == dtypes[0] and p != "by_hand")}
+    assert set(by_key) == expected, sorted(set(by_key) ^ expected)
+    failures = [r for r in results if not r["config"].startswith("per_replica")
+                and ("error" in r or not (r["weights"] <= TOLERANCE[r["float64"]]
+                                          and r["logs"] <= TOLERANCE[r["float64"]]))]
+    assert not failures, failures
+    return by_key
+
+
+REFUSED = ["batch_statistics_jit", "by_hand_local"]
+
+
+@pytest.mark.cluster
+def test_rows_that_meet_match_one_device_on_mirrored_replicas():
+    # (steps_per_execution=3: a gather cannot sit in a compiled loop, whose
+    # collectives keep their first shape; kd runs one step per call, exact.)
+    configs, dtypes = ["mirrored2", "per_replica-mirrored2", "spe3-mirrored2"], ["float64", "float32"]
+    code, output = _harness.run_script("rows_meet.py", ",".join(configs),
+                                       ",".join(PATTERNS + REFUSED), ",".join(dtypes), timeout=600)
+    assert code == 0, output[-4000:]
+    results = _harness.results_of(output)
+    refused = {(r["config"], r["float64"], r["pattern"]): r for r in results if r["pattern"] in REFUSED}
+    by_key = _check([r for r in results if r["pattern"] not in REFUSED], configs, dtypes)
+    # Where kd cannot give a computation the global batch, it refuses at the
+    # first trace, naming the layer or the op and the fix: a layer whose rows
+    # meet, inside a forward pass XLA compiles on CPU replicas ...
+    error = refused[("mirrored2", True, "batch_statistics_jit")]["error"]
+    assert "layer 'standardize" in error and "makes the rows of the batch meet" in error, error
+    assert "Use jit_compile=False" in error, error
+    # ... and a hand-written loop whose in-batch negatives are the replica's own.
+    error = refused[("mirrored2", True, "by_hand_local")]["error"]
+    assert "`per_example_loss` depends on the rows of the batch together: `MatMul` (MatMul) " \
+        "multiplies two row-aligned tensors across the batch" in error, error
+    assert "kd.losses.global_batch(tensor)" in error, error
+    # The contrast: kd told to leave each replica its own rows trains another
+    # model, as plain Keras does (the SimCLR step fails on the empty replica).
+    for pattern in ("dual_encoder", "batch_statistics", "mined_triplets"):
+        result = by_key[("per_replica-mirrored2", True, pattern)]
+        assert result["weights"] > 1e-3 and result["logs"] > 1e-2, result
+    assert "InvalidArgumentError" in by_key[("per_replica-mirrored2", True, "info_nce")]["error"]
+    # What TensorFlow runs per training step and replica: the gathered site's
+    # rows (one all-reduce per dtype; the row counts come with the step's
+    # own), the gradients (with the metric states when they can ride along),
+    # and for a layer computed on the global batch the gather's gradient.
+    counts = {pattern: by_key[("mirrored2", True, pattern)]["collectives"]["train"]["step"]
+              for pattern in ("dual_encoder", "info_nce", "batch_statistics", "batch_context",
+                              "mined_triplets")}
+    assert counts == {"dual_encoder": 4, "info_nce": 7, "batch_statistics": 4, "batch_context": 4,
+                      "mined_triplets": 3}, counts
+
+
+@pytest.mark.cluster
+def test_rows_that_meet_match_one_device_under_central_storage():
+    configs, dtypes = ["central_storage2"], ["float64", "float32"]
+    code, output = _harness.run_script("rows_meet.py", ",".join(configs), ",".join(PATTERNS),
+                                       ",".join(dtypes), timeout=600)
+    assert code == 0, output[-4000:]
+    _check(_harness.results_of(output), configs, dtypes)
+
+
+@pytest.mark.cluster
+def test_rows_that_meet_match_one_device_on_two_worker_processes():
+    configs, dtypes = ["multi_worker"], ["float64", "float32"]
+    result, output = _harness.run_cluster("rows_meet.py", ",".join(configs), ",".join(PATTERNS),
+                                          ",".join(dtypes), workers=2, timeout=600)
+    assert result.returncode == 0, output[-4000:]
+    by_task = _harness.results_by_task(output)
+    assert sorted(by_task) == ["worker 0", "worker 1"]
+    for results in by_task.values():
+        _check(results, configs, dtypes)
