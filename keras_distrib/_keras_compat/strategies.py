@@ -37,7 +37,6 @@ __all__ = [
     "parameter_server_workers",
     "per_worker_iterator",
     "reshuffles_each_iteration",
-    "sum_without_gradient",
 ]
 
 
@@ -223,37 +222,6 @@ def collective_key_base(strategy):
     if not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
         return None
     return strategy._collective_key_base
-
-
-def sum_without_gradient(context, value):
-    """The sum of a dense `value` over the replicas, in replica context, with no gradient of its own.
-
-    For kd's own backward passes (`tf.custom_gradient` functions, whose
-    gradients kd writes). Under an in-process MirroredStrategy that reduces
-    with collective ops (on CPUs, kd's default), it is one collective op
-    built by the replica's own launcher on its own thread: what TensorFlow's
-    `ReplicaContext.all_reduce` builds without its packing of one tensor
-    (reshape, concat, split, reshape again), its gradient wrapper and its
-    `merge_call` (about 15 ops fewer per all-reduce and replica, each traced
-    and then optimized at the first step). TensorFlow takes the same path
-    itself where it may not merge (XLA on GPUs). Collectives pair by their
-    instance keys, numbered per device in the order each replica builds
-    them: kd builds them in one order on every replica (its collectives
-    are chained, see `training.replica.ReplicaBatch.chain`). Elsewhere (other strategies, another
-    cross-device reduction, eager execution, XLA): `context.all_reduce`.
-    """
-    strategy = context.strategy
-    extended = strategy.extended
-    launchers = None
-    if isinstance(strategy, tf.distribute.MirroredStrategy) and not tf.executing_eagerly() \
-            and not in_xla_context() and value.dtype != tf.int32:
-        ops = getattr(extended, "_cross_device_ops", None)
-        if isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
-            launchers = ops._launchers
-    replica_id = tf.get_static_value(context.replica_id_in_sync_group)
-    if launchers is None or replica_id is None or len(launchers) != context.num_replicas_in_sync:
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
-    return launchers[int(replica_id)].all_reduce(value)
 
 
 def optimizer_strategy(optimizer, default):

@@ -730,7 +730,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
             local = tf.expand_dims(slot, 1) * own
         if token:
             local += tf.cast(token[0], dtype)
-        gathered = _keras_compat.sum_without_gradient(context, local)
+        gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
         *rows, counts, means, m2s = tf.split(gathered, [1] * first + [1, size, size], axis=1)
         total = tf.reduce_sum(counts)
         mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
@@ -745,7 +745,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
             # gradients of the statistics: every replica's, summed.
             d_mean = tf.zeros_like(mean) if d_mean is None else d_mean
             d_variance = tf.zeros_like(variance) if d_variance is None else d_variance
-            summed = _keras_compat.sum_without_gradient(context, tf.concat([d_mean, 2 * d_variance], 0))
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([d_mean, 2 * d_variance], 0))
             of_mean, of_variance = tf.split(tf.math.divide_no_nan(summed, total), 2)
             d_x = spread_out(of_mean) + spread_out(of_variance) * (x - spread_out(mean))
             return (live_times(d_x),) + (None,) * len(token)
