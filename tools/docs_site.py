@@ -195,7 +195,7 @@ def cli_page():
 
     sys.path.insert(0, REPO)  # this checkout's package, whatever is installed
     try:
-        from keras_distrib.commands import bench, bench_network, cli
+        from keras_distrib.commands import bench, bench_first_step, bench_network, cli
     finally:
         sys.path.remove(REPO)
     parser = cli.build_parser()
@@ -206,7 +206,8 @@ def cli_page():
     for name, sub in commands.choices.items():
         if name == "bench":
             texts = [("keras-distrib bench", _help(bench.main, ["--help"])),
-                     ("keras-distrib bench --network", _help(bench_network.main, ["--help"]))]
+                     ("keras-distrib bench --network", _help(bench_network.main, ["--help"])),
+                     ("keras-distrib bench --first-step", _help(bench_first_step.main, ["--help"]))]
         else:
             texts = [(f"keras-distrib {name}", sub.format_help().rstrip())]
         for title, text in texts:

@@ -1,6 +1,7 @@
 """The `keras-distrib` command: `launch` a cluster, print its `tf-config`, run the `demo`,
 `test` this machine, print the `env`ironment, or `bench`mark (`bench --network`:
-worker processes over a link with latency).
+worker processes over a link with latency; `bench --first-step`: the wait
+before the first step).
 
 `launch --workers N` starts a local cluster; `launch` without `--workers`
 under `srun` or in a Kubernetes Job is the per-node agent
@@ -259,7 +260,10 @@ def build_parser():
         "([--model mlp|cnn|cnn_bn] [--replicas N] [--steps S] [--repeats R] [--json PATH]); "
         "with --network, of kd fit, tf-keras fit and TensorFlow's tutorial loop on worker processes "
         "joined by a link with latency ([--workers 2,4] [--delays 0,1,5] [--link auto|veth|relay] "
-        "[--steps S] [--repeats R] [--timeout S] [--json PATH]; root)",
+        "[--steps S] [--repeats R] [--timeout S] [--json PATH]; root); with --first-step, CPU "
+        "seconds and wall time to the first step of kd and Keras 3 in fresh processes "
+        "([--models mlp,cnn,resnet9,...] [--frameworks keras,kd,...] [--repeats R] [--before PATH] "
+        "[--profile] [--json PATH])",
     )
     return parser
 
@@ -274,6 +278,11 @@ def main(argv=None):
         from keras_distrib.commands import bench_network
 
         return bench_network.main([arg for arg in argv[1:] if arg != "--network"])
+    if argv[:1] == ["bench"] and "--first-step" in argv[1:]:
+        # The wait before the first step, kd against Keras 3 (`keras-distrib bench --first-step --help`).
+        from keras_distrib.commands import bench_first_step
+
+        return bench_first_step.main([arg for arg in argv[1:] if arg != "--first-step"])
     if argv[:1] == ["bench"]:
         # The benchmark has its own options (see `keras-distrib bench --help`).
         from keras_distrib.commands import bench

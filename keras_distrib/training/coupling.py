@@ -498,9 +498,10 @@ class _Inspected:
 
 def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
     """`call`, an empty replica batch fed as one row of zeros when `pad` (see `layer_call`)."""
+    # A batch whose rows are known when traced (and not 0) is never empty: no padding.
     if not (pad and batch is not None and not batch.in_forward and batch.plan.pad_empty
             and not batch.global_region and isinstance(inputs, tf.Tensor)
-            and inputs.shape.rank not in (None, 0)):
+            and inputs.shape.rank not in (None, 0) and not (inputs.shape[0] or 0) > 0):
         outputs = call(inputs, *args, **kwargs)
         return _Inspected(outputs, meets(outputs, statistics=True), outputs) if inspect else outputs
     from keras_distrib import _keras_compat

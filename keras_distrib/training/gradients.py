@@ -105,12 +105,19 @@ def _all_reduce_deferred(context, batch, gradients):
     device computes. One collective: nothing in the step waited for N.
     """
     dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
-    scaled = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in gradients]
+    scales = _per_dtype(gradients, batch.own_scale)
+    scaled = [_map_values(g, lambda v: v * scales[v.dtype]) for g in gradients]
     *summed, global_rows = _sum_with_metric_states(
         context, batch, scaled + [tf.cast(batch.local_rows, dtype)]
     )
     batch.learn_global_rows(global_rows)
     return _divided(summed, global_rows)
+
+
+def _per_dtype(gradients, function):
+    """`{dtype: function(dtype)}` for the dtypes of `gradients`' values: one op each, not one per gradient."""
+    dtypes = {(g.values if isinstance(g, tf.IndexedSlices) else g).dtype for g in gradients}
+    return {dtype: function(dtype) for dtype in dtypes}
 
 
 def _sum_with_metric_states(context, batch, tensors):
@@ -153,10 +160,14 @@ def _row_weighted(batch, gradients, kind=None):
         # and the rest once, so 1/R of each adds up to one device's.
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         return [_map_values(g, lambda v: v / tf.cast(replicas, v.dtype)) for g in gradients]
+    fractions = _per_dtype(gradients, lambda dtype: tf.cast(batch.fraction, dtype)) \
+        if kind != penalties.ROW_SUM else None
 
     def weighted(value):
-        if kind != penalties.ROW_SUM:
-            value = value * tf.cast(batch.fraction, value.dtype)
+        if fractions is not None:
+            value = value * fractions[value.dtype]
+        if batch.surely_has_rows:
+            return value
         return tf.where(batch.has_rows, value, tf.zeros_like(value))
 
     return [_map_values(g, weighted) for g in gradients]
@@ -209,10 +220,8 @@ def judge_target(target):
 
 def _divided(gradients, global_rows):
     """Sums of deferred-scale gradients divided by N: the one-device gradients."""
-    return [
-        _map_values(g, lambda v: tf.math.divide_no_nan(v, tf.cast(global_rows, v.dtype)))
-        for g in gradients
-    ]
+    counts = _per_dtype(gradients, lambda dtype: tf.cast(global_rows, dtype))
+    return [_map_values(g, lambda v: tf.math.divide_no_nan(v, counts[v.dtype])) for g in gradients]
 
 
 def _map_values(gradient, function):

@@ -120,10 +120,14 @@ class ReplicaBatch:
         gradient_kind: How the next gradients' target adds up over replicas
             (`gradients.judge_target`): `SHARE`, `penalties.ROW_SUM`,
             `penalties.GLOBAL`, or None for a mean over rows.
+        static_rows: n_r as a number when the batch's shape says it when
+            traced (every batch the traced function takes has that many
+            rows), else None.
     """
 
-    def __init__(self, local_rows, global_rows=None, plan=None, offset=None):
+    def __init__(self, local_rows, global_rows=None, plan=None, offset=None, static_rows=None):
         self.local_rows = local_rows
+        self.static_rows = static_rows
         self._global_rows = global_rows
         self._offset = offset
         self.plan = plan or StepPlan()
@@ -275,6 +279,16 @@ class ReplicaBatch:
         """A boolean tensor: whether this replica holds any row."""
         return self.local_rows > 0
 
+    @property
+    def surely_has_rows(self):
+        """Whether the batch's shape, known when traced, has rows: nothing to pad or mask then.
+
+        The traced function then holds no branch for an empty replica (it
+        is traced again, with an unknown row count, for a batch of another
+        size), and shapes stay as the data gives them.
+        """
+        return self.static_rows is not None and self.static_rows > 0
+
     def record_loss(self, loss):
         """Keeps an `add_loss` term of the current forward pass."""
         if self.in_forward and self.losses is not None:
@@ -302,9 +316,14 @@ def is_share(value):
 
 
 def batch_rows(x):
-    """Rows in a replica's batch: the leading dimension of the first input."""
+    """Rows in a replica's batch: the leading dimension of the first input.
+
+    A number when the input's shape gives it when traced, else a tensor.
+    """
     for value in tree.flatten(x):
         if value is not None:
+            if isinstance(value, tf.Tensor) and value.shape.rank and value.shape[0] is not None:
+                return int(value.shape[0])
             return tf.shape(value)[0]
     raise ValueError(
         "The batch has no input tensor (`x` is empty or all None); "
@@ -355,12 +374,20 @@ def sum_packed(context, tensors):
     for indices in groups.values():
         parts = [tensors[i] for i in indices]
         sizes = [_size(t) for t in parts]
-        flat = tf.concat([tf.reshape(t, [-1]) for t in parts], axis=0)
+        # A vector of known length is its own flat piece: no reshape either way.
+        flat = tf.concat([t if _is_flat(t) else tf.reshape(t, [-1]) for t in parts], axis=0)
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
         for index, part, piece in zip(indices, parts, tf.split(summed, sizes)):
+            if _is_flat(part):
+                results[index] = piece
+                continue
             shape = part.shape if part.shape.is_fully_defined() else tf.shape(part)
             results[index] = tf.reshape(piece, shape)
     return results
+
+
+def _is_flat(tensor):
+    return tensor.shape.rank == 1 and tensor.shape[0] is not None
 
 
 def _size(tensor):
@@ -443,8 +470,9 @@ def replica_batch(local_rows, plan=None):
     if current is not None:
         yield current
         return
+    static_rows = local_rows if isinstance(local_rows, int) else None
     local_rows = tf.cast(local_rows, tf.float32)
-    batch = ReplicaBatch(local_rows, plan=plan)
+    batch = ReplicaBatch(local_rows, plan=plan, static_rows=static_rows)
     if not _spreads():
         batch._global_rows, batch._offset = local_rows, tf.zeros_like(local_rows)
     _STATE.batch = batch

@@ -393,16 +393,26 @@ STATEFUL_DRAWS = frozenset({
 })
 
 
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+# Ops whose attributes name functions of the graph's library (calls, branches, loops).
+_WITH_FUNCTIONS = frozenset(_CALLS + ("If", "StatelessIf", "While", "StatelessWhile", "Case",
+                                      "StatelessCase"))
+
+
 def _stateful_draws(operations):
-    """The stateful random ops among `operations`, nested functions included."""
-    if not operations:
-        return []
-    library = operations[0].graph.as_graph_def().library if any(
-        op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in operations) \
-        else tf.compat.v1.GraphDef().library
-    found = {f"{node.op} ({node.name!r})": None
-             for node, _ in collectives.walk([op.node_def for op in operations], library)
-             if node.op in STATEFUL_DRAWS}
+    """The stateful random ops among `operations`, nested functions included.
+
+    Each op is judged by its type; only ops that run functions are read as
+    NodeDefs, with the graph's function library, and only when the step
+    calls a function (a step without calls is one graph: nothing nested).
+    """
+    found = {f"{op.type} ({op.name!r})": None for op in operations if op.type in STATEFUL_DRAWS}
+    if any(op.type in _CALLS for op in operations):
+        library = operations[0].graph.as_graph_def().library
+        nested = [op.node_def for op in operations if op.type in _WITH_FUNCTIONS]
+        found.update({f"{node.op} ({node.name!r})": None
+                      for node, _ in collectives.walk(nested, library)
+                      if node.op in STATEFUL_DRAWS})
     return list(found)
 
 
