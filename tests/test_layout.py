@@ -22,7 +22,7 @@ PACKAGE = os.path.join(REPO, "keras_distrib")
 
 FLOOR_MODULES = ("validation", "files", "tf_logs", "report", "_early_signals")
 PUBLIC_MODULES = ("callbacks", "collectives", "data", "gradients", "losses")
-SUBPACKAGES = ("_keras_compat", "cluster", "checkpointing", "training", "commands")
+SUBPACKAGES = ("_keras_compat", "cluster", "checkpointing", "training", "testing", "commands")
 
 # Which parts each part may import (besides itself).
 ALLOWED = {
@@ -120,7 +120,7 @@ def test_every_module_is_in_a_part_of_the_layout():
     modules = package_modules()
     assert len(modules) > 50
     parts = {module: part_of(module) for module in modules}
-    for part in ("compat", "cluster", "checkpointing", "training", "commands"):
+    for part in ("compat", "cluster", "checkpointing", "training", "testing", "commands"):
         assert list(parts.values()).count(part) >= 2, part
     for subpackage in SUBPACKAGES:
         assert f"keras_distrib.{subpackage}" in modules, subpackage
