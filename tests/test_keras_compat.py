@@ -3,8 +3,9 @@
 Every private Keras/TensorFlow name keras_distrib touches is listed in
 `_keras_compat.PRIVATE_NAMES` and used only inside `_keras_compat/`. These
 tests resolve each listed name on the installed versions, scan the package
-for private access elsewhere, check that importing kd patches no class,
-and pin the Keras behaviours kd corrects.
+for private access elsewhere, check that importing kd replaces nothing and
+that what a kd model's first step replaces is listed and inert for plain
+Keras, and pin the Keras behaviours kd corrects.
 """
 
 import ast
@@ -204,37 +205,241 @@ def test_no_private_keras_or_tensorflow_names_outside_compat():
     assert not outside, f"private Keras/TF names outside _keras_compat/: {outside}"
 
 
-_SNAPSHOT = r"""
+# One script, two processes: "kd" imports kd, trains a kd model's first step
+# (which installs the process-wide replacements), then runs plain Keras code;
+# "plain" runs the same plain Keras code in a process that never imports kd.
+_SAME_PROCESS = r"""
 import json, sys
+import numpy as np
 import keras, tensorflow as tf
-def classes():
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def attributes():
+    # Every attribute of every Keras/TensorFlow class and every function of
+    # their modules, by identity.
     found = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith(("keras", "tensorflow")) or module is None:
             continue
         for attr, value in list(vars(module).items()):
             if isinstance(value, type) and value.__module__ == name:
-                found[f"{name}.{attr}"] = sorted(f"{k}:{id(v)}" for k, v in vars(value).items())
+                found.update({f"{name}.{attr}.{k}": id(v) for k, v in vars(value).items()})
+            elif callable(value) and getattr(value, "__module__", None) == name:
+                found[f"{name}.{attr}"] = id(value)
     return found
-before = classes()
+
+
+def changed(before, after):
+    return sorted(k for k in before if k in after and before[k] != after[k])
+
+
+def plain_keras():
+    # Plain Keras: fit with Dropout, noise and BatchNormalization on one device
+    # and under a MirroredStrategy, and a hand-written step with a loss object,
+    # keras.random and tf.GradientTape.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 5)).astype("float32")
+    y = rng.normal(size=(37, 1)).astype("float32")
+    weights = []
+
+    def model():
+        inputs = keras.Input((5,))
+        h = keras.layers.Dense(8, activation="relu")(inputs)
+        h = keras.layers.Dropout(0.4)(h)
+        h = keras.layers.GaussianNoise(0.1)(h)
+        h = keras.layers.BatchNormalization()(h)
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+    keras.utils.set_random_seed(1)
+    one = model()
+    one.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError())
+    one.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    weights += one.get_weights()
+
+    keras.utils.set_random_seed(2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        mirrored = model()
+        mirrored.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    mirrored.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    weights += mirrored.get_weights()
+
+    keras.utils.set_random_seed(3)
+    own = model()
+    optimizer = keras.optimizers.SGD(0.05)
+    loss_fn = keras.losses.MeanAbsoluteError()
+    seeds = keras.random.SeedGenerator(4)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            noisy = xb + 0.1 * keras.random.normal(tf.shape(xb), seed=seeds)
+            loss = loss_fn(yb, own(noisy, training=True))
+        grads = tape.gradient(loss, own.trainable_variables)
+        optimizer.apply_gradients(zip(grads, own.trainable_variables))
+
+    for start in range(0, 37, 8):
+        step(x[start:start + 8], y[start:start + 8])
+    weights += own.get_weights()
+    return [np.asarray(w).tobytes().hex() for w in weights]
+
+
+if sys.argv[1] == "plain":
+    print("WEIGHTS " + json.dumps(plain_keras()))
+    sys.exit(0)
+
+before = attributes()
 import keras_distrib as kd
 for name in kd.__all__:  # each loads its module at first use
     getattr(kd, name)
-after = classes()
-changed = sorted(k for k in before if k in after and before[k] != after[k])
-print("CHANGED " + json.dumps(changed))
+print("CHANGED_ON_IMPORT " + json.dumps(changed(before, attributes())))
+
+from keras_distrib import _keras_compat
+
+
+class Custom(kd.Model):
+    # A custom step that goes through all three: a loss object, keras.random, the tape.
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            noisy = x + 0.1 * keras.random.normal(tf.shape(x), seed=self.seeds)
+            loss = self.loss_fn(y, self(noisy, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+with _keras_compat.isolated_mirrored_strategy(["/cpu:0", "/cpu:1"]).scope():
+    inputs = keras.Input((5,))
+    kd_model = Custom(inputs, keras.layers.Dense(1)(keras.layers.Dropout(0.5)(inputs)))
+    kd_model.seeds = keras.random.SeedGenerator(0)
+    kd_model.loss_fn = keras.losses.MeanSquaredError()
+    kd_model.compile(optimizer="sgd")
+rows = np.ones((6, 5), "float32")
+kd_model.fit(rows, rows[:, :1], batch_size=6, epochs=1, verbose=0)
+print("CHANGED_AT_FIRST_STEP " + json.dumps(changed(before, attributes())))
+print("INSTALLED " + json.dumps(_keras_compat.installed_for_process()))
+print("WEIGHTS " + json.dumps(plain_keras()))
+
+# The contrast: a draw replacement that is not inert outside a kd step (it
+# draws for a batch twice the size and keeps the second half, as a replica
+# of a kd step would) changes what plain Keras trains.
+from keras.src.backend.tensorflow import random as keras_tf_random
+inner = keras_tf_random.dropout
+
+
+def leaky(inputs, rate, noise_shape=None, seed=None):
+    rows = tf.shape(inputs)[0]
+    return inner(tf.concat([inputs, inputs], 0), rate, None, seed)[rows:]
+
+
+keras_tf_random.dropout = leaky
+print("CONTRAST " + json.dumps(plain_keras()))
 """
+
+# What a kd model's first step changes, by defining path, and the target
+# `_keras_compat.replacements` names for it.
+_PROCESS_WIDE = {
+    "keras.src.losses.loss.Loss.__call__": "keras.losses.Loss.__call__",
+    "tensorflow.python.eager.backprop.GradientTape.gradient": "tf.GradientTape.gradient",
+    **{f"keras.src.backend.tensorflow.random.{name}": f"keras.src.backend.tensorflow.random.{name}"
+       for name in _keras_compat.replacements.RANDOM_DRAWS},
+}
+
+
+def _outputs(process, timeout):
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    found = {}
+    for line in stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key.isupper() and value.startswith("["):
+            found[key] = json.loads(value)
+    return found, stderr
 
 
 @pytest.mark.cluster
-def test_importing_kd_patches_no_keras_or_tensorflow_class():
-    process = subprocess.run(
-        [sys.executable, "-c", _SNAPSHOT], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
-    lines = [l for l in process.stdout.splitlines() if l.startswith("CHANGED ")]
-    assert lines, process.stderr[-3000:]
-    assert json.loads(lines[0][8:]) == []
+def test_replacements_are_listed_installed_at_the_first_step_and_inert_for_plain_keras():
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.path.dirname(PACKAGE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TF_CONFIG", None)
+    started = [subprocess.Popen([sys.executable, "-c", _SAME_PROCESS, kind], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for kind in ("kd", "plain")]
+    try:
+        (with_kd, kd_errors), (without_kd, plain_errors) = (_outputs(p, 300) for p in started)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert "CONTRAST" in with_kd, kd_errors[-3000:]
+    assert "WEIGHTS" in without_kd, plain_errors[-3000:]
+    # Importing kd replaces nothing; its first step replaces exactly what the
+    # list says is process-wide, and says so.
+    assert with_kd["CHANGED_ON_IMPORT"] == []
+    assert with_kd["CHANGED_AT_FIRST_STEP"] == sorted(_PROCESS_WIDE)
+    listed = [r.target for r in _keras_compat.REPLACEMENTS
+              if r.scope == _keras_compat.replacements.THIS_PROCESS]
+    assert sorted(with_kd["INSTALLED"]) == sorted(listed) == sorted(_PROCESS_WIDE.values())
+    # Plain Keras after a kd model's first step: bit for bit the process without kd.
+    assert len(with_kd["WEIGHTS"]) == len(without_kd["WEIGHTS"]) == 24
+    different = [i for i, (a, b) in enumerate(zip(with_kd["WEIGHTS"], without_kd["WEIGHTS"])) if a != b]
+    assert different == []
+    # The contrast: a replacement that leaks out of kd's steps is caught.
+    assert with_kd["CONTRAST"] != without_kd["WEIGHTS"]
+
+
+def _installs(tree):
+    """Names of the functions in `tree` that replace an attribute of an object or class.
+
+    `setattr(...)`, `object.__setattr__(...)`, an assignment to an attribute
+    of a class reached through a module (`tf.GradientTape.gradient = ...`),
+    or to a class's `__bases__`.
+    """
+    found = set()
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "object.__setattr__"):
+                found.add(function.name)
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Attribute) and (isinstance(t.value, ast.Attribute) or t.attr == "__bases__")
+                    for t in node.targets):
+                found.add(function.name)
+    return found
+
+
+# Functions that replace attributes only for an installer that is listed
+# (it calls them), and the closures inside listed installers.
+_HELPERS = {
+    "_replace_on_instance": "replace_metric_result, replace_mean_update, replace_seed_next, ...",
+    "_write_from_one_replica": "write_from_first_replica, write_seed_state_from_last_replica",
+    "inject": "make_functional",
+}
+
+
+def test_every_replacement_of_keras_behaviour_is_listed():
+    listed = {r.installer.__name__ for r in _keras_compat.REPLACEMENTS}
+    assert {r.scope for r in _keras_compat.REPLACEMENTS} == {
+        _keras_compat.replacements.THIS_PROCESS, _keras_compat.replacements.THIS_MODEL}
+    installers = set()
+    for path in _project.project_files(os.path.join("keras_distrib", "_keras_compat"), ".py"):
+        with open(path) as f:
+            installers |= _installs(ast.parse(f.read()))
+    assert set(_HELPERS) <= installers  # each helper still is one
+    assert sorted(installers - set(_HELPERS) - listed) == []
+    # The contrast: an installer that is not listed is found.
+    unlisted = ast.parse("def quietly(layer):\n    object.__setattr__(layer, 'call', None)\n")
+    assert _installs(unlisted) - listed == {"quietly"}
 
 
 def test_keras_still_scales_losses_by_replica_count():

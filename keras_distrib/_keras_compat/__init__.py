@@ -27,11 +27,16 @@ What kd corrects here, at the narrowest point it can reach:
   normalization with exact global moments, random layers drawing for the
   global batch (their `call` replaced per layer).
 
-Importing keras_distrib patches no Keras or TensorFlow class.
+Importing keras_distrib replaces nothing. `replacements` lists every
+replacement with its scope: three for the whole process (Keras's
+`Loss.__call__`, Keras's TensorFlow random functions, `tf.GradientTape.gradient`),
+installed at a kd model's first step and inert outside a kd replica step;
+the rest on objects of one kd model only.
 
-The parts, one per thing adapted: `losses` (compiled losses, trackers,
-metrics, random draws), `trainer` (model and trainer internals), `data`
-(data adapters, epoch iterators, datasets), `strategies` (tf.distribute
+The parts, one per thing adapted: `replacements` (the list, and the
+process-wide ones), `losses` (compiled losses, trackers, metrics),
+`trainer` (model and trainer internals), `data` (data adapters, epoch
+iterators, datasets), `strategies` (tf.distribute
 internals, the coordination service), `variables` (central storage,
 parameter servers, partitions, seed state), `optimizer` (the gradient
 pipeline), `layers` (the forward pass) and `summaries` (TensorBoard). This
@@ -251,17 +256,17 @@ from keras_distrib._keras_compat.losses import exit_summary_contexts  # noqa: F4
 from keras_distrib._keras_compat.losses import loss_tracker  # noqa: F401
 from keras_distrib._keras_compat.losses import mean_variables  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_compile_losses  # noqa: F401
-from keras_distrib._keras_compat.losses import replace_loss_object_call  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_mean_update  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_metric_result  # noqa: F401
 from keras_distrib._keras_compat.losses import replace_metric_update  # noqa: F401
-from keras_distrib._keras_compat.losses import replace_random_draws  # noqa: F401
-from keras_distrib._keras_compat.losses import replace_tape_gradient  # noqa: F401
 from keras_distrib._keras_compat.losses import set_compiled_loss  # noqa: F401
 from keras_distrib._keras_compat.losses import set_loss_tracker  # noqa: F401
 from keras_distrib._keras_compat.losses import squeeze_or_expand_to_same_rank  # noqa: F401
 from keras_distrib._keras_compat.losses import sync_on_read_aggregation  # noqa: F401
 from keras_distrib._keras_compat.losses import unscale_for_tracker  # noqa: F401
+from keras_distrib._keras_compat.replacements import REPLACEMENTS  # noqa: F401
+from keras_distrib._keras_compat.replacements import install_for_process  # noqa: F401
+from keras_distrib._keras_compat.replacements import installed_for_process  # noqa: F401
 from keras_distrib._keras_compat.trainer import Functional  # noqa: F401
 from keras_distrib._keras_compat.trainer import ModelHooks  # noqa: F401
 from keras_distrib._keras_compat.trainer import assert_compiled  # noqa: F401

@@ -1,23 +1,18 @@
-"""Keras's compiled losses, loss objects, trackers and metrics; random draws; the tape.
+"""Keras's compiled losses, trackers and metrics (the process-wide replacements: `replacements`).
 
 Part of `keras_distrib._keras_compat`: only these modules touch `keras.src`,
 `tensorflow.python` or private attributes of Keras/TensorFlow objects.
 """
 
-import functools
-
 import keras
-import tensorflow as tf
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import values as tf_values
-from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers import compile_utils
 from keras.src.utils import tracking
 
 __all__ = [
     "CompileLoss",
-    "RANDOM_DRAWS",
     "backend_variable",
     "compile_loss_arguments",
     "compiled_loss",
@@ -28,12 +23,9 @@ __all__ = [
     "loss_tracker",
     "mean_variables",
     "replace_compile_losses",
-    "replace_loss_object_call",
     "replace_mean_update",
     "replace_metric_result",
     "replace_metric_update",
-    "replace_random_draws",
-    "replace_tape_gradient",
     "set_compiled_loss",
     "set_loss_tracker",
     "squeeze_or_expand_to_same_rank",
@@ -138,62 +130,6 @@ def exit_summary_contexts(callback, ignore):
 def unscale_for_tracker(share):
     """The value Keras's trackers expect: the replica loss times R."""
     return keras_loss.unscale_loss_for_distribution(share)
-
-
-_LOSS_CALL_REPLACED = []
-
-
-def replace_loss_object_call(make_call):
-    """Makes every `keras.losses.Loss` object call `make_call(keras_call)` (once, idempotent).
-
-    `keras_call(loss, y_true, y_pred, sample_weight)` is Keras's own
-    `Loss.__call__`. Subclasses with a `__call__` of their own (Keras's
-    `CompileLoss`, kd's wrappers) are not affected.
-    """
-    if _LOSS_CALL_REPLACED:
-        return
-    keras_loss.Loss.__call__ = make_call(keras_loss.Loss.__call__)
-    _LOSS_CALL_REPLACED.append(True)
-
-
-def replace_tape_gradient(judge):
-    """Makes `tf.GradientTape.gradient` call `judge(target)` first (idempotent).
-
-    Not a Keras internal: TensorFlow's public tape, wrapped here with kd's
-    other replacements. `judge` returns at once outside a kd step.
-    """
-    current = tf.GradientTape.gradient
-    if getattr(current, "replaced_by_kd", False):
-        return
-
-    @functools.wraps(current)
-    def gradient(self, target, sources, *args, **kwargs):
-        judge(target)
-        return current(self, target, sources, *args, **kwargs)
-
-    gradient.replaced_by_kd = True
-    tf.GradientTape.gradient = gradient
-
-
-# Keras's TensorFlow random functions kd lays out over the global batch:
-# name -> whether the first argument is a shape (else an input tensor).
-RANDOM_DRAWS = {"normal": True, "uniform": True, "truncated_normal": True, "randint": True,
-                "dropout": False, "categorical": False}
-
-
-def replace_random_draws(make_draw):
-    """Makes Keras's random functions call `make_draw(name, shaped, keras_draw)` (idempotent).
-
-    Every `keras.random.*` call of those in `RANDOM_DRAWS` (Keras's layers
-    included) goes through the backend module patched here.
-    """
-    for name, shaped in RANDOM_DRAWS.items():
-        current = getattr(keras_tf_random, name)
-        if getattr(current, "replaced_by_kd", False):
-            continue
-        draw = make_draw(name, shaped, current)
-        draw.replaced_by_kd = True
-        setattr(keras_tf_random, name, draw)
 
 
 def _replace_on_instance(owner, name, make):

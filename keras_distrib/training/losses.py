@@ -586,8 +586,12 @@ def track_loss(model, share):
 # A custom step's own losses and trackers.
 
 
-def _loss_object_call(keras_call):
+def loss_object_call(keras_call):
     """`keras.losses.Loss.__call__` that returns a share of the global loss in a kd step.
+
+    Installed for the whole process at a kd model's first step
+    (`_keras_compat.install_for_process`); outside a kd replica step it
+    returns Keras's own result.
 
     Keras's loss objects reduce over the replica's own rows and divide by R:
     each replica's mean weighs the same, whatever its rows. Called in a kd
@@ -610,15 +614,6 @@ def _loss_object_call(keras_call):
         return mark_share(wrapped(y_true, y_pred, sample_weight=sample_weight))
 
     return call
-
-
-def exact_loss_objects():
-    """Makes Keras's loss objects give global shares in kd steps (see `_loss_object_call`).
-
-    Installed when a kd model makes its first step, not on import; outside
-    a kd replica step loss objects are Keras's own. Idempotent.
-    """
-    _keras_compat.replace_loss_object_call(_loss_object_call)
 
 
 @tf.autograph.experimental.do_not_convert

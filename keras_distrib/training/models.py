@@ -1388,11 +1388,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def _prepare_custom_step(self):
         """kd's gradient pipeline for every optimizer; one device's logs from every metric."""
-        # Keras's loss objects and random draws change only inside kd's
-        # replica steps; installed here, at the first step, not on import.
-        kd_losses.exact_loss_objects()
-        _keras_compat.replace_random_draws(_global_batch_draw)
-        _keras_compat.replace_tape_gradient(gradients.judge_target)
+        # For the whole process, at the first step (not on import); each is
+        # Keras's or TensorFlow's own outside a kd replica step
+        # (_keras_compat.replacements lists every replacement and its scope).
+        _keras_compat.install_for_process(
+            loss_call=kd_losses.loss_object_call, before_gradient=gradients.judge_target,
+            random_draw=_global_batch_draw)
         for optimizer in self._optimizers():
             gradients.install(optimizer)
         self._own_compute_loss_on_global_batch()
