@@ -160,3 +160,75 @@ def test_a_wrong_way_import_would_be_found():
         "keras_distrib.cluster.launcher -> keras_distrib.training.loop (cluster -> training)",
         "keras_distrib.validation -> keras_distrib.cluster.launcher (floor -> cluster)",
     ]
+
+
+# Inside `training/`, bottom to top (training/__init__.py states the same
+# order): a module may import only the modules before it.
+TRAINING_ORDER = (
+    "penalties", "replica", "coupling", "losses", "logs", "gradients", "collectives", "step",
+    "data", "inputs", "loop", "parameter_server", "front", "models", "saving", "callbacks",
+    "train_loop",
+)
+
+
+def _training_module(name):
+    """`name`'s module directly under `keras_distrib.training` (`callbacks` for its parts), or None."""
+    prefix = "keras_distrib.training."
+    if not name.startswith(prefix):
+        return None
+    own = name[len(prefix):].split(".")[0]
+    if own not in TRAINING_ORDER:
+        raise ValueError(f"{name} has no place in TRAINING_ORDER: add it to tests/test_layout.py")
+    return own
+
+
+def order_violations(modules):
+    """`importer -> imported (what the importer may import)` for every import inside
+    `training/` that does not point down `TRAINING_ORDER`."""
+    rank = {name: position for position, name in enumerate(TRAINING_ORDER)}
+    found = []
+    for module, (source, is_package) in sorted(modules.items()):
+        own = _training_module(module)
+        if own is None:
+            continue
+        for name in sorted(imported(source, module, is_package, modules)):
+            other = _training_module(name)
+            if other is not None and other != own and rank[other] > rank[own]:
+                below = ", ".join(TRAINING_ORDER[:rank[own]]) or "none"
+                found.append(f"{module} -> {name} ({own} may import only: {below})")
+    return found
+
+
+def test_every_training_module_has_its_place_in_the_order():
+    modules = package_modules()
+    inside = {_training_module(m) for m in modules} - {None}
+    assert inside == set(TRAINING_ORDER)
+
+
+def test_imports_inside_training_point_down():
+    assert order_violations(package_modules()) == []
+
+
+def test_training_states_its_order():
+    with open(os.path.join(PACKAGE, "training", "__init__.py")) as f:
+        doc = ast.get_docstring(ast.parse(f.read()))
+    positions = [doc.index(f"`{name}`") for name in TRAINING_ORDER]
+    assert positions == sorted(positions)
+
+
+def test_a_wrong_way_import_inside_training_would_be_found():
+    # Contrast, on sources written here: the gradients importing the step (as
+    # they did), and a function-level import of the model from the loop.
+    modules = {
+        "keras_distrib.training": ("", True),
+        "keras_distrib.training.gradients": ("from keras_distrib.training import step\n", False),
+        "keras_distrib.training.step": ("from keras_distrib.training import gradients\n", False),
+        "keras_distrib.training.loop": ("def f():\n    from . import models\n", False),
+        "keras_distrib.training.models": ("from keras_distrib.training import loop\n", False),
+    }
+    assert order_violations(modules) == [
+        "keras_distrib.training.gradients -> keras_distrib.training.step (gradients may import "
+        "only: penalties, replica, coupling, losses, logs)",
+        "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
+        "penalties, replica, coupling, losses, logs, gradients, collectives, step, data, inputs)",
+    ]

@@ -1,13 +1,16 @@
 """Training: one replica's step, the one outer loop, and what `fit` and `kd.TrainLoop` share.
 
-From the bottom up: `replica` (a replica's batch), `penalties`, `losses`,
-`gradients` (the loss and gradient arithmetic), `collectives`, `step` (the
-one place that calls `strategy.run`), `data` (the input pipeline),
-`loop` (the engine), `parameter_server` (a source and a runner), `inputs`
-(what `fit`, `evaluate` and `predict` are given, checked), `front` (one
-front door per verb), `models` (`kd.Model`), `callbacks` (`kd.callbacks`)
-and `train_loop` (`kd.TrainLoop`). `tests/test_layers.py` keeps these
-modules free of import circles.
+From the bottom up (a module imports only those before it;
+`tests/test_layout.py` keeps this order): `penalties` (how a term adds up
+over replicas, read from its graph), `replica` (a replica's batch and its
+arithmetic), `coupling` (where the rows of a batch meet), `losses` (the
+replica's share of the global loss), `logs` (metric states and the step's
+logs), `gradients` (the all-reduce before the optimizer), `collectives`
+(counting them), `step` (the one place that calls `strategy.run`), `data`
+(the input pipeline), `inputs` (what `fit`, `evaluate` and `predict` are
+given, checked), `loop` (the engine), `parameter_server` (a source and a
+runner), `front` (one front door per verb), `models` (`kd.Model`), `saving`,
+`callbacks` (`kd.callbacks`) and `train_loop` (`kd.TrainLoop`).
 
 May import: `checkpointing`, `cluster` and the floor (`validation`, `files`,
 `tf_logs`, `keras_distrib._keras_compat`). Never `testing` or `commands`

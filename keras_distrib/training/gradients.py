@@ -25,14 +25,26 @@ from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
-from keras_distrib.training import step
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
 
 __all__ = [
+    "SparseGradientInLoop",
     "all_reduce",
     "exact_optimizer",
     "install",
 ]
+
+
+class SparseGradientInLoop(Exception):
+    """A sparse gradient met inside a compiled multi-step loop, where kd cannot gather it.
+
+    TensorFlow fixes the shape of a collective at its first loop iteration,
+    and gathering sparse (`tf.IndexedSlices`) gradients changes shape with
+    the batch. With every replica in this process kd gathers them without a
+    collective (see `gradients.all_reduce`); across worker processes, or in
+    an XLA-compiled step, the step runs one step per compiled call instead.
+    """
 
 
 @tf.autograph.experimental.do_not_convert
@@ -133,9 +145,9 @@ def _sum_with_metric_states(context, batch, tensors):
     variables = batch.metric_variables if batch is not None else None
     # Updates waiting for N (a per-output loss tracker in deferred scale) add
     # to the states after this all-reduce: the logs are read after the step then.
-    if not variables or batch.waits_for_global_rows or not step.packs_metric_states(variables):
+    if not variables or batch.waits_for_global_rows or not logs_lib.packs_metric_states(variables):
         return replica.sum_packed(context, tensors)
-    summed, batch.global_metric_states = step.sum_with_metric_states(context, tensors, variables)
+    summed, batch.global_metric_states = logs_lib.sum_with_metric_states(context, tensors, variables)
     return summed
 
 
@@ -246,7 +258,7 @@ def _all_reduce_in_loop(context, batch, gradients):
     """
     strategy = tf.distribute.get_strategy()
     if strategies.traits(strategy).is_multi_worker or _keras_compat.in_xla_context():
-        raise step.SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
+        raise SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
     sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
     dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
     if batch.deferred:

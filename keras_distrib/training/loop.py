@@ -33,9 +33,8 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.cluster import info as cluster
 from keras_distrib.training import data as data_lib
-from keras_distrib.training import step as step_lib
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
-from keras_distrib import validation
 from keras_distrib.cluster import watchdog
 
 __all__ = [
@@ -359,7 +358,7 @@ def evaluate_pass(model, source, runner, *, callbacks, return_dict):
     # Read once at the end when no callback looks at a batch's logs and the
     # step reports only its metrics: no collective per call for them.
     once = (not _reads_test_batch_logs(callbacks) and hasattr(runner, "read_logs")
-            and step_lib.reports_only_metrics(model, "test"))
+            and logs_lib.reports_only_metrics(model, "test"))
     with _one_pass(source):
         for begin, end, iterator in source:
             callbacks.on_test_batch_begin(begin)

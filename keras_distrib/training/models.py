@@ -29,6 +29,7 @@ from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import loop
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import step as step_lib
 from keras_distrib.cluster import devices
 from keras_distrib.cluster import strategies
@@ -1262,7 +1263,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return self(x, training=training)
         return self(x)
 
-    @step_lib.metrics_only
+    @logs_lib.metrics_only
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
@@ -1282,7 +1283,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # cost no collective of their own (gradients.all_reduce). Not for
             # an override that may update metrics after this returns.
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            if step_lib.reports_only_metrics(self, "train"):
+            if logs_lib.reports_only_metrics(self, "train"):
                 batch.metric_variables = list(self.metrics_variables)
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
@@ -1293,7 +1294,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             batch.metric_variables = None
             return logs
 
-    @step_lib.metrics_only
+    @logs_lib.metrics_only
     @tf.autograph.experimental.do_not_convert
     def test_step(self, data):
         """One replica's evaluation step: forward, loss share, metrics."""

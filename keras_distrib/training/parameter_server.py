@@ -26,6 +26,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import loop
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
 
@@ -256,7 +257,7 @@ class WorkerRunner:
         self.wait()
         self.in_flight.clear()
         with self.model.distribute_strategy.scope():
-            return _keras_compat.pythonify_logs(step_lib.metric_results(self.model))
+            return _keras_compat.pythonify_logs(logs_lib.metric_results(self.model))
 
 
 def _worker_count(strategy):
@@ -421,7 +422,7 @@ class ShardRunner:
         with self.model.distribute_strategy.scope():
             for variable, total in zip(self.model.metrics_variables, totals):
                 variable.assign(total)
-            return step_lib.metric_results(self.model)
+            return logs_lib.metric_results(self.model)
 
 
 def _evaluate_sharded(model, x, y, *, sample_weight, batch_size, steps, shards, callbacks,

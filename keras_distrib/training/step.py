@@ -7,14 +7,9 @@ own exact evaluation all call a `Step`, so they cannot drift apart.
 
 A step function runs up to k replica steps in one `tf.function` (a
 `tf.range` loop: the graph does not grow with k) and returns global
-results. Train and test logs are read from the metric variables in
-cross-replica context, where SyncOnRead variables are summed over every
-replica and worker: the true global values (Keras averages each replica's
-local results, wrong whenever replicas hold different numbers of rows),
-all-reduced together in one flat buffer per dtype. kd's own training step
-brings them instead: its metric states travel in the gradient all-reduce
-(`sum_with_metric_states`), so its logs cost no collective of their own.
-Predictions come back concatenated in input order.
+results: train and test logs as one device reports them (`logs`: read from
+the metric states, which kd's own training step brings in its gradient
+all-reduce), predictions concatenated in input order.
 """
 
 import functools
@@ -27,42 +22,24 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import collectives
 from keras_distrib.training import coupling
+from keras_distrib.training import gradients
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import replica
 from keras_distrib.cluster import strategies
 from keras_distrib import validation
 
 __all__ = [
-    "SparseGradientInLoop",
     "Step",
-    "metric_names",
-    "metric_results",
-    "metrics_only",
     "on_replica_device",
-    "packs_metric_states",
     "plan_for",
-    "reduce_mean",
     "replica_function",
-    "reports_only_metrics",
     "shard_evaluator",
-    "step_logs",
-    "sum_with_metric_states",
     "whole_step_xla",
 ]
 
 KINDS = ("train", "test", "predict")
 # Traces of a step at most, each finding a new place where rows meet (coupling.RowsMeet).
 _RETRACES = 8
-
-
-class SparseGradientInLoop(Exception):
-    """A sparse gradient met inside a compiled multi-step loop, where kd cannot gather it.
-
-    TensorFlow fixes the shape of a collective at its first loop iteration,
-    and gathering sparse (`tf.IndexedSlices`) gradients changes shape with
-    the batch. With every replica in this process kd gathers them without a
-    collective (see `gradients.all_reduce`); across worker processes, or in
-    an XLA-compiled step, the step runs one step per compiled call instead.
-    """
 
 
 class _CompositeInLoop(Exception):
@@ -119,214 +96,6 @@ def _same_specs(specs, carried):
         a.dtype == b.dtype and b.shape.is_compatible_with(a.shape)
         for a, b in zip(tree.flatten(specs), tree.flatten(carried))
     )
-
-
-def metric_results(model, states=None):
-    """Every model metric's value; global when read in cross-replica context.
-
-    Under mirrored and multi-worker mirrored strategies, every metric
-    variable is summed over the replicas in one packed all-reduce (one
-    collective per read of the logs and dtype; reading them one by one would
-    make one per variable, each a round trip across workers). `states`: the
-    global values of `model.metrics_variables`, when the step's gradient
-    all-reduce brought them (see `sum_with_metric_states`); no collective then.
-    """
-    variables = list(model.metrics_variables)
-    values = states if states is not None else _global_values(model.distribute_strategy, variables)
-    if values is None:
-        return _read_results(model)
-    with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-        return _read_results(model)
-
-
-_BATCHED_READS = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
-_SUMMED = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
-
-
-def packs_metric_states(variables):
-    """Whether every one of `variables` is stored per replica, summed or averaged on read."""
-    return all(_keras_compat.sync_on_read_aggregation(v) in _SUMMED for v in variables)
-
-
-def sum_with_metric_states(context, tensors, variables):
-    """Sums `tensors` and the local states of metric `variables` over the replicas, packed.
-
-    One all-reduce per dtype (`replica.sum_packed`), in replica context.
-    Returns the summed `tensors` and each variable's global value: its sum
-    over the replicas, divided by the replicas in sync for a MEAN variable,
-    as a read in cross-replica context gives it. Every variable must pass
-    `packs_metric_states`.
-    """
-    tensors = list(tensors)
-    states = [tf.convert_to_tensor(v.value, v.dtype) for v in variables]
-    summed = replica.sum_packed(context, tensors + states)
-    replicas = context.num_replicas_in_sync
-    values = [
-        value / tf.cast(replicas, value.dtype)
-        if _keras_compat.sync_on_read_aggregation(variable) == tf.VariableAggregation.MEAN
-        else value
-        for variable, value in zip(variables, summed[len(tensors):])
-    ]
-    return summed[:len(tensors)], values
-
-
-def _global_values(strategy, variables):
-    """The global values of `variables` (metric state), all-reduced together, or None.
-
-    One packed all-reduce per dtype of every per-replica variable (TensorFlow's
-    `batch_reduce_to` on SyncOnRead variables falls back to one collective
-    per variable). None outside cross-replica context, with one replica, or
-    under a strategy whose metric variables are not per replica (those read
-    as they are).
-    """
-    if tf.distribute.get_replica_context() is not None and tf.distribute.has_strategy():
-        return None
-    if not isinstance(strategy, _BATCHED_READS) or strategy.num_replicas_in_sync == 1:
-        return None
-    packed = [i for i, v in enumerate(variables) if packs_metric_states([v])]
-    values = [None if i in packed else tf.convert_to_tensor(v.value)
-              for i, v in enumerate(variables)]
-    if not packed:
-        return values
-
-    def replica_read():
-        context = tf.distribute.get_replica_context()
-        return sum_with_metric_states(context, [], [variables[i] for i in packed])[1]
-
-    with strategy.scope():
-        reduced = strategy.run(replica_read)
-    for index, value in zip(packed, reduced):
-        values[index] = strategy.experimental_local_results(value)[0]
-    return values
-
-
-def _global_states_of(strategy, states):
-    """The global metric states a replica step returned (identical on every replica), or None."""
-    if states is None:
-        return None
-    return [strategy.experimental_local_results(value)[0] for value in states]
-
-
-def _read_results(model):
-    results = {}
-    for metric in model.metrics:
-        value = metric.result()
-        if isinstance(value, dict):
-            results.update(value)
-        else:
-            results[metric.name] = value
-    return results
-
-
-def metric_names(model):
-    """Log keys the model's metrics produce, without reading any variable.
-
-    The keys are those of the metrics' results computed eagerly on zero
-    state (Keras names compiled metrics when it reports them: `out0_mae`
-    for a model with several outputs), so no read or collective enters a
-    traced step.
-    """
-    names = set()
-    for metric in model.metrics:
-        names.update(_keras_compat.compile_metric_names(metric))
-        names.add(metric.name)
-    variables = list(model.metrics_variables)
-    with tf.init_scope():
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        with keras.StatelessScope(state_mapping=list(zip(variables, zeros))):
-            names.update(_read_results(model))
-    return names
-
-
-def reduce_mean(strategy, value):
-    """Mean over replicas of a per-replica value (what Keras calls "auto")."""
-    if isinstance(value, tf.distribute.DistributedValues) or strategies.traits(strategy).is_multi_worker:
-        return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
-    return value
-
-
-def _path_key(path):
-    return "/".join(map(str, path))
-
-
-def replica_logs(outputs, sources):
-    """What a replica step returns, ready to be reduced over the replicas (replica context).
-
-    A custom step may return anything; one device's value of each entry is
-    what kd's logs report:
-
-    - a metric's `result()` (also inside Keras's nested `compile_metrics`):
-      recorded in `sources` (path -> log key), read later as the metric's
-      global value;
-    - a loss share kd computed (`compute_loss`, a Keras loss object,
-      `kd.losses`): its sum over replicas, so times R before the mean;
-    - any other scalar: taken as a mean over the replica's rows (or a value
-      every replica shares), weighted by n_r / N (`kd.losses.row_weighted`),
-      times R before the mean;
-    - anything else: Keras's mean over replicas.
-    """
-    from keras_distrib.training import losses as kd_losses  # losses imports replica, not step
-
-    batch = replica.current_batch()
-    if batch is None:
-        return outputs
-    context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync if context is not None else 1
-    leaves = []
-    for path, value in tree.flatten_with_path(outputs):
-        record = batch.metric_results.get(id(value))
-        if record is not None and record[0] is value:
-            sources[path] = record[1]
-        elif replicas > 1 and tf.is_tensor(value) and value.dtype.is_floating \
-                and value.shape.rank == 0:
-            value = kd_losses.replica_part(value, what=f"the step's log {_path_key(path)!r}") \
-                * tf.cast(replicas, value.dtype)
-        leaves.append(value)
-    return tree.pack_sequence_as(outputs, leaves)
-
-
-def step_logs(model, strategy, outputs, sources=None, extras=None, states=None, by_name=False):
-    """Global logs for the outputs of a replica step (see `replica_logs`).
-
-    Entries recorded in `sources` take their metric's global value; the
-    others are averaged over replicas (`extras`, by path, when already
-    reduced). Nested dicts (Keras's `compile_metrics`) keep their nesting.
-    `states`: the global metric states the step's gradient all-reduce
-    brought, if any (no collective then; see `sum_with_metric_states`).
-    `by_name`: the step is kd's own (its outputs are its metrics' results),
-    so a top-level key naming a metric takes that metric's global value
-    even where its result was not recorded (a multi-output model's
-    per-output loss trackers, which Keras reads inside its compiled loss).
-    """
-    sources = sources or {}
-    metric_values = metric_results(model, states) if sources or by_name else {}
-    leaves = []
-    for path, value in tree.flatten_with_path(outputs):
-        key = sources.get(path)
-        if key is None and by_name and len(path) == 1:
-            key = path[0]
-        if key is not None and key in metric_values:
-            leaves.append(metric_values[key])
-        elif extras is not None and _path_key(path) in extras:
-            leaves.append(extras[_path_key(path)])
-        else:
-            leaves.append(reduce_mean(strategy, value))
-    return tree.pack_sequence_as(outputs, leaves)
-
-
-def metrics_only(step_method):
-    """Marks a kd `train_step`/`test_step` whose outputs are its metrics' results.
-
-    Such a step's logs can be read from the metrics alone, so a loop may read
-    them once instead of after every call (`reports_only_metrics`).
-    """
-    step_method.kd_metrics_only = True
-    return step_method
-
-
-def reports_only_metrics(model, kind):
-    """Whether `model`'s `kind` step is kd's own (its logs are its metrics' results)."""
-    return getattr(getattr(type(model), f"{kind}_step", None), "kd_metrics_only", False) is True
 
 
 def whole_step_xla(strategy):
@@ -483,7 +252,7 @@ def replica_function(model, kind, *, looped=False, sources=None):
             if first is not None:
                 refuse_stateful_draws(graph.get_operations()[first:],
                                       f"{type(model).__name__}.{kind}_step")
-            outputs = outputs if kind == "predict" else replica_logs(outputs, sources)
+            outputs = outputs if kind == "predict" else logs_lib.replica_logs(outputs, sources)
             return outputs, batch.global_metric_states
 
     if not model.jit_compile or model.run_eagerly or plan.xla_forward:
@@ -524,7 +293,7 @@ class Step:
         self._looped = replica_function(model, kind, looped=True, sources=self._sources)
         # Collectives inside a compiled loop keep their first iteration's
         # shape; gathering predictions across workers (or sparse gradients,
-        # see SparseGradientInLoop) changes shape with the batch.
+        # see gradients.SparseGradientInLoop) changes shape with the batch.
         self._looping = not (kind == "predict" and strategies.traits(self.strategy).is_multi_worker)
         # What the looped step returns besides metrics, learnt while tracing.
         self._carried_specs = None
@@ -542,16 +311,16 @@ class Step:
     def _finish(self, outputs, extras, states=None):
         if self.kind == "predict":
             return _keras_compat.concat_replicas(outputs, self.strategy)
-        return step_logs(self.model, self.strategy, outputs, self._sources, extras,
-                         _global_states_of(self.strategy, states),
-                         by_name=reports_only_metrics(self.model, self.kind))
+        return logs_lib.step_logs(self.model, self.strategy, outputs, self._sources, extras,
+                                  logs_lib.global_states_of(self.strategy, states),
+                                  by_name=logs_lib.reports_only_metrics(self.model, self.kind))
 
     @tf.autograph.experimental.do_not_convert
     def _extras(self, outputs):
         # Outputs of a custom step that are not metric results (usually none), by path.
         if self.kind == "predict":
             return {}
-        return {_path_key(path): reduce_mean(self.strategy, value)
+        return {logs_lib.path_key(path): logs_lib.reduce_mean(self.strategy, value)
                 for path, value in tree.flatten_with_path(outputs) if path not in self._sources}
 
     def _one(self, iterator, logs=True):
@@ -606,7 +375,7 @@ class Step:
         if step_states is None:
             return states
         self._states_carried = True
-        return _global_states_of(self.strategy, step_states)
+        return logs_lib.global_states_of(self.strategy, step_states)
 
     @tf.autograph.experimental.do_not_convert
     def _carry(self, outputs, carried):
@@ -625,8 +394,8 @@ class Step:
 
     @tf.autograph.experimental.do_not_convert
     def _loop_logs(self, last, states):
-        return step_logs(self.model, self.strategy, self._outputs, self._sources, last, states,
-                         by_name=reports_only_metrics(self.model, self.kind))
+        return logs_lib.step_logs(self.model, self.strategy, self._outputs, self._sources, last,
+                                  states, by_name=logs_lib.reports_only_metrics(self.model, self.kind))
 
     def _many_predictions(self, iterator, count, first):
         flat = tree.flatten(first)
@@ -664,7 +433,7 @@ class Step:
 
     @tf.autograph.experimental.do_not_convert
     def _read(self):
-        return metric_results(self.model)
+        return logs_lib.metric_results(self.model)
 
     def read_logs(self):
         """The metrics' global values, read once: one packed all-reduce per dtype.
@@ -717,7 +486,7 @@ class Step:
             if self._looping:
                 try:
                     return self._call_many(iterator, count, quiet)
-                except (SparseGradientInLoop, coupling.GatherInLoop) as why:
+                except (gradients.SparseGradientInLoop, coupling.GatherInLoop) as why:
                     self._looping = False
                     _warn_stepwise(self.model, count, why)
                 except _CompositeInLoop:  # ragged or sparse predictions
@@ -802,14 +571,14 @@ class Step:
         def run_on_worker(iterator, count):
             for _ in tf.range(count):
                 strategy.run(single, args=(next(iterator),))
-            return metric_results(model)
+            return logs_lib.metric_results(model)
 
         return run_on_worker
 
 
 def _warn_stepwise(model, count, why):
     what = ("the model has sparse gradients (e.g. from an Embedding), which cannot be "
-            "all-gathered inside a compiled loop" if isinstance(why, SparseGradientInLoop) else
+            "all-gathered inside a compiled loop" if isinstance(why, gradients.SparseGradientInLoop) else
             "the rows of its batch meet, and kd gathers the global batch there, which a "
             "compiled loop cannot hold (its shape changes with an uneven last batch)")
     warnings.warn(

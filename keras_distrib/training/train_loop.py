@@ -13,6 +13,7 @@ from keras_distrib.training import callbacks as callbacks_lib
 from keras_distrib.training import front
 from keras_distrib.training import loop
 from keras_distrib.training import models
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
 
@@ -197,7 +198,7 @@ class TrainLoop:
             return self._step("train")(iter(distributed_dataset), count=2**31 - 1)
         except StopIteration:
             with self.strategy.scope():
-                return step_lib.metric_results(self.model)
+                return logs_lib.metric_results(self.model)
 
     # Model.fit-like entry points.
 
