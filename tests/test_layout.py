@@ -165,9 +165,9 @@ def test_a_wrong_way_import_would_be_found():
 # Inside `training/`, bottom to top (training/__init__.py states the same
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
-    "penalties", "replica", "coupling", "losses", "logs", "gradients", "collectives", "step",
-    "data", "inputs", "loop", "parameter_server", "front", "models", "saving", "callbacks",
-    "train_loop",
+    "penalties", "replica", "coupling", "losses", "logs", "gradients", "forward", "collectives",
+    "step", "refusals", "data", "inputs", "loop", "parameter_server", "front", "models", "saving",
+    "callbacks", "train_loop",
 )
 
 
@@ -230,5 +230,6 @@ def test_a_wrong_way_import_inside_training_would_be_found():
         "keras_distrib.training.gradients -> keras_distrib.training.step (gradients may import "
         "only: penalties, replica, coupling, losses, logs)",
         "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
-        "penalties, replica, coupling, losses, logs, gradients, collectives, step, data, inputs)",
+        "penalties, replica, coupling, losses, logs, gradients, forward, collectives, step, "
+        "refusals, data, inputs)",
     ]

@@ -5,6 +5,7 @@ import numpy as np
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import data as data_lib
+from keras_distrib.training import forward
 from keras_distrib.training import models
 
 __all__ = ["Mismatch", "compare"]
@@ -43,7 +44,7 @@ def _is_own_code(module):
 
 def _state_owner(model, variable_name):
     """The layer holding `variable_name` if it is state a layer assigns in `call`, or None."""
-    for layer, variable in models.layer_state(model):
+    for layer, variable in forward.layer_state(model):
         if getattr(variable, "path", variable.name) == variable_name:
             return layer
     return None

@@ -47,7 +47,7 @@ _STATE = threading.local()
 SHARE = "share"
 
 # Said (and raised as a ValueError by kd's step) when a random draw's leading
-# dimension is not a multiple of the replica's rows (see models._blocks_of).
+# dimension is not a multiple of the replica's rows (see forward._blocks_of).
 DRAW_REFUSAL = (
     "kd: a random draw in a step on several replicas has a leading dimension that is not a "
     "multiple of the rows of the replica, so kd cannot lay it out over the global batch as one "
