@@ -5,14 +5,15 @@ From the bottom up (a module imports only those before it;
 over replicas, read from its graph), `replica` (a replica's batch and its
 arithmetic), `coupling` (where the rows of a batch meet), `losses` (the
 replica's share of the global loss), `logs` (metric states and the step's
-logs), `gradients` (the all-reduce before the optimizer), `forward` (the
-forward pass on several replicas as on one device: padding, random draws,
-BatchNormalization moments, layer state), `collectives` (counting them),
-`step` (the one place that calls `strategy.run`), `refusals` (what kd
-cannot make exact, named), `data`
-(the input pipeline), `inputs` (what `fit`, `evaluate` and `predict` are
-given, checked), `loop` (the engine), `parameter_server` (a source and a
-runner), `front` (one front door per verb), `models` (`kd.Model`), `saving`,
+logs), `forward` (the forward pass on several replicas as on one device:
+padding, random draws, BatchNormalization moments, layer state), `scaling`
+(the global-batch scaling rule: whose share, deferred scale, the gradients'
+correction), `gradients` (the all-reduce before the optimizer),
+`collectives` (counting them), `step` (the one place that calls
+`strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the
+input pipeline), `inputs` (what `fit`, `evaluate` and `predict` are given,
+checked), `loop` (the engine), `parameter_server` (a source and a runner),
+`front` (one front door per verb), `models` (`kd.Model`), `saving`,
 `callbacks` (`kd.callbacks`) and `train_loop` (`kd.TrainLoop`).
 
 May import: `checkpointing`, `cluster` and the floor (`validation`, `files`,

@@ -25,6 +25,7 @@ from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
+from keras_distrib.training import scaling
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
 
@@ -102,7 +103,7 @@ def all_reduce(gradients):
             if kind is None and batch.shares:
                 kind = replica.SHARE  # no target judged (gradients of a share kd computed)
             if kind != replica.SHARE:
-                present = _row_weighted(batch, present, kind)
+                present = scaling.row_weighted(batch, present, kind)
         present = _sum_with_metric_states(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
@@ -117,19 +118,12 @@ def _all_reduce_deferred(context, batch, gradients):
     device computes. One collective: nothing in the step waited for N.
     """
     dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
-    scales = _per_dtype(gradients, batch.own_scale)
-    scaled = [_map_values(g, lambda v: v * scales[v.dtype]) for g in gradients]
+    scaled = scaling.to_own_scale(batch, gradients)
     *summed, global_rows = _sum_with_metric_states(
         context, batch, scaled + [tf.cast(batch.local_rows, dtype)]
     )
     batch.learn_global_rows(global_rows)
-    return _divided(summed, global_rows)
-
-
-def _per_dtype(gradients, function):
-    """`{dtype: function(dtype)}` for the dtypes of `gradients`' values: one op each, not one per gradient."""
-    dtypes = {(g.values if isinstance(g, tf.IndexedSlices) else g).dtype for g in gradients}
-    return {dtype: function(dtype) for dtype in dtypes}
+    return scaling.divided(summed, global_rows)
 
 
 def _sum_with_metric_states(context, batch, tensors):
@@ -151,40 +145,6 @@ def _sum_with_metric_states(context, batch, tensors):
     return summed
 
 
-def _row_weighted(batch, gradients, kind=None):
-    """Gradients of a loss kd did not compute, weighted by the replica's rows.
-
-    No loss share was computed in this step (no `compute_loss`, Keras loss
-    object, or `kd.losses` call): the loss came from plain ops on the
-    replica's rows, and kd takes it as their mean (`keras.ops.mean` of
-    per-row terms, as Keras's guides write a VAE's loss). One device's
-    gradient of the global mean is sum_r (n_r / N) * gradient_r, exact for
-    such a loss; a replica without rows adds nothing (its mean of no rows
-    is NaN). A loss the graph shows to be a sum over rows (`kind`
-    `penalties.ROW_SUM`, see `judge_target`: `tf.reduce_sum(...) / 16`)
-    adds up over replicas as it is: its gradients are summed unweighted.
-    A loss computed on the global batch kd gathered (`penalties.GLOBAL`)
-    adds 1/R of each replica's gradient.
-    """
-    if kind == penalties.GLOBAL:
-        # Computed on the global batch, the same on every replica: each
-        # replica's gradient holds its own rows' part R times (coupling.gather)
-        # and the rest once, so 1/R of each adds up to one device's.
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        return [_map_values(g, lambda v: v / tf.cast(replicas, v.dtype)) for g in gradients]
-    fractions = _per_dtype(gradients, lambda dtype: tf.cast(batch.fraction, dtype)) \
-        if kind != penalties.ROW_SUM else None
-
-    def weighted(value):
-        if fractions is not None:
-            value = value * fractions[value.dtype]
-        if batch.surely_has_rows:
-            return value
-        return tf.where(batch.has_rows, value, tf.zeros_like(value))
-
-    return [_map_values(g, weighted) for g in gradients]
-
-
 def judge_target(target):
     """Reads how `tape.gradient`'s `target` adds up over replicas, in a kd step.
 
@@ -197,7 +157,7 @@ def judge_target(target):
     from and traces the step again (`coupling.inline`); one that mixes the
     replica's rows with per-replica random draws has no exact split and is
     refused, naming the op. Anything else is taken as a mean over rows
-    (`_row_weighted`).
+    (`scaling.row_weighted`).
     """
     batch = replica.current_batch()
     context = tf.distribute.get_replica_context()
@@ -230,18 +190,6 @@ def judge_target(target):
         batch.gradient_kind = None
 
 
-def _divided(gradients, global_rows):
-    """Sums of deferred-scale gradients divided by N: the one-device gradients."""
-    counts = _per_dtype(gradients, lambda dtype: tf.cast(global_rows, dtype))
-    return [_map_values(g, lambda v: tf.math.divide_no_nan(v, counts[v.dtype])) for g in gradients]
-
-
-def _map_values(gradient, function):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(function(gradient.values), gradient.indices, gradient.dense_shape)
-    return function(gradient)
-
-
 def _all_reduce_in_loop(context, batch, gradients):
     """`all_reduce` for a step inside a compiled loop, with sparse gradients.
 
@@ -262,13 +210,13 @@ def _all_reduce_in_loop(context, batch, gradients):
     sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
     dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
     if batch.deferred:
-        sparse = [_map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
+        sparse = [scaling.map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
         dense = _all_reduce_deferred(context, batch, dense)
     elif dense:
         dense = _sum_with_metric_states(context, batch, dense)
     gathered = context.merge_call(_concat_slices, args=tuple(sparse))
     if batch.deferred:
-        gathered = _divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce
+        gathered = scaling.divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce
     summed, gathered = iter(dense), iter(gathered)
     return [
         None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)

@@ -31,6 +31,7 @@ from keras_distrib.training import loop
 from keras_distrib.training import penalties
 from keras_distrib.training import refusals
 from keras_distrib.training import replica
+from keras_distrib.training import scaling
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
@@ -86,7 +87,6 @@ def _record_registered_class(path, cls):
         file.attrs["model_config"] = json.dumps(config).encode("utf-8")
 
 
-
 def _metric_in_scope(metric):
     """`metric`, made again in the current strategy's scope if it was made outside it.
 
@@ -122,52 +122,6 @@ def _recorded_result(metric, result):
     return recorded
 
 
-def _defers_scaling(model, batch, *, training):
-    """Whether `model`'s step can scale its loss without the global row count first.
-
-    Deferred scaling (`replica.ReplicaBatch.defer`) changes what the loss
-    share is until the gradient all-reduce corrects it, so it is used only
-    where kd computes the whole loss and reduces the gradients itself: kd's
-    own `compute_loss`, losses that reduce to a scalar, a model whose
-    optimizer has kd's gradient pipeline. A step that reads the share in
-    any other way keeps the global count, read before the loss.
-
-    Nor where a layer's backward pass crosses replicas (BatchNormalization
-    with global statistics): a replica's gradient then holds parts of the
-    other replicas' loss shares, which the correction by its own R * n_r
-    would scale wrongly on uneven batches. N then travels in the layer's
-    own all-reduce (`forward.global_moments`), at no extra collective.
-    """
-    if not forward.spreads_over_replicas():
-        return False
-    layers = _keras_compat.flatten_layers(model)
-    if training and any(forward.global_batch_norm(layer) and layer.trainable for layer in layers):
-        return False
-    if coupling.meets_at_any(layers + _compiled_loss_objects(model)):
-        return False  # computed on the global batch: shares are exact, a layer's gradient crosses replicas
-    for name, own in (("compute_loss", DistributedModelMixin.compute_loss),
-                      ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
-        if getattr(getattr(model, name), "__func__", None) is not own:
-            return False
-    compiled = _keras_compat.compiled_loss(model)
-    if compiled is not None:
-        losses = _keras_compat.compiled_losses(compiled)
-        if losses is None or not all(
-            isinstance(loss, kd_losses.GlobalReductionLoss) and loss.reduction not in (None, "none")
-            for loss in losses
-        ):
-            return False
-    if not isinstance(_keras_compat.loss_tracker(model), (kd_losses.GlobalShareMean, type(None))):
-        return False
-    if training:
-        return model.optimizer is not None and _keras_compat.has_gradient_pipeline(model.optimizer)
-    return True
-
-
-def _compiled_loss_objects(model):
-    compiled = _keras_compat.compiled_loss(model)
-    losses = _keras_compat.compiled_losses(compiled) if compiled is not None else None
-    return [getattr(loss, "inner", loss) for loss in losses or ()]
 def unregistered_class_warning(model):
     """Warns when `keras.saving.load_model` will not find `model`'s class.
 
@@ -561,7 +515,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = _defers_scaling(self, batch, training=True)
+            batch.deferred = scaling.defers_scaling(
+                self, training=True, kd_compute_loss=DistributedModelMixin.compute_loss)
             with tf.GradientTape() as tape:
                 y_pred = self._call_model(x, training=True)
                 loss = _keras_compat.compute_loss(
@@ -580,6 +535,10 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
                 gradients = tape.gradient(loss, variables)
+                # Sums the replicas' gradients first (gradients.all_reduce, the
+                # step's one all-reduce, with the scaling rule's correction:
+                # training/scaling.py), then Keras's optimizer updates as on
+                # one device: kd's pipeline, installed on it at compile.
                 self.optimizer.apply_gradients(zip(gradients, variables))
             else:
                 warnings.warn("The model does not have any trainable weights.")
@@ -592,7 +551,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = _defers_scaling(self, batch, training=False)
+            batch.deferred = scaling.defers_scaling(
+                self, training=False, kd_compute_loss=DistributedModelMixin.compute_loss)
             y_pred = self._call_model(x, training=False)
             loss = _keras_compat.compute_loss(
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
