@@ -25,31 +25,15 @@ def on_parameter_server(model):
     return strategies.traits(model.distribute_strategy).is_parameter_server
 
 
-def fit(model, steps_for, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
-        callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
-        class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-        validation_steps=None, validation_batch_size=None, validation_freq=1):
-    """`Model.fit` for `model`, with its steps from `steps_for`; returns the History."""
-    inputs.validate_inputs(
-        model, x, y, sample_weight, method="fit", validation_data=validation_data,
-        epochs=epochs, batch_size=batch_size, initial_epoch=initial_epoch,
-        steps_per_epoch=steps_per_epoch, validation_split=validation_split,
-        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-        validation_freq=validation_freq, verbose=verbose, shuffle=shuffle,
-        class_weight=class_weight, callbacks=callbacks,
-    )
-    arguments = dict(
-        batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-        validation_split=validation_split, validation_data=validation_data,
-        shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
-        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-        validation_freq=validation_freq,
-    )
+def fit(model, steps_for, request):
+    """`Model.fit` for `model`, as `request` (an `inputs.FitRequest`) asks, with its steps from `steps_for`.
+
+    Returns the History.
+    """
+    inputs.validate_fit(model, request)
     if on_parameter_server(model):
-        train = steps_for("train")
-        return parameter_server.fit(model, x, y, steps_per_call=train.steps, **arguments)
-    return loop.fit(model, steps_for("train"), x, y, evaluate_steps=steps_for("test"), **arguments)
+        return parameter_server.fit(model, request, steps_per_call=steps_for("train").steps)
+    return loop.fit(model, steps_for("train"), request, evaluate_steps=steps_for("test"))
 
 
 def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto",

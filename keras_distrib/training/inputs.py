@@ -8,6 +8,7 @@ problem found, not the first (`keras_distrib.validation.InputError`).
 """
 
 import collections.abc
+import dataclasses
 import math
 import numbers
 import warnings
@@ -22,11 +23,56 @@ from keras_distrib.validation import NonFiniteDataWarning
 from keras_distrib.validation import is_whole
 
 __all__ = [
+    "FitRequest",
     "check_fit_arguments",
+    "validate_fit",
     "validate_inputs",
 ]
 
 _VERBOSE = ("auto", 0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitRequest:
+    """What `fit` was asked to do: Keras's `fit` arguments, in one object.
+
+    Built at the front doors (`kd.Model.fit`, `kd.TrainLoop.fit`) and handed
+    down whole (`front.fit` checks it with `validate_fit`, then `loop.fit` or
+    `parameter_server.fit` runs it), so the arguments are spelled out once.
+    Each field is `keras.Model.fit`'s argument of that name, with its
+    default.
+    """
+
+    x: object = None
+    y: object = None
+    batch_size: object = None
+    epochs: object = 1
+    verbose: object = "auto"
+    callbacks: object = None
+    validation_split: object = 0.0
+    validation_data: object = None
+    shuffle: object = True
+    class_weight: object = None
+    sample_weight: object = None
+    initial_epoch: object = 0
+    steps_per_epoch: object = None
+    validation_steps: object = None
+    validation_batch_size: object = None
+    validation_freq: object = 1
+
+
+def validate_fit(model, request):
+    """`validate_inputs` for a `FitRequest`: raises `InputError` listing every problem."""
+    validate_inputs(
+        model, request.x, request.y, request.sample_weight, method="fit",
+        validation_data=request.validation_data, epochs=request.epochs,
+        batch_size=request.batch_size, initial_epoch=request.initial_epoch,
+        steps_per_epoch=request.steps_per_epoch, validation_split=request.validation_split,
+        validation_steps=request.validation_steps,
+        validation_batch_size=request.validation_batch_size,
+        validation_freq=request.validation_freq, verbose=request.verbose,
+        shuffle=request.shuffle, class_weight=request.class_weight, callbacks=request.callbacks,
+    )
 
 
 def check_fit_arguments(*, epochs=1, batch_size=None, initial_epoch=0, steps_per_epoch=None,

@@ -594,28 +594,31 @@ def _first_replica_spec(spec):
     return spec
 
 
-def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
-        callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
-        class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-        validation_steps=None, validation_batch_size=None, validation_freq=1,
-        evaluate_steps=None):
-    """`Model.fit` over the loop, with `steps` (a train `Step`) running the chunks."""
+def fit(model, steps, request, *, evaluate_steps=None):
+    """`Model.fit` over the loop, as `request` (an `inputs.FitRequest`) asks.
+
+    `steps` (a train `Step`) runs the chunks, `evaluate_steps` (a test
+    `Step`) the validation.
+    """
+    x, y, sample_weight = request.x, request.y, request.sample_weight
+    epochs, validation_data = request.epochs, request.validation_data
     max_epochs = _keras_compat.max_epochs()
     if max_epochs and max_epochs < epochs:
         epochs = max_epochs
-    if validation_split and validation_data is None:
+    if request.validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = _keras_compat.train_validation_split(
-            (x, y, sample_weight), validation_split
+            (x, y, sample_weight), request.validation_split
         )
     source = epoch_source(
-        model, x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-        steps=steps_per_epoch, shuffle=shuffle, class_weight=class_weight,
+        model, x=x, y=y, sample_weight=sample_weight, batch_size=request.batch_size,
+        steps=request.steps_per_epoch, shuffle=request.shuffle, class_weight=request.class_weight,
         steps_per_call=steps.steps,
     )
     build(model, source)
     source.reset()
     callbacks = callback_list(
-        callbacks, model, verbose=verbose, epochs=epochs, steps=source.num_batches, history=True,
+        request.callbacks, model, verbose=request.verbose, epochs=epochs,
+        steps=source.num_batches, history=True,
         batch_size=_keras_compat.data_batch_size(source),
     )
     validate = None
@@ -624,13 +627,13 @@ def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="aut
         cached = []
 
         def validate(epoch):
-            if not _should_validate(epoch, validation_freq):
+            if not _should_validate(epoch, request.validation_freq):
                 return None
             if not cached:
                 cached.append(epoch_source(
                     model, x=val_x, y=val_y, sample_weight=val_weight,
-                    batch_size=validation_batch_size or batch_size, steps=validation_steps,
-                    steps_per_call=evaluate_steps.steps,
+                    batch_size=request.validation_batch_size or request.batch_size,
+                    steps=request.validation_steps, steps_per_call=evaluate_steps.steps,
                 ))
             cached[0].reset()
             return evaluate_pass(
@@ -639,8 +642,8 @@ def fit(model, steps, x=None, y=None, *, batch_size=None, epochs=1, verbose="aut
             )
 
     return fit_epochs(
-        model, source, LocalRunner(model, steps), epochs=epochs, initial_epoch=initial_epoch,
-        callbacks=callbacks, validate=validate,
+        model, source, LocalRunner(model, steps), epochs=epochs,
+        initial_epoch=request.initial_epoch, callbacks=callbacks, validate=validate,
     )
 
 

@@ -26,6 +26,7 @@ from keras_distrib.training import coupling
 from keras_distrib.training import forward
 from keras_distrib.training import front
 from keras_distrib.training import gradients
+from keras_distrib.training import inputs
 from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import loop
 from keras_distrib.training import penalties
@@ -714,14 +715,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """`keras.Model.fit`, exact under any strategy (kd's loop, shared with `kd.TrainLoop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy(training=True)
-        return front.fit(
-            self, self._step_of, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-            callbacks=callbacks, validation_split=validation_split,
-            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
-            sample_weight=sample_weight, initial_epoch=initial_epoch,
+        return front.fit(self, self._step_of, inputs.FitRequest(
+            x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
-        )
+        ))
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, **kwargs):

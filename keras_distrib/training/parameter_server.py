@@ -264,46 +264,48 @@ def _worker_count(strategy):
     return max(1, _keras_compat.parameter_server_workers(strategy))
 
 
-def fit(model, x=None, y=None, *, steps_per_call=1, batch_size=None, epochs=1, verbose="auto",
-        callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
-        class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-        validation_steps=None, validation_batch_size=None, validation_freq=1):
-    """`Model.fit` under ParameterServerStrategy (see the module docstring)."""
+def fit(model, request, *, steps_per_call=1):
+    """`Model.fit` under ParameterServerStrategy, as `request` (an `inputs.FitRequest`) asks.
+
+    See the module docstring.
+    """
     strategy = model.distribute_strategy
-    _check_steps(steps_per_epoch)
-    if validation_split:
+    _check_steps(request.steps_per_epoch)
+    if request.validation_split:
         raise ValueError(
-            f"`validation_split`={validation_split!r} is not supported under "
+            f"`validation_split`={request.validation_split!r} is not supported under "
             "ParameterServerStrategy (workers read repeated per-worker datasets); pass "
             "`validation_data`."
         )
     model._check_exactness(training=True)
     coordinator = coordinator_for(strategy)
-    data = WorkerData(strategy, x, y, sample_weight, batch_size, shuffle, class_weight)
+    data = WorkerData(strategy, request.x, request.y, request.sample_weight, request.batch_size,
+                      request.shuffle, request.class_weight)
     loop.build_model(model, data.element_spec)
-    source = WorkerEpochs(coordinator, data, steps_per_epoch, steps_per_call)
+    source = WorkerEpochs(coordinator, data, request.steps_per_epoch, steps_per_call)
     runner = WorkerRunner(
         model, coordinator, step_lib.Step(model, "train", steps=steps_per_call),
         depth=_worker_count(strategy),
     )
     callbacks = loop.callback_list(
-        callbacks, model, verbose=verbose, epochs=epochs, steps=steps_per_epoch, history=True
+        request.callbacks, model, verbose=request.verbose, epochs=request.epochs,
+        steps=request.steps_per_epoch, history=True
     )
     validate = None
-    if validation_data is not None:
-        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
+    if request.validation_data is not None:
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(request.validation_data)
 
         def validate(epoch):
-            if not loop._should_validate(epoch, validation_freq):
+            if not loop._should_validate(epoch, request.validation_freq):
                 return None
             return evaluate(
-                model, val_x, val_y, sample_weight=val_weight, steps=validation_steps,
-                batch_size=validation_batch_size or batch_size, callbacks=callbacks,
-                return_dict=True,
+                model, val_x, val_y, sample_weight=val_weight, steps=request.validation_steps,
+                batch_size=request.validation_batch_size or request.batch_size,
+                callbacks=callbacks, return_dict=True,
             )
 
     return loop.fit_epochs(
-        model, source, runner, epochs=epochs, initial_epoch=initial_epoch,
+        model, source, runner, epochs=request.epochs, initial_epoch=request.initial_epoch,
         callbacks=callbacks, validate=validate,
     )
 

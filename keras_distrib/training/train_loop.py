@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib.training import callbacks as callbacks_lib
 from keras_distrib.training import front
+from keras_distrib.training import inputs
 from keras_distrib.training import loop
 from keras_distrib.training import models
 from keras_distrib.training import logs as logs_lib
@@ -249,14 +250,13 @@ class TrainLoop:
             if callbacks is None or isinstance(callbacks, (list, tuple)):
                 callbacks = list(callbacks or []) + [callbacks_lib.BackupAndRestore(
                     backup_dir, save_freq=backup_freq, declared_changes=declared_changes)]
-        return front.fit(
-            self.model, self._step, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-            callbacks=callbacks, validation_split=validation_split,
-            validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
-            sample_weight=sample_weight, initial_epoch=initial_epoch,
+        return front.fit(self.model, self._step, inputs.FitRequest(
+            x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
-        )
+        ))
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, shards=None):
