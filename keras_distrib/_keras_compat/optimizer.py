@@ -43,10 +43,10 @@ def has_gradient_pipeline(optimizer):
     return optimizer in _PIPELINE_OPTIMIZERS
 
 
-def install_gradient_pipeline(optimizer, aggregate, prepare):
+def install_gradient_pipeline(optimizer, aggregate, before_apply):
     """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
 
-    `prepare(optimizer, trainable_variables)` runs first (kd builds an
+    `before_apply(optimizer, trainable_variables)` runs first (kd builds an
     unbuilt optimizer there); `aggregate` all-reduces the replicas'
     gradients; after it every replica holds the global gradient, and the
     optimizer's own reduction is skipped.
@@ -56,7 +56,7 @@ def install_gradient_pipeline(optimizer, aggregate, prepare):
     outer_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
-        prepare(optimizer, trainable_variables)
+        before_apply(optimizer, trainable_variables)
         return outer_apply(aggregate(list(grads)), trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)

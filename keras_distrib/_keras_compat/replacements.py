@@ -16,7 +16,7 @@ one of two scopes:
   variables, optimizer, metrics, compiled loss) or of kd's own epoch
   iterators. Other objects in the process are not touched. Installed when
   the model compiles and at its first step (`DistributedModelMixin.compile`,
-  `_prepare_layers`, `_prepare_custom_step`), or by `kd.exact_optimizer` on
+  `_install_layer_hooks`, `_install_step_hooks`), or by `kd.exact_optimizer` on
   the optimizer it is given.
 
 `REPLACEMENTS` lists them all, each with the function here (in

@@ -101,7 +101,7 @@ def all_reduce(gradients):
         if batch is not None:
             kind, batch.gradient_kind = batch.gradient_kind, None
             if kind is None and batch.shares:
-                kind = replica.SHARE  # no target judged (gradients of a share kd computed)
+                kind = replica.SHARE  # no target classified (gradients of a share kd computed)
             if kind != replica.SHARE:
                 present = scaling.row_weighted(batch, present, kind)
         present = _sum_with_metric_states(context, batch, present)
@@ -145,11 +145,14 @@ def _sum_with_metric_states(context, batch, tensors):
     return summed
 
 
-def judge_target(target):
-    """Reads how `tape.gradient`'s `target` adds up over replicas, in a kd step.
+def classify_gradient_target(target):
+    """Classifies how `tape.gradient`'s `target` adds up over replicas, in a kd step (or refuses it).
+
+    Records the kind on the replica's batch (`ReplicaBatch.gradient_kind`),
+    which `all_reduce` reads.
 
     A loss share kd computed is summed over replicas as it is. Any other
-    target (plain ops on the replica's rows) is judged from its graph
+    target (plain ops on the replica's rows) is classified from its graph
     (`penalties.kind_of`): a sum over rows is summed over replicas as it is;
     a loss computed on the global batch kd gathered adds 1/R of each
     replica's gradient; where the rows of the batch meet in it (an in-batch

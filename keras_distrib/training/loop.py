@@ -578,7 +578,7 @@ def build_model(model, data_batch):
         if optimizer is not None and not optimizer.built:
             optimizer.build(_keras_compat.optimizer_variables(model))
     # Per-replica bookkeeping on the layers and variables just created.
-    model._prepare_layers()
+    model._install_layer_hooks()
 
 
 def _first_replica_spec(spec):

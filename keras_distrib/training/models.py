@@ -276,7 +276,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
             # Not the metrics yet: a subclass's compile may create them after this returns.
-            self._prepare_layers(variables=False)
+            self._install_layer_hooks(variables=False)
 
     def get_compile_config(self):
         """The arguments `compile` was called with, serialized (saved in `.keras` files).
@@ -315,8 +315,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    def _prepare_layers(self, variables=True):
-        """Per-replica bookkeeping on every layer and variable (idempotent).
+    def _install_layer_hooks(self, variables=True):
+        """Installs kd's per-replica hooks on every layer and variable (idempotent).
 
         `variables`: also the model's, metrics' and optimizer's variables;
         not in `compile`, where a subclass's own `compile` creates metrics
@@ -343,7 +343,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 _keras_compat.replace_call(layer, forward.layer_call)
         for layer, variable in forward.layer_state(self):
             _keras_compat.replace_variable_updates(variable, forward.replica_state_updates(layer, variable))
-        self._prepare_replica_writes()
+        self._install_replica_writes()
         self._track_random_states()
         if variables:
             _keras_compat.fix_variables(_keras_compat.model_variables(self))
@@ -360,7 +360,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return
         self._kd_random_states = forward.RandomStates(states)
 
-    def _prepare_replica_writes(self):
+    def _install_replica_writes(self):
         # Under central storage, BatchNormalization's moving statistics are
         # written by replica 0 (see _keras_compat.write_from_first_replica).
         # Random layers' seed states are written by the last replica, after
@@ -440,14 +440,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # A hand-written loop may call the model in a replica without
             # compiling it: its BatchNormalization updates need kd's
             # central-storage writes all the same.
-            self._prepare_replica_writes()
+            self._install_replica_writes()
         batch = replica.current_batch()
         if batch is None and forward.opens_own_batch(self, args, kwargs):
             # A hand-written loop calls the model in `strategy.run` without
             # kd's step: the forward pass opens the replica's batch itself,
             # so BatchNormalization statistics and random layers are laid
             # out over the global batch as in `fit`.
-            self._prepare_layers()
+            self._install_layer_hooks()
             forward.check_loop_shape()
             with replica.replica_batch(replica.batch_rows(forward.first_input(args, kwargs)),
                                        forward.loop_plan(self)) as batch:
@@ -640,13 +640,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                          and all(v is not f for f in found))
         return found
 
-    def _prepare_custom_step(self):
-        """kd's gradient pipeline for every optimizer; one device's logs from every metric."""
+    def _install_step_hooks(self):
+        """Installs what a step needs: the process-wide replacements, kd's gradient pipeline on
+        every optimizer, one device's logs from every metric (idempotent)."""
         # For the whole process, at the first step (not on import); each is
         # Keras's or TensorFlow's own outside a kd replica step
         # (_keras_compat.replacements lists every replacement and its scope).
         _keras_compat.install_for_process(
-            loss_call=kd_losses.loss_object_call, before_gradient=gradients.judge_target,
+            loss_call=kd_losses.loss_object_call, before_gradient=gradients.classify_gradient_target,
             random_draw=forward.global_batch_draw)
         for optimizer in self._optimizers():
             gradients.install(optimizer)
@@ -680,8 +681,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def _make_step(self, kind):
         self._check_strategy(training=kind == "train")
         self._check_exactness(training=kind == "train")
-        self._prepare_layers()
-        self._prepare_custom_step()
+        self._install_layer_hooks()
+        self._install_step_hooks()
         return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
 
     def make_train_function(self, force=False):

@@ -118,7 +118,7 @@ class ReplicaBatch:
         retraceable: Whether kd's `Step` traces this step and can trace it
             again (`coupling.RowsMeet`).
         gradient_kind: How the next gradients' target adds up over replicas
-            (`gradients.judge_target`): `SHARE`, `penalties.ROW_SUM`,
+            (`gradients.classify_gradient_target`): `SHARE`, `penalties.ROW_SUM`,
             `penalties.GLOBAL`, or None for a mean over rows.
         static_rows: n_r as a number when the batch's shape says it when
             traced (every batch the traced function takes has that many

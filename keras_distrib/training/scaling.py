@@ -106,7 +106,7 @@ def row_weighted(batch, gradients, kind=None):
     gradient of the global mean is sum_r (n_r / N) * gradient_r, exact for
     such a loss; a replica without rows adds nothing (its mean of no rows
     is NaN). A loss the graph shows to be a sum over rows (`kind`
-    `penalties.ROW_SUM`, see `gradients.judge_target`: `tf.reduce_sum(...) / 16`)
+    `penalties.ROW_SUM`, see `gradients.classify_gradient_target`: `tf.reduce_sum(...) / 16`)
     adds up over replicas as it is: its gradients are summed unweighted.
     A loss computed on the global batch kd gathered (`penalties.GLOBAL`)
     adds 1/R of each replica's gradient.

@@ -104,7 +104,7 @@ class TrainLoop:
             self.model._check_exactness(training=kind == "train")
             # As the model's own steps: a custom step's metrics, loss objects
             # and trackers give one device's logs.
-            self.model._prepare_custom_step()
+            self.model._install_step_hooks()
             self._steps[kind] = step_lib.Step(self.model, kind, steps=self.steps_per_loop)
         return self._steps[kind]
 
