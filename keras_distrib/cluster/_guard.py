@@ -106,10 +106,11 @@ def end_everything(grace):
         time.sleep(0.02)
 
 
-# Private network namespace (`launch(private_network=True)`).
+# Private network namespace (`launch(private_network=True)`); `setns_fd` is
+# also the network benchmark's (`keras_distrib.commands.bench_network`).
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
+CLONE_NEWNET = 0x40000000
 _MS_BIND, _MS_REC, _MS_SLAVE = 0x1000, 0x4000, 0x80000
 RESOLV_CONF = "/etc/resolv.conf"
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -120,6 +121,15 @@ def _libc_call(name, *args):
     if getattr(libc, name)(*args) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"{name}: {os.strerror(error)}")
+
+
+def setns_fd(fd, kind):
+    """Moves the calling thread into the namespace open as `fd`, of `kind` (`CLONE_NEWNET`, ...).
+
+    Raises:
+        OSError: the kernel refused (its errno and message).
+    """
+    _libc_call("setns", fd, kind)
 
 
 def _loopback_up():
@@ -145,9 +155,9 @@ def hold_network_namespace(resolv_conf=None):
     uid, gid = os.getuid(), os.getgid()
     mounts = _CLONE_NEWNS if resolv_conf else 0
     try:
-        _libc_call("unshare", _CLONE_NEWNET | mounts)
+        _libc_call("unshare", CLONE_NEWNET | mounts)
     except OSError:
-        _libc_call("unshare", _CLONE_NEWUSER | _CLONE_NEWNET | mounts)
+        _libc_call("unshare", _CLONE_NEWUSER | CLONE_NEWNET | mounts)
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
                            ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
@@ -169,7 +179,7 @@ def join_network_namespace(holder):
     Returns False if the holder has ended (the launcher is stopping the run).
     """
     cwd = os.getcwd()
-    for kind, flag in (("user", _CLONE_NEWUSER), ("mnt", _CLONE_NEWNS), ("net", _CLONE_NEWNET)):
+    for kind, flag in (("user", _CLONE_NEWUSER), ("mnt", _CLONE_NEWNS), ("net", CLONE_NEWNET)):
         target = f"/proc/{holder}/ns/{kind}"
         try:
             if os.stat(target).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
@@ -178,7 +188,7 @@ def join_network_namespace(holder):
         except (FileNotFoundError, ProcessLookupError):  # it ended while we looked
             return False
         try:
-            _libc_call("setns", fd, flag)
+            setns_fd(fd, flag)
         finally:
             os.close(fd)
     os.chdir(cwd)

@@ -43,7 +43,6 @@ removes the namespaces of runs whose process is gone.
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import heapq
 import json
@@ -63,6 +62,7 @@ import threading
 import time
 
 from keras_distrib.commands import bench
+from keras_distrib.cluster import _guard
 from keras_distrib.cluster import supervisor
 
 __all__ = [
@@ -121,7 +121,6 @@ def _variants(model):
             "contrastive": (CONTRASTIVE_VARIANTS, CONTRASTIVE_RATIOS)}.get(model, (VARIANTS, RATIOS))
 # The relay's MTU: large, so a gradient all-reduce is a few packets.
 RELAY_MTU = 65000
-_CLONE_NEWNET = 0x40000000
 _TUNSETIFF = 0x400454CA
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
 
@@ -215,10 +214,9 @@ def _setns(name):
     """Moves the calling thread (only) into the network namespace `name`."""
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise NetworkBenchError(f"setns into {name}: {os.strerror(error)}")
+        _guard.setns_fd(fd, _guard.CLONE_NEWNET)
+    except OSError as error:
+        raise NetworkBenchError(f"setns into {name}: {os.strerror(error.errno)}") from None
     finally:
         os.close(fd)
 
