@@ -12,6 +12,7 @@ import time
 import pytest
 
 import keras_distrib.cluster.launcher as kd_launch
+import keras_distrib.cluster.node as kd_node
 from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib.cluster import supervisor
 from tests import _harness, launch_targets
@@ -219,14 +220,14 @@ def test_a_warning_signal_while_the_launch_is_made_ready_asks_for_a_restart(monk
     # no task starts and the answer is the restart of a signal while starting.
     import signal as signals
 
-    make_specs = kd_launch._task_specs
+    make_specs = kd_launch.task_specs
 
     def specs_then_signal(*args, **kwargs):
         specs = make_specs(*args, **kwargs)
         signals.raise_signal(signals.SIGUSR1)  # its handler runs before this returns
         return specs
 
-    monkeypatch.setattr(kd_launch, "_task_specs", specs_then_signal)
+    monkeypatch.setattr(kd_launch, "task_specs", specs_then_signal)
     lines = []
     result = kd_launch.launch(os.path.join(_harness.SCRIPTS, "hang.py"), workers=2,
                               sink=lines.append, timeout=60, private_network=False)
@@ -459,11 +460,11 @@ def fake_names(monkeypatch):
 
 
 def test_agent_places_its_tasks_after_the_other_nodes(fake_names):
-    source, spec, local = kd_launch.node_tasks(2, environ=_SLURM_TWO_NODES)
+    source, spec, local = kd_node.node_tasks(2, environ=_SLURM_TWO_NODES)
     assert source == "slurm"
     assert spec == {"worker": ["n1:7000", "n1:7001", "n2:7000", "n2:7001"]}
     assert local == ["worker 2", "worker 3"]
-    _, spec, local = kd_launch.node_tasks(2, ps=1, environ={**_SLURM_TWO_NODES, "SLURM_PROCID": "0"})
+    _, spec, local = kd_node.node_tasks(2, ps=1, environ={**_SLURM_TWO_NODES, "SLURM_PROCID": "0"})
     assert spec == {"chief": ["n1:7000"], "ps": ["n1:7001"], "worker": ["n2:7000", "n2:7001"]}
     assert local == ["chief 0", "ps 0"]
 
@@ -487,13 +488,13 @@ def test_agent_places_its_tasks_after_the_other_nodes(fake_names):
 )
 def test_agent_refusals_say_why(per_node, environ, match, fake_names):
     with pytest.raises(kd_launch.LaunchError, match=match):
-        kd_launch.node_tasks(per_node, environ=environ)
+        kd_node.node_tasks(per_node, environ=environ)
 
 
 def test_agents_of_two_nodes_on_one_machine_get_different_ports(monkeypatch):
     # Two Slurm nodes on one host (slurmd -N): every task needs its own port.
     monkeypatch.setattr(cluster_sources, "resolve", lambda host, what, timeout=None: "127.0.0.1")
-    _, spec, local = kd_launch.node_tasks(2, environ=_SLURM_TWO_NODES)
+    _, spec, local = kd_node.node_tasks(2, environ=_SLURM_TWO_NODES)
     assert spec == {"worker": ["n1:7000", "n1:7001", "n2:7002", "n2:7003"]}
     assert local == ["worker 2", "worker 3"]
 
@@ -503,12 +504,12 @@ def test_a_taken_port_of_this_node_is_named(fake_names):
         holder.bind(("", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        _, spec, local = kd_launch.node_tasks(1, environ={**_SLURM_TWO_NODES, "KD_PORT": str(port)})
+        _, spec, local = kd_node.node_tasks(1, environ={**_SLURM_TWO_NODES, "KD_PORT": str(port)})
         assert spec == {"worker": [f"n1:{port}", f"n2:{port}"]} and local == ["worker 1"]
         with pytest.raises(kd_launch.LaunchError,
                            match=rf"Port {port} \(worker 1: Address already in use\) cannot be bound.*KD_PORT"):
-            kd_launch._check_local_ports(spec, local)
-    kd_launch._check_local_ports(spec, local)  # free again
+            kd_node._check_local_ports(spec, local)
+    kd_node._check_local_ports(spec, local)  # free again
 
 
 @pytest.mark.cluster

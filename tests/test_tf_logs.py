@@ -76,7 +76,7 @@ def test_launcher_sets_the_level_unless_the_user_did(user_level, verbose, expect
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     if user_level is not None:
         env["TF_CPP_MIN_LOG_LEVEL"] = user_level
-    specs = launcher._task_specs(launcher.cluster_spec(2, ports=[1, 2]), lambda t, i: ["true"], ps=0,
+    specs = launcher.task_specs(launcher.cluster_spec(2, ports=[1, 2]), lambda t, i: ["true"], ps=0,
                                  env=env, server_argv=None, verbose=verbose)
     assert {spec.env["TF_CPP_MIN_LOG_LEVEL"] for spec in specs} == {expected}
 

@@ -5,7 +5,7 @@ before the first step).
 
 `launch --workers N` starts a local cluster; `launch` without `--workers`
 under `srun` or in a Kubernetes Job is the per-node agent
-(`keras_distrib.cluster.launcher.launch_node`). `tf-config` prints the cluster kd
+(`keras_distrib.cluster.node.launch_node`). `tf-config` prints the cluster kd
 finds here, as TF_CONFIG, and where it found it.
 
 `launch` and `tf-config` load no TensorFlow (the launcher starts in a
@@ -21,6 +21,7 @@ from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib.cluster import supervisor
 from keras_distrib.cluster import launcher as launch_lib
+from keras_distrib.cluster import node as node_lib
 from keras_distrib import tf_logs
 
 __all__ = [
@@ -66,7 +67,7 @@ def _launch(options):
                     "`--chief`, `--evaluator` and `--network` describe a local cluster; the per-node agent "
                     "takes its cluster from Slurm or Kubernetes (use `--ps M` for parameter servers)."
                 )
-            result = launch_lib.launch_node(
+            result = node_lib.launch_node(
                 options.script, per_node=options.per_node or 1, ps=options.ps,
                 args=options.args, max_restarts=options.max_restarts, timeout=options.timeout,
                 log_dir=options.log_dir, grace_period=options.grace_period,
@@ -103,7 +104,7 @@ def _launch(options):
 def _tf_config(options):
     try:
         if options.per_node is not None or options.ps is not None:
-            source, spec, local = launch_lib.node_tasks(options.per_node or 1, options.ps)
+            source, spec, local = node_lib.node_tasks(options.per_node or 1, options.ps)
             tasks = []
             for label in local:
                 task_type, index = label.split()
