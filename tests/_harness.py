@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import keras_distrib.cluster.launcher as kd_launch
+import keras_distrib.cluster.ports as kd_ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
@@ -275,8 +276,8 @@ def run_cluster(name, *args, workers=2, timeout=300, warm=True, **kwargs):
 def free_port_block(count):
     """The first of `count` consecutive free localhost ports."""
     for _ in range(100):
-        first = kd_launch.pick_ports(1)[0]
-        if first + count <= 65535 and all(kd_launch.port_is_free(first + i) for i in range(count)):
+        first = kd_ports.pick_ports(1)[0]
+        if first + count <= 65535 and all(kd_ports.port_is_free(first + i) for i in range(count)):
             return first
     raise AssertionError(f"no {count} consecutive free ports")
 

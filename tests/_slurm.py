@@ -20,7 +20,7 @@ import time
 
 import portpicker
 
-from keras_distrib.cluster import launcher
+from keras_distrib.cluster import ports
 
 NODES = ("kdn1", "kdn2")
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel")
@@ -45,7 +45,7 @@ def _hold_port_block():
         except OSError:
             os.close(fd)
             continue
-        if all(launcher.port_is_free(port) for port in range(first, first + PORT_BLOCK)):
+        if all(ports.port_is_free(port) for port in range(first, first + PORT_BLOCK)):
             return first, fd
         os.close(fd)
     raise RuntimeError(f"no free block of {PORT_BLOCK} ports in 20000-29999 for Slurm's MpiParams")

@@ -13,6 +13,7 @@ import pytest
 
 import keras_distrib.cluster.launcher as kd_launch
 import keras_distrib.cluster.node as kd_node
+import keras_distrib.cluster.ports as kd_ports
 from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib.cluster import supervisor
 from tests import _harness, launch_targets
@@ -362,7 +363,7 @@ def test_taken_port_is_refused_before_starting(tmp_path):
         busy.bind(("localhost", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        free = kd_launch.pick_ports(1)[0]
+        free = kd_ports.pick_ports(1)[0]
         with pytest.raises(kd_launch.LaunchError, match=rf"`ports` \[{port}\] already in use"):
             kd_launch.launch(str(script), workers=2, ports=[free, port])
         with pytest.raises(kd_launch.LaunchError, match=r"`ports` lists 1 port\(s\) but the cluster has 2"):
@@ -375,25 +376,25 @@ def test_port_locks_are_private_removed_when_released_and_a_non_file_is_refused(
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the shared temporary directory
-    port = kd_launch.pick_ports(1)[0]
+    port = kd_ports.pick_ports(1)[0]
     folder = tmp_path / f"kd-locks-{os.getuid()}"
-    with kd_launch._reserve_ports([port]):
+    with kd_ports.reserve_ports([port]):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
         assert (folder / f"kd-port-{port}.lock").read_text().strip() == str(os.getpid())
         with pytest.raises(kd_launch.LaunchError, match=rf"port {port} is taken by another kd launch"):
-            with kd_launch._reserve_ports([port]):
+            with kd_ports.reserve_ports([port]):
                 pass
     assert os.listdir(folder) == []  # removed when released
     assert not [n for n in os.listdir(tmp_path) if n.startswith("kd-port-")]
     os.mkfifo(folder / f"kd-port-{port}.lock")
     with pytest.raises(kd_launch.LaunchError, match=rf"kd-port-{port}\.lock' is not a regular file "
                                                     r"\(a FIFO.*Remove it"):
-        with kd_launch._reserve_ports([port]):
+        with kd_ports.reserve_ports([port]):
             pass
     os.remove(folder / f"kd-port-{port}.lock")
     folder.chmod(0o777)
     with pytest.raises(kd_launch.LaunchError, match=r"kd-locks-\d+' is writable by others \(mode 777\)"):
-        with kd_launch._reserve_ports([port]):
+        with kd_ports.reserve_ports([port]):
             pass
 
 

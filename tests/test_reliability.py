@@ -15,6 +15,7 @@ import time
 import pytest
 
 import keras_distrib.cluster.launcher as kd_launch
+import keras_distrib.cluster.ports as kd_ports
 from tests import _harness
 
 FAMILY = os.path.join(_harness.SCRIPTS, "family.py")
@@ -1045,7 +1046,7 @@ def test_a_full_tmpdir_is_named_with_the_fix(mount_point, monkeypatch, caplog):
 @pytest.mark.cluster
 def test_a_second_launch_on_the_same_ports_fails_at_once():
     """Two launches given the same ports at once: the second is refused, naming the port."""
-    ports = kd_launch.pick_ports(2)
+    ports = kd_ports.pick_ports(2)
     code = (f"import sys, keras_distrib as kd; sys.exit(kd.launch({FAMILY!r}, workers=2, "
             f"args=['hang'], ports={ports}, grace_period=2, timeout=120).returncode)")
     first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

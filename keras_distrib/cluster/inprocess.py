@@ -7,7 +7,7 @@ servers started on free localhost ports.
 
 import tensorflow as tf
 
-from keras_distrib.cluster import launcher
+from keras_distrib.cluster import ports
 from keras_distrib import tf_logs
 from keras_distrib import validation
 
@@ -42,17 +42,17 @@ def local_cluster(workers=2, ps=1, *, worker_threads=None):
         >>> strategy = kd.make_strategy("parameter_server", cluster_resolver=resolver)  # doctest: +SKIP
     """
     if not validation.is_whole(workers, 1):
-        raise launcher.LaunchError(f"`workers`={workers!r}: expected a whole number >= 1")
+        raise ports.LaunchError(f"`workers`={workers!r}: expected a whole number >= 1")
     if not validation.is_whole(ps, 1):
-        raise launcher.LaunchError(f"`ps`={ps!r}: a parameter-server cluster needs at least 1 ps")
+        raise ports.LaunchError(f"`ps`={ps!r}: a parameter-server cluster needs at least 1 ps")
     if worker_threads is not None and (
         not validation.is_whole(worker_threads, 1)
     ):
-        raise launcher.LaunchError(
+        raise ports.LaunchError(
             f"`worker_threads`={worker_threads!r}: expected a whole number >= 1, or None for "
             "the default"
         )
-    spec = tf.train.ClusterSpec(launcher.cluster_spec(workers, ps=ps))
+    spec = tf.train.ClusterSpec(ports.cluster_spec(workers, ps=ps))
     worker_config = tf.compat.v1.ConfigProto()
     worker_config.inter_op_parallelism_threads = worker_threads or max(4, workers + 2)
     with tf_logs.hidden_notices():  # starting servers starts CUDA (see tf_logs)
