@@ -721,8 +721,8 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
     try:
         network = PrivateNetwork(outbound=private_network is True) if private_network else None
         try:
-            return _run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
-                              grace_period=grace_period, netns=network and network.pid)
+            return _Run(specs, timeout=timeout, sink=sink, log_dir=log_dir,
+                        grace_period=grace_period, netns=network and network.pid).run()
         finally:
             if network is not None:
                 network.close()
@@ -749,144 +749,187 @@ def _own_temporary_directories(specs):
     return scratch, own
 
 
-def _run_tasks(specs, *, timeout, sink, log_dir, grace_period, netns):
-    grace = GRACE_SECONDS if grace_period is None else grace_period
-    sink = whole_lines(sink)
-    tasks = []
-    started = time.monotonic()
-    timed_out = False
-    failed = None
-    signalled = None
-    stop_grace = GRACE_SECONDS
-    lost_ps = None
-    running = []
-    try:
-        # A signal kept while kd started or the launch was made ready: nothing runs yet.
-        _raise_stops_from_now()
-        for spec in specs:
-            log_path = None
-            if log_dir:
-                os.makedirs(log_dir, exist_ok=True)
-                log_path = os.path.join(log_dir, f"{spec.task_type}_{spec.task_index}.log")
-            tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env, sink, log_path,
-                               netns))
-        watched = [t for t, spec in zip(tasks, specs) if spec.watched]
-        followers = [t for t, spec in zip(tasks, specs) if spec.follower]
-        leaders = [t for t in watched if t not in followers]
-        vital = [t for t, spec in zip(tasks, specs) if spec.vital]
-        told_followers = False
-        reported = set()
-        while True:
-            for task in tasks:
-                task.check_guard()
-            stopped_followers = followers if told_followers else []
-            codes = [_exit_code(t, stopped_followers) for t in tasks]
-            failures = [t for t, code in zip(tasks, codes) if code not in (None, 0) and t in watched]
-            if not watched:
-                # A node that runs only servers (a per-node agent's ps and
-                # worker tasks): they end once the coordinator is gone.
-                if all(code is not None for code in codes):
-                    failed = next((t for t, code in zip(tasks, codes) if code != 0), None)
-                    break
-                if timeout is not None and time.monotonic() - started > timeout:
-                    timed_out = True
-                    running = [t.label for t in tasks if t.process.poll() is None]
-                    break
+class _Run:
+    """One run of the tasks, watched until it ends: what started, how each ended, why it stopped.
+
+    `run()` starts every task, looks at them every 50 ms (`_look`) until
+    the run is over, stops them all (given `stop_grace` seconds) and returns
+    the `ClusterResult`.
+    """
+
+    def __init__(self, specs, *, timeout, sink, log_dir, grace_period, netns):
+        self.specs = specs
+        self.timeout = timeout
+        self.sink = whole_lines(sink)
+        self.log_dir = log_dir
+        self.netns = netns
+        self.grace = GRACE_SECONDS if grace_period is None else grace_period
+        self.started = time.monotonic()
+        self.tasks = []
+        # Kinds of task (set once they are started).
+        self.watched = self.followers = self.leaders = self.vital = []
+        # What happened.
+        self.timed_out = False
+        self.running = []  # the labels still running when the time was up
+        self.failed = None  # the task whose end ends the run
+        self.signalled = None  # 128 + the signal that stopped the launcher
+        self.lost_ps = None  # (a vital task that exited, when it was seen)
+        self.reported = set()  # servers whose exit was reported
+        self.told_followers = False
+        self.stop_grace = GRACE_SECONDS  # seconds the tasks get to end when stopped
+
+    def run(self):
+        """Starts, watches and stops the tasks; returns the `ClusterResult`."""
+        try:
+            # A signal kept while kd started or the launch was made ready: nothing runs yet.
+            _raise_stops_from_now()
+            self._start()
+            while not self._look():
                 time.sleep(0.05)
+        except SystemExit as stop:
+            self._stopped_by(stop.code)
+        finally:
+            _raising[0] = False
+            with _signals_ignored():
+                # The tasks are being stopped (and given the grace period to save):
+                # a second signal must not cut that short.
+                _stop(self.tasks, self.stop_grace,
+                      servers=[t for t, spec in zip(self.tasks, self.specs) if not spec.watched])
+        return self._result([t.finish() for t in self.tasks])
+
+    def _start(self):
+        for spec in self.specs:
+            log_path = None
+            if self.log_dir:
+                os.makedirs(self.log_dir, exist_ok=True)
+                log_path = os.path.join(self.log_dir, f"{spec.task_type}_{spec.task_index}.log")
+            self.tasks.append(_Task(spec.task_type, spec.task_index, spec.argv, spec.env,
+                                    self.sink, log_path, self.netns))
+        pairs = list(zip(self.tasks, self.specs))
+        self.watched = [t for t, spec in pairs if spec.watched]
+        self.followers = [t for t, spec in pairs if spec.follower]
+        self.leaders = [t for t in self.watched if t not in self.followers]
+        self.vital = [t for t, spec in pairs if spec.vital]
+
+    def _look(self):
+        """One look at the tasks; True when the run is over."""
+        for task in self.tasks:
+            task.check_guard()
+        stopped_followers = self.followers if self.told_followers else []
+        codes = [_exit_code(t, stopped_followers) for t in self.tasks]
+        if not self.watched:
+            return self._servers_ended(codes)
+        failures = [t for t, code in zip(self.tasks, codes)
+                    if code not in (None, 0) and t in self.watched]
+        self._report_servers(codes)
+        if failures:
+            self.failed = _first_cause(self.watched, failures, stopped_followers)
+            if self.failed.process.returncode == RESTART_EXIT_CODE:
+                # It saved for a preemption; the others are saving the same step.
+                self.stop_grace = self.grace
+            return True
+        if self.lost_ps and time.monotonic() - self.lost_ps[1] > PS_LOSS_WAIT:
+            self.failed = self.lost_ps[0]
+            return True
+        if all(code == 0 for t, code in zip(self.tasks, codes) if t in self.watched):
+            return True
+        if self.followers and not self.told_followers \
+                and all(t.process.poll() == 0 for t in self.leaders):
+            self.told_followers = True
+            self.sink("[launcher] training ended; stopping "
+                      + ", ".join(t.label for t in self.followers))
+            for task in self.followers:
+                task.signal_group(signal.SIGTERM)
+        return self._out_of_time()
+
+    def _servers_ended(self, codes):
+        # A node that runs only servers (a per-node agent's ps and
+        # worker tasks): they end once the coordinator is gone.
+        if all(code is not None for code in codes):
+            self.failed = next((t for t, code in zip(self.tasks, codes) if code != 0), None)
+            return True
+        return self._out_of_time()
+
+    def _report_servers(self, codes):
+        for task, code in zip(self.tasks, codes):
+            if code is None or task in self.watched or task.label in self.reported:
                 continue
-            for task, code in zip(tasks, codes):
-                if code is None or task in watched or task.label in reported:
-                    continue
-                reported.add(task.label)
-                if task in vital:
-                    sink(_ps_lost_message(task, code))
-                    lost_ps = lost_ps or (task, time.monotonic())
-                else:
-                    # A parameter-server cluster's coordinator retries the steps of
-                    # a lost worker elsewhere: report it, keep the cluster running.
-                    sink(f"[launcher] {task.label} server exited with code {code}; "
-                         "the coordinator carries on without it")
-            if failures:
-                failed = _first_cause(watched, failures, stopped_followers)
-                if failed.process.returncode == RESTART_EXIT_CODE:
-                    # It saved for a preemption; the others are saving the same step.
-                    stop_grace = grace
-                break
-            if lost_ps and time.monotonic() - lost_ps[1] > PS_LOSS_WAIT:
-                failed = lost_ps[0]
-                break
-            if all(code == 0 for t, code in zip(tasks, codes) if t in watched):
-                break
-            if followers and not told_followers and all(t.process.poll() == 0 for t in leaders):
-                told_followers = True
-                sink("[launcher] training ended; stopping " + ", ".join(t.label for t in followers))
-                for task in followers:
-                    task.signal_group(signal.SIGTERM)
-            if timeout is not None and time.monotonic() - started > timeout:
-                timed_out = True
-                running = [t.label for t in tasks if t.process.poll() is None]
-                break
-            time.sleep(0.05)
-    except SystemExit as stop:
+            self.reported.add(task.label)
+            if task in self.vital:
+                self.sink(_ps_lost_message(task, code))
+                self.lost_ps = self.lost_ps or (task, time.monotonic())
+            else:
+                # A parameter-server cluster's coordinator retries the steps of
+                # a lost worker elsewhere: report it, keep the cluster running.
+                self.sink(f"[launcher] {task.label} server exited with code {code}; "
+                          "the coordinator carries on without it")
+
+    def _out_of_time(self):
+        if self.timeout is not None and time.monotonic() - self.started > self.timeout:
+            self.timed_out = True
+            self.running = [t.label for t in self.tasks if t.process.poll() is None]
+            return True
+        return False
+
+    def _stopped_by(self, code):
         # SIGTERM/SIGINT to the launcher (see signals_stop_the_cluster): pass
         # it on, and give the tasks time to save (a preemption's grace).
-        signalled = stop.code
-        stop_grace = grace
-        name = signal.Signals(signalled - 128).name
-        if not tasks:
-            sink(f"[launcher] got {name} before any task started; none runs")
+        self.signalled = code
+        self.stop_grace = self.grace
+        name = signal.Signals(code - 128).name
+        if not self.tasks:
+            self.sink(f"[launcher] got {name} before any task started; none runs")
         else:
-            sink(f"[launcher] got {name}; passing SIGTERM on, {_save_time(signalled - 128, grace)}")
-    finally:
-        _raising[0] = False
-        with _signals_ignored():
-            # The tasks are being stopped (and given the grace period to save):
-            # a second signal must not cut that short.
-            _stop(tasks, stop_grace, servers=[t for t, spec in zip(tasks, specs) if not spec.watched])
-    results = [t.finish() for t in tasks]
-    if signalled is not None:
-        codes = [r.returncode for r in results]
-        # A task that saved may still be killed on its way out (Slurm ends the
-        # step once another node's task exited 42): its last words count.
-        saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
-        # A task the warning signal ended before it could handle it (still
-        # starting: no backup callback yet) lost nothing a restart would not
-        # redo: ask for the restart, not a failure. A SIGTERM is a stop
-        # (scancel, `kill`): 128 + 15 unless a task saved.
-        stopped = [c for c in codes if c in (0, None) or c in _STOPPED_CODES]
-        restart = signalled - 128 == signal.SIGUSR1 and len(stopped) == len(codes)
-        code = RESTART_EXIT_CODE if saved or restart else signalled
-        sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
-        return ClusterResult(code, results, signalled=True)
-    if timed_out:
-        # Which tasks ran when the time was up (stopping them changed their codes since).
-        sink(f"[launcher] timeout after {timeout:g}s; still running: {', '.join(running) or 'none'}")
-        return ClusterResult(124, results, timed_out=True)
-    if failed is not None:
-        result = next(r for r in results if r.label == failed.label)
-        code = result.returncode if result.returncode is not None else 1
-        code = code if code > 0 else 128 - code  # killed by a signal
-        for line in _failure_report(result):
-            sink(line)
-        if result.returncode == 1 and any(_CONFIG_ERROR.search(line) for line in result.tail):
-            code = CONFIG_EXIT_CODE
-            sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
-                 f"meet again (see above): exit {CONFIG_EXIT_CODE}.")
-        if result.guard_fault:
-            sink(f"[launcher] {result.label} failed because {result.guard_fault}. kd's guard "
-                 "ends a task's processes when the task or the launcher ends; stop the launcher "
-                 "or the task, not the guard.")
-        elif result.stop_fault:
-            sink(f"[launcher] {result.label} failed because {result.stop_fault}. {lost_lib.ADVICE}")
-        elif result.returncode is not None and result.returncode < 0:
-            sink(f"[launcher] {_signal_explanation(result.label, -result.returncode)} "
-                 f"{lost_lib.ADVICE}")
-        explanation = _lost_peer_message(
-            result, result.label, lost_lib.service_task(r.task_type for r in results))
-        if explanation:
-            sink(explanation)
-        return ClusterResult(code, results, failed=result)
-    return ClusterResult(0, results)
+            self.sink(f"[launcher] got {name}; passing SIGTERM on, "
+                      f"{_save_time(code - 128, self.grace)}")
+
+    def _result(self, results):
+        """The `ClusterResult` of the ended tasks' `results`, with what the launcher says of it."""
+        sink, timeout = self.sink, self.timeout
+        signalled, timed_out, running, failed = self.signalled, self.timed_out, self.running, self.failed
+        if signalled is not None:
+            codes = [r.returncode for r in results]
+            # A task that saved may still be killed on its way out (Slurm ends the
+            # step once another node's task exited 42): its last words count.
+            saved = RESTART_EXIT_CODE in codes or any(_said_saved(r) for r in results)
+            # A task the warning signal ended before it could handle it (still
+            # starting: no backup callback yet) lost nothing a restart would not
+            # redo: ask for the restart, not a failure. A SIGTERM is a stop
+            # (scancel, `kill`): 128 + 15 unless a task saved.
+            stopped = [c for c in codes if c in (0, None) or c in _STOPPED_CODES]
+            restart = signalled - 128 == signal.SIGUSR1 and len(stopped) == len(codes)
+            code = RESTART_EXIT_CODE if saved or restart else signalled
+            sink(f"[launcher] stopped; exit codes: " + ", ".join(f"{r.label}={r.returncode}" for r in results))
+            return ClusterResult(code, results, signalled=True)
+        if timed_out:
+            # Which tasks ran when the time was up (stopping them changed their codes since).
+            sink(f"[launcher] timeout after {timeout:g}s; still running: {', '.join(running) or 'none'}")
+            return ClusterResult(124, results, timed_out=True)
+        if failed is not None:
+            result = next(r for r in results if r.label == failed.label)
+            code = result.returncode if result.returncode is not None else 1
+            code = code if code > 0 else 128 - code  # killed by a signal
+            for line in _failure_report(result):
+                sink(line)
+            if result.returncode == 1 and any(_CONFIG_ERROR.search(line) for line in result.tail):
+                code = CONFIG_EXIT_CODE
+                sink(f"[launcher] {result.label} stopped on a configuration error that a rerun would "
+                     f"meet again (see above): exit {CONFIG_EXIT_CODE}.")
+            if result.guard_fault:
+                sink(f"[launcher] {result.label} failed because {result.guard_fault}. kd's guard "
+                     "ends a task's processes when the task or the launcher ends; stop the launcher "
+                     "or the task, not the guard.")
+            elif result.stop_fault:
+                sink(f"[launcher] {result.label} failed because {result.stop_fault}. {lost_lib.ADVICE}")
+            elif result.returncode is not None and result.returncode < 0:
+                sink(f"[launcher] {_signal_explanation(result.label, -result.returncode)} "
+                     f"{lost_lib.ADVICE}")
+            explanation = _lost_peer_message(
+                result, result.label, lost_lib.service_task(r.task_type for r in results))
+            if explanation:
+                sink(explanation)
+            return ClusterResult(code, results, failed=result)
+        return ClusterResult(0, results)
 
 
 def _signal_name(signum):
@@ -1008,9 +1051,9 @@ def signals_stop_the_cluster():
 
     The tasks then get SIGTERM and the grace period to save (SIGUSR1 is
     Slurm's warning before a time limit, `--signal=USR1@<seconds>`). The
-    signal raises only inside `_run_tasks`' `try` (or `stops_raise`); one
+    signal raises only inside `_Run.run`'s `try` (or `stops_raise`); one
     that comes before, while the launch is made ready (ports, task specs, a
-    private network), is kept, and `_run_tasks` acts on it first: no task
+    private network), is kept, and `_Run.run` acts on it first: no task
     starts, and the result says what a signal while starting says.
     """
     if threading.current_thread() is not threading.main_thread():
