@@ -9,10 +9,10 @@ task that only asks who it is start in a fraction of a second.
 """
 
 # The package also owns the devices and strategies (`devices`, `strategies`)
-# and the processes of a run: `launcher`, `node` (the per-node agent) and
-# `supervisor` (with `_guard` and `_task_entry`, one task's process),
-# `inprocess` (`kd.local_cluster`), `watchdog` (a peer that stops answering)
-# and `preemption` (an agreed stop).
+# and the processes of a run: `launcher` (with `ports`, its ports and locks),
+# `node` (the per-node agent) and `supervisor` (with `_guard` and
+# `_task_entry`, one task's process), `inprocess` (`kd.local_cluster`),
+# `watchdog` (a peer that stops answering) and `preemption` (an agreed stop).
 # May import: the floor (`validation`, `tf_logs`, `files`,
 # `_early_signals`, `keras_distrib._keras_compat`), never `training`,
 # `checkpointing`, `testing` or `commands`: the processes of a run know
