@@ -616,7 +616,11 @@ def global_moments(layer, inputs, mask, keras_moments):
     if context is None or context.num_replicas_in_sync == 1 or batch is None or batch.global_region:
         return keras_moments(inputs, mask)  # one replica, or the global batch already
     if layer in _PER_REPLICA_BATCH_NORM and not layer.synchronized:
-        return keras_moments(inputs, mask)
+        # Per replica on request (batch_norm="per_replica"): not a place
+        # where kd gathers the rows that meet (`coupling`), which would see
+        # the replica's statistics fed back into its rows.
+        mean, variance = keras_moments(inputs, mask)
+        return penalties.mark_global(mean), penalties.mark_global(variance)
     axes = _keras_compat.batch_norm_axes(layer)
     if mask is None:
         moments = _unmasked_global_moments(context, batch, inputs, axes)
@@ -772,6 +776,8 @@ def _global_batch_norm(layer):
     return isinstance(layer, keras.layers.BatchNormalization) and (
         _keras_compat.is_sync_batch_norm(layer) or layer not in _PER_REPLICA_BATCH_NORM
     )
+
+
 def unregistered_class_warning(model):
     """Warns when `keras.saving.load_model` will not find `model`'s class.
 
