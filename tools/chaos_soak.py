@@ -417,6 +417,12 @@ def main(argv=None):
     parser.add_argument("--report", default=None)
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, weights)")
     options = parser.parse_args(argv)
+
+    def stop(signum, frame):
+        # The runs' `finally` blocks kill their launchers' process groups.
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stop)
     report = soak(options)
     text = json.dumps(report, indent=1)
     print(text)

@@ -495,7 +495,11 @@ def global_moments(layer, inputs, mask, keras_moments):
     if context is None or context.num_replicas_in_sync == 1 or batch is None or batch.global_region:
         return keras_moments(inputs, mask)  # one replica, or the global batch already
     if layer in PER_REPLICA_BATCH_NORM and not layer.synchronized:
-        return keras_moments(inputs, mask)
+        # Per replica on request (batch_norm="per_replica"): not a place
+        # where kd gathers the rows that meet (`coupling`), which would see
+        # the replica's statistics fed back into its rows.
+        mean, variance = keras_moments(inputs, mask)
+        return penalties.mark_global(mean), penalties.mark_global(variance)
     axes = _keras_compat.batch_norm_axes(layer)
     if mask is None:
         moments = _unmasked_global_moments(context, batch, inputs, axes)
