@@ -20,7 +20,6 @@ import time
 
 import keras_distrib as kd
 import keras  # noqa: E402  (after kd: the TensorFlow backend)
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_distrib.checkpointing import checkpoint as checkpoint_lib  # noqa: E402

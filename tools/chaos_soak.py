@@ -328,19 +328,19 @@ def _launcher_line(run):
 
 
 def _leftovers(run):
-    from keras_distrib.cluster import launcher as launch_lib
+    from keras_distrib.cluster import ports as ports_lib
 
     tempfile.tempdir = run.tmp  # the launch's TMPDIR: its lock directory is there
     try:
-        return _leftovers_in(run, launch_lib)
+        return _leftovers_in(run, ports_lib)
     finally:
         tempfile.tempdir = None
 
 
-def _leftovers_in(run, launch_lib):
-    locks = [os.path.join(launch_lib.lock_directory(), f"kd-port-{p}.lock") for p in run.ports]
+def _leftovers_in(run, ports_lib):
+    locks = [os.path.join(ports_lib.lock_directory(), f"kd-port-{p}.lock") for p in run.ports]
     # kd's per-user lock directory (`$TMPDIR/kd-locks-<uid>`) stays by design; what is in it may not.
-    lock_folder = launch_lib.lock_directory()
+    lock_folder = ports_lib.lock_directory()
     left_tmp = []
     for root, dirs, names in os.walk(run.tmp):
         left_tmp += [os.path.join(root, n) for n in dirs + names
