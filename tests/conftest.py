@@ -47,7 +47,9 @@ def pytest_collection_modifyitems(config, items):
     # in all) after: the xdist workers hand out tests in this order, so the
     # run ends with short tests on every worker, not with one worker still in a
     # minutes-long cluster test while the others have nothing left to take.
-    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)
+    # The longest (marked `long`) go first of all, for the same reason.
+    items.sort(key=lambda item: (item.get_closest_marker("cluster") is None,
+                                 item.get_closest_marker("long") is None))
 
 
 def pytest_unconfigure(config):

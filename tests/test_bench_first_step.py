@@ -82,6 +82,26 @@ def test_the_sampler_puts_a_trace_in_the_tracing_part():
     assert parts["  step traced per replica (all replicas)"] == 0.0
 
 
+def test_every_part_names_functions_that_exist():
+    # A part names functions by file and name: a function that moves (kd's
+    # own, or TensorFlow's and Keras's in a new version) would leave its part
+    # empty without a word.
+    import importlib.util
+    import os
+
+    for part, places in bench_first_step.PARTS:
+        for place in places:
+            place = place.removeprefix("top:")
+            path, _, name = place.partition(":")
+            package = path.split("/")[0]
+            root = os.path.dirname(importlib.util.find_spec(package).origin)
+            where = os.path.join(os.path.dirname(root), path.removesuffix("/*"))
+            assert os.path.exists(where), (part, place)
+            if name and name != "*":
+                with open(where) as source:
+                    assert re.search(rf"^\s*def {name}\(", source.read(), re.M), (part, place)
+
+
 @pytest.mark.cluster
 def test_a_short_run_prints_its_table_and_profile(capsys):
     # One framework, one repeat: two processes (the timed run and the profiled one).

@@ -447,6 +447,7 @@ def test_the_kubernetes_recipe_agrees_with_itself_and_with_kd():
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_the_kubernetes_recipes_pods_restart_resume_and_go_on_with_the_survivors(tmp_path):
     # The container's command, as written, in 2 "pods" (processes) with the
     # recipe's environment plus what Kubernetes sets (JOB_COMPLETION_INDEX,

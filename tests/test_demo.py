@@ -24,6 +24,7 @@ def _one_device_reference(epochs, rows):
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_demo_quick(tmp_path):
     out = tmp_path / "demo"
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -119,8 +119,13 @@ def _cluster_results(path, features):
     return by_task
 
 
+# The paths of a minute or more in the whole run (they start first).
+LONG = ("central_storage2", "jit_mirrored2", "mirrored2", "mirrored4")
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("path", sorted(MATRIX))
+@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.long) if path in LONG else path
+                                  for path in sorted(MATRIX)])
 def test_feature_matches_one_device(path):
     _check(path, _process_results(path, MATRIX[path]), MATRIX[path])
 
@@ -146,6 +151,7 @@ def test_features_on_two_worker_processes():
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_train_loop_on_two_worker_processes():
     # kd.TrainLoop, 3 steps per compiled call, on 2 processes x 2 devices.
     for task_results in _cluster_results("loop_multi_worker", LOOP_MULTI_WORKER).values():

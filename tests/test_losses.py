@@ -102,6 +102,7 @@ def _layout_results(kind):
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 @pytest.mark.parametrize("kind", ["mirrored", "central_storage"])
 def test_hand_written_recipe_matches_one_device(kind):
     """kd's documented loop on 2 replicas (an empty one) vs plain Keras on one device."""

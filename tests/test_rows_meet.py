@@ -11,7 +11,8 @@ hardest triplets, a hand-written loop gathering the global batch with
 strategy, from the same initial weights, on 225 rows in global batches of 32
 (the last batch has 1 row, one replica none). Weights and every logged value
 (History, evaluate, predict) are compared, float64 within 1e-9 and float32
-within 2e-5. One process per strategy layout runs every pattern in both.
+within 2e-5 (float64 only between worker processes). One process per
+strategy layout runs every pattern in both.
 """
 
 import pytest
@@ -26,7 +27,7 @@ TOLERANCE = {True: 1e-9, False: 2e-5}
 def _check(results, configs, dtypes):
     by_key = {(r["config"], r["float64"], r["pattern"]): r for r in results}
     expected = {(c, d == "float64", p) for c in configs for d in dtypes for p in PATTERNS
-                if not c.startswith("spe3-") or (d == dtypes[0] and p != "by_hand")}
+                if not c.startswith(("spe3-", "per_replica-")) or (d == dtypes[0] and p != "by_hand")}
     assert set(by_key) == expected, sorted(set(by_key) ^ expected)
     failures = [r for r in results if not r["config"].startswith("per_replica")
                 and ("error" in r or not (r["weights"] <= TOLERANCE[r["float64"]]
@@ -39,6 +40,7 @@ REFUSED = ["batch_statistics_jit", "by_hand_local"]
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_rows_that_meet_match_one_device_on_mirrored_replicas():
     # (steps_per_execution=3: a gather cannot sit in a compiled loop, whose
     # collectives keep their first shape; kd runs one step per call, exact.)
@@ -78,6 +80,7 @@ def test_rows_that_meet_match_one_device_on_mirrored_replicas():
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_rows_that_meet_match_one_device_under_central_storage():
     configs, dtypes = ["central_storage2"], ["float64", "float32"]
     code, output = _harness.run_script("rows_meet.py", ",".join(configs), ",".join(PATTERNS),
@@ -87,8 +90,11 @@ def test_rows_that_meet_match_one_device_under_central_storage():
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_rows_that_meet_match_one_device_on_two_worker_processes():
-    configs, dtypes = ["multi_worker"], ["float64", "float32"]
+    # (float64 only: float32's round-off is measured on the replicas of one
+    # process above; here what differs is the collectives between processes.)
+    configs, dtypes = ["multi_worker"], ["float64"]
     result, output = _harness.run_cluster("rows_meet.py", ",".join(configs), ",".join(PATTERNS),
                                           ",".join(dtypes), workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]

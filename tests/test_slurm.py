@@ -113,6 +113,7 @@ def test_the_recipe_checks_itself():
     assert re.search(r"^BACKUP=", script, re.M)
 
 
+@pytest.mark.long
 def test_two_nodes_run_into_the_time_limit_and_resume_exactly(slurm, reference, tmp_path):
     # 2 nodes x 1 worker; both nodes are this host, so kd must give them
     # different ports. The script as written (its --signal=USR1@120); only
@@ -203,6 +204,7 @@ def test_keras_distrib_test_under_srun_names_slurm_and_passes(slurm):
         assert re.search(rf"\[worker {worker}\] All \d+ checks passed", output), output[-4000:]
 
 
+@pytest.mark.long
 def test_the_elastic_recipe_goes_on_with_the_node_left_and_ends_as_one_device(slurm, reference, tmp_path):
     # The guide's elastic script, verbatim, on both nodes (2 workers each);
     # after a backup node kdn2 is lost for good. Slurm ends the step and keeps

@@ -113,6 +113,7 @@ def test_migrate_multi_worker_training(tmp_path):
 
 @pytest.mark.xdist_group("keras_hub")  # takes turns with tests/test_ecosystem.py
 @pytest.mark.cluster
+@pytest.mark.long
 def test_fine_tune_ecosystem_models(tmp_path):
     result = run_notebook(
         "fine_tune_ecosystem_models", {"ROWS": 33, "BATCH": 16, "EPOCHS": 1},
@@ -158,6 +159,7 @@ def test_own_train_step(tmp_path):
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_contrastive_learning(tmp_path):
     result = run_notebook(
         "contrastive_learning", {"DATA": "digits", "EPOCHS": 2, "LIMIT": 600},
