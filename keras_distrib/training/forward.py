@@ -614,7 +614,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
             local = tf.expand_dims(slot, 1) * own
         if token:
             local += tf.cast(token[0], dtype)
-        gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        gathered = _sum_without_gradient(context, local)
         *rows, counts, means, m2s = tf.split(gathered, [1] * first + [1, size, size], axis=1)
         total = tf.reduce_sum(counts)
         mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
@@ -629,7 +629,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
             # gradients of the statistics: every replica's, summed.
             d_mean = tf.zeros_like(mean) if d_mean is None else d_mean
             d_variance = tf.zeros_like(variance) if d_variance is None else d_variance
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([d_mean, 2 * d_variance], 0))
+            summed = _sum_without_gradient(context, tf.concat([d_mean, 2 * d_variance], 0))
             of_mean, of_variance = tf.split(tf.math.divide_no_nan(summed, total), 2)
             d_x = spread_out(of_mean) + spread_out(of_variance) * (x - spread_out(mean))
             return (live_times(d_x),) + (None,) * len(token)
@@ -643,6 +643,28 @@ def _unmasked_global_moments(context, batch, inputs, axes):
         mean, variance = tf.reshape(mean, channels), tf.reshape(variance, channels)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.
     return penalties.mark_global(mean), penalties.mark_global(variance)
+
+
+def _sum_without_gradient(context, value):
+    """The sum of a dense `value` over the replicas, with no gradient of its own.
+
+    For the body and the backward pass of a `tf.custom_gradient`, whose
+    gradient kd writes: `ReplicaContext.all_reduce` wraps its collective in a
+    gradient function of its own (another `tf.custom_gradient`, traced per
+    call and replica), which nothing would use here. The same collective,
+    through the same public calls it makes (`merge_call`, then
+    `batch_reduce_to`); under XLA, where TensorFlow does not merge, and on
+    TPUs, `ReplicaContext.all_reduce` itself.
+    """
+    if _keras_compat.in_xla_context() or tf.executing_eagerly() or isinstance(
+            context.strategy, tf.distribute.TPUStrategy):
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    def reduce(strategy, per_replica):
+        return strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(per_replica, per_replica)])[0]
+
+    return context.merge_call(reduce, args=(value,))
 
 
 def global_batch_norm(layer):
