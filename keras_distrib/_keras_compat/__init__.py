@@ -204,6 +204,17 @@ PRIVATE_NAMES = (
     ("tensorflow.python.distribute.values", "SyncOnReadVariable", "class"),
     ("tensorflow.python.distribute.device_util", "current", "function(): the current device or None"),
     ("tensorflow.python.distribute.distribute_lib.StrategyExtendedV2", "_default_device", "attribute: a device or None"),
+    ("tensorflow.python.distribute.mirrored_strategy.MirroredExtended", "_cross_device_ops",
+     "attribute: the CrossDeviceOps its all-reduces use"),
+    ("tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce", "_launchers",
+     "attribute: one CollectiveReplicaLauncher per local device, in replica order"),
+    ("tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce", "_lock",
+     "attribute: the lock it builds its collectives under"),
+    ("tensorflow.python.distribute.cross_device_utils.CollectiveReplicaLauncher", "all_reduce",
+     "method(input_tensor, control_input=None, options=None): one collective op"),
+    ("tensorflow.python.distribute.distribute_utils", "regroup",
+     "function(values, wrap_class): per-device values as one distributed value"),
+    ("tensorflow.python.distribute.values", "Mirrored", "class"),
     ("keras.callbacks.TensorBoard", "_prev_summary_state", "attribute: stack of (writer, step) contexts"),
     ("tensorflow.python.distribute.ps_values", "AggregatingVariable", "class"),
     ("tensorflow.python.distribute.ps_values", "CachingVariable", "class"),
@@ -324,6 +335,7 @@ from keras_distrib._keras_compat.strategies import parameter_server_workers  # n
 from keras_distrib._keras_compat.strategies import per_worker_iterator  # noqa: F401
 from keras_distrib._keras_compat.strategies import pulls_from_in_graph_iterator  # noqa: F401
 from keras_distrib._keras_compat.strategies import reshuffles_each_iteration  # noqa: F401
+from keras_distrib._keras_compat.strategies import sum_in_merge  # noqa: F401
 from keras_distrib._keras_compat.variables import fix_variables  # noqa: F401
 from keras_distrib._keras_compat.variables import model_variables  # noqa: F401
 from keras_distrib._keras_compat.variables import optimizer_variables  # noqa: F401

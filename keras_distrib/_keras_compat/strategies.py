@@ -10,6 +10,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import values as distribute_values
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context as tf_context
@@ -38,6 +40,7 @@ __all__ = [
     "per_worker_iterator",
     "pulls_from_in_graph_iterator",
     "reshuffles_each_iteration",
+    "sum_in_merge",
 ]
 
 
@@ -240,6 +243,34 @@ def isolated_mirrored_strategy(devices, cross_device_ops=None):
     isolated = type("MirroredStrategy", (tf.distribute.MirroredStrategy,),
                     {"_collective_key_base": next(_COLLECTIVE_KEY_BASES)})
     return isolated(devices=devices, cross_device_ops=cross_device_ops)
+
+
+@tf.autograph.experimental.do_not_convert  # merge_call would convert it in a user's loop
+def sum_in_merge(strategy, per_replica):
+    """The sum of a dense `per_replica` value, in a `merge_call`'s function (each replica gets its own).
+
+    Where the strategy reduces with collective ops (in-process mirrored on
+    CPUs, kd's default, and multi-worker), one collective op per replica,
+    built by each device's own launcher, in replica order, as TensorFlow's
+    `CollectiveAllReduce` builds them in the same place (`merge_call`, on
+    one thread) but without packing one tensor into a buffer (reshape,
+    shape, concat, split, reshape again per replica and call: about 40% of
+    a BatchNormalization's statistics traced at the first step). The
+    collectives keep TensorFlow's order: the same launchers, their instance
+    keys and ordering tokens, built where TensorFlow builds its own.
+    Elsewhere (another cross-device reduction, a value not on the
+    launchers' devices): `batch_reduce_to`, as `ReplicaContext.all_reduce`.
+    """
+    values = strategy.experimental_local_results(per_replica)
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    launchers = getattr(ops, "_launchers", None)
+    if (isinstance(ops, cross_device_ops_lib.CollectiveAllReduce) and launchers is not None
+            and len(launchers) == len(values) and values[0].dtype.is_floating
+            and not isinstance(values[0], tf.IndexedSlices)):
+        with ops._lock:
+            sums = tuple(launcher.all_reduce(value) for launcher, value in zip(launchers, values))
+        return distribute_utils.regroup(sums, wrap_class=distribute_values.Mirrored)
+    return strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(per_replica, per_replica)])[0]
 
 
 def collective_key_base(strategy):

@@ -652,19 +652,15 @@ def _sum_without_gradient(context, value):
     gradient kd writes: `ReplicaContext.all_reduce` wraps its collective in a
     gradient function of its own (another `tf.custom_gradient`, traced per
     call and replica), which nothing would use here. The same collective,
-    through the same public calls it makes (`merge_call`, then
-    `batch_reduce_to`); under XLA, where TensorFlow does not merge, and on
-    TPUs, `ReplicaContext.all_reduce` itself.
+    built where TensorFlow builds it (`merge_call`), without that wrapper
+    and without packing one tensor (`_keras_compat.sum_in_merge`); under
+    XLA, where TensorFlow does not merge, and on TPUs,
+    `ReplicaContext.all_reduce` itself.
     """
     if _keras_compat.in_xla_context() or tf.executing_eagerly() or isinstance(
             context.strategy, tf.distribute.TPUStrategy):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
-
-    def reduce(strategy, per_replica):
-        return strategy.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM, [(per_replica, per_replica)])[0]
-
-    return context.merge_call(reduce, args=(value,))
+    return context.merge_call(_keras_compat.sum_in_merge, args=(value,))
 
 
 def global_batch_norm(layer):
