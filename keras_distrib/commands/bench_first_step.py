@@ -89,7 +89,10 @@ PARTS = (
     ("    optimizer.apply", ("keras/src/optimizers/base_optimizer.py:apply_gradients",)),
     ("  kd's graph walks", ("keras_distrib/training/penalties.py:_walk",
                             "keras_distrib/training/step.py:_stateful_draws",
-                            "keras_distrib/training/coupling.py:*")),
+                            # (coupling's walks, not its wrappers, which call the layers)
+                            "keras_distrib/training/coupling.py:meets",
+                            "keras_distrib/training/coupling.py:row_layout",
+                            "keras_distrib/training/coupling.py:request_anchors")),
     ("  functions from graphs (control deps, FunctionDef)",
      ("tensorflow/python/framework/auto_control_deps.py:__exit__",
       "tensorflow/python/eager/polymorphic_function/atomic_function.py:from_func_graph")),
