@@ -23,6 +23,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
+from keras_distrib.training import deferral
 from keras_distrib.training import forward
 from keras_distrib.training import front
 from keras_distrib.training import gradients
@@ -406,9 +407,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # on every replica, each adds 1/R of it, rows or none.
             return total / tf.cast(tf.distribute.get_replica_context().num_replicas_in_sync, total.dtype)
         if kind == penalties.ROW_SUM:
-            share = batch.defer(total) if batch.deferred else total
+            share = scaling.in_step_scale(batch, total)
         else:
-            share = total * tf.cast(batch.fraction, total.dtype)
+            share = total * tf.cast(scaling.fraction(batch), total.dtype)
         return tf.where(batch.has_rows, share, tf.zeros_like(total))
 
     @property
@@ -516,7 +517,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = scaling.defers_scaling(
+            batch.deferred = deferral.defers_scaling(
                 self, training=True, kd_compute_loss=DistributedModelMixin.compute_loss)
             with tf.GradientTape() as tape:
                 y_pred = self._call_model(x, training=True)
@@ -552,7 +553,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = scaling.defers_scaling(
+            batch.deferred = deferral.defers_scaling(
                 self, training=False, kd_compute_loss=DistributedModelMixin.compute_loss)
             y_pred = self._call_model(x, training=False)
             loss = _keras_compat.compute_loss(
