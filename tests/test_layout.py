@@ -165,7 +165,7 @@ def test_a_wrong_way_import_would_be_found():
 # Inside `training/`, bottom to top (training/__init__.py states the same
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
-    "penalties", "replica", "coupling", "losses", "logs", "forward", "scaling", "gradients",
+    "penalties", "replica", "scaling", "coupling", "losses", "logs", "forward", "deferral", "gradients",
     "collectives", "step", "refusals", "data", "inputs", "loop", "parameter_server", "front", "models", "saving",
     "callbacks", "train_loop",
 )
@@ -218,18 +218,24 @@ def test_training_states_its_order():
 
 def test_a_wrong_way_import_inside_training_would_be_found():
     # Contrast, on sources written here: the gradients importing the step (as
-    # they did), and a function-level import of the model from the loop.
+    # they did), a replica's batch doing the scaling arithmetic again (it
+    # lives in `scaling`, above it), and a function-level import of the model
+    # from the loop.
     modules = {
         "keras_distrib.training": ("", True),
         "keras_distrib.training.gradients": ("from keras_distrib.training import step\n", False),
         "keras_distrib.training.step": ("from keras_distrib.training import gradients\n", False),
+        "keras_distrib.training.replica": ("from keras_distrib.training import scaling\n", False),
+        "keras_distrib.training.scaling": ("", False),
         "keras_distrib.training.loop": ("def f():\n    from . import models\n", False),
         "keras_distrib.training.models": ("from keras_distrib.training import loop\n", False),
     }
     assert order_violations(modules) == [
         "keras_distrib.training.gradients -> keras_distrib.training.step (gradients may import "
-        "only: penalties, replica, coupling, losses, logs, forward, scaling)",
+        "only: penalties, replica, scaling, coupling, losses, logs, forward, deferral)",
         "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
-        "penalties, replica, coupling, losses, logs, forward, scaling, gradients, collectives, step, "
-        "refusals, data, inputs)",
+        "penalties, replica, scaling, coupling, losses, logs, forward, deferral, gradients, "
+        "collectives, step, refusals, data, inputs)",
+        "keras_distrib.training.replica -> keras_distrib.training.scaling (replica may import "
+        "only: penalties)",
     ]

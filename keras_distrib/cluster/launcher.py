@@ -8,28 +8,23 @@ ports up to `max_restarts` times.
 
 The per-node agent of a cluster a cluster manager started (`keras-distrib
 launch` without `--workers`) is `keras_distrib.cluster.node`: it runs this
-node's tasks through the same checks, restarts and supervision.
+node's tasks through the same checks (`requests`), restarts (`restarts`:
+when, and after how long) and supervision.
 """
 
-import collections.abc
-import importlib.util
 import json
 import os
-import pickle
-import shlex
-import signal
 import sys
-import time
 
-from keras_distrib.cluster import lost as lost_lib
 from keras_distrib import files
 from keras_distrib.cluster import ports as ports_lib
+from keras_distrib.cluster import requests
+from keras_distrib.cluster import restarts
 from keras_distrib.cluster import supervisor
 from keras_distrib.cluster.ports import LaunchError  # noqa: F401 (public: kd.LaunchError)
 from keras_distrib.cluster.ports import cluster_spec
-from keras_distrib.cluster.ports import port_is_free
+from keras_distrib.cluster.requests import DEFAULT_GRACE_PERIOD
 from keras_distrib import tf_logs
-from keras_distrib import validation
 from keras_distrib.cluster.supervisor import ClusterResult  # noqa: F401 (public result type)
 from keras_distrib.cluster.supervisor import TaskResult  # noqa: F401
 
@@ -40,119 +35,10 @@ __all__ = [
     "launch",
 ]
 
-# Seconds the tasks get to save and exit when the launcher is told to stop
-# (a preemption); below Slurm's KillWait and Kubernetes' default grace (30 s).
-DEFAULT_GRACE_PERIOD = 25.0
-# Restarts wait RESTART_BACKOFF * 2**(n-1) seconds (at most RESTART_BACKOFF_MAX)
-# after the n-th attempt in a row that failed on its own (`failed_on_its_own`)
-# within RESTART_BACKOFF_MAX; a longer attempt, or one ended from outside,
-# restarts at once.
-RESTART_BACKOFF = 1.0
-RESTART_BACKOFF_MAX = 60.0
-MAX_RESTARTS = 1000
-# `private_network=OFFLINE`: a namespace of their own, without a route out.
-OFFLINE = "offline"
 
 
 def tf_config(spec, task_type, task_index):
     return json.dumps({"cluster": spec, "task": {"type": task_type, "index": task_index}})
-
-
-def _args_problems(args, script):
-    if isinstance(args, (str, bytes)):
-        try:
-            example = shlex.split(os.fsdecode(args))
-        except ValueError:  # unbalanced quotes
-            example = [os.fsdecode(args)]
-        return [
-            f"`args`={args!r} is a string, which would be split into characters; pass a "
-            f"list of arguments, e.g. `args`={example!r}"
-        ]
-    if not isinstance(args, (list, tuple)):
-        return [f"`args`={args!r}: expected a list or tuple of arguments"]
-    if script:
-        bad = [a for a in args if isinstance(a, bool) or not isinstance(a, (str, int, float, os.PathLike))]
-        if bad:
-            return [
-                f"`args` items {bad!r} are not command-line values; a script takes "
-                "strings (or numbers and paths, converted with str())"
-            ]
-        return []
-    try:
-        pickle.dumps(tuple(args))
-    except Exception as error:  # noqa: BLE001 - pickling raises many types
-        return [
-            f"`args` cannot be sent to the tasks ({type(error).__name__}: {error}); "
-            "a function target takes picklable arguments"
-        ]
-    return []
-
-
-def validate(workers, ps, chief, max_restarts, timeout, ports=None, *, args=(), script=True,
-             env=None, log_dir=None, sink=print, evaluator=False, verbose=False):
-    """Raises `LaunchError` listing every invalid launch argument (nothing is started)."""
-    problems = []
-    if not validation.is_whole(workers, 1):
-        problems.append(f"`workers`={workers!r}: expected a whole number >= 1")
-    if not validation.is_whole(ps, 0):
-        problems.append(f"`ps`={ps!r}: expected a whole number >= 0")
-    if not isinstance(chief, bool):
-        problems.append(f"`chief`={chief!r}: expected True or False")
-    elif ps and chief:
-        problems.append(
-            "`chief` with `ps`: in a parameter-server cluster the script itself "
-            "is the coordinator (chief); drop `chief`"
-        )
-    if not validation.is_whole(max_restarts, 0) or max_restarts > MAX_RESTARTS:
-        problems.append(f"`max_restarts`={max_restarts!r}: expected a whole number in "
-                        f"0..{MAX_RESTARTS} (each restart waits up to {RESTART_BACKOFF_MAX:g}s "
-                        "after a quick failure)")
-    if timeout is not None and not validation.is_seconds(timeout):
-        problems.append(
-            f"`timeout`={timeout!r}: expected a finite number of seconds > 0, or None for "
-            "no limit"
-        )
-    problems.extend(_args_problems(args, script))
-    if env is not None and (
-        not isinstance(env, collections.abc.Mapping)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-    ):
-        problems.append(
-            f"`env` must map names to strings (like os.environ), got {type(env).__name__}"
-            + (f" with non-string entries {[k for k, v in env.items() if not isinstance(v, str)]}"
-               if isinstance(env, collections.abc.Mapping) else "")
-        )
-    if log_dir is not None:
-        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
-            problems.append(f"`log_dir`={log_dir!r}: expected a directory path, or None")
-        elif os.path.exists(log_dir) and not os.path.isdir(log_dir):
-            problems.append(f"`log_dir`={os.fspath(log_dir)!r} is a file; give a directory")
-    if not isinstance(evaluator, bool):
-        problems.append(f"`evaluator`={evaluator!r}: expected True or False")
-    if not isinstance(verbose, bool):
-        problems.append(f"`verbose`={verbose!r}: expected True or False")
-    if not callable(sink):
-        problems.append(f"`sink`={sink!r}: expected a callable taking one line (like print)")
-    if ports is not None:
-        port_problems = ports_lib.port_problems(ports)
-        problems.extend(port_problems)
-        counts_valid = (validation.is_whole(workers, 1) and validation.is_whole(ps, 0)
-                        and isinstance(chief, bool))
-        if not port_problems and counts_valid:
-            needed = workers + ps + (1 if (chief or ps) else 0)
-            if len(ports) != needed:
-                problems.append(
-                    f"`ports` lists {len(ports)} port(s) but the cluster has {needed} "
-                    "task(s); give one port per task, or leave `ports` out to pick free ones"
-                )
-            taken = [p for p in ports if not port_is_free(p)]
-            if taken:
-                problems.append(
-                    f"`ports` {taken} already in use on localhost; stop what listens "
-                    "there, or leave `ports` out to pick free ones"
-                )
-    if problems:
-        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
 def task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=None, verbose=False):
@@ -231,59 +117,21 @@ def _script_argv(script, args):
     return lambda task_type, index: [sys.executable, "-u", script, *args]
 
 
-def _grace_problems(grace_period):
-    if grace_period is None or validation.is_seconds(grace_period, zero=True):
-        return []
-    return [f"`grace_period`={grace_period!r}: expected a finite number of seconds >= 0"]
-
-
 def resolve_target(target, args):
     """`(argv_for, values_dir)` for a script path or an importable function."""
     from keras_distrib.cluster import _task_entry
 
-    spec = _checked_target(target)
+    spec = requests.checked_target(target)
     if spec is None:
         return _script_argv(target, [str(a) for a in args]), None
     values_dir = files.make_scratch("launch")
     return _task_entry.argv_factory(spec, args, values_dir), values_dir
 
 
-def _checked_target(target):
-    """None for a script that exists; a function's `"module:name"` spec whose module is found.
-
-    Raises:
-        LaunchError: no such script, or a function no task could import.
-    """
-    from keras_distrib.cluster import _task_entry
-
-    if isinstance(target, str) and ":" not in target:
-        if not os.path.isfile(target):
-            raise LaunchError(
-                f"`target`={target!r} is not a file. Pass the path of a Python "
-                "script, a function, or 'package.module:function'."
-            )
-        return None
-    try:
-        spec = _task_entry.function_spec(target)
-    except ValueError as error:
-        raise LaunchError(str(error)) from None
-    module = spec.split(":", 1)[0]
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
-        raise LaunchError(
-            f"`target`={target!r}: module {module!r} cannot be found on sys.path, so no "
-            "task could import it. Check the spelling, or pass a script path."
-        )
-    return spec
-
-
 SERVER_ARGV = [sys.executable, "-u", "-P", "-m", "keras_distrib.cluster._task_entry", "--server"]
 
 
-def _with_values(values_dir, run):
+def with_values(values_dir, run):
     """`run()`'s result; with `values_dir` (a function target), the tasks' return values too.
 
     The directory is removed in any case.
@@ -296,64 +144,6 @@ def _with_values(values_dir, run):
     finally:
         if values_dir is not None:
             files.remove_scratch(values_dir)
-
-
-def run_attempts(run, *, max_restarts, sink, what, values_dir=None):
-    """Runs `run(attempt)` until it succeeds, is signalled, or restarts run out.
-
-    With `values_dir`, see `_with_values`.
-    """
-
-    def attempts():
-        attempt, quick = 0, 0
-        while True:
-            started = time.monotonic()
-            with supervisor.signals_stop_the_cluster():
-                result = run(attempt)
-            result.restarts = attempt
-            if result.returncode == 0 or result.signalled or attempt >= max_restarts:
-                return result
-            attempt += 1
-            # A failure soon after the start would fail again at once: back off.
-            quick = (quick + 1 if time.monotonic() - started < RESTART_BACKOFF_MAX
-                     and failed_on_its_own(result) else 0)
-            wait = min(RESTART_BACKOFF * 2 ** (quick - 1), RESTART_BACKOFF_MAX) if quick else 0.0
-            sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})"
-                 + (f" in {wait:g}s" if wait else ""))
-            with supervisor.signals_stop_the_cluster():
-                try:
-                    with supervisor.stops_raise():
-                        time.sleep(wait)
-                except SystemExit as stop:
-                    result.signalled = True
-                    result.returncode = stop.code
-                    return result
-
-    return _with_values(values_dir, attempts)
-
-
-def script_target(target):
-    """`target` as a string or callable, and whether it is a script."""
-    if isinstance(target, os.PathLike):
-        target = os.fspath(target)
-    return target, isinstance(target, str) and ":" not in target
-
-
-def _check_private_network(private_network):
-    if not (isinstance(private_network, bool) or private_network == OFFLINE):
-        raise LaunchError(f"Invalid launch request:\n  - `private_network`={private_network!r}: "
-                          f"expected True (the default), {OFFLINE!r} or False")
-    if private_network:
-        try:
-            supervisor.PrivateNetwork(outbound=private_network is True).close()
-        except OSError as error:
-            raise LaunchError(str(error)) from None
-
-
-def check_grace_period(grace_period):
-    problems = _grace_problems(grace_period)
-    if problems:
-        raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
 
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
@@ -449,69 +239,20 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         >>> result.returncode  # doctest: +SKIP
         0
     """
-    target, script = script_target(target)
-    validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
-             env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
-    check_grace_period(grace_period)
-    _check_min_workers(min_workers, workers, ps)
-    _checked_target(target)  # before a private network is tried: nothing starts for a bad target
-    _check_private_network(private_network)
+    target, script = requests.script_target(target)
+    requests.validate(workers, ps, chief, max_restarts, timeout, ports, args=args, script=script,
+                      env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
+    requests.check_grace_period(grace_period)
+    requests.check_min_workers(min_workers, workers, ps)
+    # Before a private network is tried: nothing starts for a bad target.
+    requests.checked_target(target)
+    requests.check_private_network(private_network)
     with ports_lib.reserve_ports(ports):
         return _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
                                 timeout=timeout, env=env, sink=sink, log_dir=log_dir,
                                 ports=ports, evaluator=evaluator, grace_period=grace_period,
                                 verbose=verbose, private_network=private_network,
                                 max_restarts=max_restarts, min_workers=min_workers)
-
-
-def _check_min_workers(min_workers, workers, ps):
-    if min_workers is None:
-        return
-    problem = None
-    if not validation.is_whole(min_workers, 1):
-        problem = f"`min_workers`={min_workers!r}: expected a whole number >= 1, or None"
-    elif validation.is_whole(workers, 1) and min_workers > workers:
-        problem = (f"`min_workers`={min_workers} is more than the {workers} workers launched; "
-                   f"give at most {workers}")
-    elif ps:
-        problem = (f"`min_workers`={min_workers} with `ps`={ps}: a parameter-server cluster's "
-                   "coordinator already carries on without a lost worker (its steps run on the "
-                   "others); drop `min_workers`")
-    if problem:
-        raise LaunchError("Invalid launch request:\n  - " + problem)
-
-
-def failed_on_its_own(result):
-    """Whether an attempt failed by a task's own doing (a crash loop backs off), not from outside.
-
-    From outside: the failing task was killed by a signal sent to it (SIGKILL,
-    SIGTERM, SIGINT, SIGHUP), stayed stopped, lost its guard, saved for a
-    restart (exit 42), or said the cluster lost a peer. A restart then meets
-    no error of its own: it goes at once (a chaos soak of faults every 20-60 s
-    waited 1, 2, 4 ... 60 s after each, 243 s of the 357 s lost).
-    """
-    failed = result.failed
-    if result.timed_out or failed is None:
-        return True
-    if (failed.returncode in (supervisor.RESTART_EXIT_CODE, -signal.SIGKILL, -signal.SIGTERM,
-                              -signal.SIGINT, -signal.SIGHUP)
-            or failed.stop_fault or failed.guard_fault):
-        return False
-    return not lost_lib.lost_tasks("\n".join(failed.tail), failed.label,
-                                   lost_lib.service_task(t.task_type for t in result.tasks))
-
-
-def lost_worker(result):
-    """The worker a failed attempt is pinned on (`TaskResult`), or None.
-
-    A worker that exited with an error (or was killed) and was the first
-    task to fail; not a preemption's save (exit 42), a timeout or a stop.
-    """
-    failed = result.failed
-    if (result.returncode == 0 or result.signalled or result.timed_out or failed is None
-            or failed.task_type != "worker" or failed.returncode == supervisor.RESTART_EXIT_CODE):
-        return None
-    return failed
 
 
 def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, log_dir, ports,
@@ -523,7 +264,7 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
         lost = []
         while True:
             count = workers - len(lost)
-            result = run_attempts(
+            result = restarts.run_attempts(
                 lambda attempt: run_once(
                     argv_for, workers=count, ps=ps, chief=chief, timeout=timeout,
                     env=env, sink=sink, log_dir=log_dir, server_argv=SERVER_ARGV,
@@ -532,7 +273,7 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
                 ),
                 max_restarts=max_restarts, sink=sink, what="the cluster",
             )
-            worker = lost_worker(result) if min_workers is not None else None
+            worker = restarts.lost_worker(result) if min_workers is not None else None
             if worker is not None and count - 1 < min_workers:
                 sink(f"[launcher] {worker.label} failed {max_restarts + 1} time(s) in a row, and "
                      f"going on without it would leave {count - 1} worker(s), fewer than "
@@ -548,7 +289,7 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
             sink(f"[launcher] {worker.label} failed {max_restarts + 1} time(s) in a row: going on "
                  f"with {count - 1} worker(s) from the last backup (`min_workers`={min_workers})")
 
-    return _with_values(values_dir, elastic)
+    return with_values(values_dir, elastic)
 
 
 def _task_entry_values(values_dir):

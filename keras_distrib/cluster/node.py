@@ -12,9 +12,10 @@ import socket
 
 from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import launcher
+from keras_distrib.cluster import requests
+from keras_distrib.cluster import restarts
 from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib.cluster import supervisor
-from keras_distrib.cluster.launcher import DEFAULT_GRACE_PERIOD
 from keras_distrib.cluster.launcher import LaunchError
 from keras_distrib import validation
 
@@ -137,7 +138,7 @@ def _check_local_ports(spec, local):
 
 
 def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout=None,
-                log_dir=None, env=None, sink=print, grace_period=DEFAULT_GRACE_PERIOD, verbose=False):
+                log_dir=None, env=None, sink=print, grace_period=requests.DEFAULT_GRACE_PERIOD, verbose=False):
     """Runs this node's tasks of a cluster a cluster manager started; returns a `ClusterResult`.
 
     The per-node agent behind `keras-distrib launch` (without `--workers`)
@@ -156,10 +157,10 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
         >>> from keras_distrib.cluster import node
         >>> node.launch_node("train.py", per_node="gpu")  # doctest: +SKIP
     """
-    target, script = launcher.script_target(target)
-    launcher.validate(1, 0, False, max_restarts, timeout, args=args, script=script, env=env,
-             log_dir=log_dir, sink=sink, verbose=verbose)
-    launcher.check_grace_period(grace_period)
+    target, script = requests.script_target(target)
+    requests.validate(1, 0, False, max_restarts, timeout, args=args, script=script, env=env,
+                      log_dir=log_dir, sink=sink, verbose=verbose)
+    requests.check_grace_period(grace_period)
     source, spec, local = node_tasks(per_node, ps, env)
     _check_local_ports(spec, local)
     sink = supervisor.whole_lines(sink)
@@ -167,10 +168,10 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
     has_ps = bool(spec.get("ps"))
     sink(f"[launcher] {source} node: starting {', '.join(local)} of "
          f"{sum(len(v) for v in spec.values())} task(s)")
-    return launcher.run_attempts(
+    return launcher.with_values(values_dir, lambda: restarts.run_attempts(
         lambda attempt: supervisor.run_tasks(
             launcher.task_specs(spec, argv_for, ps=has_ps, env=env, server_argv=launcher.SERVER_ARGV,
-                        local=set(local), verbose=verbose),
+                                local=set(local), verbose=verbose),
             timeout=timeout, sink=sink, log_dir=log_dir, grace_period=grace_period),
-        max_restarts=max_restarts, sink=sink, what="this node's tasks", values_dir=values_dir,
-    )
+        max_restarts=max_restarts, sink=sink, what="this node's tasks",
+    ))

@@ -21,6 +21,7 @@ from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import sources as cluster_sources
 from keras_distrib.cluster import supervisor
 from keras_distrib.cluster import launcher as launch_lib
+from keras_distrib.cluster import requests as launch_requests
 from keras_distrib.cluster import node as node_lib
 from keras_distrib import tf_logs
 
@@ -182,7 +183,7 @@ def build_parser():
                         "on and the others go on from the last backup, down to M workers")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
-    launch.add_argument("--grace-period", type=float, default=launch_lib.DEFAULT_GRACE_PERIOD,
+    launch.add_argument("--grace-period", type=float, default=launch_requests.DEFAULT_GRACE_PERIOD,
                         help="seconds the tasks get to save and exit when the launcher gets "
                         "SIGTERM (a preemption; default %(default)g); kd's tasks then exit 42")
     launch.add_argument("--evaluator", action="store_true",

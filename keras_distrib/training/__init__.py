@@ -2,13 +2,14 @@
 
 From the bottom up (a module imports only those before it;
 `tests/test_layout.py` keeps this order): `penalties` (how a term adds up
-over replicas, read from its graph), `replica` (a replica's batch and its
-arithmetic), `coupling` (where the rows of a batch meet), `losses` (the
+over replicas, read from its graph), `replica` (a replica's batch: its
+rows, the global count), `scaling` (the global-batch scaling rule and its
+arithmetic: a replica's fraction, deferred scale, the gradients'
+correction), `coupling` (where the rows of a batch meet), `losses` (the
 replica's share of the global loss), `logs` (metric states and the step's
 logs), `forward` (the forward pass on several replicas as on one device:
-padding, random draws, BatchNormalization moments, layer state), `scaling`
-(the global-batch scaling rule: whose share, deferred scale, the gradients'
-correction), `gradients` (the all-reduce before the optimizer),
+padding, random draws, BatchNormalization moments, layer state), `deferral`
+(whether a step defers the scale), `gradients` (the all-reduce before the optimizer),
 `collectives` (counting them), `step` (the one place that calls
 `strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the
 input pipeline), `inputs` (what `fit`, `evaluate` and `predict` are given,

@@ -7,8 +7,10 @@ step runs), and the one place that decides between the local loop
 parameter-server training (`keras_distrib.training.parameter_server`). What differs
 between the two callers is only where the compiled steps come from:
 `steps_for(kind)` returns the `Step` of `kind` ("train", "test",
-"predict"), the model's own (`steps_per_execution` steps per call) or the
-loop's (`steps_per_loop`).
+"predict"), the model's own (`step.ModelSteps`: `steps_per_execution`
+steps per call) or the `TrainLoop`'s (`steps_per_loop`). Either way the
+steps come from `keras_distrib.training.step`; nothing here calls back
+into the model's class to build them.
 """
 
 from keras_distrib.training import loop

@@ -113,7 +113,7 @@ def _all_reduce_deferred(context, batch, gradients):
     """All-reduces gradients of loss shares in deferred scale, with the row count.
 
     Each replica's gradient is of its share times N / (R * n_r) (see
-    `replica.ReplicaBatch.defer`): multiplied by R * n_r, summed, and divided
+    `scaling.defer`): multiplied by R * n_r, summed, and divided
     by N, which travels in the same all-reduce, it is the gradient one
     device computes. One collective: nothing in the step waited for N.
     """
@@ -213,7 +213,7 @@ def _all_reduce_in_loop(context, batch, gradients):
     sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
     dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
     if batch.deferred:
-        sparse = [scaling.map_values(g, lambda v: v * batch.own_scale(v.dtype)) for g in sparse]
+        sparse = [scaling.map_values(g, lambda v: v * scaling.own_scale(batch, v.dtype)) for g in sparse]
         dense = _all_reduce_deferred(context, batch, dense)
     elif dense:
         dense = _sum_with_metric_states(context, batch, dense)

@@ -14,7 +14,7 @@ for uneven batches and for replicas that receive zero rows.
 In kd's own training and evaluation steps, D of an unmasked mean is N
 times the elements per row, so no all-reduce is needed before the gradient:
 shares are in deferred scale (R * n_r standing for N, see
-`replica.ReplicaBatch.defer`), and the gradient all-reduce brings N along
+`scaling.defer`), and the gradient all-reduce brings N along
 to put the scale right.
 
 The classic mistakes this prevents:
@@ -37,6 +37,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
 from keras_distrib.training import penalties
+from keras_distrib.training import scaling
 from keras_distrib.training.coupling import global_batch  # kd.losses.global_batch
 from keras_distrib import validation
 from keras_distrib.training.replica import current_batch
@@ -385,7 +386,7 @@ class GlobalReductionLoss(keras.losses.Loss):
                 replicas = tf.distribute.get_replica_context().num_replicas_in_sync
                 return mark_share(value / tf.cast(replicas, value.dtype))
             if reduction == "sum":
-                return numerator if batch is None or not batch.deferred else batch.defer(numerator)
+                return numerator if batch is None else scaling.in_step_scale(batch, numerator)
             if denominator is None:  # an element count: one entry per row
                 denominator = tf.cast(tf.size(values), dtype)
                 if batch is not None and batch.deferred and _counts_rows(values):
@@ -403,7 +404,7 @@ class GlobalReductionLoss(keras.losses.Loss):
             if batch is None:
                 return global_share(numerator, denominator)
             share = tf.math.divide_no_nan(numerator, batch.global_sum(denominator))
-            return batch.defer(share) if batch.deferred else share
+            return scaling.in_step_scale(batch, share)
 
     def _terms(self, y_true, y_pred, sample_weight, in_mask):
         """(numerator, denominator or None for the element count, per-element losses) of a batch.
@@ -508,7 +509,7 @@ class GlobalShareMean(keras.metrics.Mean):
             return self._update_per_example(share, batch)
         if self.weighting == "rows":
             # share * N; in deferred scale share * R * n_r (the same number).
-            rows = batch.own_scale(self.dtype) if batch.deferred else batch.global_rows
+            rows = scaling.own_scale(batch, self.dtype) if batch.deferred else batch.global_rows
             self.total.assign_add(share * tf.cast(rows, self.dtype))
             self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
         else:
@@ -517,7 +518,7 @@ class GlobalShareMean(keras.metrics.Mean):
                 return self.total.assign_add(share)
             # The share itself is share' * R * n_r / N: added once N is known
             # (the gradient all-reduce brings it in a training step).
-            scaled = share * batch.own_scale(self.dtype)
+            scaled = share * scaling.own_scale(batch, self.dtype)
             batch.when_global_rows(lambda global_rows: self.total.assign_add(
                 tf.math.divide_no_nan(scaled, tf.cast(global_rows, self.dtype))))
 
@@ -667,7 +668,7 @@ def replica_part(value, what=None):
     if isinstance(kind, penalties.Unknown) and kind.meets and what is not None:
         coupling.inline(kind, batch, what, value.graph)
     if kind != penalties.ROW_SUM:  # a sum over rows adds up as it is
-        value = value * tf.cast(batch.fraction, value.dtype)
+        value = value * tf.cast(scaling.fraction(batch), value.dtype)
     return tf.where(batch.has_rows, value, tf.zeros_like(value))
 
 

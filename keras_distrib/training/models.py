@@ -23,6 +23,7 @@ from keras import tree
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
+from keras_distrib.training import deferral
 from keras_distrib.training import forward
 from keras_distrib.training import front
 from keras_distrib.training import gradients
@@ -406,9 +407,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # on every replica, each adds 1/R of it, rows or none.
             return total / tf.cast(tf.distribute.get_replica_context().num_replicas_in_sync, total.dtype)
         if kind == penalties.ROW_SUM:
-            share = batch.defer(total) if batch.deferred else total
+            share = scaling.in_step_scale(batch, total)
         else:
-            share = total * tf.cast(batch.fraction, total.dtype)
+            share = total * tf.cast(scaling.fraction(batch), total.dtype)
         return tf.where(batch.has_rows, share, tf.zeros_like(total))
 
     @property
@@ -516,7 +517,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = scaling.defers_scaling(
+            batch.deferred = deferral.defers_scaling(
                 self, training=True, kd_compute_loss=DistributedModelMixin.compute_loss)
             with tf.GradientTape() as tape:
                 y_pred = self._call_model(x, training=True)
@@ -552,7 +553,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = scaling.defers_scaling(
+            batch.deferred = deferral.defers_scaling(
                 self, training=False, kd_compute_loss=DistributedModelMixin.compute_loss)
             y_pred = self._call_model(x, training=False)
             loss = _keras_compat.compute_loss(
@@ -678,36 +679,31 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         compute_loss.__doc__ = own.__doc__
         object.__setattr__(self, "compute_loss", compute_loss)
 
-    def _make_step(self, kind):
+    def _ready_for(self, kind):
+        """Readies the model for its first `kind` step: the refusals, then the hooks its steps need."""
         self._check_strategy(training=kind == "train")
         self._check_exactness(training=kind == "train")
         self._install_layer_hooks()
         self._install_step_hooks()
-        return step_lib.Step(self, kind, steps=int(self.steps_per_execution or 1))
+
+    def _own_steps(self):
+        """The model's own compiled steps (`step.ModelSteps`), kept in Keras's attributes."""
+        return step_lib.ModelSteps(self, ready=self._ready_for)
 
     def make_train_function(self, force=False):
         """The compiled training `Step` (`steps_per_execution` steps per call)."""
-        if self.train_function is None or force:
-            self.train_function = self._make_step("train")
-        return self.train_function
+        return self._own_steps()("train", force=force)
 
     def make_test_function(self, force=False):
         """The compiled evaluation `Step`."""
-        if self.test_function is None or force:
-            self.test_function = self._make_step("test")
-        return self.test_function
+        return self._own_steps()("test", force=force)
 
     def make_predict_function(self, force=False):
         """The compiled prediction `Step`."""
-        if self.predict_function is None or force:
-            self.predict_function = self._make_step("predict")
-        return self.predict_function
+        return self._own_steps()("predict", force=force)
 
-    # fit, evaluate and predict run kd's loop (keras_distrib.training.loop).
-
-    def _step_of(self, kind):
-        return {"train": self.make_train_function, "test": self.make_test_function,
-                "predict": self.make_predict_function}[kind]()
+    # fit, evaluate and predict go through kd's front door (keras_distrib.training.front)
+    # with the model's own steps; the loop (keras_distrib.training.loop) runs them.
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
@@ -716,7 +712,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """`keras.Model.fit`, exact under any strategy (kd's loop, shared with `kd.TrainLoop`)."""
         _keras_compat.assert_compiled(self, "fit")
         self._check_strategy(training=True)
-        return front.fit(self, self._step_of, inputs.FitRequest(
+        return front.fit(self, self._own_steps(), inputs.FitRequest(
             x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
@@ -739,7 +735,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 "steps, callbacks, return_dict (and shards under a ParameterServerStrategy)"
             )
         return front.evaluate(
-            self, self._step_of, x, y, batch_size=batch_size, verbose=verbose,
+            self, self._own_steps(), x, y, batch_size=batch_size, verbose=verbose,
             sample_weight=sample_weight, steps=steps, callbacks=callbacks,
             return_dict=return_dict, shards=shards,
         )
@@ -750,7 +746,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         Works on a model that was never compiled (inference), as Keras's.
         """
         self._check_strategy()
-        return front.predict(self, self._step_of, x, batch_size=batch_size, verbose=verbose,
+        return front.predict(self, self._own_steps(), x, batch_size=batch_size, verbose=verbose,
                              steps=steps, callbacks=callbacks)
 
     def predict_on_batch(self, x):

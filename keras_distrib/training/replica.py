@@ -10,7 +10,7 @@ MirroredStrategy each replica traces on its own thread.
 N costs an all-reduce, a barrier across every replica and worker, so it is
 computed only when first read (`ReplicaBatch.global_rows`). kd's own
 training step does without it: with `deferred` scaling (see
-`ReplicaBatch.deferred`) each replica scales its loss by what it knows
+`ReplicaBatch.deferred` and `keras_distrib.training.scaling`) each replica scales its loss by what it knows
 (R * n_r instead of N), and the gradient all-reduce carries n_r along to
 correct the scale afterwards: one collective per step.
 """
@@ -37,6 +37,7 @@ __all__ = [
     "piece_order",
     "replica_batch",
     "replica_sum",
+    "replicas_in_sync",
     "rows_and_offsets",
     "sum_packed",
 ]
@@ -98,7 +99,7 @@ class ReplicaBatch:
         plan: The `StepPlan` of the step.
         deferred: Whether loss shares are in deferred scale: each replica's
             share times N / (R * n_r), so that no replica needs N before
-            its gradient (see `defer`). Off unless kd's own step turns it on.
+            its gradient (see `scaling.defer`). Off unless kd's own step turns it on.
         losses: The `add_loss` terms of this replica's latest forward pass
             (recorded per replica; `None` before the first one).
         owner: The model whose forward pass recorded `losses`.
@@ -204,32 +205,6 @@ class ReplicaBatch:
         total, global_rows = replica_sum([value, rows])
         self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
         return total
-
-    @property
-    def fraction(self):
-        """n_r / N: this replica's part of the global batch (0 if empty).
-
-        In deferred scale, n_r / (R * n_r): 1/R, 0 if empty.
-        """
-        if self.deferred:
-            return tf.math.divide_no_nan(self.local_rows, self.own_scale(self.local_rows.dtype))
-        return tf.math.divide_no_nan(self.local_rows, self.global_rows)
-
-    def defer(self, share):
-        """A loss share in deferred scale: `share` * N / (R * n_r).
-
-        `share` sums over the replicas to the global loss; the result is what
-        the replica's own scale (R * n_r standing for N) makes of it. The
-        gradient all-reduce multiplies each gradient by R * n_r (`own_scale`)
-        and divides the sum by N, giving back the gradient of `share`. Needs
-        N (an all-reduce when not yet known).
-        """
-        global_rows = tf.cast(self.global_rows, share.dtype)
-        return tf.math.divide_no_nan(share * global_rows, self.own_scale(share.dtype))
-
-    def own_scale(self, dtype):
-        """R * n_r: the replica's stand-in for N in deferred scale."""
-        return tf.cast(self.local_rows, dtype) * tf.cast(_replicas(), dtype)
 
     def learn_global_rows(self, global_rows):
         """Keeps N, all-reduced along with something else (the gradients)."""
@@ -395,13 +370,14 @@ def _size(tensor):
     return static if static is not None else tf.size(tensor)
 
 
-def _replicas():
+def replicas_in_sync():
+    """R: the replicas of the current replica context (1 outside one)."""
     context = tf.distribute.get_replica_context()
     return context.num_replicas_in_sync if context is not None else 1
 
 
 def _spreads():
-    return _replicas() > 1
+    return replicas_in_sync() > 1
 
 
 def _in_symbolic_build():

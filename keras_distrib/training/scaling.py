@@ -1,99 +1,84 @@
 """The global-batch scaling rule: every replica's loss is its share of the global mean.
 
-kd's central idea, in one place. One device computes the mean loss over
-the N rows of the global batch, L = (1/N) * sum_i l_i. Replica r holds n_r
-of those rows (n_r may be 0 on an uneven last batch) and computes its
-share S_r = (1/N) * sum over its rows of l_i, so that sum_r S_r = L and
-the sum of the replicas' gradients is one device's gradient: the
-all-reduce before the optimizer is a SUM (`gradients.all_reduce`).
+kd's central idea, and its arithmetic, in one place. One device computes
+the mean loss over the N rows of the global batch, L = (1/N) * sum_i l_i.
+Replica r holds n_r of those rows (n_r may be 0 on an uneven last batch)
+and computes its share S_r = (1/N) * sum over its rows of l_i, so that
+sum_r S_r = L and the sum of the replicas' gradients is one device's
+gradient: the all-reduce before the optimizer is a SUM
+(`gradients.all_reduce`).
 
-Where each part lives:
+Here, as functions of the replica's batch (`replica.ReplicaBatch`: n_r,
+N, whether the step defers the scale):
 
-- the share: `losses` (`GlobalReductionLoss`, `global_mean`, and Keras's
-  loss objects in a kd step), with N from `replica.ReplicaBatch.global_rows`;
-- the batch's counts: `replica.ReplicaBatch` (n_r, N, `fraction` = n_r / N);
-- deferred scale, the decision (`defers_scaling`, here): N costs an
-  all-reduce before the loss; where kd computes the whole loss and sums the
-  gradients itself, each replica uses R * n_r in its place
-  (`ReplicaBatch.defer`), and the gradient all-reduce carries n_r and
-  corrects: multiplied by R * n_r (`to_own_scale`) and divided by the summed
-  N (`divided`), the gradient is one device's, in one collective;
+- a replica's part of the global batch, `fraction` = n_r / N;
+- deferred scale: N costs an all-reduce before the loss; where kd computes
+  the whole loss and sums the gradients itself (the decision:
+  `deferral.defers_scaling`), each replica uses R * n_r in its place
+  (`own_scale`, `defer`, `in_step_scale`), and the gradient all-reduce
+  carries n_r and corrects: multiplied by R * n_r (`to_own_scale`) and
+  divided by the summed N (`divided`), the gradient is one device's, in
+  one collective;
 - a loss kd did not compute (plain ops on the replica's rows): taken as a
   mean over rows, each replica's gradient weighted by n_r / N before the sum
   (`row_weighted`); a sum over rows adds up as it is; a loss computed on the
   global batch adds 1/R of each replica's gradient.
 
-`gradients.all_reduce` applies these around its one all-reduce.
+The shares themselves are computed by `losses` (`GlobalReductionLoss`,
+`global_mean`, and Keras's loss objects in a kd step) and by the model's
+`add_loss` terms, with these functions; `gradients.all_reduce` applies the
+corrections around its one all-reduce.
 """
 
-import keras
 import tensorflow as tf
 
-from keras_distrib import _keras_compat
-from keras_distrib.training import coupling
-from keras_distrib.training import forward
-from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import penalties
+from keras_distrib.training import replica
 
 __all__ = [
-    "defers_scaling",
+    "defer",
     "divided",
+    "fraction",
+    "in_step_scale",
     "map_values",
+    "own_scale",
     "per_dtype",
     "row_weighted",
     "to_own_scale",
 ]
 
 
-def defers_scaling(model, *, training, kd_compute_loss):
-    """Whether `model`'s step can scale its loss without the global row count first.
+def fraction(batch):
+    """n_r / N: the replica's part of the global batch (0 if it has no rows).
 
-    Deferred scaling (`replica.ReplicaBatch.defer`) changes what the loss
-    share is until the gradient all-reduce corrects it, so it is used only
-    where kd computes the whole loss and reduces the gradients itself: kd's
-    own `compute_loss`, losses that reduce to a scalar, a model whose
-    optimizer has kd's gradient pipeline. A step that reads the share in
-    any other way keeps the global count, read before the loss.
-
-    Nor where a layer's backward pass crosses replicas (BatchNormalization
-    with global statistics): a replica's gradient then holds parts of the
-    other replicas' loss shares, which the correction by its own R * n_r
-    would scale wrongly on uneven batches. N then travels in the layer's
-    own all-reduce (`forward.global_moments`), at no extra collective.
-
-    `kd_compute_loss`: kd's own `compute_loss` (the model's must be it, not
-    an override).
+    In deferred scale, n_r / (R * n_r): 1/R, 0 if empty (no N needed).
     """
-    if not forward.spreads_over_replicas():
-        return False
-    layers = _keras_compat.flatten_layers(model)
-    if training and any(forward.global_batch_norm(layer) and layer.trainable for layer in layers):
-        return False
-    if coupling.meets_at_any(layers + _compiled_loss_objects(model)):
-        return False  # computed on the global batch: shares are exact, a layer's gradient crosses replicas
-    for name, own in (("compute_loss", kd_compute_loss),
-                      ("_compute_loss", getattr(keras.Model, "_compute_loss"))):
-        if getattr(getattr(model, name), "__func__", None) is not own:
-            return False
-    compiled = _keras_compat.compiled_loss(model)
-    if compiled is not None:
-        losses = _keras_compat.compiled_losses(compiled)
-        if losses is None or not all(
-            isinstance(loss, kd_losses.GlobalReductionLoss) and loss.reduction not in (None, "none")
-            for loss in losses
-        ):
-            return False
-    if not isinstance(_keras_compat.loss_tracker(model), (kd_losses.GlobalShareMean, type(None))):
-        return False
-    if training:
-        return model.optimizer is not None and _keras_compat.has_gradient_pipeline(model.optimizer)
-    return True
+    if batch.deferred:
+        return tf.math.divide_no_nan(batch.local_rows, own_scale(batch, batch.local_rows.dtype))
+    return tf.math.divide_no_nan(batch.local_rows, batch.global_rows)
 
 
-def _compiled_loss_objects(model):
-    compiled = _keras_compat.compiled_loss(model)
-    losses = _keras_compat.compiled_losses(compiled) if compiled is not None else None
-    return [getattr(loss, "inner", loss) for loss in losses or ()]
+def own_scale(batch, dtype):
+    """R * n_r: the replica's stand-in for N in deferred scale, as `dtype`."""
+    return tf.cast(batch.local_rows, dtype) * tf.cast(replica.replicas_in_sync(), dtype)
+
+
+def defer(batch, share):
+    """A loss share in deferred scale: `share` * N / (R * n_r).
+
+    `share` sums over the replicas to the global loss; the result is what
+    the replica's own scale (R * n_r standing for N) makes of it. The
+    gradient all-reduce multiplies each gradient by R * n_r (`to_own_scale`)
+    and divides the sum by N (`divided`), giving back the gradient of
+    `share`. Needs N (an all-reduce when not yet known).
+    """
+    global_rows = tf.cast(batch.global_rows, share.dtype)
+    return tf.math.divide_no_nan(share * global_rows, own_scale(batch, share.dtype))
+
+
+def in_step_scale(batch, share):
+    """`share` in the scale of `batch`'s step: deferred (`defer`) where the step defers, else as it is."""
+    return defer(batch, share) if batch.deferred else share
 
 
 def row_weighted(batch, gradients, kind=None):
@@ -115,9 +100,9 @@ def row_weighted(batch, gradients, kind=None):
         # Computed on the global batch, the same on every replica: each
         # replica's gradient holds its own rows' part R times (coupling.gather)
         # and the rest once, so 1/R of each adds up to one device's.
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        replicas = replica.replicas_in_sync()
         return [map_values(g, lambda v: v / tf.cast(replicas, v.dtype)) for g in gradients]
-    fractions = per_dtype(gradients, lambda dtype: tf.cast(batch.fraction, dtype)) \
+    fractions = per_dtype(gradients, lambda dtype: tf.cast(fraction(batch), dtype)) \
         if kind != penalties.ROW_SUM else None
 
     def weighted(value):
@@ -134,9 +119,9 @@ def to_own_scale(batch, gradients):
     """Gradients of shares in deferred scale, multiplied by the replica's R * n_r.
 
     Summed over the replicas and divided by N (`divided`), they are the
-    gradients of the shares in the global scale (see `replica.ReplicaBatch.defer`).
+    gradients of the shares in the global scale (see `defer`).
     """
-    scales = per_dtype(gradients, batch.own_scale)
+    scales = per_dtype(gradients, lambda dtype: own_scale(batch, dtype))
     return [map_values(g, lambda v: v * scales[v.dtype]) for g in gradients]
 
 
