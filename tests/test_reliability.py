@@ -15,6 +15,7 @@ import time
 import pytest
 
 import keras_distrib.cluster.launcher as kd_launch
+from keras_distrib.cluster import network
 import keras_distrib.cluster.ports as kd_ports
 from tests import _harness
 
@@ -909,7 +910,7 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
     with _outside_server() as port:
         outside = [(host, port)] if host else []
         if mode != False:  # noqa: E712 - False is the open mode here
-            outside.append((kd_launch.supervisor.HOST_FROM_TASKS, port))
+            outside.append((network.HOST_FROM_TASKS, port))
         kwargs = {} if mode == "default" else {"private_network": mode}
         result = kd_launch.launch(launch_targets.listen_and_reach_out, workers=1, args=(outside, 3),
                                   env=_harness._env(), sink=sink, timeout=120, **kwargs)
@@ -958,7 +959,7 @@ def test_a_launch_without_slirp4netns_is_refused_saying_what_to_install(monkeypa
     """Private by default: where the route out cannot be made, nothing runs open silently."""
     from tests import launch_targets
 
-    monkeypatch.setattr(kd_launch.supervisor, "SLIRP", "kd-no-such-slirp4netns")
+    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
     with pytest.raises(kd_launch.LaunchError, match=r"not installed here: install it \(Debian/Ubuntu: "
                        r"`apt-get install slirp4netns`.*`private_network=\"offline\"`.*"
                        r"`private_network=False` \(`--no-private-network`"):

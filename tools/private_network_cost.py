@@ -118,14 +118,14 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=4)
     options = parser.parse_args(argv)
-    from keras_distrib.cluster import supervisor
+    from keras_distrib.cluster import network
 
     variants = {"private": True, "offline": "offline", "open": False}
     made = {"private": [], "offline": []}
     for _ in range(4 * options.repeats):
         for name in made:
             started = time.perf_counter()
-            supervisor.PrivateNetwork(outbound=variants[name] is True).close()
+            network.PrivateNetwork(outbound=variants[name] is True).close()
             made[name].append(time.perf_counter() - started)
     for name, seconds in made.items():
         print(f"namespace made and closed ({name}): {1e3 * statistics.median(seconds):.1f} ms")

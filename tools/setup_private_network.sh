@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs slirp4netns from the system's packages: kd's local launch runs its
 # tasks in a network namespace of their own by default and gives them a route
-# out through slirp4netns (keras_distrib/cluster/supervisor.py, PrivateNetwork).
+# out through slirp4netns (keras_distrib/cluster/network.py, PrivateNetwork).
 #
 # Unattended: Debian/Ubuntu with apt-get, as root (CI) or with passwordless
 # sudo; elsewhere it says what to install and exits 0 (a launch then refuses

@@ -11,7 +11,8 @@ task that only asks who it is start in a fraction of a second.
 # The package also owns the devices and strategies (`devices`, `strategies`)
 # and the processes of a run: `launcher` (with `ports`, its ports and locks,
 # `requests`, the checks of a launch request, and `restarts`, the restart policy),
-# `node` (the per-node agent) and `supervisor` (with `_guard` and
+# `node` (the per-node agent) and `supervisor` (with `network`, a private
+# network namespace for the tasks, `_guard` and
 # `_task_entry`, one task's process), `inprocess` (`kd.local_cluster`),
 # `watchdog` (a peer that stops answering) and `preemption` (an agreed stop).
 # May import: the floor (`validation`, `tf_logs`, `files`,

@@ -205,7 +205,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
             `env` is kept either way. `log_dir` files keep every line.
         private_network: True (default): run the tasks in a network namespace
-            of their own (`supervisor.PrivateNetwork`), one per attempt.
+            of their own (`network.PrivateNetwork`), one per attempt.
             TensorFlow's servers listen on every interface and have no
             authentication; there no other host, user or network namespace
             reaches their ports, while the tasks still open connections out

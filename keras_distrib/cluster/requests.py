@@ -12,9 +12,9 @@ import os
 import pickle
 import shlex
 
+from keras_distrib.cluster import network
 from keras_distrib.cluster import ports as ports_lib
 from keras_distrib.cluster import restarts
-from keras_distrib.cluster import supervisor
 from keras_distrib.cluster.ports import LaunchError
 from keras_distrib import validation
 
@@ -172,7 +172,7 @@ def check_private_network(private_network):
                           f"expected True (the default), {OFFLINE!r} or False")
     if private_network:
         try:
-            supervisor.PrivateNetwork(outbound=private_network is True).close()
+            network.PrivateNetwork(outbound=private_network is True).close()
         except OSError as error:
             raise LaunchError(str(error)) from None
 
