@@ -11,7 +11,7 @@ exits 42 for a restart. Standard library only: it runs before TensorFlow loads.
 import signal
 import threading
 
-# The signals the launcher turns into a stop of the cluster (supervisor.STOP_SIGNALS).
+# The signals the launcher turns into a stop of the cluster (stop_signals.STOP_SIGNALS).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 _received = []
 

@@ -15,7 +15,9 @@ import keras_distrib.cluster.launcher as kd_launch
 import keras_distrib.cluster.node as kd_node
 import keras_distrib.cluster.ports as kd_ports
 from keras_distrib.cluster import sources as cluster_sources
+from keras_distrib.cluster import failures
 from keras_distrib.cluster import supervisor
+from keras_distrib.cluster import task_process
 from tests import _harness, launch_targets
 
 
@@ -90,13 +92,13 @@ _SERVICE_LOST = ["tensorflow.python.framework.errors_impl.UnavailableError: Grap
 def test_the_task_named_is_the_one_whose_end_ended_the_others(ends, named):
     tasks = [_Ended(*end) for end in ends]
     seen = [task for task, (_, code, polls, *_) in zip(tasks, ends) if code and not polls]
-    assert supervisor._first_cause(tasks, seen).label == named
+    assert failures.first_cause(tasks, seen).label == named
 
 
 def test_a_follower_stopped_as_asked_is_not_the_cause():
     evaluator, worker = _Ended("evaluator 0", -15), _Ended("worker 0", 1)
-    assert supervisor._first_cause([evaluator, worker], [worker], [evaluator]).label == "worker 0"
-    assert supervisor._first_cause([evaluator, worker], [worker]).label == "evaluator 0"
+    assert failures.first_cause([evaluator, worker], [worker], [evaluator]).label == "worker 0"
+    assert failures.first_cause([evaluator, worker], [worker]).label == "evaluator 0"
 
 
 @pytest.mark.cluster
@@ -128,7 +130,7 @@ def test_a_backup_directory_in_use_ends_the_launch_with_the_configuration_exit_c
     finally:
         lock.release()
     # 2: a rerun would meet the same error, so the recipe's loop does not rerun it (1 would).
-    assert result.returncode == supervisor.CONFIG_EXIT_CODE == 2, output
+    assert result.returncode == failures.CONFIG_EXIT_CODE == 2, output
     assert "is in use by another run" in output and "TRAINED" not in output
     assert "[launcher] worker 0 stopped on a configuration error that a rerun would meet again" in output
 
@@ -630,7 +632,7 @@ def test_agents_end_their_servers_when_the_parameter_server_coordinator_is_kille
 def test_a_task_that_stays_stopped_is_ended_and_named(monkeypatch):
     """A task stopped by SIGSTOP after its peers finished held the launcher forever (4c0b8d4,
     found by tools/chaos_soak.py): now it is ended after `STOPPED_TASK_SECONDS` and named."""
-    monkeypatch.setattr(supervisor, "STOPPED_TASK_SECONDS", 1.0)
+    monkeypatch.setattr(task_process, "STOPPED_TASK_SECONDS", 1.0)
     lines = []
     started = time.monotonic()
     result = kd_launch.launch(launch_targets.stop_self, workers=2, args=("worker 1",),

@@ -11,9 +11,11 @@ task that only asks who it is start in a fraction of a second.
 # The package also owns the devices and strategies (`devices`, `strategies`)
 # and the processes of a run: `launcher` (with `ports`, its ports and locks,
 # `requests`, the checks of a launch request, and `restarts`, the restart policy),
-# `node` (the per-node agent) and `supervisor` (with `network`, a private
-# network namespace for the tasks, `_guard` and
-# `_task_entry`, one task's process), `inprocess` (`kd.local_cluster`),
+# `node` (the per-node agent) and `supervisor` (the run loop, with
+# `task_process`, one task's process under `_guard`, `failures`, which task
+# ended a run and why, `stop_signals`, and `network`, a private network
+# namespace for the tasks), `_task_entry` (what a task runs), `inprocess`
+# (`kd.local_cluster`),
 # `watchdog` (a peer that stops answering) and `preemption` (an agreed stop).
 # May import: the floor (`validation`, `tf_logs`, `files`,
 # `_early_signals`, `keras_distrib._keras_compat`), never `training`,

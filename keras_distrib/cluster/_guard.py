@@ -1,7 +1,7 @@
 """The guard between the launcher and one task: no process of the task outlives it.
 
 `python -I -S _guard.py LAUNCHER_PID ARGV...` (started by
-`keras_distrib.cluster.supervisor`, by file path so that nothing of the working
+`keras_distrib.cluster.task_process`, by file path so that nothing of the working
 directory is imported) starts the task `ARGV` in its own process group and
 waits. It is the task's "subreaper" (Linux `PR_SET_CHILD_SUBREAPER`): a
 daemon the task starts (double fork, `setsid`) is re-parented to the guard

@@ -26,7 +26,7 @@ from keras_distrib.cluster.ports import cluster_spec
 from keras_distrib.cluster.requests import DEFAULT_GRACE_PERIOD
 from keras_distrib import tf_logs
 from keras_distrib.cluster.supervisor import ClusterResult  # noqa: F401 (public result type)
-from keras_distrib.cluster.supervisor import TaskResult  # noqa: F401
+from keras_distrib.cluster.task_process import TaskResult  # noqa: F401
 
 __all__ = [
     "ClusterResult",

@@ -43,8 +43,8 @@ from keras_distrib import _keras_compat
 from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import strategies
 from keras_distrib import validation
-from keras_distrib.cluster.supervisor import RESTART_EXIT_CODE
-from keras_distrib.cluster.supervisor import SAVED_MESSAGE
+from keras_distrib.cluster.failures import RESTART_EXIT_CODE
+from keras_distrib.cluster.failures import SAVED_MESSAGE
 
 logger = logging.getLogger("keras_distrib")
 

@@ -11,8 +11,9 @@ failure is pinned on (`lost_worker`) is the one left out.
 import signal
 import time
 
+from keras_distrib.cluster import failures
 from keras_distrib.cluster import lost as lost_lib
-from keras_distrib.cluster import supervisor
+from keras_distrib.cluster import stop_signals
 
 __all__ = [
     "MAX_RESTARTS",
@@ -42,7 +43,7 @@ def run_attempts(run, *, max_restarts, sink, what):
     attempt, quick = 0, 0
     while True:
         started = time.monotonic()
-        with supervisor.signals_stop_the_cluster():
+        with stop_signals.signals_stop_the_cluster():
             result = run(attempt)
         result.restarts = attempt
         if result.returncode == 0 or result.signalled or attempt >= max_restarts:
@@ -54,9 +55,9 @@ def run_attempts(run, *, max_restarts, sink, what):
         wait = min(RESTART_BACKOFF * 2 ** (quick - 1), RESTART_BACKOFF_MAX) if quick else 0.0
         sink(f"[launcher] restarting {what} ({attempt}/{max_restarts})"
              + (f" in {wait:g}s" if wait else ""))
-        with supervisor.signals_stop_the_cluster():
+        with stop_signals.signals_stop_the_cluster():
             try:
-                with supervisor.stops_raise():
+                with stop_signals.stops_raise():
                     time.sleep(wait)
             except SystemExit as stop:
                 result.signalled = True
@@ -76,7 +77,7 @@ def failed_on_its_own(result):
     failed = result.failed
     if result.timed_out or failed is None:
         return True
-    if (failed.returncode in (supervisor.RESTART_EXIT_CODE, -signal.SIGKILL, -signal.SIGTERM,
+    if (failed.returncode in (failures.RESTART_EXIT_CODE, -signal.SIGKILL, -signal.SIGTERM,
                               -signal.SIGINT, -signal.SIGHUP)
             or failed.stop_fault or failed.guard_fault):
         return False
@@ -92,6 +93,6 @@ def lost_worker(result):
     """
     failed = result.failed
     if (result.returncode == 0 or result.signalled or result.timed_out or failed is None
-            or failed.task_type != "worker" or failed.returncode == supervisor.RESTART_EXIT_CODE):
+            or failed.task_type != "worker" or failed.returncode == failures.RESTART_EXIT_CODE):
         return None
     return failed

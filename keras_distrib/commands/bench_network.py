@@ -63,7 +63,7 @@ import time
 
 from keras_distrib.commands import bench
 from keras_distrib.cluster import _guard
-from keras_distrib.cluster import supervisor
+from keras_distrib.cluster import task_process
 
 __all__ = [
     "LINKS",
@@ -392,7 +392,7 @@ class _Testbed:
             log_path = os.path.join(log_dir, f"worker{i}.log")
             self.logs.append(log_path)
             with open(log_path, "w") as log:
-                argv = supervisor.guarded([_tool("ip"), "netns", "exec", name, *argv_for(i)])
+                argv = task_process.guarded([_tool("ip"), "netns", "exec", name, *argv_for(i)])
                 self.processes.append(subprocess.Popen(
                     argv, env=env_for(i), start_new_session=True, text=True,
                     stdin=subprocess.PIPE if i == 0 else subprocess.DEVNULL,

@@ -19,7 +19,7 @@ import sys
 
 from keras_distrib.cluster import info as cluster_lib
 from keras_distrib.cluster import sources as cluster_sources
-from keras_distrib.cluster import supervisor
+from keras_distrib.cluster import stop_signals
 from keras_distrib.cluster import launcher as launch_lib
 from keras_distrib.cluster import requests as launch_requests
 from keras_distrib.cluster import node as node_lib
@@ -98,7 +98,7 @@ def _launch(options):
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
         return 2
-    supervisor.ignore_stop_signals()
+    stop_signals.ignore_stop_signals()
     return result.returncode
 
 
