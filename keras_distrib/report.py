@@ -65,7 +65,7 @@ def error_line(error, width=120):
     with the middle elided; `<class 'a.b.C'>` is shortened to `C`. The
     result is cut to `width` characters.
 
-    Example:
+    Examples:
         >>> error_line(ValueError("Attempt to convert a value (PerReplica:{\\n"
         ...                       "  0: <tf.Tensor ...>\\n}) with an unsupported type "
         ...                       "(<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor."))
@@ -98,7 +98,7 @@ def error_text(error):
     defined (the traceback says that); Keras's wrapper around a layer's
     error puts the message first.
 
-    Example:
+    Examples:
         >>> print(error_text(ValueError("Exception encountered when calling Add.call().\\n\\n"
         ...                             "Incompatible shapes: [8,4] vs. [16,4]\\n\\n"
         ...                             "Arguments received by Add.call():\\n  t=(8, 4)")))
@@ -124,7 +124,7 @@ def table(rows, headers, *, align=None):
     Returns:
         A list of lines without trailing spaces.
 
-    Example:
+    Examples:
         >>> print("\\n".join(table([("one", 1.5), ("three", 10)], ("name", "value"))))
         name   value
         one      1.5

@@ -68,7 +68,7 @@ _PLAIN = (
 def is_startup_notice(line):
     """Whether `line` is one of TensorFlow's known start-up notices.
 
-    Example:
+    Examples:
         >>> is_startup_notice("I0000 00:00:1795439466.604094   18429 port.cc:153] "
         ...                   "oneDNN custom operations are on. You may see ...")
         True

@@ -126,6 +126,30 @@ def test_the_reference_shows_every_public_name_and_nothing_else(site):
     ]
 
 
+def example_problems(html):
+    """Docstring examples (`>>>` lines) on a rendered page that are not shown as code."""
+    outside = re.sub(r"<pre[^>]*>.*?</pre>", "", html, flags=re.S)
+    return [line.strip()[:80] for line in outside.splitlines() if "&gt;&gt;&gt;" in line]
+
+
+@pytest.mark.cluster
+@pytest.mark.xdist_group("docs")
+def test_docstring_examples_render_as_code(site):
+    shown, problems = 0, []
+    for page in sorted(os.listdir(os.path.join(site, "reference"))):
+        path = os.path.join(site, "reference", page, "index.html")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                html = f.read()
+            shown += len(re.findall(r"<pre[^>]*>(?:(?!</pre>).)*&gt;&gt;&gt;", html, flags=re.S))
+            problems += [f"reference/{page}: {line}" for line in example_problems(html)]
+    assert problems == []
+    assert shown >= 20, shown
+    # The contrast: an `Example:` section (not a Google-style section name)
+    # renders as prose, its `>>>` lines as a quote.
+    assert example_problems('<blockquote>\n<p>&gt;&gt;&gt; kd.make_strategy("one_device")</p>\n</blockquote>')
+
+
 @pytest.mark.cluster
 @pytest.mark.xdist_group("docs")
 def test_every_tutorial_is_a_page_with_its_figures(site):

@@ -353,7 +353,7 @@ class CheckpointManager:
             `directory` is a file or not writable, or `max_to_keep` is not a
             whole number >= 1.
 
-    Example:
+    Examples:
         >>> import tempfile, tensorflow as tf, keras_distrib as kd
         >>> step = tf.Variable(3)
         >>> manager = kd.CheckpointManager(tf.train.Checkpoint(step=step), tempfile.mkdtemp())

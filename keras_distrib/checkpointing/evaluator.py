@@ -66,7 +66,7 @@ class SidecarEvaluator:
     Raises:
         ValueError: listing every invalid argument.
 
-    Example:
+    Examples:
         >>> import keras, numpy as np, tempfile, keras_distrib as kd
         >>> inputs = keras.Input((2,))
         >>> model = keras.Model(inputs, keras.layers.Dense(1)(inputs))

@@ -42,7 +42,7 @@ def virtual_devices(n, device_type="CPU", *, memory_limit_mb=1024):
         RuntimeError: TensorFlow already initialized its devices with another
             layout (call this first thing in the process, or start a new one).
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> kd.virtual_devices(2)  # doctest: +SKIP
         ['/device:CPU:0', '/device:CPU:1']

@@ -60,7 +60,7 @@ class ClusterInfo:
         label: A short name for logs, e.g. `"worker 1"`, or `""` if single.
         tf_config: This task as a TF_CONFIG dict, or `None` if single.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> info = kd.cluster_info({"cluster": {"chief": ["h:1"], "worker": ["h:2"]},
         ...                         "task": {"type": "worker", "index": 0}})
@@ -319,7 +319,7 @@ def cluster_info(tf_config=None):
             variables are incomplete or disagree (every problem is listed,
             naming the variable).
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> info = kd.cluster_info({"cluster": {"worker": ["h:1", "h:2"]},
         ...                         "task": {"type": "worker", "index": 1}})
@@ -363,7 +363,7 @@ def is_chief(tf_config=None):
         tf_config: A TF_CONFIG value (JSON string or dict) to read instead
             of the environment (as `cluster_info`).
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> kd.is_chief({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 0}})
         True

@@ -36,7 +36,7 @@ def local_cluster(workers=2, ps=1, *, worker_threads=None):
     Raises:
         LaunchError: invalid counts.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> resolver = kd.local_cluster(workers=2, ps=1)  # doctest: +SKIP
         >>> strategy = kd.make_strategy("parameter_server", cluster_resolver=resolver)  # doctest: +SKIP

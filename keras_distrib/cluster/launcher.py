@@ -233,7 +233,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
         LaunchError: invalid arguments, or `ports` held by another kd launch
             on this host (nothing is started).
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> result = kd.launch("train.py", workers=2, args=["--epochs", "3"])  # doctest: +SKIP
         >>> result.returncode  # doctest: +SKIP

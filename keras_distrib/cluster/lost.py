@@ -32,7 +32,7 @@ def lost_tasks(text, own_label=None, service_task="worker 0"):
     where an eager collective such as a metric's read fails) is this task's
     own, never a lost one.
 
-    Example:
+    Examples:
         >>> lost_tasks("The following tasks are unhealthy (stopped sending "
         ...            "heartbeats): /job:worker/replica:0/task:1", "worker 0")
         ['worker 1']
@@ -56,7 +56,7 @@ def service_task(task_types):
 
     `task_types` are the cluster's tasks' types (`"worker"`, `"chief"`, ...).
 
-    Example:
+    Examples:
         >>> service_task(["worker", "worker", "chief", "evaluator"])
         'chief 0'
         >>> service_task(["worker", "ps"])

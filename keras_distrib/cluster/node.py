@@ -152,7 +152,7 @@ def launch_node(target, *, per_node=1, ps=None, args=(), max_restarts=0, timeout
     Raises:
         LaunchError: see `node_tasks`, and `launch`'s argument checks.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> from keras_distrib.cluster import node
         >>> node.launch_node("train.py", per_node="gpu")  # doctest: +SKIP

@@ -98,7 +98,7 @@ class PreemptionHandler:
         strategy: The training strategy; a multi-worker one agrees through
             its coordination service, anything else decides alone.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> from keras_distrib.cluster import preemption
         >>> handler = preemption.PreemptionHandler()

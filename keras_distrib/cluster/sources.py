@@ -134,7 +134,7 @@ def roles(count, ps=0):
     chief). With `ps` of them, rank 0 is the chief (the coordinator), ranks
     1..ps are parameter servers and the rest are workers.
 
-    Example:
+    Examples:
         >>> roles(4, ps=1)
         [('chief', 0), ('ps', 0), ('worker', 0), ('worker', 1)]
     """
@@ -182,7 +182,7 @@ def expand_hostlist(hostlist):
     Raises:
         ClusterConfigError: the list is malformed (naming it).
 
-    Example:
+    Examples:
         >>> expand_hostlist("n[9-10],gpu-a[01-02,7],login")
         ['n9', 'n10', 'gpu-a01', 'gpu-a02', 'gpu-a7', 'login']
     """
@@ -242,7 +242,7 @@ def slurm_hostnames(nodelist, environ=None):
 def expand_tasks_per_node(text):
     """Expands Slurm's tasks-per-node list.
 
-    Example:
+    Examples:
         >>> expand_tasks_per_node("2(x3),1")
         [2, 2, 2, 1]
     """
@@ -291,7 +291,7 @@ def task_ports(machines, base, reserved=()):
     With `reserved` (the ports Slurm reserved for the step), the j-th task on
     a machine gets the j-th reserved port instead.
 
-    Example:
+    Examples:
         >>> task_ports(["10.0.0.1", "10.0.0.1", "10.0.0.2"], 15000)
         [15000, 15001, 15000]
         >>> task_ports(["10.0.0.1", "10.0.0.1"], None, reserved=(12004, 12005))
@@ -395,7 +395,7 @@ def slurm_reserved_ports(environ):
     every node of the step, and no other step of the cluster gets them
     while it runs, so two jobs sharing a node cannot collide.
 
-    Example:
+    Examples:
         >>> slurm_reserved_ports({"SLURM_STEP_RESV_PORTS": "12000-12002,12007"})
         (12000, 12001, 12002, 12007)
     """

@@ -209,7 +209,7 @@ def gpu_share(gpus, local_index, local_tasks):
     None to keep every visible GPU (one task on the node, no GPU, or fewer
     GPUs than tasks: Slurm already gave each task its own).
 
-    Example:
+    Examples:
         >>> gpu_share(8, local_index=1, local_tasks=4)
         [2, 3]
     """
@@ -428,7 +428,7 @@ def make_strategy(
         ValueError: unknown kind or option, or hardware the kind needs is
             missing.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> kd.make_strategy("one_device").num_replicas_in_sync
         1
@@ -643,7 +643,7 @@ def traits(strategy=None):
     Raises:
         TypeError: `strategy` is not a strategy kd supports.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> from keras_distrib.cluster import strategies
         >>> strategies.traits(kd.make_strategy("default")).kind

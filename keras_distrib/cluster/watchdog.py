@@ -73,7 +73,7 @@ def from_environment(strategy=None, environ=None):
     Raises:
         ValueError: `KD_WATCHDOG` is not a number of seconds >= `MIN_SECONDS`.
 
-    Example:
+    Examples:
         >>> from keras_distrib.cluster import watchdog
         >>> watchdog.from_environment(environ={}) is None
         True
@@ -125,7 +125,7 @@ class Watchdog:
             raise); False only reports (once).
         sink: Where the report goes (default: stderr and the kd logger).
 
-    Example:
+    Examples:
         >>> from keras_distrib.cluster.watchdog import Watchdog
         >>> with Watchdog(60) as watch:
         ...     watch.step(epoch=0, batch=3)

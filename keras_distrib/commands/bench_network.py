@@ -571,7 +571,7 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         NetworkBenchError: It cannot run here (the message says what is
             missing and how to fix it), a worker failed, or `timeout` passed.
 
-    Example:
+    Examples:
         >>> from keras_distrib.commands import bench_network
         >>> report = bench_network.run(workers=(2,), delays=(1,), steps=5,
         ...                            repeats=1)  # doctest: +SKIP

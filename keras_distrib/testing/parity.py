@@ -141,7 +141,7 @@ def assert_parity(model_fn, data, *, strategies=None, steps=None, path="fit", ba
         RuntimeError: a strategy needs more logical CPU devices than this
             process can still have (the message says how to split them).
 
-    Example:
+    Examples:
         >>> import keras, numpy as np, keras_distrib as kd
         >>> def model_fn():
         ...     inputs = keras.Input((4,))

@@ -76,7 +76,7 @@ def local_strategy(kind, *, replicas=2):
         RuntimeError: TensorFlow started its devices with fewer CPU devices
             than `replicas` (the message says how to split them in time).
 
-    Example:
+    Examples:
         >>> from keras_distrib import testing
         >>> testing.local_strategy("one_device").num_replicas_in_sync
         1

@@ -702,7 +702,7 @@ def global_batch(tensor):
     Raises:
         ValueError: `tensor` has no rows axis (a scalar).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf, keras_distrib as kd
         >>> everything, offset = kd.losses.global_batch(tf.constant([[1.0], [2.0]]))
         >>> everything.numpy().tolist(), int(offset)

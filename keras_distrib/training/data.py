@@ -295,7 +295,7 @@ def replay_epochs(dataset, epochs):
         ValueError: `epochs` is not a whole number >= 0, or `dataset` is not
             a dataset.
 
-    Example:
+    Examples:
         >>> import tensorflow as tf, keras_distrib as kd
         >>> data = tf.data.Dataset.range(6).shuffle(6, seed=1, reshuffle_each_iteration=True)
         >>> orders = [list(data.as_numpy_iterator()) for _ in range(3)]
@@ -339,7 +339,7 @@ def replica_split(rows, replicas):
         The row count of each piece, in order. Piece m goes to worker
         m % W (of W workers), to its local replica m // W.
 
-    Example:
+    Examples:
         >>> replica_split(26, 4), replica_split(2, 4), replica_split(32, 4)
         ([7, 7, 7, 5], [1, 1, 0, 0], [8, 8, 8, 8])
 
@@ -402,7 +402,7 @@ def describe_input(data, *, strategy=None, global_batch_size=None, shard_policy=
         `last_batch`, `last_batch_per_replica` (rows of the last batch, by
         global replica id), `files`, `warnings`).
 
-    Example:
+    Examples:
         >>> import numpy as np, keras_distrib as kd
         >>> report = kd.describe_input(np.arange(10), global_batch_size=4, print_fn=lambda line: None)
         >>> report["steps"], report["last_batch"]

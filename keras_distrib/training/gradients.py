@@ -283,7 +283,7 @@ def exact_optimizer(optimizer):
     Raises:
         TypeError: `optimizer` is not a Keras optimizer.
 
-    Example:
+    Examples:
         >>> import keras, keras_distrib as kd
         >>> optimizer = kd.exact_optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
         >>> optimizer is kd.exact_optimizer(optimizer)

@@ -443,7 +443,7 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
     Raises:
         InputError: naming each bad argument, what it holds and the fix.
 
-    Example:
+    Examples:
         >>> import keras, numpy as np, keras_distrib as kd
         >>> from keras_distrib.training import inputs as training_inputs
         >>> inputs = keras.Input((3,))

@@ -130,7 +130,7 @@ def global_mean(per_example_loss, sample_weight=None):
             cannot weigh the losses (checked on static shapes), or the
             losses mix the replica's rows (see above).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> import keras_distrib as kd
         >>> float(kd.losses.global_mean(tf.constant([1.0, 2.0, 6.0])))
@@ -228,7 +228,7 @@ def scale_regularization(losses, *, local_rows=None):
             number >= 0 (or an integer tensor), or a term cannot be split
             over replicas exactly (see above; the message names the term).
 
-    Example:
+    Examples:
         >>> import tensorflow as tf
         >>> import keras_distrib as kd
         >>> float(kd.losses.scale_regularization([tf.constant(1.5), tf.constant(0.5)]))
@@ -640,7 +640,7 @@ def row_weighted(value):
     Returns:
         This replica's part of the global value.
 
-    Example:
+    Examples:
         >>> import keras_distrib as kd
         >>> kd.losses.row_weighted(2.5)  # outside a step: as it is
         2.5

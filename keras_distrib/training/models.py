@@ -210,7 +210,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     `custom_objects={"MyTask": MyTask}` to `keras.saving.load_model`; `save`
     warns when neither would find it.
 
-    Example:
+    Examples:
         >>> import keras, tensorflow as tf, keras_distrib as kd
         >>> class Regressor(kd.DistributedModelMixin, keras.Model):
         ...     def train_step(self, data):
@@ -853,7 +853,7 @@ class Model(DistributedModelMixin, keras.Model):
             model, nothing (or your own arguments) for a subclass.
         **kwargs: As `keras.Model` (`name`, `trainable`, ...).
 
-    Example:
+    Examples:
         >>> import keras, keras_distrib as kd
         >>> inputs = keras.Input((3,))
         >>> model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
@@ -892,7 +892,7 @@ class Sequential(DistributedModelMixin, keras.Sequential):
     Its arguments are `keras.Sequential`'s: `layers` (in order), `trainable`,
     `name`.
 
-    Example:
+    Examples:
         >>> import keras, keras_distrib as kd
         >>> model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")

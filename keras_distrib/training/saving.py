@@ -187,7 +187,7 @@ def save_for_keras(model, filepath, *, overwrite=True):
             subclassed model, weights partitioned over parameter servers),
             or `filepath` / `overwrite` is invalid; nothing is written.
 
-    Example:
+    Examples:
         >>> import os, tempfile, keras, keras_distrib as kd
         >>> inputs = keras.Input((3,))
         >>> model = kd.Model(inputs, keras.layers.Dense(1)(inputs))
@@ -279,7 +279,7 @@ def load_model(filepath, *, custom_objects=None, compile=True, safe_mode=True):
             cannot make a kd model (a subclassed plain Keras model, a class
             that is not registered here).
 
-    Example:
+    Examples:
         >>> import os, tempfile, keras, keras_distrib as kd
         >>> plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         >>> plain.compile(optimizer="adam", loss="mse")

@@ -51,7 +51,7 @@ class TrainLoop:
             (or its optimizer was) outside `strategy.scope()`, or
             `steps_per_loop` < 1.
 
-    Example:
+    Examples:
         >>> import keras, numpy as np, keras_distrib as kd
         >>> inputs = keras.Input((2,))
         >>> model = kd.Model(inputs, keras.layers.Dense(1)(inputs))

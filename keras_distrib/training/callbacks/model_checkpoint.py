@@ -83,7 +83,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
             is a directory or lies under a file, a folder this process cannot
             write, and malformed or mistyped `{placeholders}`.
 
-    Example:
+    Examples:
         >>> import os, tempfile, keras_distrib as kd
         >>> path = os.path.join(tempfile.mkdtemp(), "model-{epoch:02d}-{val_loss:.3f}.keras")
         >>> callback = kd.callbacks.ModelCheckpoint(path, save_best_only=True)

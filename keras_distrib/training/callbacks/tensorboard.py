@@ -78,7 +78,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
         CheckpointError: `log_dir` is a file, lies under a file, or is not
             writable (checked on the chief, which writes there).
 
-    Example:
+    Examples:
         >>> import tempfile, keras_distrib as kd
         >>> callback = kd.callbacks.TensorBoard(tempfile.mkdtemp())
     """
