@@ -32,8 +32,11 @@ __all__ = [
 
 # The commands that load TensorFlow (`launch` and `tf-config` do not).
 _WITH_TENSORFLOW = ("bench", "demo", "env", "test")
-# `--network` values -> `kd.launch(private_network=...)`.
-_NETWORK = {"private": True, "offline": "offline", "open": False}
+_NETWORK_HELP = ("the worker processes' network: 'auto' (the default) the most private this "
+                 "machine allows, said in one line; 'private' a network namespace of their own, "
+                 "so no other host or user reaches TensorFlow's unauthenticated ports, with a "
+                 "route out through slirp4netns (refused without it); 'offline' the namespace "
+                 "without the route out; 'open' this host's network, ports open to it")
 
 
 def _per_node(value):
@@ -93,7 +96,7 @@ def _launch(options):
                 grace_period=options.grace_period,
                 verbose=options.verbose,
                 min_workers=options.min_workers,
-                private_network=_NETWORK[options.network or "private"],
+                private_network=launch_requests.NETWORK_OPTIONS[options.network or "auto"],
             )
     except launch_lib.LaunchError as error:
         print(f"keras-distrib launch: {error}", file=sys.stderr)
@@ -133,14 +136,15 @@ def _tf_config(options):
 def _demo(options):
     from keras_distrib.commands import demo
 
-    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
+    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose,
+                     network=options.network)
 
 
 def _test(options):
     from keras_distrib.commands import selftest
 
     return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
-                         directory=options.dir, gpu=options.gpu)
+                         directory=options.dir, gpu=options.gpu, network=options.network)
 
 
 def _env(options):
@@ -190,13 +194,10 @@ def build_parser():
                         help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
     launch.add_argument("--verbose", action="store_true",
                         help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
-    launch.add_argument("--network", choices=tuple(_NETWORK), default=None,
-                        help="local cluster: 'private' (the default) runs the tasks in a network "
-                        "namespace of their own, so no other host or user reaches TensorFlow's "
-                        "unauthenticated ports, with a route out through slirp4netns; 'offline' "
-                        "without the route out; 'open' shares this host's network")
+    launch.add_argument("--network", choices=tuple(launch_requests.NETWORK_OPTIONS), default=None,
+                        help="local cluster: " + _NETWORK_HELP)
     launch.add_argument("--private-network", dest="network", action="store_const",
-                        const="private", help="the same as --network private (the default)")
+                        const="private", help="the same as --network private")
     launch.add_argument("--no-private-network", dest="network", action="store_const",
                         const="open", help="the same as --network open")
     launch.add_argument("script", help="the Python script every task runs")
@@ -227,6 +228,7 @@ def build_parser():
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
     demo.add_argument("--verbose", action="store_true",
                       help="show every stage's output: epochs, TensorFlow's logs, tracebacks")
+    demo.add_argument("--network", choices=tuple(launch_requests.NETWORK_OPTIONS), default="auto", help=_NETWORK_HELP)
     demo.set_defaults(run=_demo)
 
     test = commands.add_parser(
@@ -248,6 +250,7 @@ def build_parser():
                       help="check the GPU path instead: one GPU split into 2 logical GPUs (or 2 GPUs), "
                       "an NCCL all-reduce, and training against one GPU in float32, mixed_float16 "
                       "and with jit_compile=True (a few minutes; exit code 2 without a GPU)")
+    test.add_argument("--network", choices=tuple(launch_requests.NETWORK_OPTIONS), default="auto", help=_NETWORK_HELP)
     test.set_defaults(run=_test)
 
     env = commands.add_parser(
