@@ -6,9 +6,12 @@ components run in tests/test_users_machine.py.
 
 import os
 import re
+import sys
+import types
 
 import pytest
 
+from keras_distrib.cluster import network
 from keras_distrib.commands import cli
 from keras_distrib.commands import environment
 from keras_distrib.commands import selftest
@@ -112,3 +115,106 @@ def test_the_checkpoint_check_sees_a_left_scratch_directory(tmp_path):
             selftest._checkpoints(strategy, str(tmp_path), before)
     finally:
         files.remove_scratch(left)
+
+
+class _NoNamespaceHere:
+    """A host whose kernel refuses network namespaces (a container's seccomp profile, say)."""
+
+    def __init__(self, outbound=True):
+        raise network.NoNamespace("`private_network`: could not create a network namespace (EPERM)",
+                                  reason="this machine makes no network namespace (EPERM)")
+
+
+def _no_slirp(c):
+    c.monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+
+
+def _no_namespaces(c):
+    c.monkeypatch.setattr(network, "PrivateNetwork", _NoNamespaceHere)
+
+
+def _bad_tf_config(c):
+    c.monkeypatch.setenv("TF_CONFIG", '{"cluster": ')
+
+
+def _no_keras(c):
+    c.monkeypatch.setitem(sys.modules, "keras", None)  # `import keras` raises ModuleNotFoundError
+
+
+def _untested_keras(c):
+    import keras
+
+    # kd's compat layer checks the versions as it is imported.
+    c.monkeypatch.setattr(keras, "__version__", "3.0.0")
+    c.monkeypatch.delitem(sys.modules, "keras_distrib._keras_compat")
+
+
+# (argv, what is wrong on this machine, the last line of stderr). {tmp}: an
+# empty folder; {file}: a file in it; {script}: a script in it.
+BAD_INVOCATIONS = [
+    ([], None, r"^keras-distrib: error: the following arguments are required: command$"),
+    (["lanch"], None, r"^keras-distrib: error: argument command: invalid choice: 'lanch'"),
+    (["launch", "--workers", "x", "{script}"], None, r"argument --workers: invalid int value: 'x'$"),
+    (["launch", "--workers", "0", "--timeout", "-1", "{script}"], None,
+     r"^keras-distrib launch: Invalid launch request: `workers`=0: expected a whole number >= 1; "
+     r"`timeout`=-1.0: expected a finite number of seconds > 0, or None for no limit\.$"),
+    (["launch", "--workers", "2", "{tmp}/missing.py"], None,
+     r"^keras-distrib launch: `target`='.*/missing.py' is not a file\. Pass the path of a Python script"),
+    (["launch", "--workers", "2", "--per-node", "2", "{script}"], None,
+     r"^keras-distrib launch: `--per-node` is for the per-node agent .*; on one machine give `--workers N`\.$"),
+    (["launch", "--workers", "2", "--network", "private", "{script}"], _no_slirp,
+     r"^keras-distrib launch: `private_network`: .*kd-no-such-slirp4netns, which is not installed "
+     r"here: install it \(Debian/Ubuntu: `apt-get install slirp4netns`.*`--network offline`.*"
+     r"`--network open`"),
+    (["launch", "--workers", "2", "{script}"], _no_namespaces,
+     r"^keras-distrib launch: `private_network`: .* this machine makes no network namespace \(EPERM\): "
+     r"run as root, or allow unprivileged user namespaces .*`--network open`"),
+    (["tf-config"], _bad_tf_config, r"^keras-distrib tf-config: `TF_CONFIG` is not valid JSON"),
+    (["demo", "--out", "{file}"], None,
+     r"^keras-distrib demo: `--out`='.*/file' exists and is not a directory: give the path of a directory\.$"),
+    (["demo", "--network", "wide"], None, r"argument --network: invalid choice: 'wide'"),
+    (["demo"], _no_keras,
+     r"^keras-distrib demo: keras is not installed in this Python \(.*\), and the command needs it: "
+     r"reinstall keras_distrib"),
+    (["env"], _untested_keras,
+     r"^keras-distrib env: keras_distrib is tested with Keras .* and found Keras 3\.0\.0\. Install the "
+     r"tested versions"),
+    (["test", "--workers", "0", "--timeout", "nan"], None,
+     r"^keras-distrib test: `--workers`=0: expected a whole number >= 1; `--timeout`=nan: expected a "
+     r"finite number of seconds > 0\.$"),
+    (["test"], _bad_tf_config, r"^keras-distrib test: `TF_CONFIG` is not valid JSON"),
+    (["bench", "--json", "{tmp}/missing/bench.json"], None,
+     r"^keras-distrib bench: error: `--json`='.*/missing/bench.json': its folder '.*/missing' does not "
+     r"exist: create it, or give another path$"),
+    (["bench", "--network", "--json", "{tmp}"], None,
+     r"^keras-distrib bench --network: error: `--json`='.*' exists and is not a file"),
+    (["bench", "--first-step", "--json", "{file}/x.json"], None,
+     r"^keras-distrib bench --first-step: error: `--json`='.*/file/x.json': its folder '.*/file' does "
+     r"not exist"),
+]
+
+
+@pytest.mark.parametrize("argv, machine, said", [
+    pytest.param(*row, id=" ".join(row[0]) + (f" ({row[1].__name__[1:]})" if row[1] else ""))
+    for row in BAD_INVOCATIONS])
+def test_a_bad_invocation_or_a_missing_component_ends_in_one_sentence_and_exit_code_2(
+        argv, machine, said, tmp_path, monkeypatch, capsys):
+    """No traceback (an exception out of `cli.main` fails here), nothing written, one line."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    (tmp_path / "file").write_text("kept")
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    if machine is not None:
+        machine(types.SimpleNamespace(monkeypatch=monkeypatch))
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "file", script=tmp_path / "train.py") for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:  # argparse's usage error
+        code = stop.code
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert code == 2, (code, captured)
+    assert re.search(said, lines[-1]), lines
+    if ": error: " not in lines[-1]:  # kd's own: that one line, nothing else
+        assert len(lines) == 1 and not captured.out.strip(), captured
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "train.py"]
+    assert (tmp_path / "file").read_text() == "kept"

@@ -141,6 +141,31 @@ def test_the_demo_on_a_bare_machine_runs_its_workers_privately_without_a_route_o
     assert "  ValueError: Attempt to convert a value (PerReplica:{…})" in output
 
 
+def test_a_launch_on_a_bare_machine_is_private_without_a_route_out_and_says_so(bare):
+    _, report = bare
+    result = report["launch"]
+    lines = result["output"].splitlines()
+    assert result["code"] == 0, lines
+    assert lines[0] == ("[launcher] network: private, without a route out (slirp4netns is not "
+                        "installed here): the tasks reach each other and nothing else; slirp4netns "
+                        "would give them one"), lines
+    assert sorted(line for line in lines if "hello" in line) == [
+        "[worker 0] hello from worker 0", "[worker 1] hello from worker 1"], lines
+
+
+def test_a_launch_without_namespaces_is_refused_in_one_sentence_naming_the_ways_out(no_namespaces):
+    _, report = no_namespaces
+    result = report["launch"]
+    assert result["code"] == 2, result
+    (line,) = result["output"].splitlines()
+    assert re.fullmatch(r"keras-distrib launch: `private_network`: kd keeps a local launch's tasks in "
+                        r"a network namespace of their own \(TensorFlow's servers have no "
+                        r"authentication\), and this machine makes no network namespace \(.*No space "
+                        r"left on device\): run as root, or allow unprivileged user namespaces .*; or "
+                        r"launch with `private_network=False` \(`--network open`\), which opens the "
+                        r"tasks' ports to this host's network \(firewall them\)\.", line), line
+
+
 def test_keras_distrib_test_passes_on_a_bare_machine(bare):
     _, report = bare
     result = report["test"]

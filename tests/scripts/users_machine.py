@@ -17,10 +17,11 @@ every unshare() kd tries is refused (ENOSPC), as a container's seccomp
 profile or a kernel without unprivileged user namespaces refuses it
 (EPERM). No switch in kd is involved.
 
-Then it runs `keras-distrib demo --quick --out OUT/demo` and `keras-distrib
-test`, one after the other, and prints `RESULT {json}`: what was hidden,
-what is left, whether a network namespace can be made, and each command's
-exit code and output.
+Then it runs `keras-distrib launch --workers 2` of a script that prints a
+line, `keras-distrib demo --quick --out OUT/demo` and `keras-distrib test`,
+one after the other, and prints `RESULT {json}`: what was hidden, what is
+left, whether a network namespace can be made, and each command's exit code
+and output.
 """
 
 import json
@@ -72,6 +73,10 @@ def main(out, no_namespaces):
                 f.write("0")
     hidden = _hide()
     report = {"hidden": hidden, "left": _found(), "namespaces": _namespaces_possible()}
+    script = os.path.join(out, "hello.py")
+    with open(script, "w") as f:
+        f.write("print('hello from', __import__('os').environ['KD_TASK'])\n")
+    report["launch"] = _run(["launch", "--workers", "2", script])
     report["demo"] = _run(["demo", "--quick", "--out", os.path.join(out, "demo")])
     report["test"] = _run(["test"])
     print("RESULT " + json.dumps(report), flush=True)
