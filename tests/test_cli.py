@@ -117,20 +117,12 @@ def test_the_checkpoint_check_sees_a_left_scratch_directory(tmp_path):
         files.remove_scratch(left)
 
 
-class _NoNamespaceHere:
-    """A host whose kernel refuses network namespaces (a container's seccomp profile, say)."""
-
-    def __init__(self, outbound=True):
-        raise network.NoNamespace("`private_network`: could not create a network namespace (EPERM)",
-                                  reason="this machine makes no network namespace (EPERM)")
-
-
 def _no_slirp(c):
     c.monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
 
 
 def _no_namespaces(c):
-    c.monkeypatch.setattr(network, "PrivateNetwork", _NoNamespaceHere)
+    c.monkeypatch.setattr(network, "PrivateNetwork", _harness.NoNamespaceHere)
 
 
 def _bad_tf_config(c):

@@ -969,14 +969,6 @@ def test_an_explicit_private_network_without_slirp4netns_is_refused_saying_what_
     assert isinstance(refused.value, requests.NoPrivateNetwork) and refused.value.offline_possible
 
 
-class _NoNamespaceHere:
-    """A host whose kernel refuses network namespaces (a container's seccomp profile, say)."""
-
-    def __init__(self, outbound=True):
-        raise network.NoNamespace("`private_network`: could not create a network namespace (EPERM)",
-                                  reason="this machine makes no network namespace (EPERM)")
-
-
 @pytest.mark.cluster
 def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(monkeypatch):
     """A route out where slirp4netns works; else a namespace without one, saying why; else refused."""
@@ -996,7 +988,7 @@ def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(mon
     assert explicit.note is None and "launch without it" in explicit.no_route_out
     assert requests.check_private_network(False) == requests.NetworkLevel(False)
     # No namespace at all: refused, never open unasked; explicit requests are refused too.
-    monkeypatch.setattr(network, "PrivateNetwork", _NoNamespaceHere)
+    monkeypatch.setattr(network, "PrivateNetwork", _harness.NoNamespaceHere)
     for asked in (requests.AUTO, True, requests.OFFLINE):
         with pytest.raises(requests.NoPrivateNetwork, match=r"`private_network`: .*EPERM") as refused:
             requests.check_private_network(asked)

@@ -176,7 +176,7 @@ class PrivateNetwork:
                           else f" Check that {SLIRP} works here;")
                 + " " + OPT_OUT + ".",
                 reason=f"{SLIRP} cannot open /dev/net/tun as this user" if tun_closed
-                else f"{SLIRP} fails here")
+                else f"{SLIRP} fails here: {error[0]}" if error else f"{SLIRP} fails here")
 
     @property
     def pid(self):
