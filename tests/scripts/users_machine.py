@@ -20,15 +20,17 @@ profile or a kernel without unprivileged user namespaces refuses it
 Then it runs `keras-distrib launch --workers 2` of a script that prints a
 line, `keras-distrib demo --quick --out OUT/demo` and `keras-distrib test`,
 one after the other, and prints `RESULT {json}`: what was hidden, what is
-left, whether a network namespace can be made, and each command's exit code
-and output.
+left, whether a network namespace can be made, and each command's exit code,
+output, wall time and CPU time.
 """
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import time
 
 COMPONENTS = ("slirp4netns", "pasta", "chromium", "chromium-browser", "google-chrome", "srun",
               "sbatch", "salloc", "scontrol", "squeue", "scancel", "slurmctld", "slurmd", "munged")
@@ -61,9 +63,17 @@ def _namespaces_possible():
 
 
 def _run(argv):
+    """The command's exit code and output, with its wall time and its processes' CPU time."""
+    started, cpu = time.monotonic(), _children_cpu()
     process = subprocess.run([sys.executable, "-m", "keras_distrib", *argv], capture_output=True,
                              text=True, timeout=COMMAND_TIMEOUT)
-    return {"argv": argv, "code": process.returncode, "output": process.stdout + process.stderr}
+    return {"argv": argv, "code": process.returncode, "output": process.stdout + process.stderr,
+            "seconds": time.monotonic() - started, "cpu_seconds": _children_cpu() - cpu}
+
+
+def _children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(out, no_namespaces):
