@@ -210,3 +210,24 @@ def test_a_bad_invocation_or_a_missing_component_ends_in_one_sentence_and_exit_c
         assert len(lines) == 1 and not captured.out.strip(), captured
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "train.py"]
     assert (tmp_path / "file").read_text() == "kept"
+
+
+def test_demo_and_test_asked_for_a_route_out_they_cannot_have_name_the_command_that_runs_them(
+        monkeypatch, tmp_path):
+    """`--network private` without slirp4netns: the worker rows say why, and the offline command."""
+    from keras_distrib.commands import demo
+
+    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    code, said, _ = demo._run_stage("kd_workers", str(tmp_path), 1, 10, False, dict(os.environ),
+                                    "private")
+    assert (code, said) == (None, "not run: kd-no-such-slirp4netns is not installed here; "
+                            "`keras-distrib demo --network offline` runs them in a private network "
+                            "without a route out")
+    (row,) = selftest.launched_checks(network="private")
+    assert (row.name, row.ok, row.skipped) == ("start 2 worker processes", True, True)
+    assert row.detail == ("not run: kd-no-such-slirp4netns is not installed here; `keras-distrib test "
+                          "--network offline` runs them in a private network without a route out")
+    for command, text in (("demo", said), ("test", row.detail)):
+        (advised,) = re.findall(r"`(keras-distrib [^`]*)`", text)
+        assert cli.build_parser().parse_args(advised.split()[1:]).command == command
+    assert list(tmp_path.iterdir()) == []

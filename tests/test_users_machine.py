@@ -202,7 +202,7 @@ def test_the_demo_without_namespaces_runs_every_stage_it_can_and_says_why_not_th
     assert set(table["kd_workers"]) == {"run", "not_run"}, table["kd_workers"]
     assert re.search(r"^kd, 2 worker processes \(launcher\)\s+not run\s", output, re.M), output
     assert re.search(r"^  this machine makes no network namespace \(.*unshare: No space left on "
-                     r"device\); `keras-distrib demo --network open` runs it on this host's "
+                     r"device\); `keras-distrib demo --network open` runs them on this host's "
                      r"network", output, re.M), output
     assert _commands_it_names(output, "demo") == ["keras-distrib demo --network open"]
     assert set(table["plain_workers"]) == {"run", "not_run"}, table["plain_workers"]

@@ -59,6 +59,13 @@ class NoPrivateNetwork(LaunchError):
         self.reason = reason
         self.offline_possible = offline_possible
 
+    def remedy(self, command):
+        """The one `command` line (a command with `--network`) that runs the workers here, and how."""
+        if self.offline_possible:
+            return f"`{command} --network offline` runs them in a private network without a route out"
+        return (f"`{command} --network open` runs them on this host's network, their ports open to "
+                "it while they run")
+
 
 @dataclasses.dataclass(frozen=True)
 class NetworkLevel:

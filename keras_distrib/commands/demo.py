@@ -167,16 +167,6 @@ def _failure(out, name, output):
         return report.error_line(lines[-1] if lines else "failed (no output)")
 
 
-def _not_run(error):
-    """The table's line for a worker stage that no private network allows here."""
-    command = ("keras-distrib demo" if error.offline_possible
-               else "keras-distrib demo --network open")
-    effect = ("runs it in a private network without a route out (the demo needs none)"
-              if error.offline_possible else
-              "runs it on this host's network, the workers' ports open to it while they run")
-    return f"not run: {error.reason}; `{command}` {effect}"
-
-
 def _run_stage(name, out, epochs, rows, verbose, env, network):
     """Runs a stage (in a process, or 2 for the worker stages); returns (code, output, said).
 
@@ -209,7 +199,7 @@ def _run_stage(name, out, epochs, rows, verbose, env, network):
                 private_network=requests.NETWORK_OPTIONS[network],
             )
         except requests.NoPrivateNetwork as error:
-            return None, _not_run(error), said
+            return None, f"not run: {error.reason}; {error.remedy('keras-distrib demo')}", said
         return result.returncode, "\n".join(lines), said
     argv = [sys.executable, "-u", "-m", "keras_distrib.commands.demo", *stage_args]
     code, output = _run(argv, env, timeout=300)

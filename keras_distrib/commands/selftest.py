@@ -467,15 +467,6 @@ _NETWORKS = {"private": "a private network with a route out", "offline":
              "a private network without a route out", "open": "this host's network, ports open"}
 
 
-def _not_run(error, name, seconds):
-    """The skipped row of a cluster that the network asked for does not allow here."""
-    command, effect = (("keras-distrib test", "runs them in a private network without a route out")
-                       if error.offline_possible else
-                       ("keras-distrib test --network open",
-                        "runs them on this host's network, their ports open to it while they run"))
-    return Check(name, True, f"not run: {error.reason}; `{command}` {effect}", seconds, skipped=True)
-
-
 def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, network="auto"):
     """`cluster_checks` on `workers` local processes; one merged row per check.
 
@@ -501,7 +492,8 @@ def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, network="
             private_network=requests.NETWORK_OPTIONS[network],
         )
     except requests.NoPrivateNetwork as error:
-        return [_not_run(error, name, time.monotonic() - started)]
+        return [Check(name, True, f"not run: {error.reason}; {error.remedy('keras-distrib test')}",
+                      time.monotonic() - started, skipped=True)]
     except launcher.LaunchError as error:
         return [Check(name, False, report.error_line(error, width=90), time.monotonic() - started)]
     finally:
