@@ -26,6 +26,7 @@ import numpy as np
 
 import keras_distrib.cluster.launcher as kd_launch
 import keras_distrib.cluster.ports as kd_ports
+from keras_distrib.cluster import network
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
@@ -354,3 +355,12 @@ def saved_weights_diff(a, b):
         return [data[k] for k in sorted(data.files, key=lambda k: int(k[4:]))]
 
     return max(float(np.abs(x - y).max()) for x, y in zip(weights(a), weights(b)))
+
+
+class NoNamespaceHere:
+    """Stands in for `network.PrivateNetwork` on a host whose kernel refuses network namespaces
+    (a container's seccomp profile, say); tests/test_users_machine.py makes the kernel refuse."""
+
+    def __init__(self, outbound=True):
+        raise network.NoNamespace("`private_network`: could not create a network namespace (EPERM)",
+                                  reason="this machine makes no network namespace (EPERM)")

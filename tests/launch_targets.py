@@ -117,3 +117,12 @@ def fail_once(how, marker):
             os.kill(os.getpid(), signal.SIGKILL)
         raise SystemExit(1)
     return how
+
+
+def reach_out(host, port):
+    """Connects to `host:port`, outside the task's network; a failure to connect ends the task."""
+    import socket
+
+    with socket.create_connection((host, port), timeout=5):
+        pass
+    return "REACHED"

@@ -1,39 +1,21 @@
-"""The command line: `keras-distrib test` passes here, `env` tells what a bug report needs."""
+"""The command line: `keras-distrib test`'s table, `env` tells what a bug report needs.
+
+`keras-distrib test` and the demo on a machine without the optional
+components run in tests/test_users_machine.py.
+"""
 
 import os
 import re
-import subprocess
 import sys
+import types
 
 import pytest
 
+from keras_distrib.cluster import network
 from keras_distrib.commands import cli
 from keras_distrib.commands import environment
 from keras_distrib.commands import selftest
 from tests import _harness
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.cluster
-def test_self_test_passes_on_this_machine():
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the command's own default: TensorFlow's notices hidden
-    env.pop("TF_CONFIG", None)
-    process = subprocess.run([sys.executable, "-m", "keras_distrib", "test"], env=env,
-                             capture_output=True, text=True, timeout=300)
-    output = process.stdout + process.stderr
-    assert process.returncode == 0, output[-4000:]
-    for check in ("devices", "all-reduce, 2 replicas (mirrored)", "training: mirrored vs one device",
-                  "start 2 worker processes", "all-reduce, 2 worker processes",
-                  "training: 2 workers vs one device", "data sharding, 2 workers x 1 replica",
-                  "chief-only checkpoint write"):
-        assert any(line.startswith(check) and " PASS " in line for line in output.splitlines()), (check, output)
-    assert "All 8 checks passed" in output
-    assert "worker 0 (chief) wrote model-1.keras, model-2.keras; worker 1 kept no file" in output
-    for noise in ("I0000", "E0000", "W0000", "absl::InitializeLog", "Traceback"):
-        assert noise not in output, (noise, output)
-
 
 @pytest.mark.cluster
 def test_the_gpu_check_runs_its_logic_on_cpu_devices():
@@ -102,7 +84,10 @@ def test_env_names_versions_devices_cluster_and_auto(monkeypatch, capsys):
 @pytest.mark.parametrize("argv", [
     ["launch", "--verbose", "--workers", "2", "train.py"],
     ["demo", "--quick", "--verbose"],
+    ["demo", "--network", "offline"],
     ["test", "--workers", "3", "--timeout", "30", "--verbose"],
+    ["test", "--network", "open"],
+    ["launch", "--network", "auto", "--workers", "2", "train.py"],
     ["test", "--gpu"],
     ["env"],
 ])
@@ -130,3 +115,119 @@ def test_the_checkpoint_check_sees_a_left_scratch_directory(tmp_path):
             selftest._checkpoints(strategy, str(tmp_path), before)
     finally:
         files.remove_scratch(left)
+
+
+def _no_slirp(c):
+    c.monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+
+
+def _no_namespaces(c):
+    c.monkeypatch.setattr(network, "PrivateNetwork", _harness.NoNamespaceHere)
+
+
+def _bad_tf_config(c):
+    c.monkeypatch.setenv("TF_CONFIG", '{"cluster": ')
+
+
+def _no_keras(c):
+    c.monkeypatch.setitem(sys.modules, "keras", None)  # `import keras` raises ModuleNotFoundError
+
+
+def _untested_keras(c):
+    import keras
+
+    # kd's compat layer checks the versions as it is imported.
+    c.monkeypatch.setattr(keras, "__version__", "3.0.0")
+    c.monkeypatch.delitem(sys.modules, "keras_distrib._keras_compat")
+
+
+# (argv, what is wrong on this machine, the last line of stderr). {tmp}: an
+# empty folder; {file}: a file in it; {script}: a script in it.
+BAD_INVOCATIONS = [
+    ([], None, r"^keras-distrib: error: the following arguments are required: command$"),
+    (["lanch"], None, r"^keras-distrib: error: argument command: invalid choice: 'lanch'"),
+    (["launch", "--workers", "x", "{script}"], None, r"argument --workers: invalid int value: 'x'$"),
+    (["launch", "--workers", "0", "--timeout", "-1", "{script}"], None,
+     r"^keras-distrib launch: Invalid launch request: `workers`=0: expected a whole number >= 1; "
+     r"`timeout`=-1.0: expected a finite number of seconds > 0, or None for no limit\.$"),
+    (["launch", "--workers", "2", "{tmp}/missing.py"], None,
+     r"^keras-distrib launch: `target`='.*/missing.py' is not a file\. Pass the path of a Python script"),
+    (["launch", "--workers", "2", "--per-node", "2", "{script}"], None,
+     r"^keras-distrib launch: `--per-node` is for the per-node agent .*; on one machine give `--workers N`\.$"),
+    (["launch", "--workers", "2", "--network", "private", "{script}"], _no_slirp,
+     r"^keras-distrib launch: `private_network`: .*kd-no-such-slirp4netns, which is not installed "
+     r"here: install it \(Debian/Ubuntu: `apt-get install slirp4netns`.*`--network offline`.*"
+     r"`--network open`"),
+    (["launch", "--workers", "2", "{script}"], _no_namespaces,
+     r"^keras-distrib launch: `private_network`: .* this machine makes no network namespace \(EPERM\): "
+     r"run as root, or allow unprivileged user namespaces .*`--network open`"),
+    (["tf-config"], _bad_tf_config, r"^keras-distrib tf-config: `TF_CONFIG` is not valid JSON"),
+    (["demo", "--out", "{file}"], None,
+     r"^keras-distrib demo: `--out`='.*/file' exists and is not a directory: give the path of a directory\.$"),
+    (["demo", "--network", "wide"], None, r"argument --network: invalid choice: 'wide'"),
+    (["demo"], _no_keras,
+     r"^keras-distrib demo: keras is not installed in this Python \(.*\), and the command needs it: "
+     r"reinstall keras_distrib"),
+    (["env"], _untested_keras,
+     r"^keras-distrib env: keras_distrib is tested with Keras .* and found Keras 3\.0\.0\. Install the "
+     r"tested versions"),
+    (["test", "--workers", "0", "--timeout", "nan"], None,
+     r"^keras-distrib test: `--workers`=0: expected a whole number >= 1; `--timeout`=nan: expected a "
+     r"finite number of seconds > 0\.$"),
+    (["test"], _bad_tf_config, r"^keras-distrib test: `TF_CONFIG` is not valid JSON"),
+    (["bench", "--json", "{tmp}/missing/bench.json"], None,
+     r"^keras-distrib bench: error: `--json`='.*/missing/bench.json': its folder '.*/missing' does not "
+     r"exist: create it, or give another path$"),
+    (["bench", "--network", "--json", "{tmp}"], None,
+     r"^keras-distrib bench --network: error: `--json`='.*' exists and is not a file"),
+    (["bench", "--first-step", "--json", "{file}/x.json"], None,
+     r"^keras-distrib bench --first-step: error: `--json`='.*/file/x.json': its folder '.*/file' does "
+     r"not exist"),
+]
+
+
+@pytest.mark.parametrize("argv, machine, said", [
+    pytest.param(*row, id=" ".join(row[0]) + (f" ({row[1].__name__[1:]})" if row[1] else ""))
+    for row in BAD_INVOCATIONS])
+def test_a_bad_invocation_or_a_missing_component_ends_in_one_sentence_and_exit_code_2(
+        argv, machine, said, tmp_path, monkeypatch, capsys):
+    """No traceback (an exception out of `cli.main` fails here), nothing written, one line."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    (tmp_path / "file").write_text("kept")
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    if machine is not None:
+        machine(types.SimpleNamespace(monkeypatch=monkeypatch))
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "file", script=tmp_path / "train.py") for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:  # argparse's usage error
+        code = stop.code
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert code == 2, (code, captured)
+    assert re.search(said, lines[-1]), lines
+    if ": error: " not in lines[-1]:  # kd's own: that one line, nothing else
+        assert len(lines) == 1 and not captured.out.strip(), captured
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "train.py"]
+    assert (tmp_path / "file").read_text() == "kept"
+
+
+def test_demo_and_test_asked_for_a_route_out_they_cannot_have_name_the_command_that_runs_them(
+        monkeypatch, tmp_path):
+    """`--network private` without slirp4netns: the worker rows say why, and the offline command."""
+    from keras_distrib.commands import demo
+
+    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    code, said, _ = demo._run_stage("kd_workers", str(tmp_path), 1, 10, False, dict(os.environ),
+                                    "private")
+    assert (code, said) == (None, "not run: kd-no-such-slirp4netns is not installed here; "
+                            "`keras-distrib demo --network offline` runs them in a private network "
+                            "without a route out")
+    (row,) = selftest.launched_checks(network="private")
+    assert (row.name, row.ok, row.skipped) == ("start 2 worker processes", True, True)
+    assert row.detail == ("not run: kd-no-such-slirp4netns is not installed here; `keras-distrib test "
+                          "--network offline` runs them in a private network without a route out")
+    for command, text in (("demo", said), ("test", row.detail)):
+        (advised,) = re.findall(r"`(keras-distrib [^`]*)`", text)
+        assert cli.build_parser().parse_args(advised.split()[1:]).command == command
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ import pytest
 
 import keras_distrib.cluster.launcher as kd_launch
 from keras_distrib.cluster import network
+from keras_distrib.cluster import requests
 import keras_distrib.cluster.ports as kd_ports
 from tests import _harness
 
@@ -931,7 +932,7 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
     assert len(notices) == (1 if mode is False else 0), lines
     if mode is False:
         assert re.search(r"^\[launcher\] note: .*listen on every interface at port\(s\) \d+, "
-                         r".*--no-private-network", notices[0]), notices
+                         r".*--network open", notices[0]), notices
 
 
 @pytest.mark.cluster
@@ -955,16 +956,87 @@ def test_names_resolve_in_the_private_network_when_the_hosts_resolver_is_on_its_
     assert results["offline"]["task"].startswith("UNRESOLVED"), results
 
 
-def test_a_launch_without_slirp4netns_is_refused_saying_what_to_install(monkeypatch):
-    """Private by default: where the route out cannot be made, nothing runs open silently."""
+def test_an_explicit_private_network_without_slirp4netns_is_refused_saying_what_to_install(monkeypatch):
+    """`private_network=True` asks for a route out: where it cannot be made, nothing runs."""
     from tests import launch_targets
 
     monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
     with pytest.raises(kd_launch.LaunchError, match=r"not installed here: install it \(Debian/Ubuntu: "
                        r"`apt-get install slirp4netns`.*`private_network=\"offline\"`.*"
-                       r"`private_network=False` \(`--no-private-network`"):
+                       r"`private_network=False` \(`--network open`") as refused:
         kd_launch.launch(launch_targets.whoami, workers=1, args=("x",), sink=lambda line: None,
-                         timeout=60)
+                         timeout=60, private_network=True)
+    assert isinstance(refused.value, requests.NoPrivateNetwork) and refused.value.offline_possible
+
+
+@pytest.mark.cluster
+def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(monkeypatch):
+    """A route out where slirp4netns works; else a namespace without one, saying why; else refused."""
+    best = requests.check_private_network(requests.AUTO)
+    if shutil.which(network.SLIRP, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
+        assert best.name == "private" and best.no_route_out is None
+        assert best.note.startswith("[launcher] network: private, with a route out through slirp4netns")
+    else:  # tools/setup_private_network.sh installs it
+        assert best.name == "offline", best
+    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    offline = requests.check_private_network(requests.AUTO)
+    assert offline.name == "offline"
+    assert offline.note == ("[launcher] network: private, without a route out (kd-no-such-slirp4netns "
+                            "is not installed here): the tasks reach each other and nothing else; "
+                            "kd-no-such-slirp4netns would give them one")
+    assert re.search(r"without a route out \(kd-no-such-slirp4netns is not installed here\): install "
+                     r"kd-no-such-slirp4netns \(Debian/Ubuntu: .*`--network open`", offline.no_route_out)
+    # Asked for by name, the offline network says nothing at launch, and its advice is to drop it.
+    explicit = requests.check_private_network(requests.OFFLINE)
+    assert explicit.note is None and "launch without it" in explicit.no_route_out
+    assert requests.check_private_network(False) == requests.NetworkLevel(False)
+    # No namespace at all: refused, never open unasked; explicit requests are refused too.
+    monkeypatch.setattr(network, "PrivateNetwork", _harness.NoNamespaceHere)
+    for asked in (requests.AUTO, True, requests.OFFLINE):
+        with pytest.raises(requests.NoPrivateNetwork, match=r"`private_network`: .*EPERM") as refused:
+            requests.check_private_network(asked)
+        assert refused.value.reason == "this machine makes no network namespace (EPERM)"
+        assert not refused.value.offline_possible
+        if asked == requests.AUTO:
+            assert re.search(r"EPERM\): run as root, or allow unprivileged user namespaces .*; or "
+                             r"launch with `private_network=False` \(`--network open`\), which opens "
+                             r"the tasks' ports", str(refused.value)), refused.value
+    assert requests.check_private_network(False).name == "open"
+
+
+@pytest.mark.cluster
+def test_a_task_without_a_route_out_that_fails_on_the_network_is_told_how_to_get_one(monkeypatch):
+    from tests import launch_targets
+
+    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    lines = []
+    result = kd_launch.launch(launch_targets.reach_out, workers=1, args=(network.HOST_FROM_TASKS, 9),
+                              sink=lines.append, timeout=60, env=_harness._env())
+    assert result.returncode == 1 and result.network == "offline", lines
+    assert lines[0].startswith("[launcher] network: private, without a route out"), lines
+    (told,) = [line for line in lines if "failed on a network error" in line]
+    assert re.match(r"\[launcher\] worker 0 failed on a network error, and the tasks ran in a private "
+                    r"network without a route out \(kd-no-such-slirp4netns is not installed here\): "
+                    r"install kd-no-such-slirp4netns", told), told
+    assert any("Network is unreachable" in line for line in lines), lines
+
+
+def test_only_a_network_error_without_a_route_out_adds_the_advice():
+    from keras_distrib.cluster import failures
+    from keras_distrib.cluster.task_process import TaskResult
+
+    advice = "the tasks ran without a route out: install it."
+    unreachable = TaskResult("worker", 0, 1, ["OSError: [Errno 101] Network is unreachable"])
+    unresolved = TaskResult("worker", 0, 1, ["socket.gaierror: [Errno -3] Temporary failure in name "
+                                             "resolution"])
+    other = TaskResult("worker", 0, 1, ["ValueError: bad shape"])
+    for result in (unreachable, unresolved):
+        _, lines = failures.failure_report(result, [result], no_route_out=advice)
+        assert lines[-1] == f"[launcher] worker 0 failed on a network error, and {advice}", lines
+        _, lines = failures.failure_report(result, [result])
+        assert not any("network error" in line for line in lines), lines
+    _, lines = failures.failure_report(other, [other], no_route_out=advice)
+    assert not any("network error" in line for line in lines), lines
 
 
 @pytest.mark.cluster

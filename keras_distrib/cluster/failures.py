@@ -43,6 +43,13 @@ CONFIG_EXIT_CODE = 2
 # its files are not the ones kd wrote.
 _CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
                            r"run: |does not record what defines its run|fails its manifest check)")
+# What a connection or a name lookup to the outside says in a network
+# namespace without a route out: no route (ENETUNREACH), no resolver
+# (getaddrinfo's EAI_AGAIN / EAI_NONAME, curl's and TensorFlow's file
+# systems' wording).
+_NETWORK_ERROR = re.compile(r"Network is unreachable|Temporary failure in name resolution|Name or "
+                            r"service not known|No address associated with hostname|Could(n't| "
+                            r"not) resolve host|Failed to resolve|Errno 101\b")
 # How long the launcher waits, once a task failed, for others that end with
 # it, to name the one that ended first (`first_cause`).
 SETTLE_SECONDS = 0.5
@@ -85,8 +92,12 @@ def stopped_code(signalled, results):
     return RESTART_EXIT_CODE if saved or restart else signalled
 
 
-def failure_report(result, results):
-    """`(exit code, the launcher's lines)` for the failed task's `result` among all `results`."""
+def failure_report(result, results, *, no_route_out=None):
+    """`(exit code, the launcher's lines)` for the failed task's `result` among all `results`.
+
+    `no_route_out`: the tasks ran without a route out, and this is how to
+    give them one; said when the task's last lines show a network error.
+    """
     code = result.returncode if result.returncode is not None else 1
     code = code if code > 0 else 128 - code  # killed by a signal
     lines = _how_it_ended(result)
@@ -107,6 +118,8 @@ def failure_report(result, results):
         result, result.label, lost_lib.service_task(r.task_type for r in results))
     if explanation:
         lines.append(explanation)
+    elif no_route_out and any(_NETWORK_ERROR.search(line) for line in result.tail):
+        lines.append(f"[launcher] {result.label} failed on a network error, and {no_route_out}")
     return code, lines
 
 

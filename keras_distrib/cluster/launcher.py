@@ -86,20 +86,22 @@ def task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=N
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             grace_period=None, verbose=False, private_network=True):
+             grace_period=None, verbose=False, network=requests.NetworkLevel(True)):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
     `ps` tasks, worker and ps tasks run `server_argv` instead and only the
-    chief (the coordinator) runs the script.
+    chief (the coordinator) runs the script. `network` is the launch's
+    `requests.NetworkLevel`.
     """
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
     specs = task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
-    if not private_network:
+    if not network.mode:
         sink(exposure_notice(spec))
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
-                                grace_period=grace_period, private_network=private_network)
+                                grace_period=grace_period, private_network=network.mode,
+                                no_route_out=network.no_route_out)
 
 
 def exposure_notice(spec):
@@ -108,7 +110,7 @@ def exposure_notice(spec):
                    for address in addresses)
     return (f"[launcher] note: the tasks' TensorFlow servers listen on every interface at "
             f"port(s) {', '.join(map(str, ports))}, without authentication: anyone who reaches this "
-            "host there can run code as this user. Without --no-private-network "
+            "host there can run code as this user. Without --network open "
             "(kd.launch(private_network=False)) kd keeps them in a network namespace of their own; "
             "else firewall those ports.")
 
@@ -148,7 +150,7 @@ def with_values(values_dir, run):
 
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
-           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=True,
+           grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=requests.AUTO,
            min_workers=None):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
@@ -166,8 +168,9 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     within about a second. A task that stops on a backup directory in use
     by another run, or on a backup of another run, ends the launch with
     exit code 2 (a rerun would fail alike); a stop signal that arrives
-    while the tasks start gives 42 (restart). Without `private_network`, one
-    line at launch names the tasks' open ports and the fix. A temporary
+    while the tasks start gives 42 (restart). By default one line at launch
+    says which network the tasks got; with `private_network=False`, one
+    line names the tasks' open ports and the fix. A temporary
     directory (TMPDIR) that is full or not writable is named in the error,
     with the fix.
 
@@ -204,18 +207,25 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             and TensorFlow's start-up notices are dropped from their output
             (`keras_distrib.tf_logs`); a `TF_CPP_MIN_LOG_LEVEL` already in
             `env` is kept either way. `log_dir` files keep every line.
-        private_network: True (default): run the tasks in a network namespace
-            of their own (`network.PrivateNetwork`), one per attempt.
-            TensorFlow's servers listen on every interface and have no
-            authentication; there no other host, user or network namespace
-            reaches their ports, while the tasks still open connections out
-            (downloads, remote storage) through `slirp4netns`; this host
-            itself is `10.0.2.2` from the tasks. Needs root or unprivileged
-            user namespaces, and slirp4netns (a launch without them is
-            refused, saying what to install). `"offline"`: the namespace
-            without a route out (no slirp4netns needed). False: the tasks
-            share this host's network, their ports open to it (one line at
-            launch names them).
+        private_network: `"auto"` (default): the most private network this
+            host allows, said in one line at launch: True where it can be
+            made, else `"offline"` (the line says why, and a task that fails
+            on a network error is told how to get a route out); where no
+            network namespace can be made at all (no root, no unprivileged
+            user namespaces, a container's seccomp profile) the launch is
+            refused (`NoPrivateNetwork`), never run open unasked. True: run
+            the tasks in a network namespace of their own
+            (`network.PrivateNetwork`), one per attempt. TensorFlow's
+            servers listen on every interface and have no authentication;
+            there no other host, user or network namespace reaches their
+            ports, while the tasks still open connections out (downloads,
+            remote storage) through `slirp4netns`; this host itself is
+            `10.0.2.2` from the tasks. Needs root or unprivileged user
+            namespaces, and slirp4netns (refused without them, saying what
+            to install). `"offline"`: the namespace without a route out (no
+            slirp4netns needed). False: the tasks share this host's
+            network, their ports open to it (one line at launch names
+            them).
         min_workers: Elastic training. When a worker still fails after
             `max_restarts` restarts (its node gone, say), go on without it:
             the cluster starts again with one worker fewer (and
@@ -225,13 +235,15 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             (default): the run ends with the failure.
 
     Returns:
-        A `ClusterResult` (`lost` lists the workers given up on, in order);
-        for a function target, `.values` maps each task
-        label to its return value.
+        A `ClusterResult` (`lost` lists the workers given up on, in order;
+        `network` the network the tasks got: "private", "offline" or
+        "open"); for a function target, `.values` maps each task label to
+        its return value.
 
     Raises:
-        LaunchError: invalid arguments, or `ports` held by another kd launch
-            on this host (nothing is started).
+        LaunchError: invalid arguments, `ports` held by another kd launch
+            on this host, or a private network that cannot be made here
+            (nothing is started).
 
     Examples:
         >>> import keras_distrib as kd
@@ -246,17 +258,21 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     requests.check_min_workers(min_workers, workers, ps)
     # Before a private network is tried: nothing starts for a bad target.
     requests.checked_target(target)
-    requests.check_private_network(private_network)
+    network = requests.check_private_network(private_network)
+    if network.note:
+        sink(network.note)
     with ports_lib.reserve_ports(ports):
-        return _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
-                                timeout=timeout, env=env, sink=sink, log_dir=log_dir,
-                                ports=ports, evaluator=evaluator, grace_period=grace_period,
-                                verbose=verbose, private_network=private_network,
-                                max_restarts=max_restarts, min_workers=min_workers)
+        result = _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
+                                  timeout=timeout, env=env, sink=sink, log_dir=log_dir,
+                                  ports=ports, evaluator=evaluator, grace_period=grace_period,
+                                  verbose=verbose, network=network,
+                                  max_restarts=max_restarts, min_workers=min_workers)
+    result.network = network.name
+    return result
 
 
 def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, log_dir, ports,
-                     evaluator, grace_period, verbose, private_network, max_restarts,
+                     evaluator, grace_period, verbose, network, max_restarts,
                      min_workers=None):
     argv_for, values_dir = resolve_target(target, args)
 
@@ -269,7 +285,7 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
                     argv_for, workers=count, ps=ps, chief=chief, timeout=timeout,
                     env=env, sink=sink, log_dir=log_dir, server_argv=SERVER_ARGV,
                     ports=ports if attempt == 0 and not lost else None, evaluator=evaluator,
-                    grace_period=grace_period, verbose=verbose, private_network=private_network,
+                    grace_period=grace_period, verbose=verbose, network=network,
                 ),
                 max_restarts=max_restarts, sink=sink, what="the cluster",
             )

@@ -1,9 +1,11 @@
 """A private network for one local cluster's tasks: a namespace nothing outside reaches.
 
-`launch(private_network=True)` (the default) runs every task of an attempt
-in one `PrivateNetwork`, made and closed by `supervisor.run_tasks`; the
-request check (`requests.check_private_network`) makes and closes one to
-find out whether this host can.
+A local launch runs every task of an attempt in one `PrivateNetwork`, made
+and closed by `supervisor.run_tasks`; the request check
+(`requests.check_private_network`) makes and closes one first, to find out
+what this host allows: a namespace with a route out (slirp4netns), one
+without (`NoRouteOut`: slirp4netns missing or failing), or none at all
+(`NoNamespace`: the kernel or a policy refuses).
 """
 
 import os
@@ -16,7 +18,11 @@ import tempfile
 from keras_distrib.cluster import _guard
 
 __all__ = [
+    "ALLOW_NAMESPACES",
     "HOST_FROM_TASKS",
+    "INSTALL_SLIRP",
+    "NoNamespace",
+    "NoRouteOut",
     "OPT_OUT",
     "PrivateNetwork",
     "SLIRP",
@@ -32,11 +38,38 @@ SLIRP = "slirp4netns"
 HOST_FROM_TASKS = "10.0.2.2"
 # Seconds slirp4netns gets to configure the tasks' interface.
 SLIRP_READY_SECONDS = 10.0
-_INSTALL_SLIRP = ("install it (Debian/Ubuntu: `apt-get install slirp4netns`; Fedora/RHEL: `dnf "
-                  "install slirp4netns`; Arch: `pacman -S slirp4netns`)")
+INSTALL_SLIRP = ("(Debian/Ubuntu: `apt-get install slirp4netns`; Fedora/RHEL: `dnf install "
+                 "slirp4netns`; Arch: `pacman -S slirp4netns`)")
 OPT_OUT = ("or launch with `private_network=\"offline\"` (`--network offline`: private, no "
-           "outside network) or `private_network=False` (`--no-private-network`: the tasks' ports "
+           "outside network) or `private_network=False` (`--network open`: the tasks' ports "
            "open to this host's network, firewall them)")
+# What makes a network namespace possible where the kernel or a policy refuses one.
+ALLOW_NAMESPACES = ("run as root, or allow unprivileged user namespaces (sysctl "
+                    "kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 and later also "
+                    "kernel.apparmor_restrict_unprivileged_userns=0; a container needs a seccomp "
+                    "profile that admits unshare)")
+
+
+class NoNamespace(OSError):
+    """No network namespace can be made here: the kernel or a policy refuses one.
+
+    `reason` says why in a few words (the kernel's refusal), without advice.
+    """
+
+    def __init__(self, message, *, reason):
+        super().__init__(message)
+        self.reason = reason
+
+
+class NoRouteOut(OSError):
+    """A namespace can be made but not given a route out: slirp4netns is missing or fails.
+
+    `reason` says why in a few words, without advice.
+    """
+
+    def __init__(self, message, *, reason):
+        super().__init__(message)
+        self.reason = reason
 
 
 class PrivateNetwork:
@@ -57,8 +90,10 @@ class PrivateNetwork:
     `outbound` needs slirp4netns.
 
     Raises:
-        OSError: the namespace cannot be made, or slirp4netns is missing or
-            fails (the message says what to install, and how to opt out).
+        NoNamespace: the namespace cannot be made (the message says what
+            allows one, and how to opt out).
+        NoRouteOut: `outbound`, and slirp4netns is missing or fails (the
+            message says what to install, and how to opt out).
     """
 
     def __init__(self, outbound=True):
@@ -66,11 +101,11 @@ class PrivateNetwork:
         self._exit_fd = None
         slirp = shutil.which(SLIRP) or shutil.which(SLIRP, path="/usr/bin:/usr/sbin:/sbin")
         if outbound and slirp is None:
-            raise OSError(
+            raise NoRouteOut(
                 f"`private_network`: kd runs a local launch's tasks in a network namespace of "
                 f"their own (TensorFlow's servers have no authentication) and reaches the "
-                f"outside through {SLIRP}, which is not installed here: {_INSTALL_SLIRP}; "
-                + OPT_OUT + ".")
+                f"outside through {SLIRP}, which is not installed here: install it {INSTALL_SLIRP}; "
+                + OPT_OUT + ".", reason=f"{SLIRP} is not installed here")
         # This host's resolver on its own loopback cannot be reached from the
         # namespace: there /etc/resolv.conf names slirp4netns's, which forwards to it.
         stub = _stub_resolv_conf() if outbound else None
@@ -86,18 +121,23 @@ class PrivateNetwork:
         if ready != "READY":
             error = self.holder.stderr.read().strip().splitlines()
             self.close()
-            raise OSError(
+            refusal = error[-1].removeprefix("OSError: ") if error else "no reason given"
+            raise NoNamespace(
                 "`private_network`: could not create a network namespace for the tasks ("
-                + (error[-1] if error else "no reason given") + "). It needs root, or "
-                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on "
-                "Ubuntu 24.04 and later also kernel.apparmor_restrict_unprivileged_userns=0); "
-                + OPT_OUT + ".")
+                + refusal + "): " + ALLOW_NAMESPACES + "; or launch with `private_network=False` "
+                "(`--network open`: the tasks' ports open to this host's network, firewall "
+                "them).", reason=f"this machine makes no network namespace ({refusal})")
         if outbound:
             try:
                 self._start_slirp(slirp)
-            except OSError:
+            except NoRouteOut:
                 self.close()
                 raise
+            except OSError as error:  # it would not start (not executable, say)
+                self.close()
+                raise NoRouteOut(f"`private_network`: {slirp} does not start ({error}): check "
+                                 f"that {SLIRP} works here; " + OPT_OUT + ".",
+                                 reason=f"{SLIRP} does not start") from None
 
     def _start_slirp(self, slirp):
         own = os.stat("/proc/self/ns/user").st_ino
@@ -125,15 +165,18 @@ class PrivateNetwork:
                 self.slirp.kill()
             self.slirp.wait(timeout=10)
             error = self.slirp.stderr.read().strip().splitlines()
-            raise OSError(
+            tun_closed = "/dev/net/tun" in "".join(error)
+            raise NoRouteOut(
                 f"`private_network`: {SLIRP} could not give the tasks' namespace a route out ("
                 + ("; ".join(error[-2:]) if error else
                    f"no answer in {SLIRP_READY_SECONDS:g}s" if self.slirp.returncode is None or ready is None
                    else f"exit code {self.slirp.returncode}")
                 + ")." + (" /dev/net/tun is closed to this user: distributions make it mode "
-                          "0666 (`chmod 0666 /dev/net/tun` as root);" if "/dev/net/tun" in
-                          "".join(error) else f" Check that {SLIRP} works here;")
-                + " " + OPT_OUT + ".")
+                          "0666 (`chmod 0666 /dev/net/tun` as root);" if tun_closed
+                          else f" Check that {SLIRP} works here;")
+                + " " + OPT_OUT + ".",
+                reason=f"{SLIRP} cannot open /dev/net/tun as this user" if tun_closed
+                else f"{SLIRP} fails here: {error[0]}" if error else f"{SLIRP} fails here")
 
     @property
     def pid(self):

@@ -7,6 +7,7 @@ port reservation or network namespace exists yet when it is raised.
 """
 
 import collections.abc
+import dataclasses
 import importlib.util
 import os
 import pickle
@@ -19,7 +20,11 @@ from keras_distrib.cluster.ports import LaunchError
 from keras_distrib import validation
 
 __all__ = [
+    "AUTO",
     "DEFAULT_GRACE_PERIOD",
+    "NETWORK_OPTIONS",
+    "NetworkLevel",
+    "NoPrivateNetwork",
     "OFFLINE",
     "check_grace_period",
     "check_min_workers",
@@ -34,6 +39,52 @@ __all__ = [
 DEFAULT_GRACE_PERIOD = 25.0
 # `private_network=OFFLINE`: a namespace of their own, without a route out.
 OFFLINE = "offline"
+# `private_network=AUTO` (the default): the most private network this host
+# allows, a route out (True) before none (OFFLINE); never open (False) unasked.
+AUTO = "auto"
+# The commands' `--network` values, and the `private_network` each means.
+NETWORK_OPTIONS = {"auto": AUTO, "private": True, "offline": OFFLINE, "open": False}
+
+
+class NoPrivateNetwork(LaunchError):
+    """The private network a launch asks for (by default: any) cannot be made here.
+
+    `reason` says why in a few words, without advice, so that a front end
+    (the demo, the self-test) can word its own, naming its own options;
+    `offline_possible`: a namespace without a route out can be made here.
+    """
+
+    def __init__(self, message, *, reason, offline_possible):
+        super().__init__(message)
+        self.reason = reason
+        self.offline_possible = offline_possible
+
+    def remedy(self, command):
+        """The one `command` line (a command with `--network`) that runs the workers here, and how."""
+        if self.offline_possible:
+            return f"`{command} --network offline` runs them in a private network without a route out"
+        return (f"`{command} --network open` runs them on this host's network, their ports open to "
+                "it while they run")
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkLevel:
+    """The network a local launch's tasks get, decided once per launch.
+
+    `mode`: what `supervisor.run_tasks` takes as `private_network` (True,
+    `OFFLINE` or False). `note`: the one line a launch with `AUTO` prints
+    (None otherwise). `no_route_out`: for a launch without a route out, the
+    advice a failure on a network error ends with (None otherwise).
+    """
+
+    mode: object
+    note: str = None
+    no_route_out: str = None
+
+    @property
+    def name(self):
+        """'private' (a route out), 'offline' (none) or 'open' (this host's network)."""
+        return "private" if self.mode is True else "offline" if self.mode == OFFLINE else "open"
 
 
 def _args_problems(args, script):
@@ -165,16 +216,72 @@ def check_min_workers(min_workers, workers, ps):
 
 
 def check_private_network(private_network):
-    """Raises `LaunchError` unless `private_network` is True, `OFFLINE` or False, and a True or
-    `OFFLINE` namespace can be made here (one is made and closed to find out)."""
-    if not (isinstance(private_network, bool) or private_network == OFFLINE):
+    """The `NetworkLevel` a launch with `private_network` gets here.
+
+    True, `OFFLINE` and False are met or refused; `AUTO` takes the most
+    private network this host allows: a namespace with a route out, else one
+    without (the note says why, and how to get the route), else none, which
+    is refused (`NoPrivateNetwork`: kd never opens the tasks' ports unasked).
+    A namespace is made and closed to find out.
+
+    Raises:
+        LaunchError: `private_network` is none of those, or what it asks for
+            cannot be made here (`NoPrivateNetwork` for `AUTO`); the message
+            says why and what to do.
+    """
+    if not (isinstance(private_network, bool) or private_network in (OFFLINE, AUTO)):
         raise LaunchError(f"Invalid launch request:\n  - `private_network`={private_network!r}: "
-                          f"expected True (the default), {OFFLINE!r} or False")
-    if private_network:
+                          f"expected {AUTO!r} (the default), True, {OFFLINE!r} or False")
+    if private_network is False:
+        return NetworkLevel(False)
+    if private_network != AUTO:
         try:
             network.PrivateNetwork(outbound=private_network is True).close()
-        except OSError as error:
-            raise LaunchError(str(error)) from None
+        except network.NoRouteOut as error:
+            raise NoPrivateNetwork(str(error), reason=error.reason, offline_possible=True) from None
+        except network.NoNamespace as error:
+            raise NoPrivateNetwork(str(error), reason=error.reason, offline_possible=False) from None
+        return _level(private_network, explicit=True)
+    try:
+        network.PrivateNetwork(outbound=True).close()
+        return _level(True, explicit=False)
+    except network.NoRouteOut as error:
+        why = error.reason
+    except network.NoNamespace as error:
+        raise _no_private_network(error) from None
+    try:
+        network.PrivateNetwork(outbound=False).close()
+    except network.NoNamespace as error:
+        raise _no_private_network(error) from None
+    return _level(OFFLINE, explicit=False, why=why)
+
+
+def _no_private_network(error):
+    return NoPrivateNetwork(
+        f"`private_network`: kd keeps a local launch's tasks in a network namespace of their "
+        f"own (TensorFlow's servers have no authentication), and {error.reason}: "
+        f"{network.ALLOW_NAMESPACES}; or launch with `private_network=False` (`--network open`), "
+        "which opens the tasks' ports to this host's network (firewall them).",
+        reason=error.reason, offline_possible=False)
+
+
+def _level(mode, *, explicit, why=None):
+    if mode is True:
+        return NetworkLevel(True, None if explicit else (
+            f"[launcher] network: private, with a route out through {network.SLIRP} (no other "
+            "host or user reaches the tasks' ports)"))
+    if explicit:
+        return NetworkLevel(OFFLINE, None, (
+            "the tasks ran in a private network without a route out (`private_network="
+            "\"offline\"`, `--network offline`); launch without it to give them one through "
+            f"{network.SLIRP}."))
+    return NetworkLevel(OFFLINE, (
+        f"[launcher] network: private, without a route out ({why}): the tasks reach each other "
+        f"and nothing else; {network.SLIRP} would give them one"), (
+        f"the tasks ran in a private network without a route out ({why}): "
+        f"install {network.SLIRP} {network.INSTALL_SLIRP} to give "
+        "them one, or launch with `private_network=False` (`--network open`: the tasks' ports "
+        "open to this host's network)."))
 
 
 def checked_target(target):

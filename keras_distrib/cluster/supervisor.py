@@ -58,6 +58,7 @@ class ClusterResult:
     restarts: int = 0
     signalled: bool = False  # the launcher itself got SIGTERM/SIGINT (no restart)
     lost: list = dataclasses.field(default_factory=list)  # workers given up on (`min_workers`)
+    network: str = None  # a local launch's: "private", "offline" or "open"
 
 
 def whole_lines(sink):
@@ -133,7 +134,7 @@ class TaskSpec:
 
 
 def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=None,
-              private_network=False):
+              private_network=False, no_route_out=None):
     """Starts every task, waits, and stops them all; returns a `ClusterResult`.
 
     The run ends when every watched task exited 0, when a watched task
@@ -150,14 +151,16 @@ def run_tasks(specs, *, timeout=None, sink=print, log_dir=None, grace_period=Non
 
     With `private_network` (True, or "offline" for no route out), the tasks
     run in one network namespace of their own (`network.PrivateNetwork`): reachable
-    from nowhere else.
+    from nowhere else. `no_route_out`: where they have no route out, the
+    advice a failure on a network error ends with.
     """
     scratch, specs = _own_temporary_directories(specs)
     try:
         network = network_lib.PrivateNetwork(outbound=private_network is True) if private_network else None
         try:
             return _Run(specs, timeout=timeout, sink=sink, log_dir=log_dir,
-                        grace_period=grace_period, netns=network and network.pid).run()
+                        grace_period=grace_period, netns=network and network.pid,
+                        no_route_out=no_route_out).run()
         finally:
             if network is not None:
                 network.close()
@@ -192,12 +195,13 @@ class _Run:
     the `ClusterResult`.
     """
 
-    def __init__(self, specs, *, timeout, sink, log_dir, grace_period, netns):
+    def __init__(self, specs, *, timeout, sink, log_dir, grace_period, netns, no_route_out=None):
         self.specs = specs
         self.timeout = timeout
         self.sink = whole_lines(sink)
         self.log_dir = log_dir
         self.netns = netns
+        self.no_route_out = no_route_out
         self.grace = GRACE_SECONDS if grace_period is None else grace_period
         self.started = time.monotonic()
         self.tasks = []
@@ -332,7 +336,7 @@ class _Run:
             return ClusterResult(124, results, timed_out=True)
         if self.failed is not None:
             result = next(r for r in results if r.label == self.failed.label)
-            code, lines = failures.failure_report(result, results)
+            code, lines = failures.failure_report(result, results, no_route_out=self.no_route_out)
             for line in lines:
                 self.sink(line)
             return ClusterResult(code, results, failed=result)

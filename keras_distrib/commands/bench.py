@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from keras_distrib import validation
+
 __all__ = [
     "first_step_task",
     "main",
@@ -548,6 +550,8 @@ def main(argv=None):
     unknown = [v for v in (options.variants or "").split(",") if v and v not in VARIANTS]
     if unknown:
         problems.append(f"`--variants` names unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if options.json is not None:
+        problems += filter(None, [validation.output_path_problem("--json", options.json)])
     if problems:
         parser.error("; ".join(problems))
     if options.worker:

@@ -51,6 +51,7 @@ import time
 
 from keras_distrib.commands import bench
 from keras_distrib.commands import bench_network
+from keras_distrib import validation
 
 __all__ = [
     "FRAMEWORKS",
@@ -551,6 +552,8 @@ def _parse(argv):
             os.path.join(options.before, "keras_distrib")):
         problems.append(f"`--before`={options.before!r} holds no keras_distrib package; pass "
                         "the root of a keras_distrib checkout")
+    if options.json is not None:
+        problems += filter(None, [validation.output_path_problem("--json", options.json)])
     if problems:
         parser.error("; ".join(problems))
     if options.before:

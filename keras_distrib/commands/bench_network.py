@@ -64,6 +64,7 @@ import time
 from keras_distrib.commands import bench
 from keras_distrib.cluster import _guard
 from keras_distrib.cluster import task_process
+from keras_distrib import validation
 
 __all__ = [
     "LINKS",
@@ -746,6 +747,8 @@ def main(argv=None):
            for name, least in (("steps", 2), ("repeats", 1)) if getattr(options, name) < least]
     if options.timeout <= 0:
         bad.append(f"`--timeout`={options.timeout} must be > 0")
+    if options.json is not None:
+        bad += filter(None, [validation.output_path_problem("--json", options.json)])
     if bad:
         parser.error("; ".join(bad))
     if options.worker:

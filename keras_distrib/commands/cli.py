@@ -14,7 +14,9 @@ load it first, its start-up notices hidden.
 """
 
 import argparse
+import importlib
 import json
+import os
 import sys
 
 from keras_distrib.cluster import info as cluster_lib
@@ -24,6 +26,7 @@ from keras_distrib.cluster import launcher as launch_lib
 from keras_distrib.cluster import requests as launch_requests
 from keras_distrib.cluster import node as node_lib
 from keras_distrib import tf_logs
+from keras_distrib import validation
 
 __all__ = [
     "build_parser",
@@ -32,8 +35,11 @@ __all__ = [
 
 # The commands that load TensorFlow (`launch` and `tf-config` do not).
 _WITH_TENSORFLOW = ("bench", "demo", "env", "test")
-# `--network` values -> `kd.launch(private_network=...)`.
-_NETWORK = {"private": True, "offline": "offline", "open": False}
+_NETWORK_HELP = ("the worker processes' network: 'auto' (the default) the most private this "
+                 "machine allows, said in one line; 'private' a network namespace of their own, "
+                 "so no other host or user reaches TensorFlow's unauthenticated ports, with a "
+                 "route out through slirp4netns (refused without it); 'offline' the namespace "
+                 "without the route out; 'open' this host's network, ports open to it")
 
 
 def _per_node(value):
@@ -46,8 +52,6 @@ def _per_node(value):
 
 
 def _in_cluster_manager():
-    import os
-
     return bool(os.environ.get("TF_CONFIG", "").strip()
                 or cluster_sources.in_slurm_step(os.environ)
                 or os.environ.get("KD_NUM_PODS", "").strip())
@@ -93,11 +97,10 @@ def _launch(options):
                 grace_period=options.grace_period,
                 verbose=options.verbose,
                 min_workers=options.min_workers,
-                private_network=_NETWORK[options.network or "private"],
+                private_network=launch_requests.NETWORK_OPTIONS[options.network or "auto"],
             )
     except launch_lib.LaunchError as error:
-        print(f"keras-distrib launch: {error}", file=sys.stderr)
-        return 2
+        return _refuse("launch", [str(error)])
     stop_signals.ignore_stop_signals()
     return result.returncode
 
@@ -116,8 +119,7 @@ def _tf_config(options):
             info = cluster_lib.cluster_info()
             report = {"source": info.source, "task": info.label or None, "TF_CONFIG": info.tf_config}
     except (cluster_lib.ClusterConfigError, launch_lib.LaunchError) as error:
-        print(f"keras-distrib tf-config: {error}", file=sys.stderr)
-        return 2
+        return _refuse("tf-config", [str(error)])
     if options.export:
         config = report.get("TF_CONFIG") if "tasks" not in report else (
             report["tasks"][0]["TF_CONFIG"] if len(report["tasks"]) == 1 else None)
@@ -130,17 +132,54 @@ def _tf_config(options):
     return 0
 
 
+def _refuse(command, problems):
+    """Says why `command` cannot run, in one sentence on stderr; returns exit code 2.
+
+    A listed request ("Invalid launch request:" and a line per problem)
+    becomes one line, its problems joined by semicolons.
+    """
+    lines = [line.strip() for problem in problems for line in problem.splitlines() if line.strip()]
+    head = [line for line in lines if not line.startswith("- ")]
+    items = [line[2:] for line in lines if line.startswith("- ")]
+    text = "; ".join(head).rstrip(":") + (": " if head and items else "") + "; ".join(items)
+    print(f"keras-distrib {command}: {text.rstrip('.')}.", file=sys.stderr)
+    return 2
+
+
 def _demo(options):
     from keras_distrib.commands import demo
 
-    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose)
+    problem = validation.output_path_problem("--out", options.out, directory=True)
+    if problem is None:
+        try:
+            os.makedirs(options.out, exist_ok=True)
+        except OSError as error:  # a file system that refuses what the permissions allow (/proc)
+            problem = (f"`--out`={os.path.abspath(options.out)!r} cannot be made ({error.strerror}): "
+                       "give a path this user can write")
+    if problem:
+        return _refuse("demo", [problem])
+    return demo.main(quick=options.quick, out=options.out, verbose=options.verbose,
+                     network=options.network)
 
 
 def _test(options):
     from keras_distrib.commands import selftest
 
+    problems = []
+    if options.workers < 1:
+        problems.append(f"`--workers`={options.workers}: expected a whole number >= 1")
+    if not validation.is_seconds(options.timeout):
+        problems.append(f"`--timeout`={options.timeout:g}: expected a finite number of seconds > 0")
+    if options.dir is not None:
+        problems += filter(None, [validation.output_path_problem("--dir", options.dir, directory=True)])
+    try:
+        cluster_lib.cluster_info()
+    except cluster_lib.ClusterConfigError as error:
+        problems.append(str(error))
+    if problems:
+        return _refuse("test", problems)
     return selftest.main(workers=options.workers, verbose=options.verbose, timeout=options.timeout,
-                         directory=options.dir, gpu=options.gpu)
+                         directory=options.dir, gpu=options.gpu, network=options.network)
 
 
 def _env(options):
@@ -190,13 +229,10 @@ def build_parser():
                         help="also run the script as an `evaluator` task (e.g. kd.SidecarEvaluator)")
     launch.add_argument("--verbose", action="store_true",
                         help="keep TensorFlow's C++ start-up and INFO logs (hidden by default)")
-    launch.add_argument("--network", choices=tuple(_NETWORK), default=None,
-                        help="local cluster: 'private' (the default) runs the tasks in a network "
-                        "namespace of their own, so no other host or user reaches TensorFlow's "
-                        "unauthenticated ports, with a route out through slirp4netns; 'offline' "
-                        "without the route out; 'open' shares this host's network")
+    launch.add_argument("--network", choices=tuple(launch_requests.NETWORK_OPTIONS), default=None,
+                        help="local cluster: " + _NETWORK_HELP)
     launch.add_argument("--private-network", dest="network", action="store_const",
-                        const="private", help="the same as --network private (the default)")
+                        const="private", help="the same as --network private")
     launch.add_argument("--no-private-network", dest="network", action="store_const",
                         const="open", help="the same as --network open")
     launch.add_argument("script", help="the Python script every task runs")
@@ -227,6 +263,7 @@ def build_parser():
     demo.add_argument("--out", default="kd_demo_out", help="where checkpoints and logs go")
     demo.add_argument("--verbose", action="store_true",
                       help="show every stage's output: epochs, TensorFlow's logs, tracebacks")
+    demo.add_argument("--network", choices=tuple(launch_requests.NETWORK_OPTIONS), default="auto", help=_NETWORK_HELP)
     demo.set_defaults(run=_demo)
 
     test = commands.add_parser(
@@ -248,6 +285,7 @@ def build_parser():
                       help="check the GPU path instead: one GPU split into 2 logical GPUs (or 2 GPUs), "
                       "an NCCL all-reduce, and training against one GPU in float32, mixed_float16 "
                       "and with jit_compile=True (a few minutes; exit code 2 without a GPU)")
+    test.add_argument("--network", choices=tuple(launch_requests.NETWORK_OPTIONS), default="auto", help=_NETWORK_HELP)
     test.set_defaults(run=_test)
 
     env = commands.add_parser(
@@ -270,11 +308,44 @@ def build_parser():
     return parser
 
 
+def _frameworks_problem():
+    """Loads TensorFlow (its notices hidden) and Keras, and checks their versions; None, or why not.
+
+    A command that needs them ends on a missing or refused one with one
+    sentence, not a traceback.
+    """
+    try:
+        tf_logs.import_tensorflow()
+        import keras  # noqa: F401
+    except ImportError as error:
+        name = (getattr(error, "name", None) or "").partition(".")[0]
+        if isinstance(error, ModuleNotFoundError) and name in ("tensorflow", "keras"):
+            return (f"{name} is not installed in this Python ({sys.executable}), and the command "
+                    f"needs it: reinstall keras_distrib (`pip install -e .` in its checkout), which "
+                    f"installs the tested version")
+        return (f"TensorFlow or Keras does not load in this Python ({sys.executable}: "
+                f"{type(error).__name__}: {error}): reinstall them (`pip install -e .` in kd's "
+                "checkout installs the tested versions)")
+    try:
+        importlib.import_module("keras_distrib._keras_compat")  # refuses an untested version
+    except ImportError as error:
+        return str(error)
+    return None
+
+
 def main(argv=None):
-    """Runs the `keras-distrib` command line; returns the exit code."""
+    """Runs the `keras-distrib` command line; returns the exit code.
+
+    A user's mistake or a missing component ends with one sentence on
+    stderr and exit code 2 (argparse's usage errors included), never a
+    traceback.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in _WITH_TENSORFLOW:
-        tf_logs.import_tensorflow()  # before the command's modules: its notices hidden
+        # Before the command's modules: TensorFlow's notices hidden.
+        problem = _frameworks_problem()
+        if problem:
+            return _refuse(argv[0], [problem])
     if argv[:1] == ["bench"] and "--network" in argv[1:]:
         # Worker processes over a link with latency (`keras-distrib bench --network --help`).
         from keras_distrib.commands import bench_network

@@ -13,7 +13,10 @@ and the largest weight difference against plain Keras on one device:
   uneven last batch) and on 2 workers (it crashes).
 
 The whole output fits on one screen: a row per run as it finishes, a failed
-run as its error's type and first line. `--verbose` shows every stage's
+run as its error's type and first line, the network the worker processes
+got (the most private this machine allows, by default). Where no private
+network can be made, the worker stages' rows say so, and which command runs
+them; the other stages still run. `--verbose` shows every stage's
 own output instead (epochs, TensorFlow's logs, tracebacks).
 """
 
@@ -77,6 +80,7 @@ STAGES = (
     ("plain_workers", "plain Keras, 2 worker processes"),
 )
 _SAY = "kd-demo: "  # stage lines the demo shows (the rest only with --verbose)
+_NETWORK_NOTE = "[launcher] network: "  # the launcher's line naming the workers' network, shown too
 
 
 def _stage(name, out, epochs, rows, verbose):
@@ -163,14 +167,19 @@ def _failure(out, name, output):
         return report.error_line(lines[-1] if lines else "failed (no output)")
 
 
-def _run_stage(name, out, epochs, rows, verbose, env):
-    """Runs a stage (in a process, or 2 for the worker stages); returns (code, output, said)."""
+def _run_stage(name, out, epochs, rows, verbose, env, network):
+    """Runs a stage (in a process, or 2 for the worker stages); returns (code, output, said).
+
+    A worker stage that no private network allows here gives code None and,
+    as its output, why and the command that runs it.
+    """
     stage_args = ["--out", out, "--epochs", str(epochs), "--rows", str(rows), "--stage", name]
     if verbose:
         stage_args.append("--verbose")
     said = []
     if name.endswith("_workers"):
         from keras_distrib.cluster import launcher
+        from keras_distrib.cluster import requests
 
         lines = []
 
@@ -180,11 +189,17 @@ def _run_stage(name, out, epochs, rows, verbose, env):
                 print(line, flush=True)
             elif _SAY in line:
                 said.append(line.replace(_SAY, "", 1))
+            elif name == "kd_workers" and line.startswith(_NETWORK_NOTE):
+                said.append(line.replace("[launcher] ", "", 1))
 
-        result = launcher.launch(
-            "keras_distrib.commands.demo:_stage_main", workers=2, args=[stage_args], timeout=300,
-            env=env, sink=sink, verbose=verbose,
-        )
+        try:
+            result = launcher.launch(
+                "keras_distrib.commands.demo:_stage_main", workers=2, args=[stage_args], timeout=300,
+                env=env, sink=sink, verbose=verbose,
+                private_network=requests.NETWORK_OPTIONS[network],
+            )
+        except requests.NoPrivateNetwork as error:
+            return None, f"not run: {error.reason}; {error.remedy('keras-distrib demo')}", said
         return result.returncode, "\n".join(lines), said
     argv = [sys.executable, "-u", "-m", "keras_distrib.commands.demo", *stage_args]
     code, output = _run(argv, env, timeout=300)
@@ -194,11 +209,13 @@ def _run_stage(name, out, epochs, rows, verbose, env):
     return code, output, said
 
 
-def main(quick=False, out="kd_demo_out", verbose=False):
-    """Runs every stage, prints the table; returns 0 if kd matched one device.
+def main(quick=False, out="kd_demo_out", verbose=False, network="auto"):
+    """Runs every stage, prints the table; returns 0 if every kd stage that ran matched one device.
 
     `verbose` shows every stage's own output (epochs, TensorFlow's logs,
-    tracebacks) instead of one row per run.
+    tracebacks) instead of one row per run. `network` is the worker stages'
+    `--network` (`requests.NETWORK_OPTIONS`); where it cannot be met, their
+    rows say why and which command runs them.
     """
     import numpy as np
 
@@ -222,12 +239,20 @@ def main(quick=False, out="kd_demo_out", verbose=False):
         return (f"{left:{widths[0]}s}" + "".join(f"{c:>{w}s}" for c, w in zip(right, widths[1:]))).rstrip()
 
     print(row(headers), flush=True)
-    table, reference = [], None
+    table, reference, not_run = [], None, None
     for name, title in STAGES:
         started = time.monotonic()
-        code, output, said = _run_stage(name, out, epochs, rows, verbose, env)
+        if name.endswith("_workers") and not_run is not None:
+            code, output, said = None, "not run: as above", []
+        else:
+            code, output, said = _run_stage(name, out, epochs, rows, verbose, env, network)
         seconds = f"{time.monotonic() - started:.1f} s"
-        if code != 0 or not os.path.exists(os.path.join(out, f"{name}.npz")):
+        if code is None:
+            not_run = output
+            print(row((title, "not run", "", "", seconds)), flush=True)
+            print(f"  {output.removeprefix('not run: ')}", flush=True)
+            table.append({"run": name, "not_run": output})
+        elif code != 0 or not os.path.exists(os.path.join(out, f"{name}.npz")):
             failure = _failure(out, name, output)
             print(row((title, "FAILED", "", "", seconds)), flush=True)
             print(f"  {failure}", flush=True)
@@ -244,16 +269,21 @@ def main(quick=False, out="kd_demo_out", verbose=False):
     with open(os.path.join(out, "demo_table.json"), "w") as f:
         json.dump(table, f, indent=1)
     kd_ok = all(
-        row.get("max_weight_diff", 1.0) <= 1e-5 for row in table if row["run"].startswith(("kd_", "one_"))
+        row.get("max_weight_diff", 1.0) <= 1e-5 for row in table
+        if row["run"].startswith(("kd_", "one_")) and "not_run" not in row
     )
+    workers = ("on 2 workers it does not run." if not_run is None else
+               "the 2-worker stages did not run here (see above).")
     verdict = (f"kd matches one device to float32 round-off. Plain Keras does not: on the "
-               f"{last}-row last batch\neach replica divides its loss by its own rows; on 2 "
-               "workers it does not run." if kd_ok else
+               f"{last}-row last batch\neach replica divides its loss by its own rows; {workers}"
+               if kd_ok else
                "A kd run does NOT match one device: please report it, with --verbose output.")
-    print(f"\n{verdict}\nWritten by the chief of the 2-worker run alone:\n"
-          f"  checkpoints  {os.path.join(out, 'checkpoints')}\n"
-          f"  TensorBoard  tensorboard --logdir {os.path.join(out, 'tensorboard')}\n"
-          f"The table: {os.path.join(out, 'demo_table.json')}. Every stage's own output: --verbose.")
+    print(f"\n{verdict}")
+    if not_run is None:
+        print(f"Written by the chief of the 2-worker run alone:\n"
+              f"  checkpoints  {os.path.join(out, 'checkpoints')}\n"
+              f"  TensorBoard  tensorboard --logdir {os.path.join(out, 'tensorboard')}")
+    print(f"The table: {os.path.join(out, 'demo_table.json')}. Every stage's own output: --verbose.")
     return 0 if kd_ok else 1
 
 

@@ -10,7 +10,10 @@ prints a pass/fail table (exit code 1 if any check fails):
 - on 2 worker processes on localhost (MultiWorkerMirroredStrategy over
   gRPC, started by `kd.launch`): a collective all-reduce, the same training
   against one device, data sharding (every example seen exactly once, summed
-  over the workers with a collective) and a chief-only checkpoint write.
+  over the workers with a collective) and a chief-only checkpoint write,
+  in the most private network this machine allows (`--network`); where no
+  private network can be made, one skipped row says why and which command
+  runs them.
 
 `keras-distrib test --gpu` checks the GPU path instead, in this process,
 in a few minutes: one GPU split into 2 logical GPUs (or the first 2 GPUs
@@ -459,9 +462,20 @@ def _cluster_task(directory):
     return [dataclasses.asdict(check) for check in cluster_checks(strategy, directory)]
 
 
-def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT):
-    """`cluster_checks` on `workers` local processes; one merged row per check."""
+# What each network a launch gets (`ClusterResult.network`) is, in the table.
+_NETWORKS = {"private": "a private network with a route out", "offline":
+             "a private network without a route out", "open": "this host's network, ports open"}
+
+
+def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, network="auto"):
+    """`cluster_checks` on `workers` local processes; one merged row per check.
+
+    `network` is the `--network` they run in (`requests.NETWORK_OPTIONS`);
+    where it cannot be met, one skipped row says why and which command runs
+    them.
+    """
     from keras_distrib.cluster import launcher
+    from keras_distrib.cluster import requests
     from keras_distrib import report
 
     directory = tempfile.mkdtemp(prefix="kd_selftest_")
@@ -475,7 +489,11 @@ def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT):
         result = launcher.launch(
             _cluster_task, workers=workers, args=(directory,), timeout=timeout, env=env,
             sink=print if verbose else lines.append, verbose=verbose,
+            private_network=requests.NETWORK_OPTIONS[network],
         )
+    except requests.NoPrivateNetwork as error:
+        return [Check(name, True, f"not run: {error.reason}; {error.remedy('keras-distrib test')}",
+                      time.monotonic() - started, skipped=True)]
     except launcher.LaunchError as error:
         return [Check(name, False, report.error_line(error, width=90), time.monotonic() - started)]
     finally:
@@ -490,8 +508,8 @@ def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT):
     labels = sorted(result.values)
     checked = max(sum(row.seconds for row in rows) for rows in per_task)
     merged = [Check(name, True,
-                    "kd.launch: a TF_CONFIG each; MultiWorkerMirroredStrategy over gRPC",
-                    elapsed - checked)]
+                    "kd.launch: a TF_CONFIG each; MultiWorkerMirroredStrategy over gRPC in "
+                    + _NETWORKS[result.network], elapsed - checked)]
     for rows in zip(*per_task):
         seconds = max(row.seconds for row in rows)
         failed = [(label, row) for label, row in zip(labels, rows) if not row.ok]
@@ -541,11 +559,13 @@ _SOURCE_NAMES = {"tf_config": "TF_CONFIG", "slurm": "Slurm", "kubernetes": "Kube
 
 
 def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None, gpu=False,
-         device_type="GPU"):
-    """Runs the checks and prints the table; returns the exit code (0: all passed).
+         device_type="GPU", network="auto"):
+    """Runs the checks and prints the table; returns the exit code (0: all that ran passed).
 
     `gpu=True` runs `gpu_checks` instead (exit code 2 without a GPU);
     `device_type="CPU"` runs their logic on CPU devices (the test suite).
+    `network`: the local worker processes' `--network`; where it cannot be
+    met, their row is skipped, saying why and which command runs them.
     """
     import keras_distrib as kd
     from keras_distrib import tf_logs
@@ -579,7 +599,7 @@ def main(*, workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, directory=None, g
         say("checking this process...")
         checks = local_checks()
         say(f"checking {workers} worker processes on localhost...")
-        checks += launched_checks(workers=workers, verbose=verbose, timeout=timeout)
+        checks += launched_checks(workers=workers, verbose=verbose, timeout=timeout, network=network)
     say()
     print_table(checks, time.monotonic() - started, print_fn=say)
     return 0 if all(check.ok for check in checks) else 1
