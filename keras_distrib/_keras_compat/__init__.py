@@ -55,8 +55,8 @@ import tensorflow as tf
 
 # The minor versions the whole suite passes on (first, last); pyproject.toml
 # admits exactly these (tests/test_keras_compat.py checks that the two agree).
-TESTED_KERAS = ((3, 15), (3, 15))
-TESTED_TENSORFLOW = ((2, 21), (2, 21))
+TESTED_KERAS = ((3, 13), (3, 15))
+TESTED_TENSORFLOW = ((2, 20), (2, 21))
 # Set to 1 to run on other versions anyway: kd then warns instead of refusing.
 UNTESTED_VERSIONS_VARIABLE = "KD_UNTESTED_VERSIONS"
 
@@ -291,6 +291,8 @@ from keras_distrib._keras_compat.trainer import functional_init_arguments  # noq
 from keras_distrib._keras_compat.trainer import has_own_operations  # noqa: F401
 from keras_distrib._keras_compat.trainer import initial_epoch  # noqa: F401
 from keras_distrib._keras_compat.trainer import make_functional  # noqa: F401
+from keras_distrib._keras_compat.trainer import saved_config  # noqa: F401
+from keras_distrib._keras_compat.trainer import saving_hook_found  # noqa: F401
 from keras_distrib._keras_compat.trainer import set_initial_epoch  # noqa: F401
 from keras_distrib._keras_compat.trainer import symbolic_build  # noqa: F401
 from keras_distrib._keras_compat.data import agrees_on_batches  # noqa: F401
