@@ -55,13 +55,16 @@ def test_pyproject_admits_exactly_the_tested_versions():
 
 @pytest.mark.parametrize("keras_version,tensorflow_version,found", [
     ("3.12.0", "2.21.0", "found Keras 3.12.0"),
-    ("3.15.1", "2.20.0", "found TensorFlow 2.20.0"),
+    ("3.15.1", "2.19.0", "found TensorFlow 2.19.0"),
     ("3.16.0.dev2026010203", "2.22.0", "found Keras 3.16.0.dev2026010203 and TensorFlow 2.22.0"),
 ])
 def test_an_untested_version_is_refused_naming_the_tested_ones(keras_version, tensorflow_version, found):
-    keras_range, tensorflow_range = _keras_compat.TESTED_KERAS, _keras_compat.TESTED_TENSORFLOW
-    tested = (f"tested with Keras {keras_range[0][0]}.{keras_range[0][1]} and "
-              f"TensorFlow {tensorflow_range[0][0]}.{tensorflow_range[0][1]}")
+    def named(name, tested):
+        first, last = (f"{major}.{minor}" for major, minor in tested)
+        return f"{name} {first}" if first == last else f"{name} {first} to {last}"
+
+    tested = (f"tested with {named('Keras', _keras_compat.TESTED_KERAS)} and "
+              f"{named('TensorFlow', _keras_compat.TESTED_TENSORFLOW)}")
     with pytest.raises(ImportError, match=re.escape(tested) + ".*" + re.escape(found)) as raised:
         _keras_compat.check_versions(keras_version, tensorflow_version, {})
     message = str(raised.value)

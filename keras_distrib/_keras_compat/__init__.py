@@ -254,6 +254,10 @@ PRIVATE_NAMES = (
     ("tensorflow.python.eager.context.Context", "set_config_key_value", "method(key, value)"),
     ("tensorflow.python.eager.context.Context", "get_config_key_value", "method(key, timeout_in_ms=0)"),
     ("tensorflow.python.eager.context.Context", "delete_config_key_value", "method(key)"),
+    # TensorFlow 2.20 does not export it as tf.NoneTensorSpec.
+    ("tensorflow.python.framework.none_tensor", "NoneTensorSpec", "class: an absent optional input's spec"),
+    # A kd model's save wraps it (trainer.saved_config).
+    ("keras.src.saving.saving_lib", "serialize_keras_object", "function(obj): the model's config.json"),
 )
 
 
@@ -308,6 +312,7 @@ from keras_distrib._keras_compat.data import end_pass  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_distributed_dataset  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_iterator  # noqa: F401
 from keras_distrib._keras_compat.data import in_symbolic_scope  # noqa: F401
+from keras_distrib._keras_compat.data import is_absent_input_spec  # noqa: F401
 from keras_distrib._keras_compat.data import max_epochs  # noqa: F401
 from keras_distrib._keras_compat.data import next_epoch_over  # noqa: F401
 from keras_distrib._keras_compat.data import per_replica_specs  # noqa: F401
