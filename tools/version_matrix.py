@@ -37,7 +37,7 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kd-matrix")
 MARKER = "not cluster and not nightly and not full"
 
 
-def _tested_ranges():
+def tested_ranges():
     """(TESTED_KERAS, TESTED_TENSORFLOW) read from the source, without importing kd."""
     path = os.path.join(REPO, "keras_distrib", "_keras_compat", "__init__.py")
     with open(path) as f:
@@ -172,7 +172,7 @@ def main(argv=None):
     pytest_args = []
     if "--" in argv:
         argv, pytest_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    tested_keras, tested_tensorflow = _tested_ranges()
+    tested_keras, tested_tensorflow = tested_ranges()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keras", nargs="+", type=_minor, default=_minors(tested_keras),
                         help="Keras minor versions (default: the tested range)")
