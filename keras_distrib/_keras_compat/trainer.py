@@ -154,9 +154,23 @@ class ModelHooks:
         return self.build_from_data(iterator=iterator, data_batch=data_batch)
 
 
+# Keras 3.14 on lets a ValueError from the model's symbolic call through
+# `_symbolic_build`; 3.13 wraps it in a RuntimeError.
+_BUILD_WRAPS_VALUE_ERRORS = tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 14)
+
+
 def symbolic_build(model, data_batch):
-    """Builds the model, its compiled losses and metrics from a batch or spec."""
-    model._symbolic_build(data_batch=data_batch)
+    """Builds the model, its compiled losses and metrics from a batch or spec.
+
+    Inputs the model refuses (a required input fed None) raise Keras's own
+    ValueError, as Keras's `fit` does, on every Keras kd admits.
+    """
+    try:
+        model._symbolic_build(data_batch=data_batch)
+    except RuntimeError as error:
+        if _BUILD_WRAPS_VALUE_ERRORS and isinstance(error.__context__, ValueError):
+            raise error.__context__ from None
+        raise
 
 
 def assert_compiled(model, method):
