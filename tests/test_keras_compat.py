@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import zipfile
 
 import keras
 import numpy as np
@@ -24,6 +25,7 @@ import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import losses as kd_losses
+from keras_distrib.training import models as kd_models
 from tests import _project
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
@@ -53,13 +55,16 @@ def test_pyproject_admits_exactly_the_tested_versions():
 
 @pytest.mark.parametrize("keras_version,tensorflow_version,found", [
     ("3.12.0", "2.21.0", "found Keras 3.12.0"),
-    ("3.15.1", "2.20.0", "found TensorFlow 2.20.0"),
+    ("3.15.1", "2.19.0", "found TensorFlow 2.19.0"),
     ("3.16.0.dev2026010203", "2.22.0", "found Keras 3.16.0.dev2026010203 and TensorFlow 2.22.0"),
 ])
 def test_an_untested_version_is_refused_naming_the_tested_ones(keras_version, tensorflow_version, found):
-    keras_range, tensorflow_range = _keras_compat.TESTED_KERAS, _keras_compat.TESTED_TENSORFLOW
-    tested = (f"tested with Keras {keras_range[0][0]}.{keras_range[0][1]} and "
-              f"TensorFlow {tensorflow_range[0][0]}.{tensorflow_range[0][1]}")
+    def named(name, tested):
+        first, last = (f"{major}.{minor}" for major, minor in tested)
+        return f"{name} {first}" if first == last else f"{name} {first} to {last}"
+
+    tested = (f"tested with {named('Keras', _keras_compat.TESTED_KERAS)} and "
+              f"{named('TensorFlow', _keras_compat.TESTED_TENSORFLOW)}")
     with pytest.raises(ImportError, match=re.escape(tested) + ".*" + re.escape(found)) as raised:
         _keras_compat.check_versions(keras_version, tensorflow_version, {})
     message = str(raised.value)
@@ -430,7 +435,8 @@ _HELPERS = {
 def test_every_replacement_of_keras_behaviour_is_listed():
     listed = {r.installer.__name__ for r in _keras_compat.REPLACEMENTS}
     assert {r.scope for r in _keras_compat.REPLACEMENTS} == {
-        _keras_compat.replacements.THIS_PROCESS, _keras_compat.replacements.THIS_MODEL}
+        _keras_compat.replacements.THIS_PROCESS, _keras_compat.replacements.THIS_MODEL,
+        _keras_compat.replacements.WHILE_SAVING}
     installers = set()
     for path in _project.project_files(os.path.join("keras_distrib", "_keras_compat"), ".py"):
         with open(path) as f:
@@ -440,6 +446,35 @@ def test_every_replacement_of_keras_behaviour_is_listed():
     # The contrast: an installer that is not listed is found.
     unlisted = ast.parse("def quietly(layer):\n    object.__setattr__(layer, 'call', None)\n")
     assert _installs(unlisted) - listed == {"quietly"}
+
+
+def test_keras_saves_the_model_config_through_the_name_kd_wraps(tmp_path):
+    # A kd model's save names its classes as Keras's by wrapping saving_lib's
+    # serialize_keras_object for the save (trainer.saved_config): Keras must
+    # still call it, once, on the model, for config.json.
+    saving_lib = _resolve("keras.src.saving.saving_lib")
+    assert _keras_compat.saving_hook_found()
+    assert inspect.getsource(saving_lib).count("serialize_keras_object(model)") == 1
+    inputs = keras.Input((2,))
+    model = kd_models.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.save(tmp_path / "m.keras")
+    assert saving_lib.serialize_keras_object is _resolve(
+        "keras.src.saving.serialization_lib.serialize_keras_object")  # put back after the save
+    with zipfile.ZipFile(tmp_path / "m.keras") as archive:
+        assert json.loads(archive.read("config.json"))["class_name"] == "Functional"
+
+
+def test_a_keras_that_saves_otherwise_gets_its_own_file_and_a_warning(tmp_path, monkeypatch):
+    saving_lib = _resolve("keras.src.saving.saving_lib")
+    keras_serialize = saving_lib.serialize_keras_object
+    monkeypatch.setattr(saving_lib, "serialize_keras_object", lambda obj: keras_serialize(obj))
+    inputs = keras.Input((2,))
+    model = kd_models.Model(inputs, keras.layers.Dense(1)(inputs))
+    with pytest.warns(UserWarning, match=r"writes \.keras files in a way kd does not know.*"
+                                         r"kd\.save_for_keras"):
+        model.save(tmp_path / "m.keras")
+    with zipfile.ZipFile(tmp_path / "m.keras") as archive:
+        assert json.loads(archive.read("config.json"))["class_name"] == "FunctionalModel"
 
 
 def test_keras_still_scales_losses_by_replica_count():

@@ -161,8 +161,12 @@ def test_kd_compile_arguments_survive_a_reload(tmp_path):
     model = kd.Model(inputs, keras.layers.BatchNormalization()(inputs))
     model.compile(optimizer="sgd", loss="mse", batch_norm="per_replica", pss_evaluation_shards=2)
     model.save(tmp_path / "per_replica.keras")
-    loaded = keras.saving.load_model(tmp_path / "per_replica.keras")
+    loaded = kd.load_model(tmp_path / "per_replica.keras")
     assert (loaded.batch_norm, loaded.pss_evaluation_shards) == ("per_replica", 2)
+    # Keras's load_model gives kd's class, compiled with Keras's arguments only
+    # (the file keeps kd's apart, where plain Keras does not read them).
+    plain_loaded = keras.saving.load_model(tmp_path / "per_replica.keras")
+    assert isinstance(plain_loaded, kd.Model) and plain_loaded.batch_norm == "global"
     # Defaults stay out of the config, which is then Keras's own.
     model.compile(optimizer="sgd", loss="mse")
     assert "batch_norm" not in model.get_compile_config()

@@ -37,13 +37,32 @@ class _Adds(keras.layers.Layer):
         return inputs
 
 
+def _activity_penalty(rows):
+    layer = keras.layers.Dense(2, kernel_initializer="ones", activity_regularizer=keras.regularizers.L1(0.1))
+    layer(tf.ones((rows, 3)))
+    (term,) = layer.losses
+    return float(term)
+
+
+def _activity_penalty_is_a_mean():
+    """Whether this Keras divides an activity penalty by the batch size (3.14 on) or sums it (3.13).
+
+    Measured: two equal rows give one row's penalty if it is a mean, twice
+    that if it is a sum.
+    """
+    one, two = _activity_penalty(1), _activity_penalty(2)
+    assert abs(two - one) < 1e-6 * one or abs(two - 2 * one) < 1e-6 * one, (one, two)
+    return abs(two - one) < 1e-6 * one
+
+
 @pytest.mark.parametrize("static_rows", [None, 4])
 def test_keras_regularizers(static_rows):
     dense = keras.layers.Dense(2, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1),
                                activity_regularizer=keras.regularizers.L1(0.1))
-    # Keras divides an activity penalty by the batch size: a mean over rows,
-    # also where the graph holds that size as a constant.
-    assert _kinds([dense], static_rows=static_rows) == [penalties.ROW_MEAN, penalties.FIXED]
+    # Keras 3.14 on divides an activity penalty by the batch size: a mean over
+    # rows, also where the graph holds that size as a constant; 3.13 sums it.
+    activity = penalties.ROW_MEAN if _activity_penalty_is_a_mean() else penalties.ROW_SUM
+    assert _kinds([dense], static_rows=static_rows) == [activity, penalties.FIXED]
 
 
 @pytest.mark.parametrize("penalty, expected", [

@@ -1,16 +1,20 @@
 """Handing a model on (keras_distrib/training/saving.py).
 
-- `kd.save_for_keras` writes a `.keras` file that plain Keras loads in a
-  process where kd cannot be imported (kd is pip-installed here, so the
-  process blocks the import): the same weights, predictions and optimizer
-  state; `model.export` serves there too. kd's own `model.save` file does
-  not load there (the contrast).
+- A functional or Sequential kd model's `model.save` file, and
+  `kd.save_for_keras`'s, load in plain Keras in a process where kd cannot
+  be imported (kd is pip-installed here, so the process blocks the import),
+  as Keras's own classes: the same weights, predictions and optimizer state
+  as the kd model; `model.export` serves there too. A subclass of the
+  user's own does not load there without its code, as in plain Keras (the
+  contrast). Where kd is loaded, both `model.save` and `kd.load_model` give
+  the kd model back.
 - `kd.load_model` loads a plain Keras file as a kd model that trains on as
   plain Keras does on one device (optimizer state included); rebuilding a
   kd model around a loaded plain one loses the optimizer state (the
   contrast). kd's own compile settings survive the trip through Keras.
 """
 
+import json
 import os
 import zipfile
 
@@ -19,6 +23,7 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
+from keras_distrib.training import models as kd_models
 from tests import _harness
 
 TOLERANCE = 2e-5
@@ -54,14 +59,26 @@ def trained():
     return model
 
 
+@keras.saving.register_keras_serializable(package="test_saving")
+class OwnModel(kd.Model):
+    """A functional subclass of the user's own: its file needs this class, as in plain Keras."""
+
+
 @pytest.mark.cluster
-def test_a_handed_on_file_loads_where_kd_cannot_be_imported(trained, tmp_path):
+def test_a_saved_file_loads_where_kd_cannot_be_imported(trained, tmp_path):
     x, _ = _data()
     kd.save_for_keras(trained, tmp_path / "handed.keras")
     trained.save(tmp_path / "saved.keras")
     trained.export(str(tmp_path / "exported"), verbose=False)
+    keras.utils.set_random_seed(5)
+    sequential = kd.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="relu"),
+                                keras.layers.Dense(1)])
+    sequential.save(tmp_path / "sequential.keras")
+    inputs = keras.Input((5,))
+    OwnModel(inputs, keras.layers.Dense(1)(inputs)).save(tmp_path / "own_class.keras")
     arrays = {"x": x, "predictions": trained.predict(x, verbose=0),
-              "optimizer_count": len(trained.optimizer.variables)}
+              "sequential": sequential.predict(x, verbose=0),
+              "weight_count": len(trained.weights), "optimizer_count": len(trained.optimizer.variables)}
     arrays.update({f"weight_{i}": w for i, w in enumerate(trained.get_weights())})
     arrays.update({f"optimizer_{i}": v.numpy() for i, v in enumerate(trained.optimizer.variables)})
     np.savez(tmp_path / "expected.npz", **arrays)
@@ -69,13 +86,49 @@ def test_a_handed_on_file_loads_where_kd_cannot_be_imported(trained, tmp_path):
     assert code == 0, output[-4000:]
     (result,) = _harness.results_of(output)
     assert result["blocked"] and result["kd_modules"] == [], result
-    assert result["class"] == "Functional" and result["compiled"], result
-    assert result["iterations"] == int(trained.optimizer.iterations.numpy()) == 5, result
-    assert result["optimizer_count"][0] == result["optimizer_count"][1], result
-    for key in ("weights", "optimizer", "predictions", "served"):
-        assert result[key] is not None and result[key] <= TOLERANCE, (key, result)
-    # Contrast: kd's own file names kd's class, which is not there.
-    assert "Could not locate class 'FunctionalModel'" in result["own_file"], result
+    # model.save's file and save_for_keras's: Keras's class, kd's weights, optimizer, predictions.
+    for name in ("saved", "handed"):
+        loaded = result[name]
+        assert loaded["class"] == "Functional" and loaded["compiled"], (name, result)
+        assert loaded["iterations"] == int(trained.optimizer.iterations.numpy()) == 5, (name, result)
+        assert loaded["optimizer_count"][0] == loaded["optimizer_count"][1], (name, result)
+        for key in ("weights", "optimizer", "predictions"):
+            assert loaded[key] is not None and loaded[key] <= TOLERANCE, (name, key, result)
+    assert result["sequential"][0] == "Sequential" and result["sequential"][1] <= TOLERANCE, result
+    assert result["served"] <= TOLERANCE, result
+    # Contrast: a subclass of the user's own is not there without its code.
+    assert "Could not locate class 'OwnModel'" in result["own_class"], result
+
+
+def test_a_saved_file_names_keras_classes_and_loads_back_as_kd(trained, tmp_path):
+    trained.save(tmp_path / "saved.keras")
+    with zipfile.ZipFile(tmp_path / "saved.keras") as archive:
+        config = json.loads(archive.read("config.json"))
+    # Keras's module and class (what plain Keras falls back to), kd's registered name.
+    inputs = keras.Input((5,))
+    keras_functional = type(keras.Model(inputs, keras.layers.Dense(1)(inputs)))
+    assert (config["module"], config["class_name"]) == (keras_functional.__module__, "Functional")
+    assert config["registered_name"] == "keras_distrib>FunctionalModel"
+    assert "batch_norm" not in config["compile_config"]  # plain Keras's compile refuses it
+    plain_loaded = keras.saving.load_model(tmp_path / "saved.keras")
+    assert type(plain_loaded) is kd_models.FunctionalModel and plain_loaded.compiled
+    back = kd.load_model(tmp_path / "saved.keras")
+    assert type(back) is kd_models.FunctionalModel
+    assert (back.batch_norm, back.pss_evaluation_shards) == ("per_replica", 3)
+    x, _ = _data()
+    for loaded in (plain_loaded, back):
+        for saved, restored in zip(trained.optimizer.variables, loaded.optimizer.variables):
+            np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+        np.testing.assert_array_equal(trained.predict(x, verbose=0), loaded.predict(x, verbose=0))
+    # A nested kd model is named as Keras's too.
+    inner = kd.Sequential([keras.Input((5,)), keras.layers.Dense(3)], name="inner")
+    inputs = keras.Input((5,))
+    kd.Model(inputs, keras.layers.Dense(1)(inner(inputs))).save(tmp_path / "nested.keras")
+    with zipfile.ZipFile(tmp_path / "nested.keras") as archive:
+        nested = json.loads(archive.read("config.json"))
+    (layer,) = [layer for layer in nested["config"]["layers"] if layer["config"]["name"] == "inner"]
+    assert (layer["class_name"], layer["registered_name"]) == ("Sequential", "keras_distrib>Sequential")
+    assert type(keras.saving.load_model(tmp_path / "nested.keras").get_layer("inner")) is kd.Sequential
 
 
 def test_a_plain_keras_file_trains_on_in_kd_as_plain_keras_does(tmp_path):

@@ -55,8 +55,8 @@ import tensorflow as tf
 
 # The minor versions the whole suite passes on (first, last); pyproject.toml
 # admits exactly these (tests/test_keras_compat.py checks that the two agree).
-TESTED_KERAS = ((3, 15), (3, 15))
-TESTED_TENSORFLOW = ((2, 21), (2, 21))
+TESTED_KERAS = ((3, 13), (3, 15))
+TESTED_TENSORFLOW = ((2, 20), (2, 21))
 # Set to 1 to run on other versions anyway: kd then warns instead of refusing.
 UNTESTED_VERSIONS_VARIABLE = "KD_UNTESTED_VERSIONS"
 
@@ -254,6 +254,10 @@ PRIVATE_NAMES = (
     ("tensorflow.python.eager.context.Context", "set_config_key_value", "method(key, value)"),
     ("tensorflow.python.eager.context.Context", "get_config_key_value", "method(key, timeout_in_ms=0)"),
     ("tensorflow.python.eager.context.Context", "delete_config_key_value", "method(key)"),
+    # TensorFlow 2.20 does not export it as tf.NoneTensorSpec.
+    ("tensorflow.python.framework.none_tensor", "NoneTensorSpec", "class: an absent optional input's spec"),
+    # A kd model's save wraps it (trainer.saved_config).
+    ("keras.src.saving.saving_lib", "serialize_keras_object", "function(obj): the model's config.json"),
 )
 
 
@@ -291,6 +295,8 @@ from keras_distrib._keras_compat.trainer import functional_init_arguments  # noq
 from keras_distrib._keras_compat.trainer import has_own_operations  # noqa: F401
 from keras_distrib._keras_compat.trainer import initial_epoch  # noqa: F401
 from keras_distrib._keras_compat.trainer import make_functional  # noqa: F401
+from keras_distrib._keras_compat.trainer import saved_config  # noqa: F401
+from keras_distrib._keras_compat.trainer import saving_hook_found  # noqa: F401
 from keras_distrib._keras_compat.trainer import set_initial_epoch  # noqa: F401
 from keras_distrib._keras_compat.trainer import symbolic_build  # noqa: F401
 from keras_distrib._keras_compat.data import agrees_on_batches  # noqa: F401
@@ -306,6 +312,7 @@ from keras_distrib._keras_compat.data import end_pass  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_distributed_dataset  # noqa: F401
 from keras_distrib._keras_compat.data import epoch_iterator  # noqa: F401
 from keras_distrib._keras_compat.data import in_symbolic_scope  # noqa: F401
+from keras_distrib._keras_compat.data import is_absent_input_spec  # noqa: F401
 from keras_distrib._keras_compat.data import max_epochs  # noqa: F401
 from keras_distrib._keras_compat.data import next_epoch_over  # noqa: F401
 from keras_distrib._keras_compat.data import per_replica_specs  # noqa: F401

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute import input_lib
+from tensorflow.python.framework import none_tensor
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope as _in_symbolic_scope
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers.data_adapters import array_data_adapter
@@ -28,6 +29,7 @@ __all__ = [
     "epoch_distributed_dataset",
     "epoch_iterator",
     "in_symbolic_scope",
+    "is_absent_input_spec",
     "max_epochs",
     "next_epoch_over",
     "per_replica_specs",
@@ -39,6 +41,16 @@ __all__ = [
     "skip_batch_agreement",
     "train_validation_split",
 ]
+
+
+# The spec of an absent optional input: `tf.NoneTensorSpec` from TensorFlow
+# 2.21; TensorFlow 2.20 has the class in tensorflow.python only.
+_NONE_TENSOR_SPEC = getattr(tf, "NoneTensorSpec", none_tensor.NoneTensorSpec)
+
+
+def is_absent_input_spec(spec):
+    """Whether `spec` is an absent optional input's (`keras.Input(optional=True)` fed None)."""
+    return isinstance(spec, (_NONE_TENSOR_SPEC, tf.OptionalSpec))
 
 
 def epoch_iterator(**kwargs):

@@ -1,7 +1,7 @@
 """Every place kd replaces Keras or TensorFlow behaviour, with its scope.
 
 Importing keras_distrib replaces nothing. What kd replaces, it replaces in
-one of two scopes:
+one of three scopes:
 
 - `THIS_PROCESS`: an attribute of a Keras or TensorFlow class or module, so
   every caller in the process goes through kd's version once it is there.
@@ -18,6 +18,8 @@ one of two scopes:
   the model compiles and at its first step (`DistributedModelMixin.compile`,
   `_install_layer_hooks`, `_install_step_hooks`), or by `kd.exact_optimizer` on
   the optimizer it is given.
+- `WHILE_SAVING`: an attribute of a Keras module for the length of a kd
+  model's `save`, put back when it returns (`trainer.saved_config`).
 
 `REPLACEMENTS` lists them all, each with the function here (in
 `_keras_compat`) that installs it; every installer is idempotent.
@@ -47,6 +49,7 @@ __all__ = [
     "Replacement",
     "THIS_MODEL",
     "THIS_PROCESS",
+    "WHILE_SAVING",
     "install_for_process",
     "installed_for_process",
     "replace_loss_object_call",
@@ -56,6 +59,7 @@ __all__ = [
 
 THIS_PROCESS = "this process"
 THIS_MODEL = "this model"
+WHILE_SAVING = "while a kd model saves"
 
 # Keras's TensorFlow random functions kd lays out over the global batch:
 # name -> whether the first argument is a shape (else an input tensor).
@@ -70,7 +74,7 @@ class Replacement:
     Attributes:
         target: What is replaced (a dotted attribute; `<layer>` etc. stand
             for instances).
-        scope: `THIS_PROCESS` or `THIS_MODEL`.
+        scope: `THIS_PROCESS`, `THIS_MODEL` or `WHILE_SAVING`.
         installer: The `_keras_compat` function that installs it.
         why: What kd's version does, and when it is Keras's own.
     """
@@ -249,4 +253,9 @@ REPLACEMENTS = (
         trainer.make_functional,
         "A subclass built with inputs and outputs becomes functional through kd's "
         "FunctionalModel, as keras.Model rewrites its own subclasses' bases."),
+    Replacement(
+        "keras.src.saving.saving_lib.serialize_keras_object", WHILE_SAVING, trainer.saved_config,
+        "During a kd model's `save`: config.json names kd's functional and Sequential classes "
+        "as Keras's (module and class), keeping kd's registered name, so plain Keras loads the "
+        "file and kd gets its class back. Other classes' configs are Keras's."),
 )

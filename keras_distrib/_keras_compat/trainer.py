@@ -4,9 +4,15 @@ Part of `keras_distrib._keras_compat`: only these modules touch `keras.src`,
 `tensorflow.python` or private attributes of Keras/TensorFlow objects.
 """
 
+import contextlib
+import threading
+import warnings
+
 import keras
 from keras.src.models import functional as keras_functional
 from keras.src.models import model as keras_model
+from keras.src.saving import saving_lib
+from keras.src.saving import serialization_lib
 from keras.src.trainers import compile_utils
 
 __all__ = [
@@ -23,6 +29,8 @@ __all__ = [
     "has_own_operations",
     "initial_epoch",
     "make_functional",
+    "saved_config",
+    "saving_hook_found",
     "set_initial_epoch",
     "symbolic_build",
 ]
@@ -71,6 +79,62 @@ def make_functional(cls, kd_model, kd_functional):
     inject(cls)
 
 
+# One transform at a time: `saved_config` replaces a module attribute of
+# Keras's saving_lib, shared by every thread's save.
+_SAVING = threading.RLock()
+
+
+def saving_hook_found():
+    """Whether Keras's saving_lib serializes the model through the function `saved_config` wraps.
+
+    Keras's saving_lib (3.13 to 3.15) imports `serialize_keras_object` by
+    name and calls it once per save, on the model, to write config.json.
+    `tests/test_keras_compat.py` checks this on the installed Keras.
+    """
+    return getattr(saving_lib, "serialize_keras_object", None) is serialization_lib.serialize_keras_object
+
+
+@contextlib.contextmanager
+def saved_config(transform):
+    """While open, the `.keras` file Keras writes holds `transform(config)` as its model config.
+
+    Keras names a model's class in config.json by its Python module and
+    name; kd's `Model.save` names its own functional and Sequential classes
+    there as Keras's (keeping kd's registered name), so that plain Keras
+    loads the file. The replacement of saving_lib's `serialize_keras_object`
+    lasts for the save only (`replacements.REPLACEMENTS`, scope
+    `WHILE_SAVING`) and changes nothing but what `transform` changes. On a
+    Keras whose saving_lib no longer serializes through that name, the file
+    is Keras's own and kd warns.
+
+    Args:
+        transform: Takes the model's serialized config (a dict) and returns
+            the config to write.
+    """
+    with _SAVING:
+        if getattr(saving_lib.serialize_keras_object, "kd_saved_config", False):
+            yield  # a save within a save: the outer transform applies
+            return
+        if not saving_hook_found():
+            warnings.warn(
+                f"Keras {keras.__version__} writes .keras files in a way kd does not know: this file "
+                "names kd's classes, so it loads only where keras_distrib is installed "
+                "(kd.save_for_keras writes one that plain Keras loads).", stacklevel=4)
+            yield
+            return
+        keras_serialize = saving_lib.serialize_keras_object
+
+        def serialize(obj):
+            return transform(keras_serialize(obj))
+
+        serialize.kd_saved_config = True
+        setattr(saving_lib, "serialize_keras_object", serialize)
+        try:
+            yield
+        finally:
+            setattr(saving_lib, "serialize_keras_object", keras_serialize)
+
+
 def functional_init(model, args, kwargs):
     """`keras.Model.__init__` for functional arguments, on an already functional class."""
     keras_functional.Functional.__init__(model, *args, **kwargs)
@@ -90,9 +154,23 @@ class ModelHooks:
         return self.build_from_data(iterator=iterator, data_batch=data_batch)
 
 
+# Keras 3.14 on lets a ValueError from the model's symbolic call through
+# `_symbolic_build`; 3.13 wraps it in a RuntimeError.
+_BUILD_WRAPS_VALUE_ERRORS = tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 14)
+
+
 def symbolic_build(model, data_batch):
-    """Builds the model, its compiled losses and metrics from a batch or spec."""
-    model._symbolic_build(data_batch=data_batch)
+    """Builds the model, its compiled losses and metrics from a batch or spec.
+
+    Inputs the model refuses (a required input fed None) raise Keras's own
+    ValueError, as Keras's `fit` does, on every Keras kd admits.
+    """
+    try:
+        model._symbolic_build(data_batch=data_batch)
+    except RuntimeError as error:
+        if _BUILD_WRAPS_VALUE_ERRORS and isinstance(error.__context__, ValueError):
+            raise error.__context__ from None
+        raise
 
 
 def assert_compiled(model, method):

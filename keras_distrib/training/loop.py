@@ -589,7 +589,7 @@ def _first_replica_spec(spec):
     """
     values = _keras_compat.per_replica_specs(spec)
     spec = values[0] if values else spec
-    if isinstance(spec, (tf.NoneTensorSpec, tf.OptionalSpec)):
+    if _keras_compat.is_absent_input_spec(spec):
         return None
     return spec
 

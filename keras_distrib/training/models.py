@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 BATCH_NORM_MODES = ("global", "per_replica")
+# What kd adds to `compile`, with its defaults (a compile config names those
+# that differ).
+OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "pss_evaluation_shards": 0}
+# A `.keras` file's config entry (beside "compile_config") that keeps kd's own
+# compile arguments out of what plain Keras compiles with.
+OWN_COMPILE_ENTRY = "keras_distrib_compile"
 
 
 def _static_rows(x):
@@ -148,6 +154,41 @@ def unregistered_class_warning(model):
         stacklevel=3,
     )
     return True
+
+
+def _as_keras_classes(config):
+    """A serialized model config naming kd's functional and Sequential classes as Keras's.
+
+    Each such node keeps kd's registered name (`keras_distrib>FunctionalModel`),
+    which Keras looks up first: where kd's model classes are loaded it finds
+    kd's class; where kd is not installed it falls back to the module and
+    class, now Keras's `Functional` or `Sequential`, whose layers and
+    weights are the same. kd's own compile arguments move out of
+    "compile_config" (plain Keras's `compile` refuses them) to an entry of
+    their own (`OWN_COMPILE_ENTRY`), which `kd.load_model` applies again.
+    A subclass of the user's own keeps its class, as in plain Keras.
+    """
+    keras_classes = {keras.saving.get_registered_name(FunctionalModel): _keras_compat.Functional,
+                     keras.saving.get_registered_name(Sequential): keras.Sequential}
+
+    def visit(node):
+        if isinstance(node, dict):
+            keras_class = keras_classes.get(node.get("registered_name"))
+            if keras_class is not None:
+                node["module"], node["class_name"] = keras_class.__module__, keras_class.__name__
+                compile_config = node.get("compile_config") or {}
+                own = {name: compile_config.pop(name) for name in OWN_COMPILE_DEFAULTS
+                       if name in compile_config}
+                if own:
+                    node[OWN_COMPILE_ENTRY] = own
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(config)
+    return config
 
 
 def _strategy_name(strategy):
@@ -288,10 +329,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         config = super().get_compile_config()
         if config is None:
             return config
-        own = {"batch_norm": (getattr(self, "batch_norm", "global"), "global"),
-               "rows_meet": (getattr(self, "rows_meet", "global"), "global"),
-               "pss_evaluation_shards": (getattr(self, "pss_evaluation_shards", 0), 0)}
-        return {**config, **{name: value for name, (value, default) in own.items() if value != default}}
+        own = {name: getattr(self, name, default) for name, default in OWN_COMPILE_DEFAULTS.items()}
+        return {**config, **{name: value for name, value in own.items()
+                             if value != OWN_COMPILE_DEFAULTS[name]}}
 
     def compile_from_config(self, config):
         """Compiles from `get_compile_config()`'s output, as `keras.saving.load_model` does.
@@ -765,7 +805,15 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return self.predict(x, batch_size=max(rows, 1), verbose=0)
 
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """`keras.Model.save`; a legacy `.h5` file reloads as this model's class.
+        """`keras.Model.save`: a `.keras` file plain Keras loads too; `.h5` reloads as kd's class.
+
+        A functional or Sequential kd model's `.keras` file loads where kd is
+        not installed, as Keras's `Functional` / `Sequential` with the same
+        weights, predictions and compiled optimizer; where kd's model
+        classes are loaded, `keras.saving.load_model` gives the kd model
+        back, and `kd.load_model` also kd's own compile arguments
+        (`batch_norm`, ...). A subclass of your own needs its class to
+        load, as in plain Keras.
 
         Keras's legacy HDF5 format records the class by its bare Python name
         (`Sequential`, `FunctionalModel`), which `load_model` resolves to
@@ -780,7 +828,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """
         unregistered_class_warning(self)
         before = _file_stamp(filepath)
-        result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        with _keras_compat.saved_config(_as_keras_classes):
+            result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
         if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:
             _record_registered_class(filepath, type(self))
         return result
@@ -841,10 +890,13 @@ class Model(DistributedModelMixin, keras.Model):
     Everything else is Keras's own code, called as Keras calls it (saving
     formats, argument checks, ragged outputs, inference on a model never
     compiled): see the guide "A drop-in keras.Model". A `.keras` file of a kd
-    model reloads compiled, with its optimizer's state, where kd's classes
-    are registered: they register themselves when kd's model classes load
-    (any use of `kd.Model`, `kd.Sequential` or `kd.DistributedModelMixin`;
-    `import keras_distrib` alone loads no TensorFlow and registers nothing).
+    model reloads compiled, with its optimizer's state, as the kd model
+    where kd's classes are registered: they register themselves when kd's
+    model classes load (any use of `kd.Model`, `kd.Sequential`,
+    `kd.DistributedModelMixin` or `kd.load_model`; `import keras_distrib`
+    alone loads no TensorFlow and registers nothing). Where kd is not
+    installed, plain Keras loads a functional or Sequential kd model's file
+    as Keras's `Functional` / `Sequential` (see `save`).
     `kd.Model(inputs, outputs)` returns kd's functional class, a subclass of
     `kd.Model` and of Keras's `Functional`.
 

@@ -1,19 +1,22 @@
 """Handing a model on: `.keras` files plain Keras loads, and any `.keras` file into kd.
 
-A kd model saved with `model.save("m.keras")` names kd's classes
-(`keras_distrib>FunctionalModel`), so only a process with kd installed
-loads it. Evaluation and serving code often does not install training
-libraries: `save_for_keras` writes the same file with Keras's own classes
-(`Functional`, `Sequential`), which `keras.saving.load_model` loads
-anywhere, weights and optimizer state included. (`model.export(path)`
-writes a SavedModel for serving; it needs neither kd nor Keras to load.)
+A functional or Sequential kd model saved with `model.save("m.keras")`
+names Keras's classes (`Functional`, `Sequential`) with kd's registered
+name beside them: plain Keras loads it where kd is not installed, and
+where kd's model classes are loaded Keras finds kd's class by that name
+(`models._as_keras_classes`). `save_for_keras` writes a file without kd's
+names at all, which `keras.saving.load_model` loads as Keras's classes
+even beside kd. (`model.export(path)` writes a SavedModel for serving; it
+needs neither kd nor Keras to load.)
 
 The way back: `load_model` loads any `.keras` file as a kd model, a plain
 Keras model's included, compiled as it was saved and with its optimizer
 state, to train on exactly where it stopped. What kd adds to `compile`
 (`batch_norm`, `rows_meet`, `pss_evaluation_shards`) is not Keras's: `save_for_keras`
 keeps it in an entry of its own in the file (`keras_distrib.json`, which
-Keras does not read), and `load_model` compiles with it again.
+Keras does not read), `model.save` in an entry of the config beside
+"compile_config" (`models.OWN_COMPILE_ENTRY`, which Keras ignores), and
+`load_model` compiles with it again.
 """
 
 import functools
@@ -302,8 +305,11 @@ def load_model(filepath, *, custom_objects=None, compile=True, safe_mode=True):
         config = json.loads(archive.read(_CONFIG))
         entry = json.loads(archive.read(SETTINGS_ENTRY)) if SETTINGS_ENTRY in names else None
     kd_config = _kd_config(config, entry, custom_objects)
-    if compile and entry and entry.get("compile") and kd_config.get("compile_config"):
-        kd_config["compile_config"] = {**kd_config["compile_config"], **entry["compile"]}
+    # kd's own compile arguments: save_for_keras keeps them in an entry of
+    # the file, model.save in one of the config.
+    own = {**(entry or {}).get("compile", {}), **config.get(models.OWN_COMPILE_ENTRY, {})}
+    if compile and own and kd_config.get("compile_config"):
+        kd_config = dict(kd_config, compile_config={**kd_config["compile_config"], **own})
     if kd_config == config:
         return keras.saving.load_model(path, custom_objects=custom_objects, compile=compile,
                                        safe_mode=safe_mode)

@@ -1,9 +1,11 @@
 """Loads what kd handed on in a process where keras_distrib cannot be imported.
 
 argv: a folder holding handed.keras (kd.save_for_keras), saved.keras (kd's
-model.save), exported/ (model.export) and expected.npz (the kd model's
+model.save of the same functional model), sequential.keras (model.save of a
+kd.Sequential), own_class.keras (model.save of a registered subclass of the
+user's own), exported/ (model.export) and expected.npz (the kd models'
 predictions, weights and optimizer variables). Prints RESULT with the
-largest differences and what loading kd's own file said.
+largest differences and what loading the subclass's file said.
 """
 
 import importlib.abc
@@ -43,26 +45,39 @@ def largest(pairs):
                for a, b in pairs)
 
 
-model = keras.saving.load_model(os.path.join(folder, "handed.keras"))
-weights = [expected[f"weight_{i}"] for i in range(len(model.weights))]
+weights = [expected[f"weight_{i}"] for i in range(int(expected["weight_count"]))]
 slots = [expected[f"optimizer_{i}"] for i in range(int(expected["optimizer_count"]))]
+
+
+def loaded(name):
+    """What plain Keras gives for one file: the model's class and its differences from kd's."""
+    model = keras.saving.load_model(os.path.join(folder, name))
+    return {
+        "class": type(model).__name__,
+        "compiled": bool(model.compiled),
+        "weights": largest(zip(weights, model.get_weights())) if len(weights) == len(model.weights) else None,
+        "optimizer": largest(zip(slots, [v.numpy() for v in model.optimizer.variables]))
+        if len(slots) == len(model.optimizer.variables) else None,
+        "optimizer_count": [len(slots), len(model.optimizer.variables)],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "predictions": largest([(expected["predictions"], model.predict(x, verbose=0))]),
+    }
+
+
 served = tf.saved_model.load(os.path.join(folder, "exported"))
+sequential = keras.saving.load_model(os.path.join(folder, "sequential.keras"))
 try:
-    keras.saving.load_model(os.path.join(folder, "saved.keras"))
-    own_file = "loaded"
-except Exception as error:  # what kd's own file gives where kd is missing
-    own_file = f"{type(error).__name__}: {error}"
+    keras.saving.load_model(os.path.join(folder, "own_class.keras"))
+    own_class = "loaded"
+except Exception as error:  # a subclass of the user's own needs its code, as in plain Keras
+    own_class = f"{type(error).__name__}: {error}"
 print("RESULT " + json.dumps({
     "blocked": blocked,
     "kd_modules": sorted(m for m in sys.modules if m.startswith("keras_distrib")),
-    "class": type(model).__name__,
-    "compiled": bool(model.compiled),
-    "weights": largest(zip(weights, model.get_weights())) if len(weights) == len(model.weights) else None,
-    "optimizer": largest(zip(slots, [v.numpy() for v in model.optimizer.variables]))
-    if len(slots) == len(model.optimizer.variables) else None,
-    "optimizer_count": [len(slots), len(model.optimizer.variables)],
-    "iterations": int(model.optimizer.iterations.numpy()),
-    "predictions": largest([(expected["predictions"], model.predict(x, verbose=0))]),
+    "handed": loaded("handed.keras"),
+    "saved": loaded("saved.keras"),
+    "sequential": [type(sequential).__name__,
+                   largest([(expected["sequential"], sequential.predict(x, verbose=0))])],
     "served": largest([(expected["predictions"], served.serve(tf.constant(x)).numpy())]),
-    "own_file": own_file[:300],
+    "own_class": own_class[:300],
 }))
