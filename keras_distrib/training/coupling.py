@@ -177,16 +177,7 @@ def _row_aligned(values):
 # `concat([x, z])` stacks them; `(0, 0)`: two blocks of the batch, a GAN's
 # generated and real images). One device holds, for a layout, every
 # replica's rows of each block in turn. `NO_ROWS`: weights and constants.
-NO_ROWS = ()
-
-_KEEPS_LAYOUT = frozenset(penalties.ELEMENTWISE) | {
-    "AddN", "Select", "SelectV2", "ClipByValue", "BiasAdd", "MatMul", "BatchMatMul",
-    "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool",
-    "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D", "Softmax", "LogSoftmax", "Fill",
-}
-_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"}
-_NO_ROWS_OPS = {"Const", "ReadVariableOp", "VarHandleOp", "Range"}
-
+NO_ROWS = penalties.NO_ROWS
 
 def mark_layout(tensor, layout, batch=None):
     """Records that `tensor`'s rows have `layout` (kd's own outputs: padded, laid out, drawn)."""
@@ -199,9 +190,12 @@ def mark_layout(tensor, layout, batch=None):
 def row_layout(tensor, batch):
     """The layout of `tensor`'s rows (see `NO_ROWS`), or None where kd cannot tell.
 
-    Read from the graph: the step's data leaves, concatenations along the
-    rows, and the ops that keep each row its own (elementwise ops, matrix
-    products with weights, convolutions, reshapes that keep the rows); a
+    Read from the graph with the op table that also gives each tensor its
+    kind (`penalties.OPS`, `penalties.layout_of_op`): the step's data
+    leaves, concatenations along the rows, and the ops that keep each row
+    its own (elementwise ops, matrix products with weights, convolutions,
+    reshapes that keep the rows); an op the table does not read has no
+    layout (kd then counts the rows instead, see `gather`); a
     tensor kd made (a padded batch, a random layer's output) has its layout
     recorded. A row count (`tf.shape(x)[0]`) has the layout of `x`.
     """
@@ -217,7 +211,7 @@ def row_layout(tensor, batch):
             memo[key] = leaves[key]
             continue
         op = value.op
-        if op.type in _NO_ROWS_OPS or value.dtype == tf.resource or (
+        if penalties.holds_no_rows(op.type) or value.dtype == tf.resource or (
                 op.type == "Placeholder" and key not in leaves) or not op.inputs:
             memo[key] = NO_ROWS if op.type != "Placeholder" or value.dtype == tf.resource else None
             continue
@@ -226,44 +220,8 @@ def row_layout(tensor, batch):
             stack.append((value, True))
             stack.extend((t, False) for t in pending)
             continue
-        memo[key] = _layout_of_op(op, value, [memo.get(t.ref()) for t in op.inputs])
+        memo[key] = penalties.layout_of_op(op, value, [memo.get(t.ref()) for t in op.inputs])
     return memo[tensor.ref()]
-
-
-def _layout_of_op(op, value, layouts):
-    kind = op.type
-    if kind == "ConcatV2":
-        axis = tf.get_static_value(op.inputs[-1])
-        parts = layouts[:-1]
-        if axis is not None and int(axis) % max(value.shape.rank or 1, 1) == 0 and \
-                all(p is not None for p in parts):
-            joined = tuple(block for part in parts for block in part)
-            return joined
-        return _same(parts)
-    if kind == "Shape":
-        return layouts[0]  # a row count has the layout it counts
-    if kind == "StridedSlice" and op.inputs[0].op.type == "Shape":
-        begin = tf.get_static_value(op.inputs[1])
-        return layouts[0] if begin is not None and int(begin.reshape(-1)[0]) == 0 else NO_ROWS
-    if kind == "Pack" and op.get_attr("axis") == 0:
-        return layouts[0] if all(p == NO_ROWS for p in layouts[1:]) else None
-    if kind in _REDUCTIONS:
-        axes = tf.get_static_value(op.inputs[1])
-        rank = op.inputs[0].shape.rank
-        if axes is None or not rank:
-            return None
-        return layouts[0] if 0 not in {int(a) % rank for a in axes.reshape(-1)} else NO_ROWS
-    if kind in _KEEPS_LAYOUT or (kind in penalties.SHAPE_OPS and penalties.keeps_rows(op)):
-        return _same(layouts)
-    return None
-
-
-def _same(layouts):
-    """The one layout of these inputs' rows (weights and constants aside), or None."""
-    found = {p for p in layouts if p != NO_ROWS}
-    if None in found or len(found) > 1:
-        return None
-    return found.pop() if found else NO_ROWS
 
 
 def global_indices(layout, batch):
