@@ -141,7 +141,13 @@ def _active(batch):
 
 
 def meets(values, statistics=False):
-    """The first place in `values` (a structure of tensors) where the batch's rows meet, or None.
+    """The first place in `values` (a structure of tensors) kd computes on the global batch, or None.
+
+    Where the batch's rows meet (`penalties.Unknown.meets`), and where a
+    value passes an op kd cannot read (`Unknown.unread`): on the global
+    batch every replica computes what one device computes, whatever the op
+    does with the rows. (A per-replica random draw of a plain Keras model,
+    `Unknown.mixing` alone, is left to the sites that refuse it.)
 
     `statistics`: a statistic of the rows (a sum or mean over them) counts
     too, as it does where a layer returns one: the layer that consumes it
@@ -150,7 +156,7 @@ def meets(values, statistics=False):
     for value in tree.flatten(values):
         if isinstance(value, tf.Tensor) and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
-            if isinstance(kind, penalties.Unknown) and kind.meets:
+            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
                 return kind
             if statistics and kind in (penalties.ROW_SUM, penalties.ROW_MEAN):
                 return penalties.Unknown(
@@ -159,13 +165,21 @@ def meets(values, statistics=False):
     return None
 
 
-def _row_aligned(values):
-    """The positions in `values` (flat) of tensors holding the replica's rows."""
+def _row_aligned(values, what):
+    """The positions in `values` (flat) of tensors holding the replica's rows.
+
+    A tensor whose rows already meet, or that passed an op kd cannot read,
+    cannot be gathered into the global batch's rows: refused, naming `what`
+    takes it (the policy of `penalties.refusal`).
+    """
     positions = []
     for index, value in enumerate(values):
-        if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource \
-                and penalties.kind_of_value(value) == penalties.ROWS:
-            positions.append(index)
+        if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource:
+            kind = penalties.kind_of_value(value)
+            if kind == penalties.ROWS:
+                positions.append(index)
+            elif isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+                raise ValueError(penalties.refusal(kind, what, _replicas()))
     return positions
 
 
@@ -346,7 +360,7 @@ def _retrace_or_go_on(batch, site, key, where, decision=_GLOBAL):
     """Records that rows meet at `site`; raises RowsMeet where kd's step can trace again."""
     _decide(site, key, decision)
     if batch.retraceable:
-        raise RowsMeet(str(where.mixing))
+        raise RowsMeet(where.why)
 
 
 def call_on_global_batch(site, function, args, *, share_scalars=False):
@@ -377,7 +391,7 @@ def call_on_global_batch(site, function, args, *, share_scalars=False):
     elif decision == _CLEAN:
         return function(*args), False
     flat = tree.flatten(args)
-    positions = _row_aligned(flat)
+    positions = _row_aligned(flat, f"what {_site_name(site)} is given")
     gathered, _ = gather([flat[i] for i in positions], batch, own_gradient=True)
     for position, value in zip(positions, gathered):
         flat[position] = value
@@ -388,13 +402,18 @@ def call_on_global_batch(site, function, args, *, share_scalars=False):
     return result, True
 
 
+def _site_name(site):
+    name = getattr(site, "name", None)
+    return f"{name!r} ({type(site).__name__})" if name else type(site).__name__
+
+
 def _as_share(value, batch):
     if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
         return replica.mark_share(value / tf.cast(_replicas(), value.dtype))
     return value
 
 
-def layer_call(layer, call, *, pad):
+def layer_call(layer, call, *, pad, meets=False):
     """A layer's `call` that runs on the global batch where its rows meet.
 
     The first time, the layer runs on the replica's rows and kd reads the
@@ -403,7 +422,9 @@ def layer_call(layer, call, *, pad):
     back), it runs on the global batch, and each replica keeps its own rows
     of the outputs. `pad`: feed a replica without rows one row of zeros and
     drop it from the outputs (TensorFlow's CPU kernels fail on 0 rows; a
-    plain Keras model inside a kd model's step).
+    plain Keras model inside a kd model's step). `meets`: the layer's
+    training call is known to mix rows (MixUp): on the global batch at once,
+    without reading its graph.
     """
 
     def called(inputs, *args, **kwargs):
@@ -412,6 +433,9 @@ def layer_call(layer, call, *, pad):
         key = bool(key) if isinstance(key, bool) else None
         if not _active(batch):
             return _padded(call, inputs, args, kwargs, batch, pad)
+        if meets and kwargs.get("training", True):
+            _decide(layer, key, (_GLOBAL, ()))
+            return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, ())
         decision = _decision(layer, key)
         if decision == _CLEAN:
             return _padded(call, inputs, args, kwargs, batch, pad)
@@ -438,7 +462,7 @@ def layer_call(layer, call, *, pad):
 def _added_meet(terms):
     for term in terms:
         kind = penalties.kind_of(term) if isinstance(term, tf.Tensor) else None
-        if isinstance(kind, penalties.Unknown) and kind.meets:
+        if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
             return kind
     return None
 
@@ -504,7 +528,7 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics)
             "jit_compile=False (or GPUs, where XLA compiles the whole step)."
         )
     flat = tree.flatten(inputs)
-    positions = _row_aligned(flat)
+    positions = _row_aligned(flat, f"the inputs of layer {layer.name!r} ({type(layer).__name__})")
     if not positions:
         return call(inputs, *args, **kwargs)
     mask = kwargs.get("mask")
@@ -606,27 +630,20 @@ def request_anchors(kind, graph, batch):
 
 
 def inline(kind, batch, what, graph):
-    """Rows meet (`kind`) in code kd did not call: gather its tensors and trace again, or refuse.
+    """Rows meet (`kind`) in code kd did not call, or pass an op it cannot read: gather, or refuse.
 
     In kd's step, kd asks the next trace to gather the tensors the code
-    starts from (`request_anchors`) and raises `RowsMeet`. Where it cannot
-    (a hand-written loop, a tensor kd did not see made), it refuses, naming
-    the op and the fix. Nothing happens in a model compiled with
-    `rows_meet="per_replica"`.
+    starts from (`request_anchors`) and raises `RowsMeet`: computed from the
+    global batch, the value is what one device computes. Where it cannot (a
+    hand-written loop, a tensor kd did not see made), it refuses, naming the
+    op and the fix (`penalties.refusal`). Nothing happens in a model
+    compiled with `rows_meet="per_replica"`.
     """
     if batch is not None and batch.rows_meet != "global":
         return  # compiled to leave each replica its own rows
     if batch is not None and batch.retraceable and request_anchors(kind, graph, batch):
-        raise RowsMeet(kind.mixing)
-    raise ValueError(
-        f"The rows of the batch meet in {what}: {kind.mixing}. One device computes it from the "
-        f"whole batch; each of the {_replicas()} replicas would see only its own rows. kd gathers "
-        "the global batch by itself for a model's layers, its losses and `compute_loss`, and for "
-        "what a custom `train_step` computes from the model's outputs in `fit`; here it cannot "
-        "see where the tensors come from. Gather them yourself with "
-        "`kd.losses.global_batch(tensor)` (every replica's rows, the gradient flowing back to "
-        "each), or compute this inside a kd model's step."
-    )
+        raise RowsMeet(kind.why)
+    raise ValueError(penalties.refusal(kind, what, _replicas()))
 
 
 # ---------------------------------------------------------------------------

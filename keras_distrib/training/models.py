@@ -332,8 +332,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                     forward.PER_REPLICA_BATCH_NORM.add(layer)
                 else:
                     forward.PER_REPLICA_BATCH_NORM.discard(layer)
-            if isinstance(layer, forward.GLOBAL_BATCH_RANDOM_LAYERS):
+            # Keras's layers by what they do with the rows (their class
+            # exactly; a subclass may change that, and is read instead).
+            if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS:
                 _keras_compat.replace_call(layer, forward.global_batch_call)
+            elif type(layer) in forward.ROWS_MEET_LAYERS:
+                _keras_compat.replace_call(layer, forward.rows_meet_call)
+            elif type(layer) in forward.ROW_WISE_LAYERS:
+                _keras_compat.replace_call(layer, forward.row_wise_call)
             elif isinstance(layer, keras.Model) and layer is not self \
                     and not isinstance(layer, DistributedModelMixin):
                 # A plain Keras model inside: padded for an empty replica, a
@@ -387,13 +393,15 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def additional_loss_share(self, loss):
         """This replica's share of an `add_loss` or regularization term.
 
-        Keras divides these terms by R. kd weighs a sum over the batch's rows
-        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph) whole,
-        since the replicas' sums add up to
-        one device's, and every other term by n_r / N, which keeps means over
-        rows (activity regularizers) exact on uneven batches and counts a
-        term of the weights alone once. Replicas without rows contribute
-        nothing.
+        Keras divides these terms by R. kd reads what the term is from its
+        graph and takes `scaling.replica_share` of it: a sum over the
+        batch's rows (`add_loss(c * tf.reduce_sum(x))`) whole, since the
+        replicas' sums add up to one device's; a mean over rows (activity
+        regularizers) and a term of the weights alone by n_r / N, exact on
+        uneven batches; a term computed on the global batch (a layer whose
+        rows meet) 1/R of it. A term kd cannot split (an op it cannot read,
+        outside a layer kd computes on the global batch) is refused, naming
+        the op. Replicas without rows contribute nothing.
         """
         if not loss.dtype.is_floating:
             loss = tf.cast(loss, keras.backend.floatx())
@@ -401,16 +409,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if batch is None:
             return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
-        kind = penalties.kind_of(loss) if forward.spreads_over_replicas() else None
-        if kind == penalties.GLOBAL:
-            # Computed on the global batch (a layer whose rows meet): the same
-            # on every replica, each adds 1/R of it, rows or none.
-            return total / tf.cast(tf.distribute.get_replica_context().num_replicas_in_sync, total.dtype)
-        if kind == penalties.ROW_SUM:
-            share = scaling.in_step_scale(batch, total)
-        else:
-            share = total * tf.cast(scaling.fraction(batch), total.dtype)
-        return tf.where(batch.has_rows, share, tf.zeros_like(total))
+        kind = penalties.kind_of(loss) if forward.spreads_over_replicas() else penalties.ROW_MEAN
+        if isinstance(kind, penalties.Unknown) and batch.rows_meet != "global":
+            kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
+        weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
+        return scaling.replica_share(
+            kind, total, fraction=tf.cast(scaling.fraction(batch), total.dtype) if weighs else None,
+            has_rows=batch.has_rows,
+            replicas=tf.distribute.get_strategy().num_replicas_in_sync,
+            what=f"the `add_loss` term `{loss.name if hasattr(loss, 'op') else loss}`",
+            row_sum=lambda value: scaling.in_step_scale(batch, value))
 
     @property
     def losses(self):
@@ -484,7 +492,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if padding:
                 batch.padded.pop()
         if plan.pad_empty and not batch.global_region:
-            outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs))
+            outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs), self)
         return coupling.anchor(outputs, self, batch)
 
     def _xla_forward(self, *args, **kwargs):

@@ -60,9 +60,11 @@ __all__ = [
     "layout_of_op",
     "mark_gathered",
     "mark_global",
+    "mark_meets",
     "mark_offset",
     "mark_rows",
     "mark_share",
+    "refusal",
     "row_mixing",
     "row_sources",
 ]
@@ -125,6 +127,24 @@ class Unknown:
                 "each row of the batch its own, so it cannot split it over replicas")
 
 
+def refusal(kind, what, replicas):
+    """kd's one refusal of a value it cannot split over `replicas` (`kind`: an `Unknown`), as text.
+
+    Where kd can, it computes such a value on the global batch (a layer, a
+    loss, `compute_loss`, what a custom step computes from the model's
+    outputs: `coupling`); the refusal is for the rest, at the first trace.
+    """
+    return (
+        f"kd cannot split {what} over the {replicas} replicas: {kind.why}. One device computes "
+        "it from the whole batch; each replica would compute it from its own rows, so training "
+        "would silently differ from one device. Gather the tensors it starts from with "
+        "`kd.losses.global_batch(tensor)` (every replica's rows, the gradient flowing back to "
+        "each) and compute it from those, compute it inside a kd model's layers or loss (kd "
+        "then computes it on the global batch), or compile the model with "
+        "`rows_meet=\"per_replica\"` to keep Keras's per-replica behaviour (not exact)."
+    )
+
+
 _MARKS = weakref.WeakKeyDictionary()  # graph -> {tensor name: kind}
 
 
@@ -160,6 +180,14 @@ def mark_offset(tensor):
 def mark_gathered(tensor):
     """Marks `tensor` as holding the global batch, the same on every replica (GLOBAL)."""
     return _mark(tensor, GLOBAL)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_meets(tensor, why):
+    """Marks `tensor` as where the batch's rows meet (`why`: how), e.g. a permutation of the rows."""
+    if isinstance(tensor, tf.Tensor) and hasattr(tensor, "op"):
+        return _mark(tensor, Unknown(tensor.op.name, f"`{tensor.op.name}` {why}", meets=True))
+    return tensor
 
 
 @tf.autograph.experimental.do_not_convert
