@@ -181,14 +181,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
       `compute_loss`, loss object or `kd.losses` call) is read from its graph
       at `tape.gradient`: a sum over rows is summed over replicas as it is;
       one in which the rows of the batch meet (a maximum over rows, the root
-      of a mean, in-batch negatives, `arange(batch_size)` labels) is computed
-      on the global batch (kd gathers the tensors it starts from and traces
-      the step again); anything else is taken as a mean over the replica's
-      rows (each replica's gradient weighted by n_r / N before the
-      all-reduce: exact for a mean of per-row terms plus terms of the
-      weights). A share mixed with a plain mean in one loss, or ops the walk
-      does not follow (a `tf.while_loop` over rows), are not detected: use
-      `compute_loss` or `kd.losses.global_mean` there.
+      of a mean, in-batch negatives, `arange(batch_size)` labels), and one
+      through an op kd's table does not read (a `tf.while_loop` over rows),
+      is computed on the global batch (kd gathers the tensors it starts
+      from and traces the step again), or refused naming the op where kd
+      cannot gather them; a mean over the replica's rows (and terms of the
+      weights) is weighted by n_r / N before the all-reduce.
     - What the step returns: a metric's `result()` (recognised by identity,
       nested `compile_metrics` included) is the metric's global value; a
       loss share is summed over replicas; another scalar is weighted by
@@ -196,7 +194,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
       replicas. A `keras.metrics.Mean` tracker fed a scalar adds one
       device's value once per step.
     - `keras.random` draws shaped by the batch are drawn for the global
-      batch and each replica keeps its rows; a draw whose leading dimension
+      batch and each replica keeps its rows (`shuffle` along the rows is
+      where rows meet, as above); a draw whose leading dimension
       is not a multiple of the replica's rows, and TensorFlow's stateful
       random ops (`tf.random.normal`, `tf.random.Generator`), are refused at
       the first step on several replicas, naming the op.
@@ -839,8 +838,12 @@ class Model(DistributedModelMixin, keras.Model):
     - random layers (Dropout, GaussianNoise, GaussianDropout, SpatialDropout,
       `Random*` augmentation), and `keras.random` draws shaped by the batch
       in a layer of your own, draw for the global batch and keep each
-      replica's rows; an RNN layer with dropout is refused at the first step,
-      naming it;
+      replica's rows; MixUp and CutMix, which mix the rows, run on the global
+      batch; an RNN layer with dropout is refused at the first step, naming
+      it;
+    - a layer kd does not trust by its class (one's own, another library's)
+      is read at the first trace: where its rows meet, or it passes an op
+      kd cannot read, it runs on the global batch;
     - a layer's non-trainable variable updated in `call` with
       `assign_add`/`assign_sub` of data adds the sum over replicas (a
       constant is added once); `assign` is refused at the first step,

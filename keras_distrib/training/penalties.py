@@ -1,29 +1,38 @@
-"""How an `add_loss` term adds up over replicas, read from the graph that computes it.
+"""What a tensor is to the replica's rows, read from the graph: one op table, one policy.
 
-A penalty a replica computes from its own rows adds up to one device's
-value in a way that depends on what it is:
+kd's one owner of the question "how does this value relate to the rows of
+the replica's batch?". The answer (a kind) is one of:
 
 - a term of the weights alone (weight regularizers, a constant): the same
-  on every replica; the global value is that value, so each replica
-  contributes 1/R of it (`FIXED`);
-- a sum over rows (`add_loss(c * tf.reduce_sum(x))`): the global value is
-  the sum of the replicas' values, each contributes its own (`ROW_SUM`);
+  on every replica (`FIXED`); computed from the global batch kd gathered,
+  also the same on every replica (`GLOBAL`);
+- one entry per row, each row its own (`ROWS`);
+- a sum over rows (`add_loss(c * tf.reduce_sum(x))`): the replicas' values
+  add up to one device's (`ROW_SUM`);
 - a mean over rows (Keras's activity regularizers divide by the batch
   size; `tf.reduce_mean` over the batch axis): the global value is
-  sum_r n_r * value_r / N, each contributes n_r / N of its own (`ROW_MEAN`).
+  sum_r n_r * value_r / N (`ROW_MEAN`);
+- a share of a loss kd computed (`SHARE`);
+- an `Unknown`: the rows meet (`Unknown.meets`: a variance of the batch, a
+  product of two sums, `x @ y^T`), a per-replica random draw mixes them, or
+  kd cannot read the op at all (`Unknown.unread`).
 
-Anything else (a variance of the batch, a product of two sums, a nonlinear
-function of a mean) has no such split: kd refuses it rather than guess.
+`kind_of` decides by walking back from a tensor to where its values come
+from: variables and constants, the replica's batch (its rows: the first
+axis), and the ops between them, each read by its entry in `OPS`, the op
+table. An entry says how the op's output kind follows from its inputs'
+kinds, and how its rows lie in the global batch (`layout_of_op`, which
+`coupling.row_layout` reads): one list of ops for both questions. An op not
+in the table, or given inputs its rule does not cover, is `Unknown`
+(unread): never taken as rows. What kd then does is one policy
+(`coupling.meets`, `coupling.inline`, `scaling.replica_share`): computed on
+the global batch where kd can, else refused at the first trace
+(`refusal`, naming the op and the fix).
 
-`kind_of` decides by walking back from the term to where its values come
-from: variables and constants (the same on every replica), the replica's
-batch (its rows: the first axis), and the ops between them. Only ops whose
-effect on rows kd knows are followed (elementwise ops, matrix products with
-weights, convolutions, pooling, reshapes that keep the rows, reductions);
-an op it does not know makes the term `UNKNOWN`. kd's own layers mark what
-they compute over the global batch (`mark_global`, `mark_rows`): global
-BatchNormalization statistics are the same on every replica, and a random
-layer laid out over the global batch keeps the replica's rows.
+kd's own layers mark what they compute (`mark_global`, `mark_rows`,
+`mark_meets`): global BatchNormalization statistics are the same on every
+replica, a random layer laid out over the global batch keeps the
+replica's rows, a shuffle of the rows makes them meet.
 
 The same walk finds where the rows of a batch meet (`Unknown.meets`):
 a product of two row-aligned tensors across the batch (`x @ y^T`, an
@@ -332,6 +341,10 @@ def _binary(op, kinds):
         # Keras divides by `ops.cast(ops.shape(x)[0])`: with a static batch
         # shape, the row count is an integer constant of the graph.
         return ROW_MEAN
+    if op.type in ("Add", "AddV2") and kind_set == {_OFFSET, FIXED} and \
+            _rank(ta if a == FIXED else tb) == 1:
+        # The offset plus `range` of a static row count: the global row numbers.
+        return ROWS
     if _STATIC in kind_set:
         return _binary(op, [FIXED if k == _STATIC else k for k in kinds])
     if _COUNT in kind_set and kind_set <= {_COUNT, FIXED}:
