@@ -179,10 +179,11 @@ def drop_padding(outputs, batch, first=None, owner=None):
             value, lambda v: tf.cond(batch.has_rows, lambda: v, lambda: v[:0])
         )
         if mask is not None:
+            # (The cut's `cond` on the row count hides the mask's rows from the walk.)
+            cut_mask = tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
             _keras_compat.set_keras_mask(
-                result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
-            )
-        # The model's rows, each its own, as its first input's (kd's models map rows to rows).
+                result, coupling.mark_layout(penalties.mark_rows(cut_mask), layout, batch))
+        # The model's rows, each its own, as its first input's (checked above).
         return coupling.mark_layout(penalties.mark_rows(result), layout, batch)
 
     first = next((t for t in tree.flatten(first) if isinstance(t, tf.Tensor) and t.shape.rank), None)
