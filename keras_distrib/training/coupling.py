@@ -392,9 +392,16 @@ def call_on_global_batch(site, function, args, *, share_scalars=False):
         return function(*args), False
     flat = tree.flatten(args)
     positions = _row_aligned(flat, f"what {_site_name(site)} is given")
-    gathered, _ = gather([flat[i] for i in positions], batch, own_gradient=True)
+    # A softmax or sigmoid output's logits, from which Keras's losses compute
+    # the cross-entropy, are gathered with it (its probabilities saturate).
+    logits = [(i, flat[i]._keras_logits) for i in positions
+              if getattr(flat[i], "_keras_logits", None) is not None]
+    gathered, _ = gather([flat[i] for i in positions] + [l for _, l in logits], batch,
+                         own_gradient=True)
     for position, value in zip(positions, gathered):
         flat[position] = value
+    for (position, _), value in zip(logits, gathered[len(positions):]):
+        flat[position]._keras_logits = value
     with _global_region(batch):
         result = function(*tree.pack_sequence_as(args, flat))
     if share_scalars:
@@ -499,13 +506,17 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
         batch.padded.pop()
     where = meets(outputs, statistics=True) if inspect else None
 
+    def cut_rows(value):
+        # Rows that do not meet (or meet and are computed on the global
+        # batch): each its own, which the cut's `cond` would hide from the
+        # walk (a softmax output's logits as well).
+        kept = tf.cond(has_rows, lambda: value, lambda: value[:0])
+        return kept if where is not None else penalties.mark_rows(kept)
+
     def cut(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
-        kept = _keras_compat.keep_keras_logits(
-            value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
-        # Rows that do not meet (or meet and are computed on the global
-        # batch): each its own, which the cut's `cond` would hide from the walk.
+        kept = _keras_compat.keep_keras_logits(value, cut_rows)
         return kept if where is not None else mark_layout(penalties.mark_rows(kept), layout, batch)
 
     inner = outputs

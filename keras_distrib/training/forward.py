@@ -175,8 +175,11 @@ def drop_padding(outputs, batch, first=None, owner=None):
         # Keeps Keras's cross-entropy on the logits of a softmax/sigmoid
         # output (without, saturated probabilities are clipped: a model
         # whose outputs saturate trained far off one device).
+        # (Its logits too are the model's rows: the cut's `cond` on the row
+        # count would hide them from the walk.)
         result = _keras_compat.keep_keras_logits(
-            value, lambda v: tf.cond(batch.has_rows, lambda: v, lambda: v[:0])
+            value, lambda v: coupling.mark_layout(penalties.mark_rows(
+                tf.cond(batch.has_rows, lambda: v, lambda: v[:0])), layout, batch)
         )
         if mask is not None:
             # (The cut's `cond` on the row count hides the mask's rows from the walk.)
