@@ -497,19 +497,31 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def _xla_forward(self, *args, **kwargs):
         # The forward pass (and its gradient) compiled on the replica's
         # device; the all-reduces stay outside (see StepPlan.xla_forward).
-        forward = self._kd_xla_function
+        # What the outputs and `add_loss` terms are to the rows is read in the
+        # compiled function's own graph (the call op hides them) and marked
+        # on what it returns.
+        forward, kinds = self._kd_xla_function or (None, {})
         if forward is None:
             def forward_pass(*args, **kwargs):
                 batch = replica.current_batch()
                 batch.losses = []
                 outputs = self(*args, **kwargs)  # in_forward: Keras's own call
+                kinds["outputs"] = [penalties.kind_of_value(v) if isinstance(v, tf.Tensor) else None
+                                    for v in tree.flatten(outputs)]
+                kinds["losses"] = [penalties.kind_of(term) for term in batch.losses]
                 return outputs, list(batch.losses)
 
             forward = step_lib.on_replica_device(
                 tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
             )
-            object.__setattr__(self, "_kd_xla_function", forward)
-        return forward(*args, **kwargs)
+            object.__setattr__(self, "_kd_xla_function", (forward, kinds))
+        outputs, losses = forward(*args, **kwargs)
+        for value, kind in zip(tree.flatten(outputs), kinds["outputs"]):
+            if kind is not None:
+                penalties.mark_kind(value, kind)
+        for value, kind in zip(losses, kinds["losses"]):
+            penalties.mark_kind(value, kind)
+        return outputs, losses
 
     _kd_xla_function = None
 

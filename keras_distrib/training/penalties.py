@@ -69,6 +69,7 @@ __all__ = [
     "layout_of_op",
     "mark_gathered",
     "mark_global",
+    "mark_kind",
     "mark_meets",
     "mark_offset",
     "mark_rows",
@@ -189,6 +190,12 @@ def mark_offset(tensor):
 def mark_gathered(tensor):
     """Marks `tensor` as holding the global batch, the same on every replica (GLOBAL)."""
     return _mark(tensor, GLOBAL)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_kind(tensor, kind):
+    """Marks `tensor` with a kind read in another graph (a compiled function's, that returns it)."""
+    return _mark(tensor, kind)
 
 
 @tf.autograph.experimental.do_not_convert
