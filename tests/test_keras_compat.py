@@ -477,6 +477,17 @@ def test_a_keras_that_saves_otherwise_gets_its_own_file_and_a_warning(tmp_path, 
         assert json.loads(archive.read("config.json"))["class_name"] == "FunctionalModel"
 
 
+def test_every_random_function_of_keras_is_one_kd_lays_out():
+    # A draw kd does not replace would be drawn per replica: each Keras
+    # random function (the backend's public functions) must be listed.
+    from keras.src.backend.tensorflow import random as keras_tf_random
+
+    functions = {name for name, value in vars(keras_tf_random).items()
+                 if inspect.isfunction(value) and value.__module__ == keras_tf_random.__name__
+                 and not name.startswith("_")}
+    assert functions == set(_keras_compat.replacements.RANDOM_DRAWS)
+
+
 def test_keras_still_scales_losses_by_replica_count():
     # GlobalShareMean undoes exactly this multiplication by R.
     source = inspect.getsource(_resolve("keras.src.losses.loss.unscale_loss_for_distribution"))

@@ -117,3 +117,27 @@ def test_row_mixing_names_per_replica_statistics_and_draws():
     assert "batch_normalization" in found["batch_norm"] and "statistic" in found["batch_norm"]
     assert "random numbers" in found["dropout"]
     assert found["plain"] == "" and found["global"] == ""
+
+
+def test_an_op_the_table_does_not_read_is_unknown_never_rows():
+    # `Lgamma` keeps each row its own, but kd's table has no rule for it:
+    # closed by default, it is Unknown (named, with its type), and has no
+    # row layout either (one table answers both questions).
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    def forward(x):
+        value = tf.math.lgamma(2.0 + x)
+        found["kind"] = penalties.kind_of_value(value)
+        found["term"] = penalties.kind_of(tf.reduce_mean(value))
+        found["layout"] = penalties.layout_of_op(value.op, value, [(0,)])
+        found["read"] = penalties.kind_of_value(tf.exp(x))
+        return tf.constant(0.0)
+
+    forward(tf.zeros((2, 3)))
+    assert isinstance(found["kind"], penalties.Unknown) and found["kind"].unread
+    assert "`Lgamma` (Lgamma) is an op kd cannot read" in found["kind"].why
+    assert isinstance(found["term"], penalties.Unknown) and found["term"].unread
+    assert found["layout"] is None
+    assert found["read"] == penalties.ROWS
+    assert "Lgamma" not in penalties.OPS and "Exp" in penalties.OPS

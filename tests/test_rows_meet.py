@@ -13,6 +13,12 @@ strategy, from the same initial weights, on 225 rows in global batches of 32
 (History, evaluate, predict) are compared, float64 within 1e-9 and float32
 within 2e-5 (float64 only between worker processes). One process per
 strategy layout runs every pattern in both.
+
+What kd cannot read (tests/scripts/rows_policy.py): Keras's MixUp and
+CutMix inside a model, and compiled losses through ops kd's op table does
+not read (a while loop over the batch's rows into a square root, `Lgamma`),
+are exact against one device; the same loss in a hand-written loop is
+refused naming the op. Every layer Keras exports has a verdict on its rows.
 """
 
 import pytest
@@ -102,3 +108,56 @@ def test_rows_that_meet_match_one_device_on_two_worker_processes():
     assert sorted(by_task) == ["worker 0", "worker 1"]
     for results in by_task.values():
         _check(results, configs, dtypes)
+
+
+def test_every_keras_layer_has_a_verdict_on_its_rows():
+    # Keras's layers are trusted by name only where listed (forward's lists,
+    # docs/concepts/exactness.md): a layer Keras adds is read instead, and
+    # this test names it for a verdict. Every Random* layer is listed as
+    # drawing per row (laid out) or as mixing rows (MixUp's kind).
+    import keras
+
+    from keras_distrib.training import forward
+
+    exported = {name for name in dir(keras.layers)
+                if isinstance(getattr(keras.layers, name), type)
+                and issubclass(getattr(keras.layers, name), keras.layers.Layer)}
+    classes = {getattr(keras.layers, name) for name in exported}
+    listed = [name for names in forward.KERAS_LAYER_LISTS.values() for name in names]
+    assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
+    by_class = {getattr(keras.layers, name) for name in listed if name in exported}
+    missing = sorted(c.__name__ for c in classes - by_class)
+    assert not missing, f"Keras layers without a verdict on their rows: {missing}"
+    random_named = {name for name in exported if name.startswith("Random")}
+    assert random_named <= set(forward.KERAS_LAYER_LISTS["per_row_random"])
+    assert set(forward.KERAS_LAYER_LISTS["rows_meet"]) == {"MixUp", "CutMix"}
+
+
+POLICY_PATTERNS = ["mixup", "mixup_static", "cutmix", "cutmix_static", "while_loss", "unread_loss",
+                   "mixup_plain", "unread_by_hand"]
+
+
+@pytest.mark.cluster
+def test_what_kd_cannot_read_is_exact_or_refused():
+    # MixUp and CutMix inside the model (dynamic and static batch shapes, a
+    # replica without rows in the last batch), and losses through ops kd's
+    # table does not read: exact against one device, on 2 mirrored replicas.
+    code, output = _harness.run_script("rows_policy.py", ",".join(POLICY_PATTERNS),
+                                       "float64,float32", timeout=600)
+    assert code == 0, output[-4000:]
+    results = {(r["pattern"], r["float64"]): r for r in _harness.results_of(output)}
+    once = ("mixup_plain", "unread_by_hand")
+    assert sorted(results) == sorted((p, f) for p in POLICY_PATTERNS for f in (True, False)
+                                     if f or p not in once)
+    for (pattern, float64), result in results.items():
+        if pattern in once:
+            continue
+        assert "error" not in result, result
+        assert result["weights"] <= TOLERANCE[float64] and result["logs"] <= TOLERANCE[float64], result
+    # The contrast: plain Keras under the strategy mixes each replica's own rows.
+    plain = results[("mixup_plain", True)]
+    assert plain["weights"] > 1e-3 and plain["logs"] > 1e-2, plain
+    # A hand-written loop, where kd cannot gather: refused, the op named.
+    error = results[("unread_by_hand", True)]["error"]
+    assert "ValueError: " in error and "`Lgamma` (Lgamma) is an op kd cannot read" in error, error
+    assert "kd.losses.global_batch(tensor)" in error and 'rows_meet="per_replica"' in error, error

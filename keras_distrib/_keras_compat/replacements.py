@@ -61,10 +61,14 @@ THIS_PROCESS = "this process"
 THIS_MODEL = "this model"
 WHILE_SAVING = "while a kd model saves"
 
-# Keras's TensorFlow random functions kd lays out over the global batch:
-# name -> whether the first argument is a shape (else an input tensor).
+# Every random function of Keras's TensorFlow backend (`tests/test_keras_compat.py`
+# checks the list against the module): name -> whether the first argument is
+# a shape (else an input tensor). kd lays each draw shaped by the batch out
+# over the global batch; `shuffle` along the rows permutes them, which no
+# layout makes per row: kd marks it as where the rows meet.
 RANDOM_DRAWS = {"normal": True, "uniform": True, "truncated_normal": True, "randint": True,
-                "dropout": False, "categorical": False}
+                "gamma": True, "beta": True, "binomial": True, "dropout": False,
+                "categorical": False, "shuffle": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +185,8 @@ REPLACEMENTS = (
     *(Replacement(
         f"keras.src.backend.tensorflow.random.{name}", THIS_PROCESS, replace_random_draws,
         "In a kd replica step on several replicas, a draw shaped by the batch: drawn for the "
-        "global batch, each replica keeping its rows. Elsewhere: Keras's draw.")
+        "global batch, each replica keeping its rows (a shuffle of the rows: marked as where "
+        "the rows meet, computed on the global batch or refused). Elsewhere: Keras's draw.")
       for name in RANDOM_DRAWS),
     Replacement(
         "<model>.compiled_loss, <model>.loss tracker", THIS_MODEL, losses.set_compiled_loss,
@@ -211,11 +216,13 @@ REPLACEMENTS = (
         "Also records the term on the calling replica's own batch (Keras's list is shared by "
         "the replicas' threads)."),
     Replacement(
-        "<layer>.call (random layers, plain Keras sub-models, layers where rows may meet)",
+        "<layer>.call (random layers, MixUp and CutMix, Keras's row-wise layers, plain Keras "
+        "sub-models, layers kd reads)",
         THIS_MODEL, layers.replace_call,
-        "Random layers draw for the global batch; a sub-model gets a padded row on an empty "
-        "replica; where rows meet, the layer runs on the global batch. Outside a kd step: the "
-        "layer's own call."),
+        "Random layers draw for the global batch; MixUp and CutMix run on the global batch; "
+        "Keras's row-wise layers mark their outputs as rows; a sub-model gets a padded row on "
+        "an empty replica; where rows meet (or an op kd cannot read), the layer runs on the "
+        "global batch. Outside a kd step: the layer's own call."),
     Replacement(
         "<BatchNormalization>._moments", THIS_MODEL, layers.replace_batch_norm_moments,
         "Moments over the global batch (batch_norm='global'); Keras's outside a kd step."),

@@ -1,8 +1,8 @@
 """Training: one replica's step, the one outer loop, and what `fit` and `kd.TrainLoop` share.
 
 From the bottom up (a module imports only those before it;
-`tests/test_layout.py` keeps this order): `penalties` (how a term adds up
-over replicas, read from its graph), `replica` (a replica's batch: its
+`tests/test_layout.py` keeps this order): `penalties` (what a tensor is to
+the replica's rows, from one op table), `replica` (a replica's batch: its
 rows, the global count), `scaling` (the global-batch scaling rule and its
 arithmetic: a replica's fraction, deferred scale, the gradients'
 correction), `coupling` (where the rows of a batch meet), `losses` (the

@@ -141,7 +141,13 @@ def _active(batch):
 
 
 def meets(values, statistics=False):
-    """The first place in `values` (a structure of tensors) where the batch's rows meet, or None.
+    """The first place in `values` (a structure of tensors) kd computes on the global batch, or None.
+
+    Where the batch's rows meet (`penalties.Unknown.meets`), and where a
+    value passes an op kd cannot read (`Unknown.unread`): on the global
+    batch every replica computes what one device computes, whatever the op
+    does with the rows. (A per-replica random draw of a plain Keras model,
+    `Unknown.mixing` alone, is left to the sites that refuse it.)
 
     `statistics`: a statistic of the rows (a sum or mean over them) counts
     too, as it does where a layer returns one: the layer that consumes it
@@ -150,7 +156,7 @@ def meets(values, statistics=False):
     for value in tree.flatten(values):
         if isinstance(value, tf.Tensor) and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
-            if isinstance(kind, penalties.Unknown) and kind.meets:
+            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
                 return kind
             if statistics and kind in (penalties.ROW_SUM, penalties.ROW_MEAN):
                 return penalties.Unknown(
@@ -159,13 +165,21 @@ def meets(values, statistics=False):
     return None
 
 
-def _row_aligned(values):
-    """The positions in `values` (flat) of tensors holding the replica's rows."""
+def _row_aligned(values, what):
+    """The positions in `values` (flat) of tensors holding the replica's rows.
+
+    A tensor whose rows already meet, or that passed an op kd cannot read,
+    cannot be gathered into the global batch's rows: refused, naming `what`
+    takes it (the policy of `penalties.refusal`).
+    """
     positions = []
     for index, value in enumerate(values):
-        if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource \
-                and penalties.kind_of_value(value) == penalties.ROWS:
-            positions.append(index)
+        if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource:
+            kind = penalties.kind_of_value(value)
+            if kind == penalties.ROWS:
+                positions.append(index)
+            elif isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+                raise ValueError(penalties.refusal(kind, what, _replicas()))
     return positions
 
 
@@ -177,16 +191,7 @@ def _row_aligned(values):
 # `concat([x, z])` stacks them; `(0, 0)`: two blocks of the batch, a GAN's
 # generated and real images). One device holds, for a layout, every
 # replica's rows of each block in turn. `NO_ROWS`: weights and constants.
-NO_ROWS = ()
-
-_KEEPS_LAYOUT = frozenset(penalties.ELEMENTWISE) | {
-    "AddN", "Select", "SelectV2", "ClipByValue", "BiasAdd", "MatMul", "BatchMatMul",
-    "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool",
-    "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D", "Softmax", "LogSoftmax", "Fill",
-}
-_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"}
-_NO_ROWS_OPS = {"Const", "ReadVariableOp", "VarHandleOp", "Range"}
-
+NO_ROWS = penalties.NO_ROWS
 
 def mark_layout(tensor, layout, batch=None):
     """Records that `tensor`'s rows have `layout` (kd's own outputs: padded, laid out, drawn)."""
@@ -199,9 +204,12 @@ def mark_layout(tensor, layout, batch=None):
 def row_layout(tensor, batch):
     """The layout of `tensor`'s rows (see `NO_ROWS`), or None where kd cannot tell.
 
-    Read from the graph: the step's data leaves, concatenations along the
-    rows, and the ops that keep each row its own (elementwise ops, matrix
-    products with weights, convolutions, reshapes that keep the rows); a
+    Read from the graph with the op table that also gives each tensor its
+    kind (`penalties.OPS`, `penalties.layout_of_op`): the step's data
+    leaves, concatenations along the rows, and the ops that keep each row
+    its own (elementwise ops, matrix products with weights, convolutions,
+    reshapes that keep the rows); an op the table does not read has no
+    layout (kd then counts the rows instead, see `gather`); a
     tensor kd made (a padded batch, a random layer's output) has its layout
     recorded. A row count (`tf.shape(x)[0]`) has the layout of `x`.
     """
@@ -217,7 +225,7 @@ def row_layout(tensor, batch):
             memo[key] = leaves[key]
             continue
         op = value.op
-        if op.type in _NO_ROWS_OPS or value.dtype == tf.resource or (
+        if penalties.holds_no_rows(op.type) or value.dtype == tf.resource or (
                 op.type == "Placeholder" and key not in leaves) or not op.inputs:
             memo[key] = NO_ROWS if op.type != "Placeholder" or value.dtype == tf.resource else None
             continue
@@ -226,44 +234,8 @@ def row_layout(tensor, batch):
             stack.append((value, True))
             stack.extend((t, False) for t in pending)
             continue
-        memo[key] = _layout_of_op(op, value, [memo.get(t.ref()) for t in op.inputs])
+        memo[key] = penalties.layout_of_op(op, value, [memo.get(t.ref()) for t in op.inputs])
     return memo[tensor.ref()]
-
-
-def _layout_of_op(op, value, layouts):
-    kind = op.type
-    if kind == "ConcatV2":
-        axis = tf.get_static_value(op.inputs[-1])
-        parts = layouts[:-1]
-        if axis is not None and int(axis) % max(value.shape.rank or 1, 1) == 0 and \
-                all(p is not None for p in parts):
-            joined = tuple(block for part in parts for block in part)
-            return joined
-        return _same(parts)
-    if kind == "Shape":
-        return layouts[0]  # a row count has the layout it counts
-    if kind == "StridedSlice" and op.inputs[0].op.type == "Shape":
-        begin = tf.get_static_value(op.inputs[1])
-        return layouts[0] if begin is not None and int(begin.reshape(-1)[0]) == 0 else NO_ROWS
-    if kind == "Pack" and op.get_attr("axis") == 0:
-        return layouts[0] if all(p == NO_ROWS for p in layouts[1:]) else None
-    if kind in _REDUCTIONS:
-        axes = tf.get_static_value(op.inputs[1])
-        rank = op.inputs[0].shape.rank
-        if axes is None or not rank:
-            return None
-        return layouts[0] if 0 not in {int(a) % rank for a in axes.reshape(-1)} else NO_ROWS
-    if kind in _KEEPS_LAYOUT or (kind in penalties.SHAPE_OPS and penalties.keeps_rows(op)):
-        return _same(layouts)
-    return None
-
-
-def _same(layouts):
-    """The one layout of these inputs' rows (weights and constants aside), or None."""
-    found = {p for p in layouts if p != NO_ROWS}
-    if None in found or len(found) > 1:
-        return None
-    return found.pop() if found else NO_ROWS
 
 
 def global_indices(layout, batch):
@@ -388,7 +360,7 @@ def _retrace_or_go_on(batch, site, key, where, decision=_GLOBAL):
     """Records that rows meet at `site`; raises RowsMeet where kd's step can trace again."""
     _decide(site, key, decision)
     if batch.retraceable:
-        raise RowsMeet(str(where.mixing))
+        raise RowsMeet(where.why)
 
 
 def call_on_global_batch(site, function, args, *, share_scalars=False):
@@ -419,15 +391,27 @@ def call_on_global_batch(site, function, args, *, share_scalars=False):
     elif decision == _CLEAN:
         return function(*args), False
     flat = tree.flatten(args)
-    positions = _row_aligned(flat)
-    gathered, _ = gather([flat[i] for i in positions], batch, own_gradient=True)
+    positions = _row_aligned(flat, f"what {_site_name(site)} is given")
+    # A softmax or sigmoid output's logits, from which Keras's losses compute
+    # the cross-entropy, are gathered with it (its probabilities saturate).
+    logits = [(i, flat[i]._keras_logits) for i in positions
+              if getattr(flat[i], "_keras_logits", None) is not None]
+    gathered, _ = gather([flat[i] for i in positions] + [l for _, l in logits], batch,
+                         own_gradient=True)
     for position, value in zip(positions, gathered):
         flat[position] = value
+    for (position, _), value in zip(logits, gathered[len(positions):]):
+        flat[position]._keras_logits = value
     with _global_region(batch):
         result = function(*tree.pack_sequence_as(args, flat))
     if share_scalars:
         result = tree.map_structure(lambda v: _as_share(v, batch), result)
     return result, True
+
+
+def _site_name(site):
+    name = getattr(site, "name", None)
+    return f"{name!r} ({type(site).__name__})" if name else type(site).__name__
 
 
 def _as_share(value, batch):
@@ -436,7 +420,7 @@ def _as_share(value, batch):
     return value
 
 
-def layer_call(layer, call, *, pad):
+def layer_call(layer, call, *, pad, meets=False):
     """A layer's `call` that runs on the global batch where its rows meet.
 
     The first time, the layer runs on the replica's rows and kd reads the
@@ -445,7 +429,9 @@ def layer_call(layer, call, *, pad):
     back), it runs on the global batch, and each replica keeps its own rows
     of the outputs. `pad`: feed a replica without rows one row of zeros and
     drop it from the outputs (TensorFlow's CPU kernels fail on 0 rows; a
-    plain Keras model inside a kd model's step).
+    plain Keras model inside a kd model's step). `meets`: the layer's
+    training call is known to mix rows (MixUp): on the global batch at once,
+    without reading its graph.
     """
 
     def called(inputs, *args, **kwargs):
@@ -454,6 +440,9 @@ def layer_call(layer, call, *, pad):
         key = bool(key) if isinstance(key, bool) else None
         if not _active(batch):
             return _padded(call, inputs, args, kwargs, batch, pad)
+        if meets and kwargs.get("training", True):
+            _decide(layer, key, (_GLOBAL, ()))
+            return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, ())
         decision = _decision(layer, key)
         if decision == _CLEAN:
             return _padded(call, inputs, args, kwargs, batch, pad)
@@ -480,7 +469,7 @@ def layer_call(layer, call, *, pad):
 def _added_meet(terms):
     for term in terms:
         kind = penalties.kind_of(term) if isinstance(term, tf.Tensor) else None
-        if isinstance(kind, penalties.Unknown) and kind.meets:
+        if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
             return kind
     return None
 
@@ -517,13 +506,17 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
         batch.padded.pop()
     where = meets(outputs, statistics=True) if inspect else None
 
+    def cut_rows(value):
+        # Rows that do not meet (or meet and are computed on the global
+        # batch): each its own, which the cut's `cond` would hide from the
+        # walk (a softmax output's logits as well).
+        kept = tf.cond(has_rows, lambda: value, lambda: value[:0])
+        return kept if where is not None else penalties.mark_rows(kept)
+
     def cut(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
-        kept = _keras_compat.keep_keras_logits(
-            value, lambda v: tf.cond(has_rows, lambda: v, lambda: v[:0]))
-        # Rows that do not meet (or meet and are computed on the global
-        # batch): each its own, which the cut's `cond` would hide from the walk.
+        kept = _keras_compat.keep_keras_logits(value, cut_rows)
         return kept if where is not None else mark_layout(penalties.mark_rows(kept), layout, batch)
 
     inner = outputs
@@ -546,7 +539,7 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics)
             "jit_compile=False (or GPUs, where XLA compiles the whole step)."
         )
     flat = tree.flatten(inputs)
-    positions = _row_aligned(flat)
+    positions = _row_aligned(flat, f"the inputs of layer {layer.name!r} ({type(layer).__name__})")
     if not positions:
         return call(inputs, *args, **kwargs)
     mask = kwargs.get("mask")
@@ -648,27 +641,20 @@ def request_anchors(kind, graph, batch):
 
 
 def inline(kind, batch, what, graph):
-    """Rows meet (`kind`) in code kd did not call: gather its tensors and trace again, or refuse.
+    """Rows meet (`kind`) in code kd did not call, or pass an op it cannot read: gather, or refuse.
 
     In kd's step, kd asks the next trace to gather the tensors the code
-    starts from (`request_anchors`) and raises `RowsMeet`. Where it cannot
-    (a hand-written loop, a tensor kd did not see made), it refuses, naming
-    the op and the fix. Nothing happens in a model compiled with
-    `rows_meet="per_replica"`.
+    starts from (`request_anchors`) and raises `RowsMeet`: computed from the
+    global batch, the value is what one device computes. Where it cannot (a
+    hand-written loop, a tensor kd did not see made), it refuses, naming the
+    op and the fix (`penalties.refusal`). Nothing happens in a model
+    compiled with `rows_meet="per_replica"`.
     """
     if batch is not None and batch.rows_meet != "global":
         return  # compiled to leave each replica its own rows
     if batch is not None and batch.retraceable and request_anchors(kind, graph, batch):
-        raise RowsMeet(kind.mixing)
-    raise ValueError(
-        f"The rows of the batch meet in {what}: {kind.mixing}. One device computes it from the "
-        f"whole batch; each of the {_replicas()} replicas would see only its own rows. kd gathers "
-        "the global batch by itself for a model's layers, its losses and `compute_loss`, and for "
-        "what a custom `train_step` computes from the model's outputs in `fit`; here it cannot "
-        "see where the tensors come from. Gather them yourself with "
-        "`kd.losses.global_batch(tensor)` (every replica's rows, the gradient flowing back to "
-        "each), or compute this inside a kd model's step."
-    )
+        raise RowsMeet(kind.why)
+    raise ValueError(penalties.refusal(kind, what, _replicas()))
 
 
 # ---------------------------------------------------------------------------

@@ -41,6 +41,8 @@ def defers_scaling(model, *, training, kd_compute_loss):
     layers = _keras_compat.flatten_layers(model)
     if training and any(forward.global_batch_norm(layer) and layer.trainable for layer in layers):
         return False
+    if training and any(type(layer) in forward.ROWS_MEET_LAYERS for layer in layers):
+        return False  # MixUp, CutMix: computed on the global batch, their gradient crosses replicas
     if coupling.meets_at_any(layers + _compiled_loss_objects(model)):
         return False  # computed on the global batch: shares are exact, a layer's gradient crosses replicas
     for name, own in (("compute_loss", kd_compute_loss),

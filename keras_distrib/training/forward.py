@@ -41,7 +41,10 @@ from keras_distrib.cluster import strategies
 
 __all__ = [
     "GLOBAL_BATCH_RANDOM_LAYERS",
+    "KERAS_LAYER_LISTS",
     "PER_REPLICA_BATCH_NORM",
+    "ROWS_MEET_LAYERS",
+    "ROW_WISE_LAYERS",
     "RandomStates",
     "check_loop_shape",
     "counted_draws",
@@ -60,18 +63,71 @@ __all__ = [
     "random_states",
     "record_loss",
     "replica_state_updates",
+    "row_wise_call",
+    "rows_meet_call",
     "spreads_over_replicas",
     "state_keys",
     "sub_model_call",
 ]
 
-# Keras's random layers whose output rows depend only on their own input row
-# and the draws: run on the global batch, each replica keeps its rows.
-GLOBAL_BATCH_RANDOM_LAYERS = tuple(
-    getattr(keras.layers, name) for name in dir(keras.layers)
-    if name.startswith("Random") or name.endswith("Dropout") or name == "GaussianNoise"
-    if isinstance(getattr(keras.layers, name), type)
+# Keras 3.15's layers by what their training call does with the rows of a
+# batch (`tests/test_layers.py` checks that every layer Keras exports is in
+# one of these lists, or is kd's own concern: BatchNormalization, Lambda,
+# InputLayer). A layer of another class, or another library, is not trusted
+# by name: kd reads its graph (`may_meet`).
+#
+# Each output row from its own input row (and from weights, constants and
+# the layer's state), given that the layers they wrap are the same.
+_ROW_WISE = (
+    "Activation", "ActivityRegularization", "AdaptiveAveragePooling1D", "AdaptiveAveragePooling2D",
+    "AdaptiveAveragePooling3D", "AdaptiveMaxPooling1D", "AdaptiveMaxPooling2D",
+    "AdaptiveMaxPooling3D", "Add", "AdditiveAttention", "Attention", "AutoContrast", "Average",
+    "AveragePooling1D", "AveragePooling2D", "AveragePooling3D", "Bidirectional",
+    "CategoryEncoding", "CenterCrop", "Concatenate", "Conv1D", "Conv1DTranspose", "Conv2D",
+    "Conv2DTranspose", "Conv3D", "Conv3DTranspose", "ConvLSTM1D", "ConvLSTM2D", "ConvLSTM3D",
+    "Cropping1D", "Cropping2D", "Cropping3D", "Dense", "DepthwiseConv1D", "DepthwiseConv2D",
+    "Discretization", "Dot", "ELU", "EinsumDense", "Embedding", "Equalization", "Flatten",
+    "GRU", "GRUCell", "GlobalAveragePooling1D", "GlobalAveragePooling2D",
+    "GlobalAveragePooling3D", "GlobalMaxPool1D", "GlobalMaxPool2D", "GlobalMaxPool3D",
+    "GroupNormalization", "GroupQueryAttention", "HashedCrossing", "Hashing", "Identity",
+    "IntegerLookup", "LSTM", "LSTMCell", "LayerNormalization", "LeakyReLU", "Masking",
+    "MaxNumBoundingBoxes", "MaxPool1D", "MaxPool2D", "MaxPool3D", "Maximum", "MelSpectrogram",
+    "Minimum", "MultiHeadAttention", "Multiply", "Normalization", "PReLU", "Permute", "Pipeline",
+    "RMSNormalization", "RNN", "ReLU", "RepeatVector", "Rescaling", "Reshape", "Resizing",
+    "ReversibleEmbedding", "STFTSpectrogram", "SeparableConv1D", "SeparableConv2D", "SimpleRNN",
+    "SimpleRNNCell", "Softmax", "SpectralNormalization", "StackedRNNCells", "StringLookup",
+    "Subtract", "TextVectorization", "TimeDistributed", "UnitNormalization", "UpSampling1D",
+    "UpSampling2D", "UpSampling3D", "Wrapper", "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D",
+    "ContrastLimitedAdaptiveHistogramEqualization",
 )
+# Random layers that draw per row: each output row from its own input row
+# and its draws (laid out over the global batch, `global_batch_call`).
+_PER_ROW_RANDOM = (
+    "AlphaDropout", "AugMix", "Dropout", "GaussianDropout", "GaussianNoise", "RandAugment",
+    "RandomBrightness", "RandomColorDegeneration", "RandomColorJitter", "RandomContrast",
+    "RandomCrop", "RandomElasticTransform", "RandomErasing", "RandomFlip", "RandomGaussianBlur",
+    "RandomGrayscale", "RandomHue", "RandomInvert", "RandomPerspective", "RandomPosterization",
+    "RandomRotation", "RandomSaturation", "RandomSharpness", "RandomShear", "RandomTranslation",
+    "RandomZoom", "Solarization", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+)
+# Layers whose training call mixes the rows of the batch (MixUp and CutMix
+# blend each image with another row's, drawn by a permutation of the batch):
+# computed on the global batch (`rows_meet_call`).
+_ROWS_MEET = ("MixUp", "CutMix")
+# What kd handles itself, or reads: not a row-wise verdict.
+_OWN_CONCERN = ("BatchNormalization", "InputLayer", "Lambda", "Layer", "TFSMLayer", "JaxLayer",
+                "FlaxLayer", "TorchModuleWrapper")
+KERAS_LAYER_LISTS = {"row_wise": _ROW_WISE, "per_row_random": _PER_ROW_RANDOM,
+                     "rows_meet": _ROWS_MEET, "own_concern": _OWN_CONCERN}
+
+
+def _keras_classes(names):
+    return tuple(getattr(keras.layers, name) for name in names if hasattr(keras.layers, name))
+
+
+ROW_WISE_LAYERS = _keras_classes(_ROW_WISE)
+GLOBAL_BATCH_RANDOM_LAYERS = _keras_classes(_PER_ROW_RANDOM)
+ROWS_MEET_LAYERS = _keras_classes(_ROWS_MEET)
 # BatchNormalization layers (not synchronized) of models compiled with
 # batch_norm="per_replica": they keep Keras's per-replica statistics.
 PER_REPLICA_BATCH_NORM = weakref.WeakSet()
@@ -99,31 +155,59 @@ def pad_empty_batch(x, batch):
     return tree.map_structure(pad, x)
 
 
-def drop_padding(outputs, batch, first=None):
-    """Outputs without the padded row (and its Keras mask, if any)."""
+def drop_padding(outputs, batch, first=None, owner=None):
+    """Outputs without the padded row (and its Keras mask, if any).
+
+    Checks that each output holds the replica's rows (read from its graph):
+    the padded row can be cut only from a tensor with one row per row of
+    the batch. One that does not (a statistic of the batch, rows mixed by
+    an op kd cannot read) is refused, naming it.
+    """
     if batch.surely_has_rows:
         return outputs
 
     def cut(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
+        if batch.rows_meet == "global":
+            _check_rows(value, owner)
         mask = _keras_compat.get_keras_mask(value)
         # Keeps Keras's cross-entropy on the logits of a softmax/sigmoid
         # output (without, saturated probabilities are clipped: a model
         # whose outputs saturate trained far off one device).
+        # (Its logits too are the model's rows: the cut's `cond` on the row
+        # count would hide them from the walk.)
         result = _keras_compat.keep_keras_logits(
-            value, lambda v: tf.cond(batch.has_rows, lambda: v, lambda: v[:0])
+            value, lambda v: coupling.mark_layout(penalties.mark_rows(
+                tf.cond(batch.has_rows, lambda: v, lambda: v[:0])), layout, batch)
         )
         if mask is not None:
+            # (The cut's `cond` on the row count hides the mask's rows from the walk.)
+            cut_mask = tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
             _keras_compat.set_keras_mask(
-                result, tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
-            )
-        # The model's rows, each its own, as its first input's (kd's models map rows to rows).
+                result, coupling.mark_layout(penalties.mark_rows(cut_mask), layout, batch))
+        # The model's rows, each its own, as its first input's (checked above).
         return coupling.mark_layout(penalties.mark_rows(result), layout, batch)
 
     first = next((t for t in tree.flatten(first) if isinstance(t, tf.Tensor) and t.shape.rank), None)
     layout = coupling.row_layout(first, batch) if first is not None else None
     return tree.map_structure(cut, outputs)
+
+
+def _check_rows(value, owner):
+    kind = penalties.kind_of_value(value)
+    if kind in (penalties.ROWS, penalties.GLOBAL) or not spreads_over_replicas():
+        return  # (GLOBAL: kept whole from a computation on the global batch)
+    name = f"{owner.name!r} ({type(owner).__name__})" if owner is not None else "the model"
+    if isinstance(kind, penalties.Unknown):
+        raise ValueError(penalties.refusal(kind, f"the output `{value.op.name}` of {name}",
+                                           tf.distribute.get_replica_context().num_replicas_in_sync))
+    raise ValueError(
+        f"the output `{value.op.name}` of {name} is not one row per row of the batch (kd reads "
+        f"it as {kind!r}), so kd cannot split it over the replicas' rows: a model's outputs must "
+        "hold one row per input row. Return the statistic from a layer's `add_loss` or a metric "
+        "instead, or compute it in the loss."
+    )
 
 
 def spreads_over_replicas():
@@ -251,18 +335,22 @@ def global_batch_draw(name, shaped, draw):
     `(latent_dim,)` vector) are not shaped by the batch and stay as they are.
     """
 
-    first_name = "shape" if shaped else {"dropout": "inputs", "categorical": "logits"}[name]
+    first_name = "shape" if shaped else {"dropout": "inputs", "categorical": "logits",
+                                          "shuffle": "x"}[name]
 
     @functools.wraps(draw)
     def drawing(*args, **kwargs):
         if not _lays_out_draws():
             return draw(*args, **kwargs)
+        if name == "shuffle":
+            return _shuffle(draw, *args, **kwargs)
         if first_name in kwargs:
             first = kwargs.pop(first_name)
         else:
             first, args = args[0], args[1:]
         batch = replica.current_batch()
         if shaped:
+            _refuse_row_parameters(name, args, kwargs)
             shape = tf.convert_to_tensor(first, tf.int32) if not isinstance(first, (list, tuple)) \
                 else tf.stack([tf.cast(d, tf.int32) for d in first])
             if shape.shape.rank != 1 or shape.shape[0] in (None, 0) or not _batch_shaped(shape[0]):
@@ -287,6 +375,44 @@ def global_batch_draw(name, shaped, draw):
     return drawing
 
 
+def _refuse_row_parameters(name, args, kwargs):
+    """Refuses a draw whose parameters (alpha, counts, ...) hold the replica's rows.
+
+    kd draws for the global batch's shape and keeps the replica's rows; a
+    parameter of the replica's rows alone cannot shape that draw.
+    """
+    for value in tree.flatten((args, kwargs)):
+        if tf.is_tensor(value) and value.shape.rank and \
+                penalties.kind_of_value(value) not in (penalties.FIXED, penalties.GLOBAL):
+            raise ValueError(
+                f"`keras.random.{name}` is given a parameter of shape {tuple(value.shape)} that "
+                "depends on the rows of the batch, in a step on "
+                f"{tf.distribute.get_replica_context().num_replicas_in_sync} replicas: kd draws "
+                "for the global batch, as one device does, only with parameters that are the "
+                "same for every row. Draw with scalar parameters (and scale the draws by the "
+                "rows' values), or draw in the input pipeline."
+            )
+
+
+def _shuffle(draw, x, axis=0, seed=None):
+    """`keras.random.shuffle` in a kd step: a permutation of the rows is where they meet.
+
+    Each replica would permute its own rows; one device permutes the global
+    batch's. A shuffle along the rows of what holds or counts the replica's
+    rows is marked as where the rows meet (`penalties.mark_meets`): a layer
+    or a loss holding it runs on the global batch, where the draw is one
+    device's, and elsewhere kd refuses it (`coupling.inline`).
+    """
+    shuffled = draw(x, axis=axis, seed=seed)
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    along_rows = rank is None or rank == 0 or int(axis) % rank == 0
+    if along_rows and penalties.kind_of_value(x) not in (penalties.FIXED, penalties.GLOBAL):
+        return penalties.mark_meets(shuffled, "(keras.random.shuffle) permutes the rows of the "
+                                              "batch: one device permutes the global batch's")
+    return shuffled
+
+
 def sub_model_call(layer, call):
     """`call` of a plain Keras model inside a kd model's step (see `coupling.layer_call`)."""
     layer_call = coupling.layer_call(layer, call, pad=True)
@@ -302,23 +428,70 @@ def layer_call(layer, call):
     return coupling.layer_call(layer, call, pad=False)
 
 
-# Layers of these libraries compute each row from its own row (kd handles
-# BatchNormalization and the random layers itself); kd reads the graph of
-# the others' `call` (a layer of one's own, a Lambda, a functional model's
-# own ops) at the first trace, for rows that meet.
-_LIBRARIES = ("keras.", "keras_hub.", "keras_nlp.", "keras_cv.", "keras_distrib.", "tf_keras.")
-
-
 def may_meet(layer):
-    """Whether the rows of a batch may meet in `layer`'s own computation."""
-    if isinstance(layer, (keras.layers.BatchNormalization,) + GLOBAL_BATCH_RANDOM_LAYERS):
+    """Whether kd reads `layer`'s own computation for rows that meet (or ops it cannot read).
+
+    Not for Keras's layers listed above by what they do with the rows
+    (their class exactly: a subclass may change `call`); every other layer,
+    of one's own or of another library, is read at the first trace
+    (`coupling.layer_call`).
+    """
+    if isinstance(layer, keras.layers.BatchNormalization) or \
+            type(layer) in GLOBAL_BATCH_RANDOM_LAYERS + ROWS_MEET_LAYERS:
         return False
     if isinstance(layer, keras.layers.Lambda):
         return True
-    if isinstance(layer, _keras_compat.Functional) and _keras_compat.has_own_operations(layer):
-        return True
+    if isinstance(layer, _keras_compat.Functional):
+        return _keras_compat.has_own_operations(layer)
     defined = next((cls for cls in type(layer).__mro__ if "call" in vars(cls)), type(layer))
-    return not defined.__module__.startswith(_LIBRARIES)
+    if defined is keras.Sequential:
+        return False  # calls its layers in turn: they are read (or trusted) one by one
+    return type(layer) not in ROW_WISE_LAYERS
+
+
+def rows_meet_call(layer, call):
+    """`call` of a Keras layer whose training call mixes rows (`ROWS_MEET_LAYERS`), on the global batch.
+
+    Its rows' inputs are gathered from every replica, it runs on them as on
+    one device (its permutation and weights drawn for the global batch,
+    from the seed state every replica shares), and each replica keeps its
+    own rows (`coupling.layer_call`). In inference it is Keras's own.
+    """
+    return coupling.layer_call(layer, call, pad=False, meets=True)
+
+
+def row_wise_call(layer, call):
+    """`call` of a Keras layer that maps rows to rows (`ROW_WISE_LAYERS`): its outputs read as rows.
+
+    kd trusts the layer's class, not the ops in its graph (an LSTM's loop,
+    which the op table does not read): where its row-aligned inputs hold
+    the replica's rows (or weights), its row-aligned outputs are marked as
+    the replica's rows. Where an input already mixes rows, nothing is
+    marked: what the graph says stands.
+    """
+
+    def called(*args, **kwargs):
+        outputs = call(*args, **kwargs)
+        batch = replica.current_batch()
+        if batch is None or batch.global_region or tf.executing_eagerly() \
+                or not spreads_over_replicas():
+            return outputs
+        inputs = [v for v in tree.flatten((args, kwargs)) if _row_aligned(v)]
+        if not inputs or any(penalties.kind_of_value(v) not in (penalties.ROWS, penalties.FIXED)
+                             for v in inputs):
+            return outputs
+        for value in tree.flatten(outputs):
+            if _row_aligned(value):
+                kind = penalties.kind_of_value(value)
+                if kind == penalties.ROWS or (isinstance(kind, penalties.Unknown) and kind.unread):
+                    penalties.mark_rows(value)
+        return outputs
+
+    return called
+
+
+def _row_aligned(value):
+    return isinstance(value, tf.Tensor) and bool(value.shape.rank) and value.dtype != tf.resource
 
 
 def counted_draws(generator, keras_next):

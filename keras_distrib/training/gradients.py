@@ -156,11 +156,12 @@ def classify_gradient_target(target):
     (`penalties.kind_of`): a sum over rows is summed over replicas as it is;
     a loss computed on the global batch kd gathered adds 1/R of each
     replica's gradient; where the rows of the batch meet in it (an in-batch
-    contrastive loss written in the step), kd gathers the tensors it starts
-    from and traces the step again (`coupling.inline`); one that mixes the
+    contrastive loss written in the step), or it passes an op kd cannot
+    read, kd gathers the tensors it starts from and traces the step again,
+    or refuses it naming the op (`coupling.inline`); one that mixes the
     replica's rows with per-replica random draws has no exact split and is
-    refused, naming the op. Anything else is taken as a mean over rows
-    (`scaling.row_weighted`).
+    refused, naming the op. A mean over rows, or a term of the weights,
+    is weighted by n_r / N (`scaling.row_weighted`).
     """
     batch = replica.current_batch()
     context = tf.distribute.get_replica_context()
@@ -174,21 +175,28 @@ def classify_gradient_target(target):
     if kind == penalties.SHARE:  # shares kd computed, scaled by constants or summed
         batch.gradient_kind = replica.SHARE
         return
-    if isinstance(kind, penalties.Unknown) and kind.meets and batch.rows_meet == "global":
+    if isinstance(kind, penalties.Unknown):
+        if batch.rows_meet != "global":
+            # Compiled to keep Keras's per-replica rows: shares summed as
+            # they are, anything else taken as a mean of the replica's rows.
+            batch.gradient_kind = replica.SHARE if batch.shares else None
+            return
+        if kind.mixing and not kind.meets:
+            raise ValueError(
+                f"The loss whose gradient the step takes is not one kd can split over "
+                f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
+                "from the whole batch; each replica would compute it from its own rows. Compute "
+                "the loss with self.compute_loss(...), a Keras loss object, "
+                "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "
+                "per-row terms."
+            )
+        # Rows meet, or an op kd cannot read: the tensors it starts from
+        # are gathered at the next trace, or it is refused.
         coupling.inline(kind, batch, "the loss whose gradient the step takes", target.graph)
-    if isinstance(kind, penalties.Unknown) and kind.mixing and not kind.meets:
-        raise ValueError(
-            f"The loss whose gradient the step takes is not one kd can split over "
-            f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
-            "from the whole batch; each replica would compute it from its own rows. Compute "
-            "the loss with self.compute_loss(...), a Keras loss object, "
-            "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "
-            "per-row terms."
-        )
     if kind in (penalties.ROW_SUM, penalties.GLOBAL):
         batch.gradient_kind = kind
     elif batch.shares:
-        batch.gradient_kind = replica.SHARE  # a share with terms kd cannot read: summed as it is
+        batch.gradient_kind = replica.SHARE
     else:
         batch.gradient_kind = None
 

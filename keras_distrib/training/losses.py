@@ -191,6 +191,8 @@ def _refuse_row_mixing(values):
             f"{_replicas_in_sync()} replicas each computes that from its own rows, not from the "
             f"global batch one device sees. {_LAYOUT_FIX}."
         )
+    if isinstance(kind, penalties.Unknown) and kind.unread:
+        raise ValueError(penalties.refusal(kind, "`per_example_loss`", _replicas_in_sync()))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -260,29 +262,26 @@ def scale_regularization(losses, *, local_rows=None):
     by_kind = {}
     for _, term, kind in kinds:
         by_kind.setdefault(kind, []).append(tf.reduce_sum(term))
-    share = tf.zeros((), dtype)
     rows = None if local_rows is None else tf.cast(local_rows, dtype)
-    if penalties.SHARE in by_kind:  # shares kd computed already
-        share += tf.add_n(by_kind[penalties.SHARE])
-    same_everywhere = by_kind.get(penalties.FIXED, []) + by_kind.get(penalties.GLOBAL, [])
-    if same_everywhere:
-        share += tf.add_n(same_everywhere) / replicas
-    if penalties.ROW_SUM in by_kind:
-        sums = tf.add_n(by_kind[penalties.ROW_SUM])
-        # A sum over no rows is 0 (a kd model feeds an empty replica one
-        # padded row; its terms must not count).
-        share += sums if rows is None else tf.where(rows > 0, sums, tf.zeros_like(sums))
-    if penalties.ROW_MEAN in by_kind:
-        if local_rows is None:
-            raise ValueError(
-                f"`local_rows`=None, but {len(by_kind[penalties.ROW_MEAN])} of the terms are "
-                "means over the batch's rows (e.g. an activity regularizer), whose share on "
-                f"{replicas} replicas is n_r / N of the replica's value: pass "
-                "`local_rows=tf.shape(x)[0]` (this replica's row count)"
-            )
-        fraction = tf.math.divide_no_nan(rows, replica_sum(rows))
-        means = tf.add_n(by_kind[penalties.ROW_MEAN])
-        share += tf.where(rows > 0, means * fraction, tf.zeros_like(means))
+    if penalties.ROW_MEAN in by_kind and local_rows is None:
+        raise ValueError(
+            f"`local_rows`=None, but {len(by_kind[penalties.ROW_MEAN])} of the terms are "
+            "means over the batch's rows (e.g. an activity regularizer), whose share on "
+            f"{replicas} replicas is n_r / N of the replica's value: pass "
+            "`local_rows=tf.shape(x)[0]` (this replica's row count)"
+        )
+    # A sum over no rows is 0 (a kd model feeds an empty replica one padded
+    # row; its terms must not count).
+    has_rows = None if rows is None else rows > 0
+    # (n_r / N only where a mean weighs: it costs an all-reduce of the rows.)
+    fraction = tf.math.divide_no_nan(rows, replica_sum(rows)) \
+        if penalties.ROW_MEAN in by_kind else None
+    share = tf.zeros((), dtype)
+    for kind, values in by_kind.items():
+        share += scaling.replica_share(
+            kind, tf.add_n(values), fraction=None if kind == penalties.FIXED else fraction,
+            has_rows=None if kind in (penalties.FIXED, penalties.GLOBAL, penalties.SHARE) else has_rows,
+            replicas=replicas, what="the `add_loss`/regularization terms")
     return mark_share(share)
 
 
@@ -649,10 +648,11 @@ def row_weighted(value):
 
 
 def replica_part(value, what=None):
-    """`row_weighted(value)`; where the rows of the batch meet in it, `what` names the value.
+    """`row_weighted(value)`; `what` names the value where kd cannot split it.
 
-    kd then gathers what it starts from at the next trace, or refuses
-    (`coupling.inline`).
+    Where the rows of the batch meet in it, or it passes an op kd cannot
+    read, kd gathers what it starts from at the next trace, or refuses
+    (`coupling.inline`). The share is `scaling.replica_share`'s.
     """
     batch = current_batch()
     context = tf.distribute.get_replica_context()
@@ -660,16 +660,16 @@ def replica_part(value, what=None):
         return value
     value = tf.convert_to_tensor(value)
     kind = penalties.kind_of(value)
-    if kind == penalties.SHARE:  # a share kd computed, scaled or summed: as it is
-        return value
-    if kind == penalties.GLOBAL:
-        # Computed on the global batch: the same on every replica, rows or none.
-        return value / tf.cast(context.num_replicas_in_sync, value.dtype)
-    if isinstance(kind, penalties.Unknown) and kind.meets and what is not None:
-        coupling.inline(kind, batch, what, value.graph)
-    if kind != penalties.ROW_SUM:  # a sum over rows adds up as it is
-        value = value * tf.cast(scaling.fraction(batch), value.dtype)
-    return tf.where(batch.has_rows, value, tf.zeros_like(value))
+    what = what or "the value given to `kd.losses.row_weighted`"
+    if isinstance(kind, penalties.Unknown):
+        if batch.rows_meet != "global":
+            kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
+        else:
+            coupling.inline(kind, batch, what, value.graph)  # gathered at the next trace, or refused
+    weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
+    return scaling.replica_share(
+        kind, value, fraction=tf.cast(scaling.fraction(batch), value.dtype) if weighs else None,
+        has_rows=batch.has_rows, replicas=context.num_replicas_in_sync, what=what)
 
 
 def _tracker_update(metric, keras_update):
@@ -726,7 +726,7 @@ def _metric_update(metric, keras_update):
         tensors = [v for v in tree.flatten((args, kwargs)) if isinstance(v, tf.Tensor)]
         kinds = [penalties.kind_of_value(v) for v in tensors]
         for tensor, kind in zip(tensors, kinds):
-            if isinstance(kind, penalties.Unknown) and kind.meets:
+            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
                 coupling.inline(kind, batch, f"what the metric {metric.name!r} is updated with",
                                 tensor.graph)
         if penalties.GLOBAL not in kinds or not _takes_sample_weight(keras_update):

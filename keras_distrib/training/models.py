@@ -222,14 +222,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
       `compute_loss`, loss object or `kd.losses` call) is read from its graph
       at `tape.gradient`: a sum over rows is summed over replicas as it is;
       one in which the rows of the batch meet (a maximum over rows, the root
-      of a mean, in-batch negatives, `arange(batch_size)` labels) is computed
-      on the global batch (kd gathers the tensors it starts from and traces
-      the step again); anything else is taken as a mean over the replica's
-      rows (each replica's gradient weighted by n_r / N before the
-      all-reduce: exact for a mean of per-row terms plus terms of the
-      weights). A share mixed with a plain mean in one loss, or ops the walk
-      does not follow (a `tf.while_loop` over rows), are not detected: use
-      `compute_loss` or `kd.losses.global_mean` there.
+      of a mean, in-batch negatives, `arange(batch_size)` labels), and one
+      through an op kd's table does not read (a `tf.while_loop` over rows),
+      is computed on the global batch (kd gathers the tensors it starts
+      from and traces the step again), or refused naming the op where kd
+      cannot gather them; a mean over the replica's rows (and terms of the
+      weights) is weighted by n_r / N before the all-reduce.
     - What the step returns: a metric's `result()` (recognised by identity,
       nested `compile_metrics` included) is the metric's global value; a
       loss share is summed over replicas; another scalar is weighted by
@@ -237,7 +235,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
       replicas. A `keras.metrics.Mean` tracker fed a scalar adds one
       device's value once per step.
     - `keras.random` draws shaped by the batch are drawn for the global
-      batch and each replica keeps its rows; a draw whose leading dimension
+      batch and each replica keeps its rows (`shuffle` along the rows is
+      where rows meet, as above); a draw whose leading dimension
       is not a multiple of the replica's rows, and TensorFlow's stateful
       random ops (`tf.random.normal`, `tf.random.Generator`), are refused at
       the first step on several replicas, naming the op.
@@ -372,8 +371,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                     forward.PER_REPLICA_BATCH_NORM.add(layer)
                 else:
                     forward.PER_REPLICA_BATCH_NORM.discard(layer)
-            if isinstance(layer, forward.GLOBAL_BATCH_RANDOM_LAYERS):
+            # Keras's layers by what they do with the rows (their class
+            # exactly; a subclass may change that, and is read instead).
+            if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS:
                 _keras_compat.replace_call(layer, forward.global_batch_call)
+            elif type(layer) in forward.ROWS_MEET_LAYERS:
+                _keras_compat.replace_call(layer, forward.rows_meet_call)
+            elif type(layer) in forward.ROW_WISE_LAYERS:
+                _keras_compat.replace_call(layer, forward.row_wise_call)
             elif isinstance(layer, keras.Model) and layer is not self \
                     and not isinstance(layer, DistributedModelMixin):
                 # A plain Keras model inside: padded for an empty replica, a
@@ -427,13 +432,15 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     def additional_loss_share(self, loss):
         """This replica's share of an `add_loss` or regularization term.
 
-        Keras divides these terms by R. kd weighs a sum over the batch's rows
-        (`add_loss(c * tf.reduce_sum(x))`, read from the term's graph) whole,
-        since the replicas' sums add up to
-        one device's, and every other term by n_r / N, which keeps means over
-        rows (activity regularizers) exact on uneven batches and counts a
-        term of the weights alone once. Replicas without rows contribute
-        nothing.
+        Keras divides these terms by R. kd reads what the term is from its
+        graph and takes `scaling.replica_share` of it: a sum over the
+        batch's rows (`add_loss(c * tf.reduce_sum(x))`) whole, since the
+        replicas' sums add up to one device's; a mean over rows (activity
+        regularizers) and a term of the weights alone by n_r / N, exact on
+        uneven batches; a term computed on the global batch (a layer whose
+        rows meet) 1/R of it. A term kd cannot split (an op it cannot read,
+        outside a layer kd computes on the global batch) is refused, naming
+        the op. Replicas without rows contribute nothing.
         """
         if not loss.dtype.is_floating:
             loss = tf.cast(loss, keras.backend.floatx())
@@ -441,16 +448,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         if batch is None:
             return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
         total = tf.reduce_sum(loss)
-        kind = penalties.kind_of(loss) if forward.spreads_over_replicas() else None
-        if kind == penalties.GLOBAL:
-            # Computed on the global batch (a layer whose rows meet): the same
-            # on every replica, each adds 1/R of it, rows or none.
-            return total / tf.cast(tf.distribute.get_replica_context().num_replicas_in_sync, total.dtype)
-        if kind == penalties.ROW_SUM:
-            share = scaling.in_step_scale(batch, total)
-        else:
-            share = total * tf.cast(scaling.fraction(batch), total.dtype)
-        return tf.where(batch.has_rows, share, tf.zeros_like(total))
+        kind = penalties.kind_of(loss) if forward.spreads_over_replicas() else penalties.ROW_MEAN
+        if isinstance(kind, penalties.Unknown) and batch.rows_meet != "global":
+            kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
+        weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
+        return scaling.replica_share(
+            kind, total, fraction=tf.cast(scaling.fraction(batch), total.dtype) if weighs else None,
+            has_rows=batch.has_rows,
+            replicas=tf.distribute.get_strategy().num_replicas_in_sync,
+            what=f"the `add_loss` term `{loss.name if hasattr(loss, 'op') else loss}`",
+            row_sum=lambda value: scaling.in_step_scale(batch, value))
 
     @property
     def losses(self):
@@ -524,25 +531,37 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if padding:
                 batch.padded.pop()
         if plan.pad_empty and not batch.global_region:
-            outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs))
+            outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs), self)
         return coupling.anchor(outputs, self, batch)
 
     def _xla_forward(self, *args, **kwargs):
         # The forward pass (and its gradient) compiled on the replica's
         # device; the all-reduces stay outside (see StepPlan.xla_forward).
-        forward = self._kd_xla_function
+        # What the outputs and `add_loss` terms are to the rows is read in the
+        # compiled function's own graph (the call op hides them) and marked
+        # on what it returns.
+        forward, kinds = self._kd_xla_function or (None, {})
         if forward is None:
             def forward_pass(*args, **kwargs):
                 batch = replica.current_batch()
                 batch.losses = []
                 outputs = self(*args, **kwargs)  # in_forward: Keras's own call
+                kinds["outputs"] = [penalties.kind_of_value(v) if isinstance(v, tf.Tensor) else None
+                                    for v in tree.flatten(outputs)]
+                kinds["losses"] = [penalties.kind_of(term) for term in batch.losses]
                 return outputs, list(batch.losses)
 
             forward = step_lib.on_replica_device(
                 tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
             )
-            object.__setattr__(self, "_kd_xla_function", forward)
-        return forward(*args, **kwargs)
+            object.__setattr__(self, "_kd_xla_function", (forward, kinds))
+        outputs, losses = forward(*args, **kwargs)
+        for value, kind in zip(tree.flatten(outputs), kinds["outputs"]):
+            if kind is not None:
+                penalties.mark_kind(value, kind)
+        for value, kind in zip(losses, kinds["losses"]):
+            penalties.mark_kind(value, kind)
+        return outputs, losses
 
     _kd_xla_function = None
 
@@ -880,8 +899,12 @@ class Model(DistributedModelMixin, keras.Model):
     - random layers (Dropout, GaussianNoise, GaussianDropout, SpatialDropout,
       `Random*` augmentation), and `keras.random` draws shaped by the batch
       in a layer of your own, draw for the global batch and keep each
-      replica's rows; an RNN layer with dropout is refused at the first step,
-      naming it;
+      replica's rows; MixUp and CutMix, which mix the rows, run on the global
+      batch; an RNN layer with dropout is refused at the first step, naming
+      it;
+    - a layer kd does not trust by its class (one's own, another library's)
+      is read at the first trace: where its rows meet, or it passes an op
+      kd cannot read, it runs on the global batch;
     - a layer's non-trainable variable updated in `call` with
       `assign_add`/`assign_sub` of data adds the sum over replicas (a
       constant is added once); `assign` is refused at the first step,

@@ -1,29 +1,38 @@
-"""How an `add_loss` term adds up over replicas, read from the graph that computes it.
+"""What a tensor is to the replica's rows, read from the graph: one op table, one policy.
 
-A penalty a replica computes from its own rows adds up to one device's
-value in a way that depends on what it is:
+kd's one owner of the question "how does this value relate to the rows of
+the replica's batch?". The answer (a kind) is one of:
 
 - a term of the weights alone (weight regularizers, a constant): the same
-  on every replica; the global value is that value, so each replica
-  contributes 1/R of it (`FIXED`);
-- a sum over rows (`add_loss(c * tf.reduce_sum(x))`): the global value is
-  the sum of the replicas' values, each contributes its own (`ROW_SUM`);
+  on every replica (`FIXED`); computed from the global batch kd gathered,
+  also the same on every replica (`GLOBAL`);
+- one entry per row, each row its own (`ROWS`);
+- a sum over rows (`add_loss(c * tf.reduce_sum(x))`): the replicas' values
+  add up to one device's (`ROW_SUM`);
 - a mean over rows (Keras's activity regularizers divide by the batch
   size; `tf.reduce_mean` over the batch axis): the global value is
-  sum_r n_r * value_r / N, each contributes n_r / N of its own (`ROW_MEAN`).
+  sum_r n_r * value_r / N (`ROW_MEAN`);
+- a share of a loss kd computed (`SHARE`);
+- an `Unknown`: the rows meet (`Unknown.meets`: a variance of the batch, a
+  product of two sums, `x @ y^T`), a per-replica random draw mixes them, or
+  kd cannot read the op at all (`Unknown.unread`).
 
-Anything else (a variance of the batch, a product of two sums, a nonlinear
-function of a mean) has no such split: kd refuses it rather than guess.
+`kind_of` decides by walking back from a tensor to where its values come
+from: variables and constants, the replica's batch (its rows: the first
+axis), and the ops between them, each read by its entry in `OPS`, the op
+table. An entry says how the op's output kind follows from its inputs'
+kinds, and how its rows lie in the global batch (`layout_of_op`, which
+`coupling.row_layout` reads): one list of ops for both questions. An op not
+in the table, or given inputs its rule does not cover, is `Unknown`
+(unread): never taken as rows. What kd then does is one policy
+(`coupling.meets`, `coupling.inline`, `scaling.replica_share`): computed on
+the global batch where kd can, else refused at the first trace
+(`refusal`, naming the op and the fix).
 
-`kind_of` decides by walking back from the term to where its values come
-from: variables and constants (the same on every replica), the replica's
-batch (its rows: the first axis), and the ops between them. Only ops whose
-effect on rows kd knows are followed (elementwise ops, matrix products with
-weights, convolutions, pooling, reshapes that keep the rows, reductions);
-an op it does not know makes the term `UNKNOWN`. kd's own layers mark what
-they compute over the global batch (`mark_global`, `mark_rows`): global
-BatchNormalization statistics are the same on every replica, and a random
-layer laid out over the global batch keeps the replica's rows.
+kd's own layers mark what they compute (`mark_global`, `mark_rows`,
+`mark_meets`): global BatchNormalization statistics are the same on every
+replica, a random layer laid out over the global batch keeps the
+replica's rows, a shuffle of the rows makes them meet.
 
 The same walk finds where the rows of a batch meet (`Unknown.meets`):
 a product of two row-aligned tensors across the batch (`x @ y^T`, an
@@ -45,23 +54,27 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = [
-    "ELEMENTWISE",
     "FIXED",
     "GLOBAL",
+    "NO_ROWS",
+    "OPS",
     "ROWS",
     "ROW_MEAN",
     "ROW_SUM",
-    "SHAPE_OPS",
     "SHARE",
     "Unknown",
-    "keeps_rows",
+    "holds_no_rows",
     "kind_of",
     "kind_of_value",
+    "layout_of_op",
     "mark_gathered",
     "mark_global",
+    "mark_kind",
+    "mark_meets",
     "mark_offset",
     "mark_rows",
     "mark_share",
+    "refusal",
     "row_mixing",
     "row_sources",
 ]
@@ -107,6 +120,39 @@ class Unknown:
     op: str
     mixing: str = ""
     meets: bool = False
+    op_type: str = ""
+
+    @property
+    def unread(self):
+        """Whether kd could not read the op at all (no rule for it, or for its inputs' kinds)."""
+        return not self.mixing and not self.meets
+
+    @property
+    def why(self):
+        """What happens at `op`, in words (for an error message)."""
+        if self.mixing:
+            return self.mixing
+        what = f"`{self.op}` ({self.op_type})" if self.op_type else f"`{self.op}`"
+        return (f"{what} is an op kd cannot read: it does not know whether its output keeps "
+                "each row of the batch its own, so it cannot split it over replicas")
+
+
+def refusal(kind, what, replicas):
+    """kd's one refusal of a value it cannot split over `replicas` (`kind`: an `Unknown`), as text.
+
+    Where kd can, it computes such a value on the global batch (a layer, a
+    loss, `compute_loss`, what a custom step computes from the model's
+    outputs: `coupling`); the refusal is for the rest, at the first trace.
+    """
+    return (
+        f"kd cannot split {what} over the {replicas} replicas: {kind.why}. One device computes "
+        "it from the whole batch; each replica would compute it from its own rows, so training "
+        "would silently differ from one device. Gather the tensors it starts from with "
+        "`kd.losses.global_batch(tensor)` (every replica's rows, the gradient flowing back to "
+        "each) and compute it from those, compute it inside a kd model's layers or loss (kd "
+        "then computes it on the global batch), or compile the model with "
+        "`rows_meet=\"per_replica\"` to keep Keras's per-replica behaviour (not exact)."
+    )
 
 
 _MARKS = weakref.WeakKeyDictionary()  # graph -> {tensor name: kind}
@@ -144,6 +190,20 @@ def mark_offset(tensor):
 def mark_gathered(tensor):
     """Marks `tensor` as holding the global batch, the same on every replica (GLOBAL)."""
     return _mark(tensor, GLOBAL)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_kind(tensor, kind):
+    """Marks `tensor` with a kind read in another graph (a compiled function's, that returns it)."""
+    return _mark(tensor, kind)
+
+
+@tf.autograph.experimental.do_not_convert
+def mark_meets(tensor, why):
+    """Marks `tensor` as where the batch's rows meet (`why`: how), e.g. a permutation of the rows."""
+    if isinstance(tensor, tf.Tensor) and hasattr(tensor, "op"):
+        return _mark(tensor, Unknown(tensor.op.name, f"`{tensor.op.name}` {why}", meets=True))
+    return tensor
 
 
 @tf.autograph.experimental.do_not_convert
@@ -258,7 +318,7 @@ def _binary(op, kinds):
         if ROWS in kind_set:
             return _meeting(op, "combines every row of the batch with every other row (e.g. "
                                 "`labels[:, None] == labels[None, :]`)")
-        return Unknown(op.name)
+        return _unread(op)
     if kind_set <= {ROWS, FIXED, _DRAW}:
         if ROWS in kind_set and _DRAW in kind_set:
             return _mixing(op, "combines the rows with random numbers drawn for this replica's "
@@ -266,7 +326,7 @@ def _binary(op, kinds):
         fixed_ok = all(_broadcasts_into_rows(op.outputs[0], t) for k, t in ((a, ta), (b, tb))
                        if k == FIXED)
         if not fixed_ok:
-            return Unknown(op.name)
+            return _unread(op)
         return _DRAW if _DRAW in kind_set else ROWS
     statistics = {ROW_SUM, ROW_MEAN}
     if kind_set & {ROWS, _DRAW} and kind_set & statistics:
@@ -288,31 +348,35 @@ def _binary(op, kinds):
         # Keras divides by `ops.cast(ops.shape(x)[0])`: with a static batch
         # shape, the row count is an integer constant of the graph.
         return ROW_MEAN
+    if op.type in ("Add", "AddV2") and kind_set == {_OFFSET, FIXED} and \
+            _rank(ta if a == FIXED else tb) == 1:
+        # The offset plus `range` of a static row count: the global row numbers.
+        return ROWS
     if _STATIC in kind_set:
         return _binary(op, [FIXED if k == _STATIC else k for k in kinds])
     if _COUNT in kind_set and kind_set <= {_COUNT, FIXED}:
-        return _COUNT if op.type in ("Mul", "Maximum") else Unknown(op.name)
+        return _COUNT if op.type in ("Mul", "Maximum") else _unread(op)
     if kind_set & statistics and kind_set <= statistics | {FIXED}:
         return _meeting(op, "combines sums or means over the batch's rows into a value that "
                             "is neither one sum nor one mean over the rows")
-    return Unknown(op.name)
+    return _unread(op)
 
 
 def _reduce(op, kinds):
     kind = kinds[0]
     if kind == FIXED:
-        return FIXED if kinds[1] == FIXED else Unknown(op.name)
+        return FIXED if kinds[1] == FIXED else _unread(op)
     if kind in (ROW_SUM, ROW_MEAN):
-        return kind if op.type in ("Sum", "Mean") and kinds[1] == FIXED else Unknown(op.name)
+        return kind if op.type in ("Sum", "Mean") and kinds[1] == FIXED else _unread(op)
     if kind not in (ROWS, _DRAW):
-        return Unknown(op.name)
+        return _unread(op)
     axes = _axes(op, op.inputs[0], op.inputs[1])
     if axes is None:
-        return Unknown(op.name)
+        return _unread(op)
     if 0 not in axes:
         return kind
     if kind == _DRAW:
-        return Unknown(op.name)
+        return _unread(op)
     return {"Sum": ROW_SUM, "Mean": ROW_MEAN}.get(op.type) or _meeting(
         op, "reduces across the batch's rows")
 
@@ -375,36 +439,345 @@ def _makes_columns(op):
 
 _SHAPE_OPS = {"Reshape", "ExpandDims", "Squeeze", "Transpose", "Pad", "PadV2", "MirrorPad", "Tile",
               "StridedSlice"}
-# What other modules read of the tables (coupling's row layouts).
-SHAPE_OPS = frozenset(_SHAPE_OPS)
-ELEMENTWISE = frozenset(_UNARY | _BINARY)
 
 
-def keeps_rows(op):
-    """Whether a shape op (`SHAPE_OPS`) on a row-aligned tensor keeps its first axis the rows."""
-    return _keeps_rows(op)
+# ---------------------------------------------------------------------------
+# The op table: for each op type kd reads, how its output's kind follows its
+# inputs' kinds (`kind`), and how its output's rows lie in the global batch
+# given its inputs' (`layout`, see `layout_of_op`). An op type not in the
+# table is not read: its output is `Unknown` (see `Unknown.unread`), never
+# taken as rows.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One entry of the op table.
+
+    `kind(op, index, kinds)`: the kind of `op.outputs[index]` given its
+    inputs' kinds. `layout`: one of `_LAYOUTS` ("" where the layout of its
+    rows cannot be read).
+    """
+
+    kind: object
+    layout: str = ""
+
+
+# How an op's rows lie, given its inputs' layouts (see `layout_of_op`):
+_KEEPS = "keeps"  # each output row is an input row's: the inputs' one layout
+_NO_ROWS = "no rows"  # weights, constants, row numbers: no rows of the batch
+_CONCAT = "concat"  # along the rows: the inputs' layouts one after the other
+_COUNTS = "counts"  # a shape: the layout of the tensor whose rows it counts
+_PACK = "pack"  # a shape built from a row count
+_REDUCES = "reduces"  # a reduction: the input's layout unless it reduces the rows
+_SHAPES = "shapes"  # a shape op: the input's layout where it keeps the rows
+_STRIDED = "strided"  # a slice: of a shape, or a shape op
+_LAYOUTS = (_KEEPS, _NO_ROWS, _CONCAT, _COUNTS, _PACK, _REDUCES, _SHAPES, _STRIDED)
+
+
+def _constant_op(op, index, kinds):
+    return FIXED
+
+
+def _placeholder(op, index, kinds):
+    output = op.outputs[index]
+    if output.dtype == tf.resource:
+        return FIXED
+    return ROWS if (_rank(output) or 0) >= 1 else _unread(op)
+
+
+def _data(op, index, kinds):
+    return ROWS if (_rank(op.outputs[index]) or 0) >= 1 else _unread(op)
+
+
+def _optional(op, index, kinds):
+    return _OPTIONAL
+
+
+def _stateless_random(op, index, kinds):
+    return _DRAW if kinds[0] == _SHAPE else _unread(op)
+
+
+def _identity_n(op, index, kinds):
+    return kinds[index]
+
+
+def _unary(op, index, kinds):
+    kind = kinds[0]
+    if kind == _COLUMNS and op.type in ("Softmax", "LogSoftmax"):
+        return _meeting(op, "normalizes across the batch's rows")
+    if kind in (ROW_SUM, ROW_MEAN) and op.type not in _LINEAR_UNARY:
+        return _meeting(op, "is a nonlinear function of a sum or mean over the batch's rows")
+    if kind in (_COUNT, _SHAPE):
+        return kind if op.type in _LINEAR_UNARY else _unread(op)
+    return kind
+
+
+def _add_n(op, index, kinds):
+    kind_set = set(kinds)
+    return kinds[0] if len(kind_set) == 1 and kinds[0] in (FIXED, ROWS, ROW_SUM, ROW_MEAN) \
+        else _unread(op)
+
+
+def _arg_reduce(op, index, kinds):
+    if kinds[0] == ROWS:
+        axes = _axes(op, op.inputs[0], op.inputs[1])
+        if axes is None:
+            return _unread(op)
+        return ROWS if 0 not in axes else _meeting(op, "picks one of the batch's rows")
+    return _reduce(op, kinds)
+
+
+def _l2_loss(op, index, kinds):
+    return {ROWS: ROW_SUM}.get(kinds[0]) or _unread(op)
+
+
+def _shape(op, index, kinds):
+    return _SHAPE if kinds[0] in (ROWS, _DRAW) else _unread(op)
+
+
+def _pack(op, index, kinds):
+    if kinds and kinds[0] == _COUNT and all(k == FIXED for k in kinds[1:]):
+        return _SHAPE if op.get_attr("axis") == 0 else _unread(op)
+    if _COUNT in kinds and set(kinds) <= {_COUNT, FIXED} and op.get_attr("axis") == 0:
+        return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
+                            "`eye(batch_size)`)")
+    return _unread(op)
+
+
+def _shape_op(op, index, kinds):
+    """A shape op (`_SHAPE_OPS`) on rows: rows where it keeps them, columns where it turns them."""
+    if op.type == "Reshape" and kinds[0] == ROWS and kinds[1] == _SHAPE:
+        return ROWS  # back to a shape read off the rows (a loss reshaped to its rows)
+    if kinds[0] in (ROWS, _DRAW):
+        others_fixed = all(k == FIXED for k in kinds[1:])
+        if others_fixed and kinds[0] == ROWS and _makes_columns(op):
+            return _COLUMNS
+        return kinds[0] if others_fixed and _keeps_rows(op) else _unread(op)
+    if op.type == "Transpose" and kinds[0] == _COLUMNS and kinds[1] == FIXED:
+        perm = _const(op.inputs[1])
+        return ROWS if perm is not None and list(perm) == [1, 0] else _unread(op)
+    return _unread(op)
+
+
+def _slice(op, index, kinds):
+    """A slice of a shape: the row count (from entry 0) or the features; else a shape op."""
+    if kinds[0] == _SHAPE and all(k == FIXED for k in kinds[1:]):
+        begin = _const(op.inputs[1])
+        if begin is None:
+            return _unread(op)
+        if op.type == "StridedSlice":
+            if not op.get_attr("shrink_axis_mask") & 1:
+                return _unread(op)
+            return _COUNT if int(begin.reshape(-1)[0]) == 0 else FIXED
+        return _SHAPE if int(begin.reshape(-1)[0]) == 0 else FIXED
+    if op.type == "StridedSlice":
+        return _shape_op(op, index, kinds)
+    return _unread(op)
+
+
+def _concat(op, index, kinds):
+    if kinds and kinds[-1] == FIXED and set(kinds[:-1]) <= {_SHAPE, FIXED} and _SHAPE in kinds:
+        parts = [k for k, t in zip(kinds[:-1], op.inputs[:-1])
+                 if not (k == FIXED and t.shape.num_elements() == 0)]
+        if parts[0] == _SHAPE and all(k == FIXED for k in parts[1:]):
+            return _SHAPE
+        return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
+                            "`zeros((batch_size, batch_size))`)")
+    axis = _const(op.inputs[-1])
+    rank = _rank(op.outputs[0])
+    if axis is not None and rank and int(axis) % rank != 0 and all(k == ROWS for k in kinds[:-1]):
+        return ROWS
+    return _unread(op)
+
+
+def _attr(op, *names):
+    return any(op.get_attr(name) for name in names if name in op.node_def.attr)
+
+
+def _matmul(op, index, kinds):
+    a, b = kinds[0], kinds[1]
+    transposed = _attr(op, "transpose_a", "adj_x")
+    second = _attr(op, "transpose_b", "adj_y")
+    if a == ROWS and b == FIXED and not transposed and (op.type == "MatMul" or
+                                                      (_rank(op.inputs[1]) or 3) <= 2):
+        return ROWS
+    if op.type != "MatMul" and a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) >= 3:
+        return ROWS
+    similarities = ("multiplies two row-aligned tensors across the batch, so each row meets "
+                    "every other row (e.g. similarities `x @ transpose(y)`)")
+    if a == ROWS and b == _COLUMNS and not transposed and not second:
+        return _meeting(op, similarities)
+    if a == _COLUMNS and b == ROWS and not transposed:
+        return ROW_SUM  # transpose(x) @ y: a sum over the rows of their outer products
+    if a == FIXED and b == _COLUMNS and not transposed:
+        return _COLUMNS
+    if a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) == 2:
+        if transposed and not second:
+            return ROW_SUM  # x^T y: a sum over the rows of their outer products
+        return _meeting(op, similarities)
+    return _unread(op)
+
+
+def _per_row_image(op, index, kinds):
+    data_format = op.get_attr("data_format") if "data_format" in op.node_def.attr else b"N"
+    if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) and data_format.startswith(b"N"):
+        return ROWS
+    return _unread(op)
+
+
+def _select(op, index, kinds):
+    kind_set = set(kinds)
+    if kind_set <= {ROWS, FIXED, _DRAW}:
+        if ROWS in kind_set and _DRAW in kind_set:
+            return _mixing(op, "selects between the rows with random numbers drawn for this "
+                               "replica's rows only (e.g. a Dropout of a plain Keras model)")
+        return ROWS if ROWS in kind_set else _DRAW
+    return _unread(op)
+
+
+def _gather(op, index, kinds):
+    axis = _const(op.inputs[2])
+    if kinds[0] == FIXED and kinds[1] == ROWS and axis is not None and int(axis) == 0 and \
+            not op.get_attr("batch_dims"):
+        return ROWS  # an embedding lookup: each row's own ids
+    return _rows_or_meeting(op, index, kinds)
+
+
+def _resource_gather(op, index, kinds):
+    if kinds[0] == FIXED and kinds[1] == ROWS and not op.get_attr("batch_dims"):
+        return ROWS
+    return _unread(op)
+
+
+def _one_hot(op, index, kinds):
+    return ROWS if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) else _unread(op)
+
+
+def _constant_axes(op, position):
+    axes = _const(op.inputs[position])
+    rank = _rank(op.inputs[0])
+    if axes is None or not rank:
+        return None
+    return {int(a) % rank for a in axes.reshape(-1)}
+
+
+def _rows_or_meeting(op, index, kinds):
+    """The ops that reorder, number, accumulate or pick rows, and a few per-row ops.
+
+    Along any axis but the first they keep the rows; along the rows, each
+    row's value depends on the others: the rows meet.
+    """
+    kind_type = op.type
+    rows = kinds[0] == ROWS
+    others_fixed = all(k == FIXED for k in kinds[1:])
+    if kind_type == "Range" and _COUNT in kinds and set(kinds) <= {_COUNT, FIXED}:
+        return _Index(op.name)
+    if kind_type == "Fill" and kinds[0] == _SHAPE and kinds[1] == FIXED:
+        return ROWS  # e.g. ones((batch_size, 1)): one constant row per row
+    if kind_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
+                     "InTopKV2") and ROWS in kinds and set(kinds) <= {ROWS, FIXED}:
+        return ROWS
+    if kind_type == "GatherV2" and rows and kinds[1] in (ROWS, FIXED) and kinds[2] == FIXED:
+        axis = _const(op.inputs[2])
+        if axis is not None and int(axis) % (_rank(op.inputs[0]) or 1) == 0:
+            return _meeting(op, "picks rows of the batch by index")
+    if not (rows and others_fixed):
+        return _unread(op)
+    if kind_type in ("MatrixDiag", "MatrixDiagV2", "MatrixDiagV3"):
+        return _meeting(op, "builds a square of the batch's rows (e.g. `eye(batch_size)`)")
+    if kind_type in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
+        axes = _constant_axes(op, 1)
+        if axes is None:
+            return _unread(op)
+        return _meeting(op, "accumulates along the batch's rows") if 0 in axes else ROWS
+    if kind_type in ("ReverseV2", "Roll"):
+        axes = _constant_axes(op, 1 if kind_type == "ReverseV2" else 2)
+        if axes is None:
+            return _unread(op)
+        return _meeting(op, "reorders the batch's rows") if 0 in axes else ROWS
+    if kind_type == "TopKV2":
+        if _rank(op.inputs[0]) == 1:
+            return _meeting(op, "sorts or picks the top of the batch's rows")
+        return ROWS
+    if kind_type == "GatherV2":
+        axis = _const(op.inputs[2])
+        if axis is None:
+            return _unread(op)
+        if int(axis) % (_rank(op.inputs[0]) or 1) == 0:
+            return _meeting(op, "picks rows of the batch by index")
+        return ROWS if not op.get_attr("batch_dims") else _unread(op)
+    if kind_type == "ClipByValue":
+        return ROWS
+    return _unread(op)
+
+
+def _table():
+    entries = {}
+
+    def add(types, kind, layout=""):
+        for op_type in types:
+            entries[op_type] = _Op(kind, layout)
+
+    add(("Const",), _constant_op, _NO_ROWS)
+    add(("Placeholder",), _placeholder)
+    add(("ReadVariableOp", "VarHandleOp"), _constant_op, _NO_ROWS)
+    add(_DATA, _data)
+    add(("IteratorGetNextAsOptional",), _optional)
+    add(("IdentityN",), _identity_n)
+    add(_IDENTITY | _UNARY, _unary, _KEEPS)
+    add(_BINARY, lambda op, index, kinds: _binary(op, kinds), _KEEPS)
+    add(("AddN",), _add_n, _KEEPS)
+    add(("Sum", "Mean", "Max", "Min", "Prod", "All", "Any"),
+        lambda op, index, kinds: _reduce(op, kinds), _REDUCES)
+    add(("ArgMax", "ArgMin"), _arg_reduce)
+    add(("L2Loss",), _l2_loss)
+    add(("Shape",), _shape, _COUNTS)
+    add(("Pack",), _pack, _PACK)
+    add(_SHAPE_OPS - {"StridedSlice"}, _shape_op, _SHAPES)
+    add(("StridedSlice",), _slice, _STRIDED)
+    add(("Slice",), _slice)
+    add(("ConcatV2",), _concat, _CONCAT)
+    add(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"), _matmul, _KEEPS)
+    add(("Einsum",), lambda op, index, kinds: _einsum(op, kinds))
+    add(_PER_ROW_IMAGE, _per_row_image, _KEEPS)
+    add(("Select", "SelectV2"), _select, _KEEPS)
+    add(("GatherV2",), _gather)
+    add(("ResourceGather",), _resource_gather)
+    add(("OneHot",), _one_hot)
+    add(("Range",), _rows_or_meeting, _NO_ROWS)
+    add(("Fill", "ClipByValue"), _rows_or_meeting, _KEEPS)
+    add(("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits", "InTopKV2",
+         "MatrixDiag", "MatrixDiagV2", "MatrixDiagV3", "Cumsum", "Cumprod", "CumulativeLogsumexp",
+         "ReverseV2", "Roll", "TopKV2"), _rows_or_meeting)
+    return entries
+
+
+# The one op table (read by `kind_of` and friends, and by `layout_of_op`).
+OPS = _table()
+_STATELESS_RANDOM = _Op(_stateless_random)
+
+
+def _entry(op_type):
+    """The table's entry for `op_type`, or None: an op kd does not read."""
+    entry = OPS.get(op_type)
+    if entry is None and op_type.startswith(_STATELESS_RANDOM_PREFIX):
+        return _STATELESS_RANDOM
+    return entry
+
+
+def _unread(op):
+    """An op whose output kd cannot read, given its inputs' kinds: never taken as rows."""
+    return Unknown(op.name, op_type=op.type)
 
 
 def _kind_of_op_output(op, index, kinds):
-    """The kind of `op.outputs[index]`, given its inputs' kinds."""
+    """The kind of `op.outputs[index]`, given its inputs' kinds (see `OPS`)."""
     kind_type = op.type
     if _STATIC in kinds and kind_type not in _BINARY:
         kinds = [FIXED if k == _STATIC else k for k in kinds]
-    unknown = _unknown_of(kinds)
-    if kind_type == "Const":
-        return FIXED
-    if kind_type == "Placeholder":
-        output = op.outputs[index]
-        if output.dtype == tf.resource:
-            return FIXED
-        return ROWS if (_rank(output) or 0) >= 1 else Unknown(op.name)
-    if kind_type in ("ReadVariableOp", "VarHandleOp"):
-        return FIXED
-    if kind_type in _DATA:
-        output = op.outputs[index]
-        return ROWS if (_rank(output) or 0) >= 1 else Unknown(op.name)
-    if kind_type == "IteratorGetNextAsOptional":
-        return _OPTIONAL
+    entry = _entry(kind_type)
+    if kind_type in _SOURCES:
+        return entry.kind(op, index, kinds)
     if _OPTIONAL in kinds:
         # The batch taken out of its Optional (`fit`'s input: a cond on
         # `has_value()`), or the condition itself.
@@ -413,153 +786,86 @@ def _kind_of_op_output(op, index, kinds):
         output = op.outputs[index]
         if kind_type in ("If", "StatelessIf") and (_rank(output) or 0) >= 1:
             return ROWS
-        return Unknown(op.name)
+        return _unread(op)
+    unknown = _unknown_of(kinds)
     if unknown is not None:
         return unknown
     if SHARE in kinds:
         return _with_share(op, kinds)
-    index = next((k for k in kinds if isinstance(k, _Index)), None)
-    if index is not None:
-        return _with_index(op, kinds, index)
+    row_numbers = next((k for k in kinds if isinstance(k, _Index)), None)
+    if row_numbers is not None:
+        return _with_index(op, kinds, row_numbers)
     if GLOBAL in kinds:
         return _with_global(op, kinds)
-    if kind_type.startswith(_STATELESS_RANDOM_PREFIX):
-        if all(k == FIXED for k in kinds):
-            return FIXED
-        return _DRAW if kinds[0] in (_SHAPE,) else Unknown(op.name)
-    if kind_type == "IdentityN":
-        return kinds[index]
     if kind_type == "Cast" and kinds[0] == FIXED and op.inputs[0].op.type == "Const" and \
             op.inputs[0].dtype.is_integer and op.outputs[0].dtype.is_floating and \
             op.inputs[0].shape.rank == 0:
         return _STATIC
-    if kind_type in _IDENTITY or kind_type in _UNARY:
-        kind = kinds[0]
-        if kind == _COLUMNS and kind_type in ("Softmax", "LogSoftmax"):
-            return _meeting(op, "normalizes across the batch's rows")
-        if kind in (ROW_SUM, ROW_MEAN) and kind_type not in _LINEAR_UNARY:
-            return _meeting(op, "is a nonlinear function of a sum or mean over the batch's "
-                                "rows")
-        if kind in (_COUNT, _SHAPE):
-            return kind if kind_type in _LINEAR_UNARY else Unknown(op.name)
-        if kind in (ROW_SUM, ROW_MEAN):
-            return kind
-        return kind
-    if kind_type in _BINARY:
-        return _binary(op, kinds)
-    if kind_type == "AddN":
-        kind_set = set(kinds)
-        return kinds[0] if len(kind_set) == 1 and kinds[0] in (FIXED, ROWS, ROW_SUM, ROW_MEAN) \
-            else Unknown(op.name)
-    if kind_type in ("Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin"):
-        if kind_type in ("ArgMax", "ArgMin") and kinds[0] == ROWS:
-            axes = _axes(op, op.inputs[0], op.inputs[1])
-            if axes is None:
-                return Unknown(op.name)
-            return ROWS if 0 not in axes else _meeting(op, "picks one of the batch's rows")
-        return _reduce(op, kinds)
-    if kind_type == "L2Loss":
-        return {FIXED: FIXED, ROWS: ROW_SUM}.get(kinds[0], Unknown(op.name))
     if all(k == FIXED for k in kinds) and not op.op_def.is_stateful:
-        return FIXED
-    if kind_type == "Shape":
-        return _SHAPE if kinds[0] in (ROWS, _DRAW) else Unknown(op.name)
-    if kind_type == "Pack" and kinds and kinds[0] == _COUNT and all(k == FIXED for k in kinds[1:]):
-        return _SHAPE if op.get_attr("axis") == 0 else Unknown(op.name)
-    if kind_type == "Pack" and _COUNT in kinds and set(kinds) <= {_COUNT, FIXED} and \
-            op.get_attr("axis") == 0:
-        return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
-                            "`eye(batch_size)`)")
-    if kind_type == "StridedSlice" and kinds[0] == _SHAPE:
-        begin = _const(op.inputs[1])
-        if begin is None or not op.get_attr("shrink_axis_mask") & 1:
-            return Unknown(op.name)
-        return _COUNT if int(begin.reshape(-1)[0]) == 0 else FIXED
-    if kind_type == "Reshape" and kinds[0] == ROWS and kinds[1] == _SHAPE:
-        return ROWS  # back to a shape read off the rows (a loss reshaped to its rows)
-    if kind_type in _SHAPE_OPS and kinds[0] in (ROWS, _DRAW):
-        others_fixed = all(k == FIXED for k in kinds[1:])
-        if others_fixed and kinds[0] == ROWS and _makes_columns(op):
-            return _COLUMNS
-        return kinds[0] if others_fixed and _keeps_rows(op) else Unknown(op.name)
-    if kind_type == "Transpose" and kinds[0] == _COLUMNS and kinds[1] == FIXED:
-        perm = _const(op.inputs[1])
-        return ROWS if perm is not None and list(perm) == [1, 0] else Unknown(op.name)
-    if kind_type in ("Slice", "StridedSlice") and kinds[0] == _SHAPE and \
-            all(k == FIXED for k in kinds[1:]):
-        begin = _const(op.inputs[1])
-        if begin is None:
-            return Unknown(op.name)
-        return _SHAPE if int(begin.reshape(-1)[0]) == 0 else FIXED
-    if kind_type == "ConcatV2" and kinds and kinds[-1] == FIXED and \
-            set(kinds[:-1]) <= {_SHAPE, FIXED} and _SHAPE in kinds:
-        parts = [k for k, t in zip(kinds[:-1], op.inputs[:-1])
-                 if not (k == FIXED and t.shape.num_elements() == 0)]
-        if parts[0] == _SHAPE and all(k == FIXED for k in parts[1:]):
-            return _SHAPE
-        return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
-                            "`zeros((batch_size, batch_size))`)")
-    if kind_type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
-        a, b = kinds[0], kinds[1]
-        transposed = any(op.get_attr(name) for name in ("transpose_a", "adj_x")
-                         if name in op.node_def.attr)
-        if a == ROWS and b == FIXED and not transposed and (kind_type == "MatMul" or
-                                                          (_rank(op.inputs[1]) or 3) <= 2):
-            return ROWS
-        if kind_type != "MatMul" and a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) >= 3:
-            return ROWS
-        if a == ROWS and b == _COLUMNS and not transposed and not any(
-                op.get_attr(name) for name in ("transpose_b", "adj_y") if name in op.node_def.attr):
-            return _meeting(op, "multiplies two row-aligned tensors across the batch, so each "
-                                "row meets every other row (e.g. similarities `x @ transpose(y)`)")
-        if a == _COLUMNS and b == ROWS and not transposed:
-            return ROW_SUM  # transpose(x) @ y: a sum over the rows of their outer products
-        if a == FIXED and b == _COLUMNS and not transposed:
-            return _COLUMNS
-        if a == ROWS and b == ROWS and (_rank(op.inputs[0]) or 0) == 2:
-            second = any(op.get_attr(name) for name in ("transpose_b", "adj_y")
-                         if name in op.node_def.attr)
-            if transposed and not second:
-                return ROW_SUM  # x^T y: a sum over the rows of their outer products
-            return _meeting(op, "multiplies two row-aligned tensors across the batch, so each "
-                                "row meets every other row (e.g. similarities `x @ transpose(y)`)")
-        return Unknown(op.name)
-    if kind_type == "Einsum":
-        return _einsum(op, kinds)
-    if kind_type in _PER_ROW_IMAGE:
-        data_format = op.get_attr("data_format") if "data_format" in op.node_def.attr else b"N"
-        if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) and \
-                data_format.startswith(b"N"):
-            return ROWS
-        return Unknown(op.name)
-    if kind_type in ("Select", "SelectV2"):
-        kind_set = set(kinds)
-        if kind_set <= {ROWS, FIXED, _DRAW}:
-            if ROWS in kind_set and _DRAW in kind_set:
-                return _mixing(op, "selects between the rows with random numbers drawn for this "
-                                   "replica's rows only (e.g. a Dropout of a plain Keras model)")
-            return ROWS if ROWS in kind_set else _DRAW
-        return Unknown(op.name)
-    if kind_type == "ConcatV2":
-        axis = _const(op.inputs[-1])
-        rank = _rank(op.outputs[0])
-        values = kinds[:-1]
-        if axis is not None and rank and int(axis) % rank != 0 and all(k == ROWS for k in values):
-            return ROWS
-        return Unknown(op.name)
-    if kind_type == "GatherV2":
-        axis = _const(op.inputs[2])
-        if kinds[0] == FIXED and kinds[1] == ROWS and axis is not None and int(axis) == 0 and \
-                not op.get_attr("batch_dims"):
-            return ROWS
-        return _rows_or_meeting(op, kinds)
-    if kind_type == "ResourceGather":
-        if kinds[0] == FIXED and kinds[1] == ROWS and not op.get_attr("batch_dims"):
-            return ROWS
-        return Unknown(op.name)
-    if kind_type == "OneHot":
-        return ROWS if kinds[0] == ROWS and all(k == FIXED for k in kinds[1:]) else Unknown(op.name)
-    return _rows_or_meeting(op, kinds)
+        return FIXED  # a function of weights and constants alone: the same on every replica
+    if entry is None:
+        return _unread(op)
+    return entry.kind(op, index, kinds)
+
+
+# Ops whose output's kind does not depend on their inputs' (where the walk starts).
+_SOURCES = frozenset({"Const", "Placeholder", "ReadVariableOp", "VarHandleOp",
+                      "IteratorGetNextAsOptional"} | _DATA)
+
+
+# What coupling reads of the table: where a tensor's rows lie in the global batch.
+NO_ROWS = ()
+
+
+def holds_no_rows(op_type):
+    """Whether the table says `op_type`'s output holds no rows of the batch (weights, row numbers)."""
+    entry = _entry(op_type)
+    return entry is not None and entry.layout == _NO_ROWS
+
+
+def layout_of_op(op, value, layouts):
+    """The layout of `value` (an output of `op`) given its inputs' layouts, or None (see `OPS`).
+
+    A layout names the data leaves a tensor's rows come from, block after
+    block (`coupling.row_layout`); `NO_ROWS`: weights and constants.
+    """
+    entry = _entry(op.type)
+    layout = entry.layout if entry is not None else ""
+    if layout == _NO_ROWS:
+        return NO_ROWS
+    if layout == _CONCAT:
+        axis = tf.get_static_value(op.inputs[-1])
+        parts = layouts[:-1]
+        if axis is not None and int(axis) % max(value.shape.rank or 1, 1) == 0 and \
+                all(p is not None for p in parts):
+            return tuple(block for part in parts for block in part)
+        return _same(parts)
+    if layout == _COUNTS:
+        return layouts[0]  # a row count has the layout it counts
+    if layout == _STRIDED and op.inputs[0].op.type == "Shape":
+        begin = tf.get_static_value(op.inputs[1])
+        return layouts[0] if begin is not None and int(begin.reshape(-1)[0]) == 0 else NO_ROWS
+    if layout == _PACK:
+        if op.get_attr("axis") == 0:
+            return layouts[0] if all(p == NO_ROWS for p in layouts[1:]) else None
+        return None
+    if layout == _REDUCES:
+        axes = tf.get_static_value(op.inputs[1])
+        rank = op.inputs[0].shape.rank
+        if axes is None or not rank:
+            return None
+        return layouts[0] if 0 not in {int(a) % rank for a in axes.reshape(-1)} else NO_ROWS
+    if layout == _KEEPS or (layout in (_SHAPES, _STRIDED) and _keeps_rows(op)):
+        return _same(layouts)
+    return None
+
+
+def _same(layouts):
+    """The one layout of these inputs' rows (weights and constants aside), or None."""
+    found = {p for p in layouts if p != NO_ROWS}
+    if None in found or len(found) > 1:
+        return None
+    return found.pop() if found else NO_ROWS
 
 
 def _with_share(op, kinds):
@@ -570,7 +876,7 @@ def _with_share(op, kinds):
     if op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Neg") and others <= {FIXED, _STATIC}:
         if op.type not in ("RealDiv", "Div", "DivNoNan") or kinds[0] == SHARE:
             return SHARE
-    return Unknown(op.name)
+    return _unread(op)
 
 
 def _with_index(op, kinds, index):
@@ -595,64 +901,6 @@ def _with_global(op, kinds):
     return _meeting(op, "combines the global batch with this replica's own rows")
 
 
-def _constant_axes(op, position):
-    axes = _const(op.inputs[position])
-    rank = _rank(op.inputs[0])
-    if axes is None or not rank:
-        return None
-    return {int(a) % rank for a in axes.reshape(-1)}
-
-
-def _rows_or_meeting(op, kinds):
-    """The ops that reorder, number, accumulate or pick rows; and per-row ops with no table above.
-
-    Along any axis but the first they keep the rows; along the rows, each
-    row's value depends on the others: the rows meet.
-    """
-    kind_type = op.type
-    rows = kinds[0] == ROWS
-    others_fixed = all(k == FIXED for k in kinds[1:])
-    if kind_type == "Range" and _COUNT in kinds and set(kinds) <= {_COUNT, FIXED}:
-        return _Index(op.name)
-    if kind_type == "Fill" and kinds[0] == _SHAPE and kinds[1] == FIXED:
-        return ROWS  # e.g. ones((batch_size, 1)): one constant row per row
-    if kind_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
-                     "InTopKV2") and ROWS in kinds and set(kinds) <= {ROWS, FIXED}:
-        return ROWS
-    if kind_type == "GatherV2" and rows and kinds[1] in (ROWS, FIXED) and kinds[2] == FIXED:
-        axis = _const(op.inputs[2])
-        if axis is not None and int(axis) % (_rank(op.inputs[0]) or 1) == 0:
-            return _meeting(op, "picks rows of the batch by index")
-    if not (rows and others_fixed):
-        return Unknown(op.name)
-    if kind_type in ("MatrixDiag", "MatrixDiagV2", "MatrixDiagV3"):
-        return _meeting(op, "builds a square of the batch's rows (e.g. `eye(batch_size)`)")
-    if kind_type in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
-        axes = _constant_axes(op, 1)
-        if axes is None:
-            return Unknown(op.name)
-        return _meeting(op, "accumulates along the batch's rows") if 0 in axes else ROWS
-    if kind_type in ("ReverseV2", "Roll"):
-        axes = _constant_axes(op, 1 if kind_type == "ReverseV2" else 2)
-        if axes is None:
-            return Unknown(op.name)
-        return _meeting(op, "reorders the batch's rows") if 0 in axes else ROWS
-    if kind_type == "TopKV2":
-        if _rank(op.inputs[0]) == 1:
-            return _meeting(op, "sorts or picks the top of the batch's rows")
-        return ROWS
-    if kind_type == "GatherV2":
-        axis = _const(op.inputs[2])
-        if axis is None:
-            return Unknown(op.name)
-        if int(axis) % (_rank(op.inputs[0]) or 1) == 0:
-            return _meeting(op, "picks rows of the batch by index")
-        return ROWS if not op.get_attr("batch_dims") else Unknown(op.name)
-    if kind_type == "ClipByValue":
-        return ROWS
-    return Unknown(op.name)
-
-
 def _per_row_subscripts(subscripts, letter):
     return subscripts[:1] == letter and letter not in subscripts[1:]
 
@@ -661,11 +909,11 @@ def _einsum(op, kinds):
     """An einsum's kind from its equation: each ROWS operand's first subscript indexes rows."""
     equation = op.get_attr("equation").decode()
     if "->" not in equation or "." in equation:
-        return Unknown(op.name)
+        return _unread(op)
     inputs, output = equation.replace(" ", "").split("->")
     inputs = inputs.split(",")
     if len(inputs) != len(kinds) or not set(kinds) <= {ROWS, FIXED}:
-        return Unknown(op.name)
+        return _unread(op)
     letters = {subscripts[:1] for subscripts, kind in zip(inputs, kinds) if kind == ROWS}
     if not letters:
         return FIXED
@@ -675,10 +923,10 @@ def _einsum(op, kinds):
     (letter,) = letters
     if not all(_per_row_subscripts(s, letter) for s, k in zip(inputs, kinds) if k == ROWS) or \
             any(letter in s for s, k in zip(inputs, kinds) if k == FIXED):
-        return Unknown(op.name)
+        return _unread(op)
     if letter not in output:
         return ROW_SUM  # summed over the rows: a sum of per-row products
-    return ROWS if _per_row_subscripts(output, letter) else Unknown(op.name)
+    return ROWS if _per_row_subscripts(output, letter) else _unread(op)
 
 
 _ROW_SIZES = {}  # graph -> static row counts of the batch tensors seen in this evaluation

@@ -17,7 +17,8 @@ __all__ = [
 
 def _random_layer_problem(layer):
     """Why kd cannot lay out `layer`'s random draws over the global batch, or None."""
-    if isinstance(layer, forward.GLOBAL_BATCH_RANDOM_LAYERS) or not _keras_compat.owned_seed_generators(layer):
+    if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS + forward.ROWS_MEET_LAYERS or \
+            not _keras_compat.owned_seed_generators(layer):
         return None
     rates = [getattr(layer, name, None) for name in ("dropout", "recurrent_dropout")]
     if not any(rates):
@@ -28,8 +29,8 @@ def _random_layer_problem(layer):
         f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers in a way kd "
         "cannot lay out over the global batch, so each replica's draws would differ from "
         "one device's. Use Keras's random layers (Dropout, GaussianNoise, GaussianDropout, "
-        "SpatialDropout, Random* augmentation), which kd lays out exactly, set its dropout "
-        "rates to 0, or train on one replica."
+        "SpatialDropout, Random* augmentation, MixUp, CutMix), which kd makes exact, set its "
+        "dropout rates to 0, or train on one replica."
     )
 
 

@@ -19,10 +19,13 @@ N, whether the step defers the scale):
   carries n_r and corrects: multiplied by R * n_r (`to_own_scale`) and
   divided by the summed N (`divided`), the gradient is one device's, in
   one collective;
-- a loss kd did not compute (plain ops on the replica's rows): taken as a
-  mean over rows, each replica's gradient weighted by n_r / N before the sum
-  (`row_weighted`); a sum over rows adds up as it is; a loss computed on the
-  global batch adds 1/R of each replica's gradient.
+- a value's share by what it is (`replica_share`, the one place a kind
+  becomes a share: `add_loss` terms, a custom step's scalars and loss,
+  `kd.losses.scale_regularization`): a mean over rows, or a term of the
+  weights alone, n_r / N of it; a sum over rows as it is; a value computed
+  on the global batch 1/R of it; one kd cannot read is refused;
+- a loss kd did not compute (plain ops on the replica's rows): its
+  gradients weighted by `replica_share` of the loss's kind (`row_weighted`).
 
 The shares themselves are computed by `losses` (`GlobalReductionLoss`,
 `global_mean`, and Keras's loss objects in a kd step) and by the model's
@@ -43,6 +46,7 @@ __all__ = [
     "map_values",
     "own_scale",
     "per_dtype",
+    "replica_share",
     "row_weighted",
     "to_own_scale",
 ]
@@ -81,6 +85,48 @@ def in_step_scale(batch, share):
     return defer(batch, share) if batch.deferred else share
 
 
+def replica_share(kind, value, *, fraction, has_rows, replicas, what, row_sum=None):
+    """This replica's share of `value`, by how it adds up over replicas (`kind`, see `penalties`).
+
+    The shares add up over the replicas to one device's value:
+
+    - `SHARE` (a share kd computed): as it is;
+    - `GLOBAL` (computed on the global batch, the same on every replica):
+      1/R of it, rows or none;
+    - `ROW_SUM`: its own (`row_sum(value)`, the step's scale, where given);
+    - `ROW_MEAN`, and `FIXED` (a term of the weights alone, the same on
+      every replica): n_r / N of it (`fraction`), since sum_r n_r / N = 1;
+      1/R of a `FIXED` value where no fraction is known;
+    - an `penalties.Unknown`: no split is known; refused (ValueError naming
+      `what` and the op, see `penalties.refusal`).
+
+    A replica without rows adds 0 (where `has_rows` is a tensor) except to
+    a value the same on every replica.
+
+    Args:
+        kind: What `value` is.
+        value: A tensor (a scalar, or a gradient's values).
+        fraction: n_r / N in `value`'s dtype, or None where not known.
+        has_rows: A boolean tensor, or None where the replica surely has rows.
+        replicas: R.
+        what: The value, in words, for the refusal.
+        row_sum: The step's scale for a sum over rows (`in_step_scale`).
+    """
+    if kind == penalties.SHARE:
+        return value
+    if isinstance(kind, penalties.Unknown):
+        raise ValueError(penalties.refusal(kind, what, replicas))
+    if kind == penalties.GLOBAL or (kind == penalties.FIXED and fraction is None):
+        return value / tf.cast(replicas, value.dtype)
+    if kind == penalties.ROW_SUM:
+        share = row_sum(value) if row_sum is not None else value
+    elif kind in (penalties.ROW_MEAN, penalties.FIXED):
+        share = value * fraction
+    else:
+        raise ValueError(penalties.refusal(penalties.Unknown(str(kind)), what, replicas))
+    return share if has_rows is None else tf.where(has_rows, share, tf.zeros_like(share))
+
+
 def row_weighted(batch, gradients, kind=None):
     """Gradients of a loss kd did not compute, weighted by the replica's rows.
 
@@ -96,23 +142,18 @@ def row_weighted(batch, gradients, kind=None):
     A loss computed on the global batch kd gathered (`penalties.GLOBAL`)
     adds 1/R of each replica's gradient.
     """
-    if kind == penalties.GLOBAL:
-        # Computed on the global batch, the same on every replica: each
-        # replica's gradient holds its own rows' part R times (coupling.gather)
-        # and the rest once, so 1/R of each adds up to one device's.
-        replicas = replica.replicas_in_sync()
-        return [map_values(g, lambda v: v / tf.cast(replicas, v.dtype)) for g in gradients]
+    kind = penalties.ROW_MEAN if kind is None else kind
+    # Computed on the global batch (GLOBAL), each replica's gradient holds its
+    # own rows' part R times (coupling.gather) and the rest once: 1/R of each
+    # adds up to one device's.
+    replicas = replica.replicas_in_sync()
+    # (n_r / N only where it weighs: N may cost an all-reduce.)
     fractions = per_dtype(gradients, lambda dtype: tf.cast(fraction(batch), dtype)) \
-        if kind != penalties.ROW_SUM else None
-
-    def weighted(value):
-        if fractions is not None:
-            value = value * fractions[value.dtype]
-        if batch.surely_has_rows:
-            return value
-        return tf.where(batch.has_rows, value, tf.zeros_like(value))
-
-    return [map_values(g, weighted) for g in gradients]
+        if kind in (penalties.ROW_MEAN, penalties.FIXED) else {}
+    has_rows = None if batch.surely_has_rows else batch.has_rows
+    return [map_values(g, lambda v: replica_share(
+        kind, v, fraction=fractions.get(v.dtype), has_rows=has_rows, replicas=replicas,
+        what="the loss whose gradient the step takes")) for g in gradients]
 
 
 def to_own_scale(batch, gradients):
