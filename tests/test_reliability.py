@@ -668,7 +668,8 @@ def test_a_declared_change_resumes_exactly_from_the_backup_and_is_recorded(setti
     record = json.loads((newest / "progress.json").read_text())["run"]
     old_value, new_value = (0.5, 0.05) if setting.endswith("rate") else (None, 0.01)
     assert record["changes"] == [{"epoch": 1, "step": 0, "setting": setting, "was": old_value,
-                                  "now": new_value}], record
+                                  "now": new_value,
+                                  "why": f"declared: `declared_changes` lists '{setting}'"}], record
     # ... and is exact from there: the new value resumes undeclared, the old one is refused.
     assert fit(keras.optimizers.SGD(**changed), 3) is not None
     with pytest.raises(CheckpointError, match=rf"the optimizer's `{setting[10:]}` is"):
