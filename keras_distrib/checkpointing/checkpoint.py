@@ -963,11 +963,13 @@ class CheckpointManager:
             write_manifest(latest, entries)
         except OSError as error:
             # Each step leaves a manifest that accepts the progress.json in place.
+            was = self.progress or {}
             raise CheckpointError(disk_full_advice(
                 error, os.path.join(latest, _PROGRESS),
-                f"the checkpoint {latest!r} is whole (it still says epoch "
-                f"{self.progress['epoch'] if self.progress else '?'}, which a resume finishes "
-                "again without training a batch twice)")) from None
+                f"the checkpoint {latest!r} is whole and resumes exactly (it still says epoch "
+                f"{was.get('epoch', '?')}, step {was.get('step', '?')}: the end of that epoch, "
+                "which a resume ends once more without training a batch)",
+                where=self.directory)) from None
         self.progress = progress
 
     def _prune(self, directory, keep=None):
