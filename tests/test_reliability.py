@@ -5,6 +5,7 @@ Every process test has a timeout and kills what it started by pid.
 
 import contextlib
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -1111,7 +1112,7 @@ def test_a_backup_of_another_run_is_refused_naming_both_runs_and_the_ways_out(ho
     import numpy as np
 
     import keras_distrib as kd
-    from keras_distrib.checkpointing.checkpoint import ForeignCheckpointError
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     ours, theirs = _two_runs(tmp_path)
     if how == "copied in as the newest":
@@ -1127,7 +1128,7 @@ def test_a_backup_of_another_run_is_refused_naming_both_runs_and_the_ways_out(ho
         name, match = "ckpt-9", r"this run wrote it as 'ckpt-2', and it was renamed since"
     before = sorted((p.name, p.stat().st_size) for p in ours.rglob("*") if p.is_file())
     x, y = _xy(8)
-    with pytest.raises(ForeignCheckpointError, match=rf"The checkpoint '.*ours/{name}' does not belong to "
+    with pytest.raises(CheckpointError, match=rf"The checkpoint '.*ours/{name}' does not belong to "
                        rf"this directory's run: {match}.*Nothing was restored or changed.*To start fresh, "
                        rf"give another directory.*adopt it: `adopt_checkpoint='{name}'`"):
         _compiled(optimizer=keras.optimizers.SGD(0.1)).fit(
@@ -1366,3 +1367,86 @@ def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkey
     assert all(len(line) <= 100 for line in lines), lines
     shown = " ".join(line.strip() for line in lines[1:] if line.strip() and "checks FAILED" not in line)
     assert "RuntimeError: " + reason in re.sub(r"^private network\s+FAIL\s+\S+ s\s+", "", shown)
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+                    reason="switches to an unprivileged user (root, unshare, setpriv)")
+def test_an_unprivileged_user_launches_is_preempted_resumes_exactly_and_leaves_nothing(tmp_path):
+    """uid 65534 (`nobody`), its own HOME and TMPDIR: launch 2 workers, SIGTERM mid-epoch, restart,
+    resume, clean-up. Its privacy level: `--network offline` (a network namespace of its own with
+    no outside network): slirp4netns, the default's way out, needs /dev/net/tun, which is 0600 here.
+
+    The interpreter lives under root's 0700 home, so it is bind-mounted where the user can reach
+    it, in a mount namespace of this test's own (gone when the command ends).
+    """
+    import stat
+    import sys
+    import tempfile
+
+    if not all(os.stat(parent).st_mode & stat.S_IXOTH for parent in _parents(_harness.REPO)):
+        pytest.skip(f"the repository {_harness.REPO} is not reachable by other users")
+    place = tempfile.mkdtemp(prefix="kd_nobody_", dir="/tmp")  # pytest's folders are root's alone
+    try:
+        os.chmod(place, 0o755)
+        _unprivileged_run(pathlib.Path(place), tmp_path)
+    finally:
+        shutil.rmtree(place)
+
+
+def _parents(path):
+    path = os.path.abspath(path)
+    while True:
+        yield path
+        if path == os.path.dirname(path):
+            return
+        path = os.path.dirname(path)
+
+
+def _unprivileged_run(place, tmp_path):
+    import sys
+
+    home = place / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    prefix = sys.base_prefix
+    view = place / "python"
+    view.mkdir()
+    site = [p for p in sys.path if p.startswith(prefix) and p.endswith("site-packages")]
+    paths = [_harness.REPO] + [p.replace(prefix, str(view), 1) for p in site]
+    env = " ".join(shlex_quote(f"{k}={v}") for k, v in {
+        "PATH": f"{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
+        "PYTHONPATH": os.pathsep.join(paths), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+    }.items())
+    backup, out = home / "backup", home / "out.npz"
+    launch = (f"python -m keras_distrib launch --workers 2 --max-restarts 1 --network offline "
+              f"{shlex_quote(os.path.join(_harness.SCRIPTS, 'preempt.py'))} fit {backup} {out} 4")
+    command = (f"mount --bind {shlex_quote(prefix)} {view} && exec setpriv --reuid 65534 --regid 65534 "
+               f"--clear-groups env -i {env} sh -c {shlex_quote('id -u && ' + launch)}")
+    done = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output = done.communicate(timeout=400)[0]
+    finally:
+        if done.poll() is None:
+            os.killpg(done.pid, signal.SIGKILL)
+            done.wait(timeout=10)
+    assert done.returncode == 0 and output.splitlines()[0] == "65534", output[-4000:]
+    assert "exited with code 42" in output and output.count("DONE 18") == 2, output[-4000:]
+    # The same run, uninterrupted on one device (as root, in this process's network).
+    code, reference = _harness.run_script("preempt.py", "fit", tmp_path / "ref_backup",
+                                          tmp_path / "ref.npz", -1)
+    assert code == 0, reference[-3000:]
+    assert _harness.saved_weights_diff(str(tmp_path / "ref.npz"), str(out)) <= 1e-6
+    # Clean-up: the backup is gone, and nothing but the output and caches is left in HOME.
+    assert not backup.exists()
+    assert sorted(p.name for p in home.iterdir() if not p.name.startswith(".")) == [
+        "out.npz", "out.npz.signalled"]
+    assert all(p.stat().st_uid == 65534 for p in home.rglob("*"))
+
+
+def shlex_quote(value):
+    import shlex
+
+    return shlex.quote(str(value))
