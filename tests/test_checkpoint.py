@@ -259,7 +259,7 @@ def test_restore_ignores_the_latest_marker_and_keeps_the_intact_checkpoint(tmp_p
     caplog.clear()
     with caplog.at_level("INFO", logger="keras_distrib"):
         assert manager.restore_or_initialize()["epoch"] == 2
-    assert "names 'ckpt-9', which is not a complete checkpoint" in caplog.text
+    assert "names 'ckpt-9', which is not there" in caplog.text
     # A save that fails midway (max_to_keep=1) leaves the intact checkpoint
     # and no staging directory behind.
     with mock.patch.object(tf.train.Checkpoint, "write", side_effect=OSError("disk full")):

@@ -42,7 +42,8 @@ CONFIG_EXIT_CODE = 2
 # the backup directory is another live run's, the backup is another run's, or
 # its files are not the ones kd wrote.
 _CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
-                           r"run: |does not record what defines its run|fails its manifest check)")
+                           r"run: |does not record what defines its run|fails its manifest check|"
+                           r"does not belong to this directory's run: |left over from run )")
 # How long the launcher waits, once a task failed, for others that end with
 # it, to name the one that ended first (`first_cause`).
 SETTLE_SECONDS = 0.5
