@@ -529,7 +529,11 @@ class CheckpointManager:
         if self._created:
             marker = os.path.join(self.directory, CREATED_MARKER)
             if not os.path.lexists(marker):
-                files.atomic_write_text(marker, _directory_identity(self.directory))
+                try:
+                    files.atomic_write_text(marker, _directory_identity(self.directory))
+                except OSError as error:
+                    raise CheckpointError(disk_full_advice(
+                        error, marker, "nothing was restored or written")) from None
 
     def close(self):
         """Releases the directory's lock (if this manager took it)."""
