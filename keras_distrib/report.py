@@ -7,6 +7,7 @@ run to dozens of lines and print whole tensors).
 """
 
 import re
+import textwrap
 
 __all__ = [
     "error_line",
@@ -53,7 +54,7 @@ def _message_lines(message):
     return lines
 
 
-def error_line(error, width=120):
+def error_line(error, width=None):
     """`Type: first line` of an exception (or of a `"Type: message"` string).
 
     The line that says what went wrong: TensorFlow's "Graph execution
@@ -63,7 +64,8 @@ def error_line(error, width=120):
     A first line that opens a bracket it does not close (TensorFlow prints
     whole tensors inside its messages) is joined to the message's last line,
     with the middle elided; `<class 'a.b.C'>` is shortened to `C`. The
-    result is cut to `width` characters.
+    result is whole (a reason is never cut), or cut to `width` characters
+    when one is given (a fixed-width slot; `table(..., wrap=...)` wraps instead).
 
     Examples:
         >>> error_line(ValueError("Attempt to convert a value (PerReplica:{\\n"
@@ -87,7 +89,7 @@ def error_line(error, width=120):
         text = f"{text}…{lines[-1]}"
     text = _CLASS.sub(r"\1", text)
     line = f"{kind}: {text}" if text else kind
-    return line if len(line) <= width else line[: width - 1] + "…"
+    return line if width is None or len(line) <= width else line[: width - 1] + "…"
 
 
 def error_text(error):
@@ -112,7 +114,7 @@ def error_text(error):
     return "\n".join([head] + [f"  {line}" for line in lines[1:]])
 
 
-def table(rows, headers, *, align=None):
+def table(rows, headers, *, align=None, wrap=None):
     """Rows of cells as aligned text lines (a header line first).
 
     Args:
@@ -120,6 +122,8 @@ def table(rows, headers, *, align=None):
         headers: The column titles.
         align: Per column, `"<"` (left) or `">"` (right); numbers right by
             default when `None`: the first column left, the others right.
+        wrap: Optional line width: a last column that would pass it is
+            wrapped at spaces onto lines of its own column (never cut).
 
     Returns:
         A list of lines without trailing spaces.
@@ -134,8 +138,16 @@ def table(rows, headers, *, align=None):
     columns = len(headers)
     align = align or ["<"] + [">"] * (columns - 1)
     widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(columns)]
+    indent = sum(widths[:-1]) + 2 * (columns - 1)
+    room = None if wrap is None else max(wrap - indent, 30)
     lines = []
     for row in cells:
+        last = row[-1] if len(row) == columns else None
+        pieces = [last] if last is None or room is None else textwrap.wrap(
+            last, room, break_long_words=True, break_on_hyphens=False) or [""]
+        if last is not None:
+            row = row[:-1] + [pieces[0]]
         parts = [f"{cell:{align[i]}{widths[i]}}" for i, cell in enumerate(row)]
         lines.append("  ".join(parts).rstrip())
+        lines += [" " * indent + piece for piece in pieces[1:]]
     return lines

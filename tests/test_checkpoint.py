@@ -250,7 +250,7 @@ _WHAT_IS_WRONG = {
 
 def test_restore_ignores_the_latest_marker_and_keeps_the_intact_checkpoint(tmp_path, caplog):
     manager, value = _saved(tmp_path, 2, max_to_keep=1)
-    assert sorted(os.listdir(tmp_path)) == [".kd-lock.json", "ckpt-2", "latest"]
+    assert sorted(os.listdir(tmp_path)) == [".kd-lock.json", ".kd-run.json", "ckpt-2", "latest"]
     (tmp_path / "latest").unlink()
     with caplog.at_level("INFO", logger="keras_distrib"):
         assert manager.restore_or_initialize()["epoch"] == 2 and float(value.numpy()) == 2.0
@@ -259,19 +259,19 @@ def test_restore_ignores_the_latest_marker_and_keeps_the_intact_checkpoint(tmp_p
     caplog.clear()
     with caplog.at_level("INFO", logger="keras_distrib"):
         assert manager.restore_or_initialize()["epoch"] == 2
-    assert "names 'ckpt-9', which is not a complete checkpoint" in caplog.text
+    assert "names 'ckpt-9', which is not there" in caplog.text
     # A save that fails midway (max_to_keep=1) leaves the intact checkpoint
     # and no staging directory behind.
     with mock.patch.object(tf.train.Checkpoint, "write", side_effect=OSError("disk full")):
         with pytest.raises(CheckpointError, match=r"Could not write the checkpoint .*ckpt-3.* \(OSError: "
                            r"disk full\); nothing was replaced, the older checkpoints were kept"):
             manager.save(epoch=3)
-    assert sorted(n for n in os.listdir(tmp_path) if n != ".kd-lock.json") == ["ckpt-2", "latest"]
+    assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == ["ckpt-2", "latest"]
     assert manager.restore_or_initialize()["epoch"] == 2
     # The next complete save replaces it; only then is ckpt-2 removed.
     value.assign(3.0)
     manager.save(epoch=3)
-    assert sorted(n for n in os.listdir(tmp_path) if n != ".kd-lock.json") == ["ckpt-3", "latest"]
+    assert sorted(n for n in os.listdir(tmp_path) if n[0] != ".") == ["ckpt-3", "latest"]
     manager.close()
 
 

@@ -5,6 +5,7 @@ Every process test has a timeout and kills what it started by pid.
 
 import contextlib
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -669,7 +670,8 @@ def test_a_declared_change_resumes_exactly_from_the_backup_and_is_recorded(setti
     record = json.loads((newest / "progress.json").read_text())["run"]
     old_value, new_value = (0.5, 0.05) if setting.endswith("rate") else (None, 0.01)
     assert record["changes"] == [{"epoch": 1, "step": 0, "setting": setting, "was": old_value,
-                                  "now": new_value}], record
+                                  "now": new_value,
+                                  "why": f"declared: `declared_changes` lists '{setting}'"}], record
     # ... and is exact from there: the new value resumes undeclared, the old one is refused.
     assert fit(keras.optimizers.SGD(**changed), 3) is not None
     with pytest.raises(CheckpointError, match=rf"the optimizer's `{setting[10:]}` is"):
@@ -1150,3 +1152,373 @@ def test_a_second_launch_on_the_same_ports_fails_at_once():
         first.wait(timeout=10)
         _kill_all(pids)
     assert _survivors(pids) == []
+
+
+# Round 6: a backup belongs to its run; declared changes change only what was
+# declared; no leftover changes the next run; every fault in one sentence.
+
+
+def _two_runs(tmp_path):
+    """This run's backups (ckpt-1, ckpt-2 of 8 rows) and another run's (ckpt-2, ckpt-3 of other data)."""
+    import keras
+
+    import keras_distrib as kd
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    x, y = _xy(8)
+    for directory, data, epochs in ((ours, (x, y), 2), (theirs, (x * 2, y * 3), 3)):
+        _compiled(optimizer=keras.optimizers.SGD(0.1)).fit(
+            *data, batch_size=4, epochs=epochs, verbose=0, shuffle=False,
+            callbacks=[kd.callbacks.BackupAndRestore(str(directory), delete_checkpoint=False)])
+    return ours, theirs
+
+
+@pytest.mark.parametrize("how", ["copied in as the newest", "copied over this run's", "renamed"])
+def test_a_backup_of_another_run_is_refused_naming_both_runs_and_the_ways_out(how, tmp_path, caplog):
+    """The manifest proves a backup whole, not that it is this run's: the run that wrote it does.
+
+    On e2df62d each one resumed silently (weights 0.39 and 0.27 off the
+    uninterrupted run), the first with a false reason in its warning.
+    """
+    import keras
+    import numpy as np
+
+    import keras_distrib as kd
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
+
+    ours, theirs = _two_runs(tmp_path)
+    if how == "copied in as the newest":
+        shutil.copytree(theirs / "ckpt-3", ours / "ckpt-3")
+        name, match = "ckpt-3", r"it was written by run \w+ \(started .* on .*\), and this directory " \
+                                r"belongs to run \w+ \(started .*\): it was copied in"
+    elif how == "copied over this run's":
+        shutil.rmtree(ours / "ckpt-2")
+        shutil.copytree(theirs / "ckpt-2", ours / "ckpt-2")
+        name, match = "ckpt-2", r"it was written by run \w+ .*, and this directory belongs to run \w+"
+    else:
+        (ours / "ckpt-2").rename(ours / "ckpt-9")
+        name, match = "ckpt-9", r"this run wrote it as 'ckpt-2', and it was renamed since"
+    before = sorted((p.name, p.stat().st_size) for p in ours.rglob("*") if p.is_file())
+    x, y = _xy(8)
+    with pytest.raises(CheckpointError, match=rf"The checkpoint '.*ours/{name}' does not belong to "
+                       rf"this directory's run: {match}.*Nothing was restored or changed.*To start fresh, "
+                       rf"give another directory.*adopt it: `adopt_checkpoint='{name}'`"):
+        _compiled(optimizer=keras.optimizers.SGD(0.1)).fit(
+            x, y, batch_size=4, epochs=4, verbose=0, shuffle=False,
+            callbacks=[kd.callbacks.BackupAndRestore(str(ours))])
+    assert sorted((p.name, p.stat().st_size) for p in ours.rglob("*") if p.is_file()) == before
+    if how != "copied in as the newest":
+        return
+    # Adopted on purpose: it resumes from the other run's epoch 3, exactly, and
+    # the adoption is recorded; no warning gives a false reason.
+    with caplog.at_level("INFO", logger="keras_distrib"):
+        resumed = _compiled(optimizer=keras.optimizers.SGD(0.1))
+        history = resumed.fit(x, y, batch_size=4, epochs=4, verbose=0, shuffle=False, callbacks=[
+            kd.callbacks.BackupAndRestore(str(ours), adopt_checkpoint="ckpt-3", delete_checkpoint=False)])
+    assert history.epoch == [3]
+    assert "not a complete checkpoint" not in caplog.text and "Adopted the checkpoint" in caplog.text
+    reference = _compiled(optimizer=keras.optimizers.SGD(0.1))
+    plain = keras.Model.from_config(reference.get_config())
+    plain.set_weights(reference.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(x * 2, y * 3, batch_size=4, epochs=3, verbose=0, shuffle=False)
+    plain.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(plain.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
+    import json
+
+    record = json.loads((ours / ".kd-run.json").read_text())
+    assert [a["checkpoint"] for a in record["adopted"]] == ["ckpt-3"]
+
+
+@pytest.mark.parametrize("before,after", [
+    ("lowered", "lowered"),  # declared, unchanged: the rate a callback lowered stays lowered
+    ("schedule", "schedule2"),
+    ("constant", "schedule"),
+    ("schedule", "constant"),  # refused: the backup holds no learning-rate variable
+])
+def test_a_declared_learning_rate_changes_only_when_it_changed(before, after, tmp_path):
+    """On e2df62d a declared but unchanged rate was reset to the compiled one (weights 0.083
+    off), and a schedule crashed with Keras's `TypeError: ... learning rate is not settable`."""
+    import keras
+    import numpy as np
+
+    import keras_distrib as kd
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
+
+    def rate(kind):
+        return {"lowered": 0.5, "constant": 0.5,
+                "schedule": keras.optimizers.schedules.ExponentialDecay(0.5, 1, 0.5),
+                "schedule2": keras.optimizers.schedules.ExponentialDecay(0.3, 1, 0.9)}[kind]
+
+    def lower(epoch, logs, optimizer):
+        if epoch == 0:
+            optimizer.learning_rate.assign(0.05)
+
+    backup = tmp_path / "backup"
+    x, y = _xy(8)
+    first = _compiled(optimizer=keras.optimizers.SGD(rate(before)))
+    lowering = [keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: lower(epoch, logs, first.optimizer))] if before == "lowered" else []
+    first.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False, callbacks=[
+        *lowering, kd.callbacks.BackupAndRestore(str(backup), delete_checkpoint=False)])
+    resumed = _compiled(optimizer=keras.optimizers.SGD(rate(after)))
+    fit = lambda: resumed.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[
+        kd.callbacks.BackupAndRestore(str(backup), declared_changes=["optimizer.learning_rate"])])
+    if after == "constant":
+        with pytest.raises(CheckpointError, match=r"this run's learning rate is the constant 0\.5 where "
+                           r"the backup's run had a schedule \(ExponentialDecay\): the backup holds no "
+                           r"learning-rate variable.*nothing was restored.*PiecewiseConstantDecay\(\[0\], "
+                           r"\[0\.5, 0\.5\]\)"):
+            fit()
+        return
+    fit()
+    # One device: epoch 0 as the backup's run, epoch 1 with this run's rate at the backup's step.
+    reference = _compiled(optimizer=keras.optimizers.SGD(rate(before)))
+    plain = keras.Model.from_config(reference.get_config())
+    plain.set_weights(reference.get_weights())
+    plain.compile(optimizer=keras.optimizers.SGD(rate(before)), loss="mse")
+    plain.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    then = keras.optimizers.SGD(0.05 if after == "lowered" else rate(after))
+    then.build(plain.trainable_variables)
+    then.iterations.assign(2)
+    plain.compile(optimizer=then, loss="mse")
+    plain.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(plain.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
+    if after == "lowered":
+        assert float(resumed.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
+
+
+@contextlib.contextmanager
+def _unremovable(path):
+    """Makes directory `path` impossible to remove, even for root (immutable), until the end."""
+    import array
+    import fcntl
+
+    get_flags, set_flags, immutable = 0x80086601, 0x40086602, 0x10
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, get_flags, flags, True)
+        fcntl.ioctl(fd, set_flags, array.array("i", [flags[0] | immutable]))
+        try:
+            yield
+        finally:
+            fcntl.ioctl(fd, set_flags, flags)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="marks a directory immutable (root)")
+def test_a_backup_the_clean_up_cannot_remove_is_reported_and_refused_by_the_next_run(tmp_path, caplog):
+    """On e2df62d it was left without a word, and the next run resumed from it: steps skipped."""
+    import keras
+
+    import keras_distrib as kd
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+    stack = contextlib.ExitStack()
+
+    def protect(logs=None):  # runs just before the backup's clean-up
+        newest = max((p for p in backup.iterdir() if p.name.startswith("ckpt-")),
+                     key=lambda p: int(p.name[5:]))
+        stack.enter_context(_unremovable(newest))
+
+    with stack:
+        with caplog.at_level("WARNING", logger="keras_distrib"):
+            _fit(_model(), backup, epochs=2, save_freq=1,
+                 callbacks=[keras.callbacks.LambdaCallback(on_train_end=protect)])
+        assert re.search(r"Training finished, but the clean-up could not remove .*backup/ckpt-\d+ "
+                         r"\(Operation not permitted\).*refuses to resume from it.*rm -rf", caplog.text)
+        with pytest.raises(CheckpointError, match=r"'.*backup/ckpt-\d+' is left over from run \w+ .*, "
+                           r"which finished; its clean-up could not remove it.*nothing was restored. "
+                           r"Remove it: `chmod -R u\+w .* && rm -rf"):
+            _fit(_model(), backup, epochs=2)
+    # Removed by hand as the message says: the next run starts from scratch.
+    shutil.rmtree(backup)
+    assert _fit(_model(), backup, epochs=2).epoch == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def two_epochs_on_one_device():
+    """Plain Keras's weights after 2 epochs of `_fit`'s data (the uninterrupted run)."""
+    import keras
+
+    model = _model()
+    plain = keras.Model.from_config(model.get_config())
+    plain.set_weights(model.get_weights())
+    plain.compile(optimizer="sgd", loss="mse")
+    x = _xy(8)[0]
+    plain.fit(x, x.sum(axis=1, keepdims=True), batch_size=4, epochs=2, verbose=0, shuffle=False)
+    return plain.get_weights()
+
+
+@pytest.mark.parametrize("site,safe", [
+    ("progress", r"nothing was replaced, the older checkpoints were kept"),
+    ("manifest", r"nothing was replaced, the older checkpoints were kept"),
+    ("relabel", r"the checkpoint '.*ckpt-1' is whole"),
+    ("latest", r"the checkpoint '.*ckpt-1' is complete"),
+    ("run record", r"'.*ckpt-1' was not written and the older checkpoints were kept"),
+])
+def test_a_full_disk_at_any_write_of_a_backup_is_one_sentence_and_the_rerun_is_exact(
+        site, safe, tmp_path, monkeypatch, two_epochs_on_one_device):
+    """kd's sentence names the file, what is safe and how to go on; running again finishes exactly.
+
+    On e2df62d the epoch-end rewrite (`relabel`) raised a bare `OSError: [Errno 28]`.
+    """
+    import errno
+
+    import numpy as np
+
+    from keras_distrib import files
+    from keras_distrib.checkpointing import checkpoint as checkpoint_lib
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
+
+    backup = tmp_path / "backup"
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    real_write, real_open = files.atomic_write_text, open
+
+    def write_text(path, text):
+        parent, name = os.path.split(path)
+        staged = os.path.basename(parent).startswith(files.STAGING_PREFIX)
+        if ((site, name) in {("latest", "latest"), ("run record", ".kd-run.json")}
+                or (name == "manifest.json" and (site == "manifest") == staged and site in ("manifest", "relabel"))):
+            full(path)
+        return real_write(path, text)
+
+    def opened(path, mode="r", *args, **kwargs):
+        if site == "progress" and "w" in mode and os.path.basename(path) == "progress.json":
+            full(path)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "atomic_write_text", write_text)
+    monkeypatch.setattr(checkpoint_lib, "open", opened, raising=False)
+    with pytest.raises(CheckpointError, match=rf"^Could not write .*backup.* \(No space left on device"
+                       rf"( at .*)?\); {safe}.*\. Free space in '.*backup' \(or raise the quota\), or give "
+                       r"another directory; then run the same command again: it resumes from what was kept\.$"):
+        _fit(_model(), backup, epochs=2, save_freq=2, delete_checkpoint=False)
+    monkeypatch.undo()
+    model = _model()
+    _fit(model, backup, epochs=2, save_freq=2)  # space freed: the same command again
+    for got, want in zip(model.get_weights(), two_epochs_on_one_device):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert not backup.exists()
+
+
+def test_the_preemption_handler_is_put_back_when_fit_raises(tmp_path):
+    """Keras calls no `on_train_end` when fit raises; on e2df62d kd's SIGTERM handler stayed."""
+    import keras
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def fail(epoch, logs):
+        assert signal.getsignal(signal.SIGTERM) is not before  # kd's, while training
+        raise RuntimeError("a callback failed")
+
+    with pytest.raises(RuntimeError, match="a callback failed"):
+        _fit(_model(), tmp_path / "backup", callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=fail)])
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkeypatch):
+    """On e2df62d the reason was cut at 90 characters, also with --verbose."""
+    from keras_distrib.commands import selftest
+
+    reason = ("slirp4netns is not installed, and the default launch needs it for its private network: "
+              "install it (`apt-get install slirp4netns`), or launch with `--network offline` or "
+              "`--network host`; the end of this sentence must show")
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *a: os.terminal_size((100, 24)))
+    row = selftest._run("private network", lambda: (_ for _ in ()).throw(RuntimeError(reason)))
+    selftest.print_table([row], 1.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 100 for line in lines), lines
+    shown = " ".join(line.strip() for line in lines[1:] if line.strip() and "checks FAILED" not in line)
+    assert "RuntimeError: " + reason in re.sub(r"^private network\s+FAIL\s+\S+ s\s+", "", shown)
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+                    reason="switches to an unprivileged user (root, unshare, setpriv)")
+def test_an_unprivileged_user_launches_is_preempted_resumes_exactly_and_leaves_nothing(tmp_path):
+    """uid 65534 (`nobody`), its own HOME and TMPDIR: launch 2 workers, SIGTERM mid-epoch, restart,
+    resume, clean-up. Its privacy level: `--network offline` (a network namespace of its own with
+    no outside network): slirp4netns, the default's way out, needs /dev/net/tun, which is 0600 here.
+
+    The interpreter lives under root's 0700 home, so it is bind-mounted where the user can reach
+    it, in a mount namespace of this test's own (gone when the command ends).
+    """
+    import stat
+    import sys
+    import tempfile
+
+    if not all(os.stat(parent).st_mode & stat.S_IXOTH for parent in _parents(_harness.REPO)):
+        pytest.skip(f"the repository {_harness.REPO} is not reachable by other users")
+    place = tempfile.mkdtemp(prefix="kd_nobody_", dir="/tmp")  # pytest's folders are root's alone
+    try:
+        os.chmod(place, 0o755)
+        _unprivileged_run(pathlib.Path(place), tmp_path)
+    finally:
+        shutil.rmtree(place)
+
+
+def _parents(path):
+    path = os.path.abspath(path)
+    while True:
+        yield path
+        if path == os.path.dirname(path):
+            return
+        path = os.path.dirname(path)
+
+
+def _unprivileged_run(place, tmp_path):
+    import sys
+
+    home = place / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    prefix = sys.base_prefix
+    view = place / "python"
+    view.mkdir()
+    site = [p for p in sys.path if p.startswith(prefix) and p.endswith("site-packages")]
+    paths = [_harness.REPO] + [p.replace(prefix, str(view), 1) for p in site]
+    env = " ".join(shlex_quote(f"{k}={v}") for k, v in {
+        "PATH": f"{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
+        "PYTHONPATH": os.pathsep.join(paths), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+    }.items())
+    backup, out = home / "backup", home / "out.npz"
+    launch = (f"python -m keras_distrib launch --workers 2 --max-restarts 1 --network offline "
+              f"{shlex_quote(os.path.join(_harness.SCRIPTS, 'preempt.py'))} fit {backup} {out} 4")
+    command = (f"mount --bind {shlex_quote(prefix)} {view} && exec setpriv --reuid 65534 --regid 65534 "
+               f"--clear-groups env -i {env} sh -c {shlex_quote('id -u && ' + launch)}")
+    done = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output = done.communicate(timeout=400)[0]
+    finally:
+        if done.poll() is None:
+            os.killpg(done.pid, signal.SIGKILL)
+            done.wait(timeout=10)
+    assert done.returncode == 0 and output.splitlines()[0] == "65534", output[-4000:]
+    assert "exited with code 42" in output and output.count("DONE 18") == 2, output[-4000:]
+    # The same run, uninterrupted on one device (as root, in this process's network).
+    code, reference = _harness.run_script("preempt.py", "fit", tmp_path / "ref_backup",
+                                          tmp_path / "ref.npz", -1)
+    assert code == 0, reference[-3000:]
+    assert _harness.saved_weights_diff(str(tmp_path / "ref.npz"), str(out)) <= 1e-6
+    # Clean-up: the backup is gone, and nothing but the output and caches is left in HOME.
+    assert not backup.exists()
+    assert sorted(p.name for p in home.iterdir() if not p.name.startswith(".")) == [
+        "out.npz", "out.npz.signalled"]
+    assert all(p.stat().st_uid == 65534 for p in home.rglob("*"))
+
+
+def shlex_quote(value):
+    import shlex
+
+    return shlex.quote(str(value))

@@ -1,16 +1,22 @@
 """A chaos soak: train on a local cluster while killing a random task every 20-60 s.
 
-Usage: PYTHONPATH=. python tools/chaos_soak.py [--minutes 10] [--epochs 60] [--workers 2]
+Usage: PYTHONPATH=. python tools/chaos_soak.py [--minutes 10] [--epochs 60] [--workers 2] [--faults ...]
                                                [--seed 0] [--report soak.json]
 
 1. An uninterrupted run: `kd.launch` of `--workers` workers training a float64
    MLP with Dropout (fit, BackupAndRestore every 25 steps) to the end; its
    final weights and its wall time are the reference.
 2. The soak: the same launch (`max_restarts` 1000, explicit ports, so the
-   launcher holds port locks) while, for `--minutes`, every 20-60 s a random
-   task gets SIGKILL, SIGTERM or SIGSTOP. The launcher restarts the cluster
-   after each failure and training resumes from its backup. After the
-   minutes, the run finishes undisturbed.
+   launcher holds port locks) while, for `--minutes`, every 20-60 s one
+   fault of `--faults` strikes: a random task gets SIGKILL, SIGTERM or
+   SIGSTOP; or (COPY) the newest backup is replaced by a copy of itself
+   (`cp -r`, new inodes and times) and a task is SIGKILLed, so the restart
+   resumes from the copy; or (DISKFULL, root) the backup's volume, a 64 MiB
+   tmpfs of the soak's own, is filled for 15-30 s; or (NETCUT, root) the
+   tasks' network namespace loses its loopback link for 10-20 s, then gets
+   it back. The launcher restarts the cluster after each failure and
+   training resumes from its backup. After the minutes, the run finishes
+   undisturbed.
 3. The checks: the soak's final weights against the reference (largest
    |a - b| / (1 + |a|); float64, so an exact resume gives ~1e-12); no
    process left (every pid seen under the launcher, and any process holding
@@ -43,6 +49,10 @@ HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 ROWS, FEATURES, BATCH, SAVE_EVERY = 2048, 64, 64, 25
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGSTOP": signal.SIGSTOP}
+# Faults that are not a signal: a backup replaced by its copy, a full disk, a cut network.
+ROOT_FAULTS = ("DISKFULL", "NETCUT")
+FAULTS = (*SIGNALS, "COPY", *ROOT_FAULTS)
+VOLUME_SIZE = "64m"
 NO_PROGRESS_LIMIT = 300.0  # seconds without a step: the soak calls it a hang and stops
 
 
@@ -181,12 +191,18 @@ def _free_ports(count):
 class Run:
     """One launch in a subprocess: its output lines with their times, its processes seen."""
 
-    def __init__(self, workers, epochs, folder, name):
+    def __init__(self, workers, epochs, folder, name, volume=False):
         self.folder = os.path.join(folder, name)
         os.makedirs(self.folder)
         self.tmp = os.path.join(self.folder, "tmp")
         os.makedirs(self.tmp)
-        self.backup = os.path.join(self.folder, "backup")  # kd creates it
+        self.volume = None
+        if volume:  # a small disk of its own for the backup, to fill (DISKFULL)
+            self.volume = os.path.join(self.folder, "volume")
+            os.makedirs(self.volume)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_SIZE}", "tmpfs", self.volume],
+                           check=True)
+        self.backup = os.path.join(self.volume or self.folder, "backup")  # kd creates it
         self.out = os.path.join(self.folder, "weights.npz")
         self.ports = _free_ports(workers)
         config = dict(workers=workers, epochs=str(epochs), backup=self.backup, out=self.out,
@@ -238,6 +254,11 @@ class Run:
         self.seconds = time.monotonic() - self.started
         return self.process.returncode
 
+    def unmount(self):
+        if self.volume is not None:
+            subprocess.run(["umount", "-l", self.volume], check=False)
+            self.volume = None
+
 
 def _still_alive(seen):
     left = []
@@ -263,7 +284,7 @@ def _token_holders(launcher_pid):
     return found
 
 
-def _chaos(run, minutes, rng, faults, stop):
+def _chaos(run, minutes, rng, faults, stop, kinds):
     deadline = run.started + 60 * minutes
     while not stop.is_set():
         wait = rng.uniform(20, 60)
@@ -273,17 +294,87 @@ def _chaos(run, minutes, rng, faults, stop):
         if not tasks:
             continue  # the cluster is restarting
         pid = rng.choice(tasks)
-        name = rng.choice(sorted(SIGNALS))
+        name = rng.choice(sorted(kinds))
         label = _task_label(pid)
         steps = run.progress()
+        fault = {"at": time.monotonic() - run.started, "signal": name, "task": label,
+                 "pid": pid, "step": steps[-1][1] if steps else 0}
         try:
-            os.kill(pid, SIGNALS[name])
-        except ProcessLookupError:
+            detail = _strike(run, name, pid, rng, stop)
+        except (ProcessLookupError, FileNotFoundError) as error:  # it ended, or kd pruned the backup
+            print(f"[soak] {name} skipped ({error})", flush=True)
             continue
-        faults.append({"at": time.monotonic() - run.started, "signal": name, "task": label,
-                       "pid": pid, "step": steps[-1][1] if steps else 0})
-        print(f"[soak] {faults[-1]['at']:7.1f}s {name} -> {label} (pid {pid}) at step "
-              f"{faults[-1]['step']}", flush=True)
+        if detail is None:
+            continue
+        fault["detail"] = detail
+        faults.append(fault)
+        print(f"[soak] {fault['at']:7.1f}s {name} -> {label} (pid {pid}) at step "
+              f"{fault['step']}: {detail}", flush=True)
+
+
+def _strike(run, name, pid, rng, stop):
+    """Does fault `name` to the run (task `pid`); returns what it did, or None if it could not."""
+    if name in SIGNALS:
+        os.kill(pid, SIGNALS[name])
+        return "signalled"
+    if name == "COPY":
+        return _replace_newest_backup(run.backup, pid)
+    if name == "DISKFULL":
+        return _fill(run.volume, rng.uniform(15, 30), stop)
+    return _cut_network(pid, rng.uniform(10, 20), stop)
+
+
+def _replace_newest_backup(backup, pid):
+    """Replaces the newest ckpt-N by a copy of itself, then SIGKILLs task `pid` (the restart resumes from it)."""
+    names = sorted((n for n in os.listdir(backup) if re.fullmatch(r"ckpt-\d+", n)), key=lambda n: int(n[5:]))
+    if not names:
+        return None
+    path = os.path.join(backup, names[-1])
+    copy, aside = os.path.join(backup, ".soak-copy"), os.path.join(backup, ".soak-aside")
+    try:
+        shutil.copytree(path, copy, copy_function=shutil.copyfile)
+        os.rename(path, aside)
+        os.rename(copy, path)
+    finally:
+        for left in (copy, aside):
+            shutil.rmtree(left, ignore_errors=True)
+    os.kill(pid, signal.SIGKILL)
+    return f"{names[-1]} replaced by its copy, then SIGKILL"
+
+
+def _fill(volume, seconds, stop):
+    """Fills `volume` (the backup's tmpfs) for `seconds`, then frees it."""
+    filler = os.path.join(volume, ".soak-filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            try:
+                os.write(fd, b"x" * (1 << 20))
+            except OSError:
+                break
+        stop.wait(seconds)
+    finally:
+        os.close(fd)
+        os.remove(filler)
+    return f"disk full for {seconds:.0f}s"
+
+
+def _cut_network(pid, seconds, stop):
+    """Takes the loopback link of task `pid`'s network namespace down for `seconds`, then up."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)  # holds the namespace while it is down
+    namespace = f"--net=/proc/{os.getpid()}/fd/{fd}"
+    try:
+        down = subprocess.run(["nsenter", namespace, "ip", "link", "set", "lo", "down"],
+                              capture_output=True, text=True, timeout=30)
+        if down.returncode != 0:
+            print(f"[soak] NETCUT failed: {down.stderr.strip()}", flush=True)
+            return None
+        stop.wait(seconds)
+        subprocess.run(["nsenter", namespace, "ip", "link", "set", "lo", "up"],
+                       capture_output=True, text=True, timeout=30)
+    finally:
+        os.close(fd)
+    return f"loopback down for {seconds:.0f}s"
 
 
 def _hang_guard(run, stop):
@@ -369,10 +460,15 @@ def soak(options):
         print("\n".join(line for _, line in clean.lines[-40:]))
         raise SystemExit("the uninterrupted run failed")
     print(f"[soak] chaos run: a fault every 20-60 s for {options.minutes:g} minutes", flush=True)
-    run = Run(options.workers, options.epochs, folder, "soak")
+    kinds = [k for k in options.faults.split(",") if k]
+    if os.getuid() != 0:
+        kinds = [k for k in kinds if k not in ROOT_FAULTS]  # a mount and another namespace: root's
+    report["fault_kinds"] = kinds
+    run = Run(options.workers, options.epochs, folder, "soak", volume="DISKFULL" in kinds)
     run.hung = False
     faults, stop = [], threading.Event()
-    threads = [threading.Thread(target=_chaos, args=(run, options.minutes, rng, faults, stop), daemon=True),
+    threads = [threading.Thread(target=_chaos, args=(run, options.minutes, rng, faults, stop, kinds),
+                                daemon=True),
                threading.Thread(target=_hang_guard, args=(run, stop), daemon=True)]
     for thread in threads:
         thread.start()
@@ -382,11 +478,14 @@ def soak(options):
         stop.set()
         for thread in threads:
             thread.join(timeout=70)
+        left_on_volume = sorted(os.listdir(run.volume)) if run.volume else []
+        run.unmount()
     _recoveries(run, faults)
     launched = _launcher_line(run)
     report["soak"] = {"seconds": round(run.seconds, 1), "returncode": code, "hung": run.hung,
                       "launcher": launched, "faults": faults, "left": _leftovers(run)}
-    report["faults"] = {name: sum(f["signal"] == name for f in faults) for name in SIGNALS}
+    report["soak"]["left"]["on_backup_volume"] = left_on_volume
+    report["faults"] = {name: sum(f["signal"] == name for f in faults) for name in FAULTS}
     report["faults"]["total"] = len(faults)
     report["restarts"] = launched.get("restarts")
     if code == 0 and os.path.exists(run.out):
@@ -396,7 +495,7 @@ def soak(options):
     recovered = [f["recovered_after"] for f in faults if f["recovered_after"] is not None]
     if recovered:
         report["recovery_seconds"] = {"median": statistics.median(recovered), "max": max(recovered)}
-        for name in SIGNALS:
+        for name in FAULTS:
             own = [f["recovered_after"] for f in faults if f["signal"] == name and f["recovered_after"] is not None]
             if own:
                 report["recovery_seconds"][name] = statistics.median(own)
@@ -415,6 +514,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report", default=None)
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"comma-separated, of {', '.join(FAULTS)} (DISKFULL and NETCUT as root)")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, weights)")
     options = parser.parse_args(argv)
 
@@ -435,7 +536,7 @@ def main(argv=None):
     ok = (soak_part["returncode"] == 0 and not soak_part["hung"]
           and report.get("weights_max_relative_difference", 1) <= 1e-9
           and not any(soak_part["left"][k] for k in ("processes", "token_holders", "port_locks", "tmp_files"))
-          and not soak_part["left"]["backup_dir_left"]
+          and not soak_part["left"]["backup_dir_left"] and not soak_part["left"]["on_backup_volume"]
           and soak_part["launcher"].get("fds_before") == soak_part["launcher"].get("fds_after"))
     print(f"[soak] {'PASSED' if ok else 'FAILED'}", flush=True)
     return 0 if ok else 1

@@ -5,6 +5,8 @@ Layout of `directory`:
     ckpt-<n>/            one complete checkpoint: TF files, progress.json, and
                          manifest.json (every file's size and SHA-256, written last)
     latest               the name of the newest checkpoint written (a hint)
+    .kd-run.json         the run the checkpoints belong to (an id, its host and
+                         start), written with the run's first checkpoint
     .kd-lock.json        the run that owns the directory (pid, host, start)
     .kd-created          present when kd created the directory (it holds the
                          directory's device and inode: a copy elsewhere is not
@@ -19,6 +21,10 @@ checkpoint), nor the checkpoint's files: each one's digest is checked
 against the manifest before anything is read. A changed, truncated or
 missing file is refused, naming it and the newest older checkpoint that is
 whole (with how to resume from it); nothing is restored past it silently.
+Nor is a checkpoint of another run: each one records the run that wrote it
+and the name it was written as (in progress.json, which the manifest
+covers), and a resume refuses one that is not this directory's run's (copied
+in, copied over, renamed) unless it is adopted on purpose (`adopt_checkpoint`).
 Old checkpoints are removed only after a newer one is complete, so there is
 always an intact one.
 
@@ -27,6 +33,8 @@ into `directory`, and only the chief locks it; the others write into a
 scratch directory that is removed.
 """
 
+import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -34,6 +42,7 @@ import os
 import re
 import shlex
 import shutil
+import uuid
 
 import tensorflow as tf
 
@@ -47,6 +56,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "DamagedCheckpointError",
+    "ForeignCheckpointError",
     "checkpoint_number",
     "data_problems",
     "file_problems",
@@ -71,10 +81,29 @@ MANIFEST_FILE = "manifest.json"
 _MANIFEST_FORMAT = "kd-checkpoint-manifest-1"
 # What a damaged checkpoint is moved to, to resume from the one before it.
 DAMAGED_PREFIX = "damaged-"
+# The run a directory's checkpoints belong to; each checkpoint's progress.json
+# says which run wrote it, under which name (`WRITTEN_BY`).
+RUN_FILE = ".kd-run.json"
+_RUN_FORMAT = "kd-run-1"
+WRITTEN_BY = "written_by"
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory or checkpoint cannot be used (nothing changed)."""
+
+
+class ForeignCheckpointError(CheckpointError):
+    """A checkpoint was not written by the run its directory belongs to (nothing restored).
+
+    Attributes:
+        path: The checkpoint.
+        theirs: What the checkpoint records of the run that wrote it (or None).
+        ours: The directory's run record (or None).
+    """
+
+    def __init__(self, message, path, theirs, ours):
+        super().__init__(message)
+        self.path, self.theirs, self.ours = path, theirs, ours
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -319,6 +348,82 @@ def _first_line(error):
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
+def _new_run():
+    """A fresh run's identity: a random id, the host and the start (UTC)."""
+    import socket
+
+    return {"id": uuid.uuid4().hex[:12], "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
+
+
+def describe_run(run):
+    """`run <id> (started <when> on <host>)` of a run identity, for messages."""
+    if not isinstance(run, dict) or not isinstance(run.get("id"), str):
+        return "a run kd cannot name"
+    return f"run {run['id']} (started {run.get('started', '?')} on {run.get('host', '?')})"
+
+
+def read_run_file(directory):
+    """The run record of `directory` (`RUN_FILE`), or None when there is none.
+
+    Raises:
+        CheckpointError: the file is there but is not a run record kd wrote.
+    """
+    file = os.path.join(directory, RUN_FILE)
+    try:
+        with open(file) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{file!r} cannot be read ({error}); it records which run the checkpoints beside it "
+            "belong to. Put it back from a copy, or give another directory to start from scratch."
+        ) from None
+    if (not isinstance(record, dict) or record.get("format") != _RUN_FORMAT
+            or not isinstance(record.get("run"), dict) or not isinstance(record["run"].get("id"), str)):
+        raise CheckpointError(
+            f"{file!r} is not a run record kd wrote; it records which run the checkpoints beside it "
+            "belong to. Put it back from a copy, or give another directory to start from scratch.")
+    return record
+
+
+def _write_run_file(directory, record):
+    files.atomic_write_text(os.path.join(directory, RUN_FILE),
+                            json.dumps(dict(record, format=_RUN_FORMAT), indent=1))
+
+
+def _progress_digest(path):
+    """The manifest's SHA-256 of checkpoint `path`'s progress.json (what an adoption is bound to)."""
+    entries, _ = _read_manifest(path)
+    entry = (entries or {}).get(_PROGRESS)
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def disk_full_advice(error, path, safe, what="", where=None):
+    """kd's sentence for a failed write to `path`: what happened, what is safe, what to do.
+
+    Args:
+        error: The OSError (or a TensorFlow error, whose first line is kept).
+        path: What kd was writing.
+        safe: What is left intact, as a clause ("the older checkpoints were kept").
+        what: Words before the path ("the checkpoint ").
+        where: The directory to free space in (`path`'s by default).
+    """
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+        if error.filename and os.fspath(error.filename) != os.fspath(path):
+            reason += f" at {os.fspath(error.filename)!r}"
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    else:
+        reason = _first_line(error)
+        full = "No space left" in str(error) or "quota" in str(error).lower()
+    where = where or os.path.dirname(os.fspath(path)) or "."
+    fix = (f"Free space in {where!r} (or raise the quota), or give another directory" if full else
+           f"Free space in (or fix the permissions of) {where!r}, or give another directory")
+    return (f"Could not write {what}{os.fspath(path)!r} ({reason}); {safe}. {fix}; then run the "
+            "same command again: it resumes from what was kept.")
+
 
 class CheckpointManager:
     """Saves and restores a `tf.train.Checkpoint` with epoch/step progress.
@@ -347,11 +452,18 @@ class CheckpointManager:
         directory: Where checkpoints live; created if missing.
         max_to_keep: Complete checkpoints kept (older ones are removed after
             a newer one is in place).
+        adopt_checkpoint: The name (`"ckpt-7"`) of a checkpoint in
+            `directory` that another run wrote, to continue from on purpose.
+            Each checkpoint records the run that wrote it (`.kd-run.json`
+            names the directory's run); a resume refuses another run's
+            (copied in, copied over, renamed) unless it is adopted here. The
+            adoption is recorded in `.kd-run.json`, bound to that
+            checkpoint's files, so later resumes accept it without the setting.
 
     Raises:
         CheckpointError: `checkpoint` is not a `tf.train.Checkpoint`,
-            `directory` is a file or not writable, or `max_to_keep` is not a
-            whole number >= 1.
+            `directory` is a file or not writable, `max_to_keep` is not a
+            whole number >= 1, or `adopt_checkpoint` is not a checkpoint name.
 
     Examples:
         >>> import tempfile, tensorflow as tf, keras_distrib as kd
@@ -364,8 +476,12 @@ class CheckpointManager:
         >>> manager.close()
     """
 
-    def __init__(self, checkpoint, directory, *, max_to_keep=1):
+    def __init__(self, checkpoint, directory, *, max_to_keep=1, adopt_checkpoint=None):
         problems = []
+        if adopt_checkpoint is not None and (not isinstance(adopt_checkpoint, str)
+                                             or checkpoint_number(adopt_checkpoint) is None):
+            problems.append(f"`adopt_checkpoint`={adopt_checkpoint!r} must be the name of a "
+                            f"checkpoint in the directory, e.g. '{_PREFIX}-7' (or None)")
         if not isinstance(checkpoint, tf.train.Checkpoint):
             problems.append(
                 f"`checkpoint` must be a tf.train.Checkpoint, got {type(checkpoint).__name__}; "
@@ -386,6 +502,9 @@ class CheckpointManager:
         self.skipped = []  # (path, reason) of checkpoints the last restore passed over
         self.restored_path = None
         self._verified = None  # (path, _stamp(path)) of the checkpoint last verified whole
+        self.adopt_checkpoint = adopt_checkpoint
+        self.run = None  # this run's identity (`.kd-run.json`'s `run`), once known
+        self._run_written = False
         # Only a directory kd created (marked CREATED_MARKER) is ever removed
         # (`delete_all`): never a mount point, a symbolic link or the user's.
         self._created = not os.path.lexists(directory)
@@ -410,7 +529,11 @@ class CheckpointManager:
         if self._created:
             marker = os.path.join(self.directory, CREATED_MARKER)
             if not os.path.lexists(marker):
-                files.atomic_write_text(marker, _directory_identity(self.directory))
+                try:
+                    files.atomic_write_text(marker, _directory_identity(self.directory))
+                except OSError as error:
+                    raise CheckpointError(disk_full_advice(
+                        error, marker, "nothing was restored or written")) from None
 
     def close(self):
         """Releases the directory's lock (if this manager took it)."""
@@ -482,6 +605,110 @@ class CheckpointManager:
             raise self._damaged(path, problems)
         self._verified = (path, stamp)
 
+    # Which run a checkpoint belongs to.
+
+    def _directory_run(self):
+        """This directory's run record (`RUN_FILE`) or None; sets `run` from it."""
+        record = read_run_file(self.directory)
+        if record is not None and self.run is None:
+            self.run = dict(record["run"])
+        return record
+
+    def _identity_problem(self, path):
+        """Why checkpoint `path` is not this directory's run's, as `(reason, theirs, ours)`, or None."""
+        try:
+            progress = read_progress_file(path)
+        except CheckpointError:
+            return None  # `verify` names what is wrong with the files
+        record = self._directory_run()
+        ours = record["run"] if record else None
+        theirs = progress.get(WRITTEN_BY)
+        name = os.path.basename(path)
+        adopted = (record or {}).get("adopted") or []
+        if {"checkpoint": name, "progress_sha256": _progress_digest(path)} in [
+                {k: a.get(k) for k in ("checkpoint", "progress_sha256")} for a in adopted
+                if isinstance(a, dict)]:
+            return None
+        if theirs is None:
+            if record is None:
+                return None  # a directory written before kd recorded runs: nothing to compare
+            return (f"it records no run, so kd did not write it into this directory (this "
+                    f"directory's checkpoints all record {describe_run(ours)}): it was copied "
+                    "in from elsewhere", None, ours)
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("id"), str):
+            return f"its record of the run that wrote it is not kd's (`{WRITTEN_BY}`={theirs!r})", theirs, ours
+        if record is None:
+            return (f"it was written by {describe_run(theirs)}, and this directory holds no record "
+                    f"of a run ({RUN_FILE}, which kd writes with a run's first checkpoint): it was "
+                    "copied in from that run's directory", theirs, ours)
+        if theirs["id"] != ours["id"]:
+            return (f"it was written by {describe_run(theirs)}"
+                    + (f" as {theirs.get('as')!r}" if theirs.get("as") not in (None, name) else "")
+                    + f", and this directory belongs to {describe_run(ours)}: it was copied in "
+                    "from the other run's directory", theirs, ours)
+        if theirs.get("as") != name:
+            return (f"this run wrote it as {theirs.get('as')!r}, and it was renamed since, so its "
+                    "place among this run's checkpoints is not the one it was written in", theirs, ours)
+        return None
+
+    def check_identity(self, path):
+        """Refuses checkpoint `path` unless this directory's run wrote it under its name.
+
+        A checkpoint adopted on purpose (`adopt_checkpoint`, recorded in
+        `.kd-run.json`) is accepted, and so are the checkpoints of a
+        directory written before kd recorded runs.
+
+        Raises:
+            ForeignCheckpointError: another run wrote it (copied in, copied
+                over one of this run's), or it was renamed; the message names
+                the checkpoint, both runs and the ways out. Nothing is changed.
+        """
+        path = os.fspath(path)
+        problem = self._identity_problem(path)
+        if problem is None:
+            return
+        reason, theirs, ours = problem
+        name = os.path.basename(path)
+        if self.adopt_checkpoint == name:
+            self._adopt(path, theirs)
+            return
+        aside = os.path.join(os.path.dirname(path), "foreign-" + name)
+        raise ForeignCheckpointError(
+            f"The checkpoint {path!r} does not belong to this directory's run: {reason}. Nothing "
+            "was restored or changed; resuming from it would continue another run's training "
+            f"here. To start fresh, give another directory (or move it away: "
+            f"`mv {shlex.quote(path)} {shlex.quote(aside)}`). To continue from it on purpose, "
+            f"adopt it: `adopt_checkpoint={name!r}` (of kd.callbacks.BackupAndRestore or "
+            "kd.CheckpointManager); the adoption is recorded.", path, theirs, ours)
+
+    def _adopt(self, path, theirs):
+        """Records that checkpoint `path` (another run's) was adopted on purpose (chief only)."""
+        record = self._directory_run() or {"run": self.run or _new_run()}
+        self.run = dict(record["run"])
+        entry = {"checkpoint": os.path.basename(path), "progress_sha256": _progress_digest(path),
+                 "run": theirs}
+        logger.warning("Adopted the checkpoint %s of %s on purpose (`adopt_checkpoint`); this "
+                       "directory's %s goes on from it.", path, describe_run(theirs),
+                       describe_run(self.run))
+        if cluster.is_chief():
+            self._own()
+            record = dict(record, adopted=[*(record.get("adopted") or []), entry])
+            try:
+                _write_run_file(self.directory, record)
+            except OSError as error:
+                raise CheckpointError(disk_full_advice(
+                    error, os.path.join(self.directory, RUN_FILE),
+                    "nothing was restored, the checkpoints are intact")) from None
+            self._run_written = True
+
+    def _this_run(self):
+        """This run's identity: the directory's, or a new one (a fresh run)."""
+        if self.run is None:
+            self._directory_run()
+        if self.run is None:
+            self.run = _new_run()
+        return self.run
+
     def _damaged(self, path, problems):
         """The DamagedCheckpointError for `path`: its problems, and the checkpoint before it."""
         number = checkpoint_number(os.path.basename(path))
@@ -489,7 +716,8 @@ class CheckpointManager:
         if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.directory) and number:
             for name in reversed(self._names()):
                 candidate = os.path.join(self.directory, name)
-                if checkpoint_number(name) < number and not manifest_problems(candidate):
+                if (checkpoint_number(name) < number and not manifest_problems(candidate)
+                        and not self._identity_problem(candidate)):
                     try:
                         previous = (candidate, read_progress_file(candidate))
                     except CheckpointError:
@@ -526,6 +754,8 @@ class CheckpointManager:
             DamagedCheckpointError: the checkpoint fails its manifest check
                 (or its data does not read back), naming each file and the
                 checkpoint before it that is whole.
+            ForeignCheckpointError: a checkpoint of the directory was written
+                by another run, or renamed (see `check_identity`).
             CheckpointError: no checkpoint to restore, or a whole checkpoint
                 does not fit the model.
         """
@@ -536,6 +766,8 @@ class CheckpointManager:
                 raise CheckpointError(f"No checkpoint in {self.directory!r} to restore.")
         path = os.fspath(path)
         self.verify(path)
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.directory):
+            self.check_identity(path)
         try:
             status = self.checkpoint.read(os.path.join(path, _STATE))
             status.assert_existing_objects_matched()
@@ -557,9 +789,19 @@ class CheckpointManager:
         marker = self._marker()
         note = ""
         if marker != os.path.basename(path) and os.path.dirname(path) == self.directory:
-            note = (f" (the `latest` marker names {marker!r}, which is not a complete "
-                    "checkpoint; restored the newest one)" if marker else
-                    " (the `latest` marker is missing; restored the newest one)")
+            named = os.path.join(self.directory, marker) if marker else None
+            if marker is None:
+                note = " (the `latest` marker is missing; restored the newest one)"
+            elif not os.path.isdir(named):
+                note = (f" (the `latest` marker names {marker!r}, which is not there; restored "
+                        "the newest one)")
+            elif file_problems(named):
+                note = (f" (the `latest` marker names {marker!r}, which is not a complete "
+                        "checkpoint; restored the newest one)")
+            else:
+                note = (f" (the `latest` marker names {marker!r}, an older complete checkpoint: "
+                        "kd moves the marker just after a checkpoint is in place, so the run "
+                        "that wrote this one stopped in between; restored the newest one)")
         log = logger.warning if note else logger.info
         log("Restored checkpoint %s (epoch %s, step %s)%s.", path, self.progress["epoch"],
             self.progress["step"], note)
@@ -583,6 +825,7 @@ class CheckpointManager:
         (`restore` alone does not lock: reading is safe beside a writer.)
         """
         self._own()
+        self._refuse_left()
         if not self._names():
             marker = self._marker()
             if marker is not None:
@@ -634,7 +877,10 @@ class CheckpointManager:
             name = f"{_PREFIX}-{number}"
             staging = files.staging_directory(directory, name)
             final = os.path.join(directory, name)
-            progress = {"epoch": int(epoch), "step": int(step), **extra}
+            progress = {"epoch": int(epoch), "step": int(step), **extra,
+                        WRITTEN_BY: dict(self._this_run(), **{"as": name})}
+            if info.is_chief and not self._run_written:
+                self._record_run(directory, staging, final)
             try:
                 self.checkpoint.write(os.path.join(staging, _STATE))
                 with open(os.path.join(staging, _PROGRESS), "w") as f:
@@ -643,11 +889,9 @@ class CheckpointManager:
                 files.publish(staging, final)
             except (OSError, tf.errors.OpError) as error:
                 shutil.rmtree(staging, ignore_errors=True)
-                raise CheckpointError(
-                    f"Could not write the checkpoint {final!r} ({_first_line(error)}); nothing "
-                    f"was replaced, the older checkpoints were kept. Free space in (or fix the "
-                    f"permissions of) {directory!r}, or give another directory."
-                ) from error
+                raise CheckpointError(disk_full_advice(
+                    error, final, "nothing was replaced, the older checkpoints were kept",
+                    what="the checkpoint ", where=directory)) from error
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -657,7 +901,13 @@ class CheckpointManager:
                     f"The new checkpoint {final!r} came out incomplete ({'; '.join(problems)}); "
                     "the older checkpoints were kept. Check the disk (space, quota)."
                 )
-            files.atomic_write_text(os.path.join(directory, _LATEST), name)
+            try:
+                files.atomic_write_text(os.path.join(directory, _LATEST), name)
+            except OSError as error:
+                raise CheckpointError(disk_full_advice(
+                    error, os.path.join(directory, _LATEST),
+                    f"the checkpoint {final!r} is complete (a resume takes the newest complete "
+                    "checkpoint, whatever `latest` says)")) from None
             # A resumed or resubmitted run is not finished (a SidecarEvaluator
             # watching the directory would otherwise stop).
             if os.path.exists(os.path.join(directory, FINISHED_FILE)):
@@ -666,6 +916,19 @@ class CheckpointManager:
             files.remove_dead_staging(directory)
         self.progress = progress
         return os.path.join(self.directory, name)
+
+    def _record_run(self, directory, staging, final):
+        """Writes `.kd-run.json` (this run's identity) before the run's first checkpoint."""
+        record = read_run_file(directory)
+        if record is None or record["run"].get("id") != self.run["id"]:
+            try:
+                _write_run_file(directory, {"run": self.run})
+            except OSError as error:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointError(disk_full_advice(
+                    error, os.path.join(directory, RUN_FILE),
+                    f"{final!r} was not written and the older checkpoints were kept")) from None
+        self._run_written = True
 
     def relabel(self, *, epoch, step=0):
         """Moves the newest checkpoint's position to (`epoch`, `step`), its state unchanged.
@@ -687,19 +950,30 @@ class CheckpointManager:
             raise self._damaged(latest, [problem])
         # Two files cannot be replaced at once: the manifest first accepts the
         # old progress.json and the new one, then only the new one.
-        temp = files.staging_file(latest)
+        old_entry = entries[_PROGRESS]
         try:
-            with open(temp, "w") as f:
-                f.write(json.dumps(progress))
-            size, digest = _digest_file(temp)
-            entries[_PROGRESS] = {"bytes": size, "sha256": digest, "previous": entries[_PROGRESS]}
+            temp = files.staging_file(latest)
+            try:
+                with open(temp, "w") as f:
+                    f.write(json.dumps(progress))
+                size, digest = _digest_file(temp)
+                entries[_PROGRESS] = {"bytes": size, "sha256": digest, "previous": old_entry}
+                write_manifest(latest, entries)
+                files.publish(temp, os.path.join(latest, _PROGRESS))
+            finally:
+                if os.path.exists(temp):
+                    os.remove(temp)
+            del entries[_PROGRESS]["previous"]
             write_manifest(latest, entries)
-            files.publish(temp, os.path.join(latest, _PROGRESS))
-        finally:
-            if os.path.exists(temp):
-                os.remove(temp)
-        del entries[_PROGRESS]["previous"]
-        write_manifest(latest, entries)
+        except OSError as error:
+            # Each step leaves a manifest that accepts the progress.json in place.
+            was = self.progress or {}
+            raise CheckpointError(disk_full_advice(
+                error, os.path.join(latest, _PROGRESS),
+                f"the checkpoint {latest!r} is whole and resumes exactly (it still says epoch "
+                f"{was.get('epoch', '?')}, step {was.get('step', '?')}: the end of that epoch, "
+                "which a resume ends once more without training a batch)",
+                where=self.directory)) from None
         self.progress = progress
 
     def _prune(self, directory, keep=None):
@@ -721,6 +995,43 @@ class CheckpointManager:
                                    os.path.join(directory, name))
                 _remove_whole(os.path.join(directory, name))
 
+    def _record_left(self, left):
+        """Reports checkpoints the clean-up could not remove, and records them for the next run."""
+        record = read_run_file(self.directory) or {"run": self._this_run()}
+        names = [os.path.basename(path) for path, _ in left]
+        listing = "; ".join(f"{path} ({reason})" for path, reason in left)
+        removal = " ".join(shlex.quote(path) for path, _ in left)
+        logger.warning(
+            "Training finished, but the clean-up could not remove %s. A later run in %s refuses "
+            "to resume from it (this run finished); remove it by hand: `chmod -R u+w %s && rm -rf "
+            "%s` (or `chattr -R -i` first for an immutable one).", listing, self.directory,
+            removal, removal)
+        try:
+            _write_run_file(self.directory, dict(record, finished=True, left=names))
+        except OSError as error:
+            logger.warning("%s", disk_full_advice(
+                error, os.path.join(self.directory, RUN_FILE),
+                "training finished and nothing else changed"))
+
+    def _refuse_left(self):
+        """Refuses checkpoints a finished run's clean-up could not remove (they are not a resume)."""
+        record = read_run_file(self.directory)
+        if not record or not record.get("finished"):
+            return
+        left = [os.path.join(self.directory, name) for name in record.get("left") or []
+                if isinstance(name, str) and os.path.lexists(os.path.join(self.directory, name))]
+        if not left:
+            self.run = _new_run()  # what was left is gone: a new run begins
+            return
+        removal = " ".join(shlex.quote(path) for path in left)
+        raise CheckpointError(
+            f"{', '.join(repr(p) for p in left)} {'is' if len(left) == 1 else 'are'} left over "
+            f"from {describe_run(record['run'])}, which finished; its clean-up could not remove "
+            f"{'it' if len(left) == 1 else 'them'} (see {os.path.join(self.directory, RUN_FILE)!r}), "
+            "so this is not a resume and nothing was restored. Remove it: `chmod -R u+w "
+            f"{removal} && rm -rf {removal}`, then also the record `rm "
+            f"{shlex.quote(os.path.join(self.directory, RUN_FILE))}`; or give another directory.")
+
     def mark_finished(self):
         """Records that training ended (chief only): a SidecarEvaluator stops."""
         if cluster.is_chief():
@@ -738,13 +1049,19 @@ class CheckpointManager:
             self._own()
             # `latest` first: a crash half-way leaves checkpoints without a
             # marker (restorable), never a marker naming deleted ones.
+            left = []
             for name in [_LATEST] + self._names() + [FINISHED_FILE]:
                 path = os.path.join(self.directory, name)
                 if os.path.isdir(path) and not os.path.islink(path):
-                    _remove_whole(path)
+                    left += _remove_whole(path)
                 elif os.path.lexists(path):
                     os.remove(path)
             files.remove_dead_staging(self.directory)
+            if left:
+                self._record_left(left)
+            elif os.path.lexists(os.path.join(self.directory, RUN_FILE)):
+                # Last: while a checkpoint is there, so is the record of its run.
+                os.remove(os.path.join(self.directory, RUN_FILE))
             self.close()
             marker = os.path.join(self.directory, CREATED_MARKER)
             created = _marks_this_directory(marker, self.directory)
@@ -765,16 +1082,24 @@ def _remove_whole(path):
 
     It is renamed to a staging name first (`files.remove_dead_staging` ends
     what a killed process left), then removed.
+
+    Returns:
+        `(path, reason)` of what could not be removed (a read-only or
+        immutable checkpoint, a busy mount): empty when all of it went.
     """
     directory, name = os.path.split(path)
     trash = files.staging_directory(directory, f"removed-{name}")
+    errors = []
     try:
         os.replace(path, trash)  # onto the new, empty directory
     except OSError:
         os.rmdir(trash)
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    shutil.rmtree(trash, ignore_errors=True)
+        trash = path
+    shutil.rmtree(trash, onerror=lambda function, where, info: errors.append(info[1]))
+    if not os.path.lexists(trash):
+        return []
+    reason = next((e.strerror for e in errors if isinstance(e, OSError) and e.strerror), "unknown")
+    return [(trash, reason)]
 
 
 def _directory_identity(directory):

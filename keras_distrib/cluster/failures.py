@@ -42,7 +42,8 @@ CONFIG_EXIT_CODE = 2
 # the backup directory is another live run's, the backup is another run's, or
 # its files are not the ones kd wrote.
 _CONFIG_ERROR = re.compile(r"(Error|Exception): .*(is in use by another run: |does not match this "
-                           r"run: |does not record what defines its run|fails its manifest check)")
+                           r"run: |does not record what defines its run|fails its manifest check|"
+                           r"does not belong to this directory's run: |left over from run )")
 # What a connection or a name lookup to the outside says in a network
 # namespace without a route out: no route (ENETUNREACH), no resolver
 # (getaddrinfo's EAI_AGAIN / EAI_NONAME, curl's and TensorFlow's file

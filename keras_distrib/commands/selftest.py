@@ -81,7 +81,7 @@ def _run(name, function):
     try:
         detail, ok = function(), True
     except Exception as error:  # a failed check is a row, not a crash
-        detail, ok = report.error_line(error, width=90), False
+        detail, ok = report.error_line(error), False
     return Check(name, ok, detail, time.monotonic() - started)
 
 
@@ -171,7 +171,7 @@ def local_checks():
     try:
         kd.virtual_devices(2)
     except RuntimeError as error:
-        return [Check("2 logical CPU devices", False, str(error)[:90])]
+        return [Check("2 logical CPU devices", False, str(error))]
     checks = [_run("devices", _devices)]
     strategy = testing.local_strategy("mirrored")
     checks.append(_run("all-reduce, 2 replicas (mirrored)", lambda: _all_reduce(strategy)))
@@ -283,7 +283,7 @@ def gpu_checks(device_type="GPU"):
     try:
         devices, description = _gpu_devices(device_type)
     except (RuntimeError, ValueError) as error:
-        return [Check("2 devices", False, str(error)[:200], time.monotonic() - started)]
+        return [Check("2 devices", False, str(error), time.monotonic() - started)]
     checks = [Check("devices", True, description, time.monotonic() - started)]
     one_card = on_gpu and "split" in description
     strategy, collective = None, "RING"
@@ -303,11 +303,11 @@ def gpu_checks(device_type="GPU"):
                 checks.append(Check(
                     name, True,
                     "NCCL refused 2 logical GPUs of one card (it needs a GPU per replica): "
-                    f"{report.error_line(error, width=70)}. The rows below all-reduce as "
+                    f"{report.error_line(error)}. The rows below all-reduce as "
                     "TensorFlow does on logical GPUs (RING collectives); run on 2 GPUs to check NCCL.",
                     seconds, skipped=True))
             else:
-                checks.append(Check(name, False, report.error_line(error, width=90), seconds))
+                checks.append(Check(name, False, report.error_line(error), seconds))
                 collective = "TensorFlow's choice"
     if strategy is None:
         strategy = kd.make_strategy("mirrored", devices=devices)
@@ -495,14 +495,14 @@ def launched_checks(workers=2, verbose=False, timeout=CLUSTER_TIMEOUT, network="
         return [Check(name, True, f"not run: {error.reason}; {error.remedy('keras-distrib test')}",
                       time.monotonic() - started, skipped=True)]
     except launcher.LaunchError as error:
-        return [Check(name, False, report.error_line(error, width=90), time.monotonic() - started)]
+        return [Check(name, False, report.error_line(error), time.monotonic() - started)]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     elapsed = time.monotonic() - started
     if result.returncode != 0 or len(result.values) != workers:
         cause = "timed out" if result.timed_out else f"exit code {result.returncode}"
         errors = [line for line in lines if "Error" in line and "Traceback" not in line]
-        detail = report.error_line(errors[-1].split("] ", 1)[-1], width=70) if errors else cause
+        detail = report.error_line(errors[-1].split("] ", 1)[-1]) if errors else cause
         return [Check(name, False, f"{cause}: {detail}", elapsed)]
     per_task = [[Check(**row) for row in rows] for _, rows in sorted(result.values.items())]
     labels = sorted(result.values)
@@ -543,7 +543,8 @@ def print_table(checks, seconds, print_fn=print):
 
     rows = [(c.name, "SKIP" if c.skipped else "PASS" if c.ok else "FAIL", f"{c.seconds:.1f} s", c.detail)
             for c in checks]
-    for line in report.table(rows, ("check", "result", "time", "detail"), align=["<", "<", ">", "<"]):
+    for line in report.table(rows, ("check", "result", "time", "detail"), align=["<", "<", ">", "<"],
+                             wrap=shutil.get_terminal_size().columns):
         print_fn(line)
     failed = sum(not c.ok for c in checks)
     skipped = sum(c.skipped for c in checks)

@@ -217,6 +217,18 @@ def fit_epochs(model, source, runner, *, epochs, initial_epoch, callbacks, valid
     for callback in getattr(callbacks, "callbacks", ()):
         if callable(getattr(callback, "set_runner", None)):
             callback.set_runner(runner)
+    try:
+        return _fit_or_abort(model, source, runner, epochs, initial_epoch, callbacks, validate, watch)
+    except BaseException:
+        # Keras calls no `on_train_end` when training raises: kd's callbacks
+        # that hold something for the run (a signal handler, a lock) let it go.
+        for callback in getattr(callbacks, "callbacks", ()):
+            if callable(getattr(callback, "on_train_abort", None)):
+                callback.on_train_abort()
+        raise
+
+
+def _fit_or_abort(model, source, runner, epochs, initial_epoch, callbacks, validate, watch):
     with _lost_tasks_explained():
         callbacks.on_train_begin()
         restored = resume_position(callbacks)

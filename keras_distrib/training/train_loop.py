@@ -207,7 +207,7 @@ class TrainLoop:
             callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
             class_weight=None, sample_weight=None, initial_epoch=0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1,
-            backup_dir=None, backup_freq="epoch", declared_changes=()):
+            backup_dir=None, backup_freq="epoch", declared_changes=(), adopt_checkpoint=None):
         """Trains like `Model.fit` and returns its `keras.callbacks.History`.
 
         The same front door as `Model.fit`: Keras's `fit` arguments (keyword
@@ -239,17 +239,22 @@ class TrainLoop:
                 since the backup was written (e.g.
                 `["optimizer.learning_rate"]`), accepted at the resume and
                 recorded in the run record (see `BackupAndRestore`).
+            adopt_checkpoint: The name (`"ckpt-7"`) of a backup in
+                `backup_dir` that another run wrote, to resume from it on
+                purpose (see `BackupAndRestore`).
 
         Returns:
             A `keras.callbacks.History`.
         """
-        if declared_changes and backup_dir is None:
-            raise ValueError(f"`declared_changes`={declared_changes!r} without `backup_dir`: they "
-                             "describe a resume from a backup; give `backup_dir` too, or drop them")
+        for name, value in (("declared_changes", declared_changes), ("adopt_checkpoint", adopt_checkpoint)):
+            if value and backup_dir is None:
+                raise ValueError(f"`{name}`={value!r} without `backup_dir`: it describes a resume "
+                                 "from a backup; give `backup_dir` too, or drop it")
         if backup_dir is not None:
             if callbacks is None or isinstance(callbacks, (list, tuple)):
                 callbacks = list(callbacks or []) + [callbacks_lib.BackupAndRestore(
-                    backup_dir, save_freq=backup_freq, declared_changes=declared_changes)]
+                    backup_dir, save_freq=backup_freq, declared_changes=declared_changes,
+                    adopt_checkpoint=adopt_checkpoint)]
         return front.fit(self.model, self._step, inputs.FitRequest(
             x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,

@@ -294,10 +294,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             this run's), records each change (epoch, step, old and new value)
             in the run record (`run_record`'s `changes`), and later resumes
             compare with the new values. Undeclared changes are refused.
+            A declared setting whose compiled value is the backup's is not a
+            change: the backup's live value stays (a learning rate that
+            `ReduceLROnPlateau` lowered stays lowered). A learning-rate
+            schedule may replace a schedule or a constant; a constant may not
+            replace a schedule (the backup holds no learning-rate variable):
+            give it as a schedule of one value, e.g.
+            `keras.optimizers.schedules.PiecewiseConstantDecay([0], [lr, lr])`.
         max_to_keep: Backups kept (2: the newest and the one before, which
             a resume offers when the newest fails its manifest check). The
             oldest is removed before a new one is written, so the disk holds
             at most `max_to_keep` backups at any moment.
+        adopt_checkpoint: The name (`"ckpt-7"`) of a backup in `backup_dir`
+            that another run wrote, to resume from it on purpose. Each backup
+            records the run that wrote it: a backup of another run (copied
+            in, copied over, renamed) is refused, naming both runs, unless
+            adopted here (see `kd.CheckpointManager`).
 
     Every file of a backup is checked against its manifest (size and
     SHA-256, written last) before anything is restored: a changed,
@@ -337,9 +349,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def __init__(self, backup_dir, *, save_freq="epoch", delete_checkpoint=True,
                  save_on_preemption=True, grace_period=0.0, termination_watcher=None,
-                 max_to_keep=2, declared_changes=()):
+                 max_to_keep=2, declared_changes=(), adopt_checkpoint=None):
         super().__init__()
         self.backup_dir = checkpoint_lib.validate_directory(backup_dir, "backup_dir")
+        if adopt_checkpoint is not None and (not isinstance(adopt_checkpoint, str)
+                                             or checkpoint_lib.checkpoint_number(adopt_checkpoint) is None):
+            raise ValueError(f"`adopt_checkpoint`={adopt_checkpoint!r}: expected the name of a backup "
+                             "in `backup_dir`, e.g. 'ckpt-7' (or None)")
+        self.adopt_checkpoint = adopt_checkpoint
         self.declared_changes = _declared_changes(declared_changes)
         if not validation.is_whole(max_to_keep, 1):
             raise ValueError(f"`max_to_keep`={max_to_keep!r}: expected a whole number >= 1 (the "
@@ -361,6 +378,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._exit_after_training = False
         self._diverged = False
         self._run = None
+        self._backup_run = None  # the run record of the backup being resumed
         self._saved_at = None
         self._last_step = None
 
@@ -400,22 +418,26 @@ class BackupAndRestore(keras.callbacks.Callback):
                 model.optimizer.build(model.trainable_variables)
         self._run = run_record(model)
         self._check_declared(model)
-        self._manager = checkpoint_lib.CheckpointManager(self._checkpoint(), self.backup_dir,
-                                                         max_to_keep=self.max_to_keep)
+        self._manager = checkpoint_lib.CheckpointManager(
+            self._checkpoint(), self.backup_dir, max_to_keep=self.max_to_keep,
+            adopt_checkpoint=self.adopt_checkpoint)
+        self._backup_run = None
         newest = self._manager.newest
         if newest is not None:
             # Before anything is read: every file is the one kd wrote (its
-            # manifest), and another run's backup must not touch this model.
+            # manifest), this run's (not copied from another), and another
+            # experiment's backup must not touch this model.
             try:
                 self._manager.verify(newest)
+                self._manager.check_identity(newest)
             except checkpoint_lib.CheckpointError:
                 self._manager.close()
                 raise
             self._check_data_matches(self._manager.read_progress(newest), newest)
-        # A declared setting that is also state (a learning rate held in a
-        # variable) is this run's, not the backup's, after the restore.
-        declared = {key: _setting(model.optimizer, key.split(".", 1)[1])
-                    for key in self.declared_changes if key.startswith("optimizer.")}
+        # A declared setting that changed and is also state (a learning rate
+        # held in a variable) is this run's, not the backup's, after the restore.
+        changed = self._declared_and_changed()
+        declared = {key: _setting(model.optimizer, key.split(".", 1)[1]) for key in changed}
         try:
             progress = self._manager.restore_or_initialize()
         except checkpoint_lib.CheckpointError:
@@ -445,6 +467,58 @@ class BackupAndRestore(keras.callbacks.Callback):
                 strategy=model.distribute_strategy, **self._preemption_settings
             )
             self._handler.start()
+
+    def _declared_and_changed(self):
+        """The declared optimizer settings whose compiled value differs from the backup run's.
+
+        Only those are set to this run's value after the restore: a declared
+        setting that did not change keeps the backup's live value. A
+        schedule is this run's object (the restore does not touch it), so
+        there is nothing to set; a constant cannot replace a schedule (the
+        backup holds no learning-rate variable): refused here, before anything
+        is restored.
+        """
+        saved = (self._backup_run or {}).get("optimizer")
+        if not isinstance(saved, dict):
+            return []
+        now = self._run["optimizer"]
+        changed = []
+        for key in self.declared_changes:
+            if not key.startswith("optimizer."):
+                continue
+            setting = key.split(".", 1)[1]
+            was, is_now = saved.get(setting), now.get(setting)
+            if was == is_now:
+                logger.info("`declared_changes` lists %r, whose compiled value is the backup run's "
+                            "(%s): not a change, so the backup's live value stays.", key, _short(was))
+                continue
+            if isinstance(is_now, dict):
+                continue  # a schedule: this run's object, which the restore leaves as it is
+            if isinstance(was, dict) and setting == "learning_rate":
+                self._manager.close()
+                raise checkpoint_lib.CheckpointError(
+                    f"`declared_changes` lists {key!r}, and this run's learning rate is the constant "
+                    f"{is_now!r} where the backup's run had a schedule "
+                    f"({was.get('class_name', 'a LearningRateSchedule') if isinstance(was, dict) else was}): "
+                    "the backup holds no learning-rate variable (a schedule computes the rate from "
+                    "the step), so a constant cannot take over from it, and nothing was restored. "
+                    "Give the constant as a schedule of one value, e.g. `learning_rate=keras."
+                    f"optimizers.schedules.PiecewiseConstantDecay([0], [{is_now!r}, {is_now!r}])`, "
+                    "and declare it the same way.")
+            changed.append(key)
+        return changed
+
+    def on_train_abort(self):
+        """Training raised (kd's loop calls this; Keras calls no `on_train_end` then).
+
+        Puts the SIGTERM/SIGUSR1 handlers back as they were and releases the
+        directory's lock; the backups stay for a resume.
+        """
+        if self._handler is not None:
+            self._handler.stop()
+            self._handler = None
+        if self._manager is not None:
+            self._manager.close()
 
     def _check_declared(self, model):
         """Refuses a declared optimizer setting the optimizer does not have (nothing restored yet)."""
@@ -532,6 +606,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise checkpoint_lib.CheckpointError(
                 f"The backup {path!r} has a progress.json kd did not write: " + "; ".join(malformed)
                 + ". It may have been edited by hand; kd cannot tell which run it belongs to. " + fresh)
+        self._backup_run = run
         changes = _run_changes(run, self._run, self.model.weights)
         problems = [phrase for key, phrase in changes if key not in self.declared_changes]
         undeclared = [key for key, phrase in changes if key and key not in self.declared_changes]
@@ -563,7 +638,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         for key, phrase in changes:
             was, now_value = _value_of(run, self._run, key)
             history.append({"epoch": progress["epoch"], "step": progress["step"], "setting": key,
-                            "was": was, "now": now_value})
+                            "was": was, "now": now_value,
+                            "why": f"declared: `declared_changes` lists {key!r}"})
             if announce:
                 logger.warning("Resuming %s with a declared change: %s.", path, phrase)
         if history:
