@@ -34,9 +34,10 @@ takes every step.
 """
 
 import dataclasses
-import socket
 import os
+import socket
 import threading
+import time
 import urllib.parse
 import weakref
 
@@ -44,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from keras_distrib.cluster.data_service import SERVICE_ENV
 from keras_distrib.training import data as data_lib
 from keras_distrib.training import replica
 from keras_distrib import validation
@@ -57,7 +59,6 @@ __all__ = [
 ]
 
 MODES = ("exact", "exactly_once")
-SERVICE_ENV = "KD_DATA_SERVICE"
 
 # Slots held back, waiting for an earlier one, before that earlier one is
 # computed here (it is late, or lost with its data worker): bounds the
@@ -103,29 +104,36 @@ def slot_plan(examples, global_batch_size, *, replicas, workers, worker):
     return Plan(np.asarray(starts, np.int64), np.asarray(counts, np.int64), steps, local)
 
 
-def check_reachable(service, timeout=5.0):
-    """Raises ValueError when no dispatcher answers at `service` ("grpc://host:port").
+def check_reachable(service, timeout=30.0):
+    """Raises ValueError when no dispatcher answers at `service` ("grpc://host:port") within `timeout` s.
 
     TensorFlow retries an unreachable dispatcher for a long time before it
-    fails; a plain connection first says at once what is wrong.
+    fails; a plain connection first says what is wrong. A dispatcher started
+    with the training tasks may still be starting: refused connections are
+    tried again until `timeout`.
     """
-    parsed = urllib.parse.urlparse(service if "://" in service else f"grpc://{service}")
-    if parsed.scheme not in ("grpc", "grpc+local") or not parsed.hostname or not parsed.port:
+    parsed = urllib.parse.urlparse(service)
+    if parsed.scheme != "grpc" or not parsed.hostname or not parsed.port:
         raise ValueError(
             f"`service`={service!r} is not a dispatcher address. Expected "
             "'grpc://HOST:PORT' (`keras-distrib launch --data-workers N` sets "
             f"{SERVICE_ENV} to it in every training task)."
         )
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
-            pass
-    except OSError as error:
-        raise ValueError(
-            f"`service`={service!r}: no tf.data service dispatcher answers at "
-            f"{parsed.hostname}:{parsed.port} ({error}). Start one (`keras-distrib launch "
-            "--data-workers N` starts a dispatcher and N data workers beside the training "
-            "tasks), or check the address."
-        ) from None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
+                return
+        except OSError as error:
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            raise ValueError(
+                f"`service`={service!r}: no tf.data service dispatcher answers at "
+                f"{parsed.hostname}:{parsed.port} ({error}, for {timeout:g} s). Start one "
+                "(`keras-distrib launch --data-workers N` starts a dispatcher and N data "
+                "workers beside the training tasks), or check the address."
+            ) from None
 
 
 def _service_address(service):
@@ -319,7 +327,7 @@ class ServedDataset:
 
 
 def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=None,
-          strategy=None):
+          strategy=None, connect_timeout=30.0):
     """Serves `data`'s global batches from tf.data service, exact or exactly-once per epoch.
 
     The data workers (other processes; `keras-distrib launch --data-workers
@@ -346,6 +354,8 @@ def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=Non
             the data workers; it must be deterministic for `mode="exact"`.
             `None`: the rows as they are.
         strategy: The strategy; the current one when `None`.
+        connect_timeout: Seconds to wait for the dispatcher to answer
+            (one started with the training tasks may still be starting).
 
     Returns:
         A `ServedDataset`; pass it (or its `.distributed`) to `fit` as `x`.
@@ -358,7 +368,9 @@ def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=Non
     strategy = data_lib._strategy_or_current(strategy)
     data_lib._check_batch(global_batch_size, strategy.num_replicas_in_sync, False)
     service = _service_address(service)
-    check_reachable(service)
+    if not validation.is_seconds(connect_timeout):
+        raise ValueError(f"`connect_timeout`={connect_timeout!r}: expected a number of seconds > 0")
+    check_reachable(service, connect_timeout)
     arrays = tree.map_structure(tf.convert_to_tensor, data)
     return ServedDataset(service=service, mode=mode, examples=examples,
                          global_batch_size=global_batch_size, arrays=arrays,
