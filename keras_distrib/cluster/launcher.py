@@ -99,8 +99,8 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
                         verbose=verbose)
     if data_workers:
         service, address = data_service.task_specs(data_workers, specs[0].env)
-        for spec in specs:
-            spec.env[data_service.SERVICE_ENV] = address
+        for task in specs:
+            task.env[data_service.SERVICE_ENV] = address
         specs = service + specs
     if not private_network:
         sink(exposure_notice(spec))

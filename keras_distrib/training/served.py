@@ -35,6 +35,7 @@ takes every step.
 
 import dataclasses
 import os
+import queue as queue_lib
 import socket
 import threading
 import time
@@ -66,6 +67,7 @@ MODES = ("exact", "exactly_once")
 REORDER_WINDOW = 64
 
 _described = weakref.WeakKeyDictionary()
+_END = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +213,10 @@ class ServedDataset:
     """
 
     def __init__(self, *, service, mode, examples, global_batch_size, arrays, preprocess,
-                 strategy):
+                 strategy, stall_timeout):
         self.service = service
+        self.stall_timeout = stall_timeout
+        self.stalls = 0
         self.mode = mode
         self.examples = examples
         self.global_batch_size = global_batch_size
@@ -274,13 +278,50 @@ class ServedDataset:
         dataset = tf.data.Dataset.from_generator(self._epoch, output_signature=batch_spec)
         return dataset.apply(tf.data.experimental.assert_cardinality(len(self.plan.counts)))
 
-    def _read(self):
-        """One epoch's slots from the service: `(slot, piece)` in arrival order."""
-        served = tf.data.experimental.service.from_dataset_id(
-            processing_mode="distributed_epoch", service=self.service,
-            dataset_id=self._dataset_id, element_spec=self._slot_dataset.element_spec)
-        for slot, piece in served:
-            yield int(slot), piece
+    def _read(self, stop):
+        """One epoch's slots from the service, `(slot, piece)` in arrival order; stops at a stall.
+
+        A data worker that dies mid-epoch leaves TensorFlow's reader waiting
+        for the job to end, which it does not: the reading runs in a thread
+        of its own, and when nothing arrives for `stall_timeout` seconds,
+        the epoch goes on without the service (the caller computes the slots
+        still missing).
+        """
+        arrived = queue_lib.Queue()
+
+        def pump():
+            try:
+                served = tf.data.experimental.service.from_dataset_id(
+                    processing_mode="distributed_epoch", service=self.service,
+                    dataset_id=self._dataset_id, element_spec=self._slot_dataset.element_spec)
+                for slot, piece in served:
+                    if stop.is_set():
+                        return
+                    arrived.put((int(slot), piece))
+                arrived.put(_END)
+            except Exception as error:  # noqa: BLE001 - handed to the reading thread
+                arrived.put(error)
+
+        threading.Thread(target=pump, name="kd-served-read", daemon=True).start()
+        while True:
+            try:
+                item = arrived.get(timeout=self.stall_timeout)
+            except queue_lib.Empty:
+                print(f"kd.data.serve: the tf.data service at {self.service} delivered nothing "
+                      f"for {self.stall_timeout:g} s (a data worker lost?): this epoch's "
+                      "remaining slots are computed in this worker", flush=True)
+                with self._lock:
+                    self.stalls += 1
+                return
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise RuntimeError(
+                    f"Reading from the tf.data service at {self.service} failed: {item}. Check "
+                    "that its dispatcher runs (`keras-distrib launch --data-workers N` "
+                    "starts one beside the training tasks)."
+                ) from item
+            yield item
 
     def _recover(self, slot):
         """A slot the service did not deliver (yet), computed here from the same pipeline."""
@@ -319,15 +360,23 @@ class ServedDataset:
                 want += 1
             return out
 
-        for slot, piece in self._read():
-            yield from take(slot, piece)
+        stop = threading.Event()
+        try:
+            for slot, piece in self._read(stop):
+                yield from take(slot, piece)
+                if len(seen) == total:
+                    # Every slot is here: the job's end need not be waited for
+                    # (with a data worker lost, it does not come).
+                    break
+        finally:
+            stop.set()
         for slot in range(total):
             if slot not in seen:
                 yield from take(slot, self._recover(slot))
 
 
 def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=None,
-          strategy=None, connect_timeout=30.0):
+          strategy=None, connect_timeout=30.0, stall_timeout=60.0):
     """Serves `data`'s global batches from tf.data service, exact or exactly-once per epoch.
 
     The data workers (other processes; `keras-distrib launch --data-workers
@@ -356,6 +405,10 @@ def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=Non
         strategy: The strategy; the current one when `None`.
         connect_timeout: Seconds to wait for the dispatcher to answer
             (one started with the training tasks may still be starting).
+        stall_timeout: Seconds without an element from the service after
+            which the epoch's remaining slots are computed in the training
+            worker (TensorFlow's reader waits for ever when a data worker
+            dies mid-epoch). Longer than `preprocess` takes for one slot.
 
     Returns:
         A `ServedDataset`; pass it (or its `.distributed`) to `fit` as `x`.
@@ -368,13 +421,14 @@ def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=Non
     strategy = data_lib._strategy_or_current(strategy)
     data_lib._check_batch(global_batch_size, strategy.num_replicas_in_sync, False)
     service = _service_address(service)
-    if not validation.is_seconds(connect_timeout):
-        raise ValueError(f"`connect_timeout`={connect_timeout!r}: expected a number of seconds > 0")
+    for name, value in (("connect_timeout", connect_timeout), ("stall_timeout", stall_timeout)):
+        if not validation.is_seconds(value):
+            raise ValueError(f"`{name}`={value!r}: expected a number of seconds > 0")
     check_reachable(service, connect_timeout)
     arrays = tree.map_structure(tf.convert_to_tensor, data)
     return ServedDataset(service=service, mode=mode, examples=examples,
                          global_batch_size=global_batch_size, arrays=arrays,
-                         preprocess=preprocess, strategy=strategy)
+                         preprocess=preprocess, strategy=strategy, stall_timeout=stall_timeout)
 
 
 def description_of(x):
