@@ -56,7 +56,8 @@ def _served_input(model, request):
         )
     if cluster.cluster_info().is_chief:
         print(source.description(), flush=True)
-    return dataclasses.replace(request, x=source.distributed)
+    # A served epoch is in slot order (exact) or arrival order: nothing for Keras to shuffle.
+    return dataclasses.replace(request, x=source.distributed, shuffle=False)
 
 
 def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto",

@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from keras_distrib import _keras_compat
 from keras_distrib.cluster.data_service import SERVICE_ENV
 from keras_distrib.training import data as data_lib
 from keras_distrib.training import replica
@@ -190,6 +191,26 @@ def _check(data, global_batch_size, mode, preprocess, strategy):
     return int(np.shape(leaves[0])[0])
 
 
+_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
+
+
+def _check_preprocess(dataset):
+    """Raises ValueError for a `preprocess` a data worker cannot run, or whose rows cannot be stacked."""
+    if _keras_compat.dataset_calls_python(dataset, _PYTHON_OPS):
+        raise ValueError(
+            "`preprocess` calls Python (tf.py_function / tf.numpy_function): the data workers "
+            "run the pipeline's graph in other processes, without this process's Python "
+            "functions, so the dataset cannot be served. Write it with TensorFlow ops only."
+        )
+    unknown = [spec for spec in tree.flatten(dataset.element_spec)
+               if getattr(spec, "shape", None) is None or spec.shape.rank is None]
+    if unknown:
+        raise ValueError(
+            f"`preprocess` returns tensors of unknown rank ({unknown}): the rows of a piece "
+            "cannot be stacked. Give them a shape (tf.ensure_shape)."
+        )
+
+
 def _piece_fn(arrays, preprocess, example_spec):
     """slot rows (start, count) -> the piece: `preprocess` applied to each of its rows."""
 
@@ -229,6 +250,7 @@ class ServedDataset:
         examples_dataset = tf.data.Dataset.from_tensor_slices(arrays)
         if preprocess is not None:
             examples_dataset = examples_dataset.map(preprocess)
+            _check_preprocess(examples_dataset)
         self._example_spec = examples_dataset.element_spec
         self.distributed = strategy.distribute_datasets_from_function(self._worker_dataset)
         _described[self.distributed] = self

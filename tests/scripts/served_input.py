@@ -1,10 +1,10 @@
 """kd.data.serve on 2 training workers and the launcher's data workers, against one device.
 
-Run by kd.launch(workers=2, data_workers=2). Two parts, each printing
-'RESULT {json}' on every worker:
+Run by kd.launch(workers=2, data_workers=2), 2 replicas per worker. Two
+parts, each printing 'RESULT {json}' on every worker:
 
-- exact: 21 rows in global batches of 4 (the last batch has 1 row: worker
-  1's piece of it is empty), 2 epochs, float64, preprocessed on the data
+- exact: 21 rows in global batches of 4 (the last batch has 1 row: three
+  of the 4 replicas get an empty piece), 2 epochs, float64, preprocessed on the data
   workers; the kd model against the same model trained on one device in
   this process on the same rows preprocessed here, from the same initial
   weights.
@@ -19,6 +19,7 @@ import signal
 
 import keras_distrib as kd
 
+kd.virtual_devices(2)
 strategy = kd.make_strategy("multi_worker")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -59,7 +60,7 @@ history = model.fit(served, epochs=2, verbose=0).history["loss"]
 print("RESULT " + json.dumps({
     "part": "exact", "task": info.label, "replicas": strategy.num_replicas_in_sync,
     "weights": largest(reference.get_weights(), model.get_weights()),
-    "loss": largest(expected, history), "steps": served.steps,
+    "loss": largest(expected, history), "steps": served.steps, "local": served.plan.local,
     "recovered": served.recovered,
 }), flush=True)
 
