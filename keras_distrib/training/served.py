@@ -269,6 +269,24 @@ class ServedDataset:
                     "data workers deliver (not one device's order)")
         return f"kd input: tf.data service at {self.service}, {what}; {self.steps} steps per epoch"
 
+    def resumed_at(self, epoch, step):
+        """Says what a resume at `step` of `epoch` (counted from 0) trains on; `fit` calls it.
+
+        The steps the backup holds are read again and skipped. In slot order
+        (`mode="exact"`) they are the same slots, so the rest of the epoch is
+        one device's. In arrival order they are whichever slots come first
+        this time: the epoch is no longer exactly-once, and kd says so.
+        """
+        if self.mode == "exact":
+            print(f"kd.data.serve: resumed at step {step} of epoch {epoch + 1} in slot order: "
+                  "the rest of the epoch is one device's", flush=True)
+            return
+        print(f"kd.data.serve: resumed at step {step} of epoch {epoch + 1} in exactly-once "
+              f"mode: the {step} step(s) skipped are the first slots to arrive now, not those "
+              "trained before the restart, so in this epoch some examples may be trained on "
+              "twice and others not at all (later epochs are exactly-once again). Use "
+              "mode='exact' for resumes that are exact.", flush=True)
+
     def _worker_dataset(self, input_context):
         """This worker's dataset: its slots, registered with the dispatcher, read per epoch."""
         self.plan = slot_plan(self.examples, self.global_batch_size,

@@ -1,13 +1,16 @@
 """kd.data.serve on 2 training workers and the launcher's data workers, against one device.
 
-Run by kd.launch(workers=2, data_workers=2), 2 replicas per worker. Two
-parts, each printing 'RESULT {json}' on every worker:
+Run by kd.launch(workers=2, data_workers=2, max_restarts=1), 2 replicas
+per worker, with a directory as argument. Two parts, each printing
+'RESULT {json}' on every worker:
 
 - exact: 21 rows in global batches of 4 (the last batch has 1 row: three
   of the 4 replicas get an empty piece), 2 epochs, float64, preprocessed on the data
   workers; the kd model against the same model trained on one device in
   this process on the same rows preprocessed here, from the same initial
-  weights.
+  weights. On the first attempt training worker 1 kills itself mid-epoch 2;
+  the launcher restarts everything (the service too) and training resumes
+  from the backup at its step.
 - exactly_once: 64 rows, 2 epochs, with data worker 1 killed (SIGKILL) by
   worker 0 after the first step; a metric counts how often this worker
   trained on each row's id per epoch (the test adds the workers' counts).
@@ -16,6 +19,7 @@ parts, each printing 'RESULT {json}' on every worker:
 import json
 import os
 import signal
+import sys
 
 import keras_distrib as kd
 
@@ -27,6 +31,8 @@ import tensorflow as tf  # noqa: E402
 
 keras.config.set_floatx("float64")
 info = kd.cluster_info()
+backup_dir = sys.argv[1]
+marker = os.path.join(backup_dir, "killed")
 
 
 def preprocess(x, y):
@@ -50,17 +56,33 @@ reference = keras.Sequential(layers())
 initial = reference.get_weights()
 reference.compile(keras.optimizers.SGD(0.1), "mse")
 local = tf.data.Dataset.from_tensor_slices((x, y)).map(preprocess).batch(4)
-expected = reference.fit(local, epochs=2, verbose=0).history["loss"]
+reference.fit(local, epochs=2, verbose=0)
 with strategy.scope():
     model = kd.Sequential(layers())
     model.set_weights(initial)
     model.compile(keras.optimizers.SGD(0.1), "mse")
     served = kd.data.serve((x, y), global_batch_size=4, mode="exact", preprocess=preprocess)
-history = model.fit(served, epochs=2, verbose=0).history["loss"]
+
+
+class KillTrainingWorker(keras.callbacks.Callback):
+    """On the first attempt, worker 1 kills itself after step 2 of epoch 2 (the backup holds step 8)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch, info.task_index) == (1, 2, 1) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+model.fit(served, epochs=2, verbose=0, callbacks=[
+    kd.callbacks.BackupAndRestore(os.path.join(backup_dir, "backup"), save_freq=2),
+    KillTrainingWorker()])
 print("RESULT " + json.dumps({
     "part": "exact", "task": info.label, "replicas": strategy.num_replicas_in_sync,
     "weights": largest(reference.get_weights(), model.get_weights()),
-    "loss": largest(expected, history), "steps": served.steps, "local": served.plan.local,
+    "restarted": os.path.exists(marker), "steps": served.steps, "local": served.plan.local,
     "recovered": served.recovered,
 }), flush=True)
 
@@ -136,7 +158,7 @@ with strategy.scope():
     served = kd.data.serve((rng.normal(size=(ROWS, 3)), ids), global_batch_size=4,
                            mode="exactly_once", preprocess=slow, stall_timeout=10)
 killer = KillDataWorker()
-counter.fit(served, epochs=2, verbose=0, callbacks=[killer]).history
+counter.fit(served, epochs=2, verbose=0, callbacks=[killer])
 print("RESULT " + json.dumps({
     "part": "exactly_once", "task": info.label,
     "counts": killer.counts,
