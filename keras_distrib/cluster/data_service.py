@@ -13,12 +13,13 @@ On a cluster manager (Slurm, Kubernetes), start them yourself, one process
 each, with this module:
 
     python -m keras_distrib.cluster.data_service dispatcher --port 5050
-    python -m keras_distrib.cluster.data_service worker --dispatcher HOST:5050
+    python -m keras_distrib.cluster.data_service worker --dispatcher HOST:5050 [--host THIS_HOST]
 
 and give the training tasks `KD_DATA_SERVICE=grpc://HOST:5050`.
 """
 
 import argparse
+import socket
 import sys
 
 from keras_distrib.cluster import ports as ports_lib
@@ -78,9 +79,18 @@ def task_specs(count, env):
     return specs, f"grpc://localhost:{port}"
 
 
-def serve_forever(role, *, port=0, dispatcher=None):
-    """Runs a dispatcher (`role="dispatcher"`) or a data worker until the process is stopped."""
+def serve_forever(role, *, port=0, dispatcher=None, host=None):
+    """Runs a dispatcher (`role="dispatcher"`) or a data worker until the process is stopped.
+
+    A data worker tells the dispatcher its address as `host` (the training
+    workers connect to it there): this machine's name by default, or
+    localhost when the dispatcher runs on this machine too.
+    """
     import tensorflow as tf
+
+    if host is None:
+        local = (dispatcher or "").rpartition(":")[0] in ("localhost", "127.0.0.1", "")
+        host = "localhost" if local else socket.getfqdn()
 
     service = tf.data.experimental.service
     if role == "dispatcher":
@@ -88,7 +98,8 @@ def serve_forever(role, *, port=0, dispatcher=None):
             port=port, worker_timeout_ms=WORKER_TIMEOUT_MS))
     else:
         server = service.WorkerServer(service.WorkerConfig(
-            dispatcher_address=dispatcher, port=port, heartbeat_interval_ms=HEARTBEAT_MS))
+            dispatcher_address=dispatcher, worker_address=f"{host}:%port%", port=port,
+            heartbeat_interval_ms=HEARTBEAT_MS))
     print(f"tf.data service {role} serving at {server.target if role == 'dispatcher' else dispatcher}",
           flush=True)
     server.join()
@@ -100,10 +111,14 @@ def main(argv=None):
     parser.add_argument("role", choices=["dispatcher", "worker"])
     parser.add_argument("--port", type=int, default=0, help="port to serve on (0: any free one)")
     parser.add_argument("--dispatcher", help="the dispatcher's HOST:PORT (for a worker)")
+    parser.add_argument("--host", default=None,
+                        help="a worker's address as the training workers reach it (default: "
+                        "this machine's name; localhost when the dispatcher is on localhost)")
     options = parser.parse_args(argv)
     if options.role == "worker" and not options.dispatcher:
         parser.error("a worker needs --dispatcher HOST:PORT")
-    serve_forever(options.role, port=options.port, dispatcher=options.dispatcher)
+    serve_forever(options.role, port=options.port, dispatcher=options.dispatcher,
+                  host=options.host)
 
 
 if __name__ == "__main__":

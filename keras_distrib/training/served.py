@@ -66,6 +66,8 @@ MODES = ("exact", "exactly_once")
 # computed here (it is late, or lost with its data worker): bounds the
 # memory the reordering of `mode="exact"` takes.
 REORDER_WINDOW = 64
+# Pieces read from the service before the steps ask for them.
+READ_AHEAD = 8
 
 _described = weakref.WeakKeyDictionary()
 _END = object()
@@ -327,7 +329,17 @@ class ServedDataset:
         the epoch goes on without the service (the caller computes the slots
         still missing).
         """
-        arrived = queue_lib.Queue()
+        # Bounded: the data workers run at most this far ahead of the steps.
+        arrived = queue_lib.Queue(maxsize=READ_AHEAD)
+
+        def put(item):
+            while not stop.is_set():
+                try:
+                    arrived.put(item, timeout=0.5)
+                    return True
+                except queue_lib.Full:
+                    continue
+            return False
 
         def pump():
             try:
@@ -335,12 +347,11 @@ class ServedDataset:
                     processing_mode="distributed_epoch", service=self.service,
                     dataset_id=self._dataset_id, element_spec=self._slot_dataset.element_spec)
                 for slot, piece in served:
-                    if stop.is_set():
+                    if not put((int(slot), piece)):
                         return
-                    arrived.put((int(slot), piece))
-                arrived.put(_END)
+                put(_END)
             except Exception as error:  # noqa: BLE001 - handed to the reading thread
-                arrived.put(error)
+                put(error)
 
         threading.Thread(target=pump, name="kd-served-read", daemon=True).start()
         while True:
