@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
+from keras_distrib.validation import InputError
 from tests import _harness
 
 
@@ -102,6 +103,13 @@ def test_bad_input_is_named(service, one_device):
         kd.data.serve(x, global_batch_size=4, service=service, strategy=one_device,
                       preprocess=lambda row: tf.ensure_shape(
                           tf.py_function(lambda v: v, [row], tf.float64), [3]))
+    own = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).apply(
+        tf.data.experimental.service.distribute("parallel_epochs", service)).batch(4)
+    with one_device.scope():
+        model = kd.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    with pytest.raises(InputError, match=r"`x` reads from tf.data service .*kd.data.serve"):
+        model.fit(own, epochs=1, verbose=0)
     with pytest.raises(kd.LaunchError, match=r"`data_workers`=-1: expected a whole number >= 0"):
         kd.launch("train.py", workers=2, data_workers=-1)
 

@@ -93,9 +93,11 @@ def main():
                 "local": tf.data.Dataset.from_tensor_slices((x, y)).map(
                     preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH).prefetch(2),
                 "service, 1 data worker": kd.data.serve((x, y), global_batch_size=BATCH,
-                                                        service=services[1], preprocess=preprocess),
+                                                        service=services[1], preprocess=preprocess,
+                                                        connect_timeout=300),
                 "service, 2 data workers": kd.data.serve((x, y), global_batch_size=BATCH,
-                                                         service=services[2], preprocess=preprocess),
+                                                         service=services[2], preprocess=preprocess,
+                                                         connect_timeout=300),
             }
         rates = {name: [] for name in inputs}
         timer = StepTimes()

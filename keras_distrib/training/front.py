@@ -47,6 +47,7 @@ def _served_input(model, request):
     """`request` with a `kd.data.serve` input as the dataset it trains on; says what its epochs are."""
     source = served.description_of(request.x)
     if source is None:
+        served.refuse_own_service_pipeline(request.x)
         return request
     if on_parameter_server(model):
         raise validation.InputError(

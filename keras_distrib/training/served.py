@@ -57,6 +57,7 @@ __all__ = [
     "ServedDataset",
     "check_reachable",
     "description_of",
+    "refuse_own_service_pipeline",
     "serve",
 ]
 
@@ -480,6 +481,26 @@ def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=Non
     return ServedDataset(service=service, mode=mode, examples=examples,
                          global_batch_size=global_batch_size, arrays=arrays,
                          preprocess=preprocess, strategy=strategy, stall_timeout=stall_timeout)
+
+
+def refuse_own_service_pipeline(x):
+    """Raises `InputError` when `x` is a dataset that reads from tf.data service outside `serve`.
+
+    Such a pipeline's epochs are none of kd's: `parallel_epochs` repeats
+    every example once per data worker, `distributed_epoch` serves each at
+    most once in the data workers' order and waits for ever when one dies,
+    and under several training workers the batches depend on which worker
+    asked first. kd does not train on it silently.
+    """
+    if isinstance(x, tf.data.Dataset) and _keras_compat.reads_data_service(x):
+        raise validation.InputError(
+            "`x` reads from tf.data service (tf.data.experimental.service.distribute or "
+            "from_dataset_id), whose epochs kd cannot state: each example once per data "
+            "worker (parallel_epochs), or at most once in the data workers' order "
+            "(distributed_epoch). Build it with kd.data.serve(arrays, global_batch_size=..., "
+            "preprocess=..., mode='exact' or 'exactly_once'), which says what each epoch is "
+            "(docs/guides/data-service.md)."
+        )
 
 
 def description_of(x):
