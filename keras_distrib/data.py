@@ -14,6 +14,7 @@ from keras_distrib.training.data import file_count
 from keras_distrib.training.data import replay_epochs
 from keras_distrib.training.data import replica_split
 from keras_distrib.training.data import shard_files
+from keras_distrib.training.served import serve
 
 __all__ = [
     "describe_input",
@@ -21,5 +22,6 @@ __all__ = [
     "file_count",
     "replay_epochs",
     "replica_split",
+    "serve",
     "shard_files",
 ]

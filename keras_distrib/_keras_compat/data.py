@@ -34,6 +34,7 @@ __all__ = [
     "next_epoch_over",
     "per_replica_specs",
     "pipeline_batch_size",
+    "reads_data_service",
     "pythonify_logs",
     "redistributed",
     "serialized_graph",
@@ -222,6 +223,27 @@ def pipeline_batch_size(dataset):
             return int(value) if value is not None and int(value) > 0 else None
         dataset = getattr(dataset, "_input_dataset", None)
     return None
+
+
+def reads_data_service(dataset):
+    """Whether a `tf.data.Dataset` reads from tf.data service (`service.distribute`, `from_dataset_id`).
+
+    Walks the dataset's inputs (TensorFlow's private `_inputs()`) to a
+    `_DataServiceDataset`.
+    """
+    pending, seen = [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen or not isinstance(current, tf.data.Dataset):
+            continue
+        seen.add(id(current))
+        if "DataService" in type(current).__name__:
+            return True
+        try:
+            pending.extend(current._inputs())
+        except Exception:  # noqa: BLE001 - a dataset without the accessor: nothing to walk
+            continue
+    return False
 
 
 def dataset_element_spec(epoch_iterator):

@@ -17,6 +17,7 @@ import os
 import sys
 
 from keras_distrib import files
+from keras_distrib.cluster import data_service
 from keras_distrib.cluster import ports as ports_lib
 from keras_distrib.cluster import requests
 from keras_distrib.cluster import restarts
@@ -86,7 +87,7 @@ def task_specs(spec, argv_for, *, ps, env, server_argv, evaluator=False, local=N
 
 def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
              sink=print, log_dir=None, server_argv=None, ports=None, evaluator=False,
-             grace_period=None, verbose=False, network=requests.NetworkLevel(True)):
+             grace_period=None, verbose=False, network=requests.NetworkLevel(True), data_workers=0):
     """Starts one cluster and waits for it. See `launch` for the arguments.
 
     `argv_for(task_type, task_index)` gives each task's command line; with
@@ -97,6 +98,11 @@ def run_once(argv_for, *, workers, ps=0, chief=False, timeout=None, env=None,
     spec = cluster_spec(workers, ps=ps, chief=chief or bool(ps), ports=ports)
     specs = task_specs(spec, argv_for, ps=ps, env=env, server_argv=server_argv, evaluator=evaluator,
                         verbose=verbose)
+    if data_workers:
+        service, address = data_service.task_specs(data_workers, specs[0].env)
+        for task in specs:
+            task.env[data_service.SERVICE_ENV] = address
+        specs = service + specs
     if not network.mode:
         sink(exposure_notice(spec))
     return supervisor.run_tasks(specs, timeout=timeout, sink=sink, log_dir=log_dir,
@@ -151,7 +157,7 @@ def with_values(values_dir, run):
 def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
            timeout=None, log_dir=None, env=None, sink=print, ports=None, evaluator=False,
            grace_period=DEFAULT_GRACE_PERIOD, verbose=False, private_network=requests.AUTO,
-           min_workers=None):
+           min_workers=None, data_workers=0):
     """Runs `target` on a local cluster and returns a `ClusterResult`.
 
     Each task gets free ports (or `ports`) and its TF_CONFIG. Every output
@@ -233,6 +239,12 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             `min_workers` remain; training resumes from the last backup,
             and kd's model does not depend on the worker count. `None`
             (default): the run ends with the failure.
+        data_workers: Also run a tf.data service: a dispatcher and this
+            many data workers, each a process beside the training tasks (in
+            the same private network); the training tasks find its address
+            in `KD_DATA_SERVICE`, which `kd.data.serve` reads. A data worker
+            that exits is reported and the run goes on; they are stopped
+            when training ends. 0 (default): none.
 
     Returns:
         A `ClusterResult` (`lost` lists the workers given up on, in order;
@@ -256,6 +268,9 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                       env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     requests.check_grace_period(grace_period)
     requests.check_min_workers(min_workers, workers, ps)
+    problem = data_service.check_count(data_workers)
+    if problem:
+        raise LaunchError(f"Invalid launch arguments:\n  - {problem}")
     # Before a private network is tried: nothing starts for a bad target.
     requests.checked_target(target)
     network = requests.check_private_network(private_network)
@@ -266,14 +281,15 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                                   timeout=timeout, env=env, sink=sink, log_dir=log_dir,
                                   ports=ports, evaluator=evaluator, grace_period=grace_period,
                                   verbose=verbose, network=network,
-                                  max_restarts=max_restarts, min_workers=min_workers)
+                                  max_restarts=max_restarts, min_workers=min_workers,
+                                  data_workers=data_workers)
     result.network = network.name
     return result
 
 
 def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, log_dir, ports,
                      evaluator, grace_period, verbose, network, max_restarts,
-                     min_workers=None):
+                     min_workers=None, data_workers=0):
     argv_for, values_dir = resolve_target(target, args)
 
     def elastic():
@@ -286,6 +302,7 @@ def _launch_attempts(target, args, *, workers, ps, chief, timeout, env, sink, lo
                     env=env, sink=sink, log_dir=log_dir, server_argv=SERVER_ARGV,
                     ports=ports if attempt == 0 and not lost else None, evaluator=evaluator,
                     grace_period=grace_period, verbose=verbose, network=network,
+                    data_workers=data_workers,
                 ),
                 max_restarts=max_restarts, sink=sink, what="the cluster",
             )

@@ -126,6 +126,7 @@ class TaskSpec:
     watched: bool = True  # False: its exit does not end the run (ps-cluster servers)
     follower: bool = False  # stopped (SIGTERM) when the other watched tasks end, e.g. an evaluator
     vital: bool = False  # unwatched, but its exit ends the run (a ps task holds variables)
+    exit_note: str = ""  # what the launcher adds when an unwatched task exits (why the run goes on)
 
     @property
     def label(self):
@@ -300,8 +301,9 @@ class _Run:
             else:
                 # A parameter-server cluster's coordinator retries the steps of
                 # a lost worker elsewhere: report it, keep the cluster running.
+                note = next(spec.exit_note for t, spec in zip(self.tasks, self.specs) if t is task)
                 self.sink(f"[launcher] {task.label} server exited with code {code}; "
-                          "the coordinator carries on without it")
+                          + (note or "the coordinator carries on without it"))
 
     def _out_of_time(self):
         if self.timeout is not None and time.monotonic() - self.started > self.timeout:

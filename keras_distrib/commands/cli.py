@@ -67,6 +67,12 @@ def _launch(options):
                     "Kubernetes the job's recipe starts the survivors again "
                     "(docs/guides/slurm.md, docs/guides/kubernetes.md)."
                 )
+            if options.data_workers:
+                raise launch_lib.LaunchError(
+                    "`--data-workers` starts a tf.data service beside a local cluster "
+                    "(`--workers N`); under Slurm or Kubernetes the job's recipe starts the "
+                    "dispatcher and data workers (docs/guides/data-service.md)."
+                )
             if options.chief or options.evaluator or options.network is not None:
                 raise launch_lib.LaunchError(
                     "`--chief`, `--evaluator` and `--network` describe a local cluster; the per-node agent "
@@ -97,6 +103,7 @@ def _launch(options):
                 grace_period=options.grace_period,
                 verbose=options.verbose,
                 min_workers=options.min_workers,
+                data_workers=options.data_workers,
                 private_network=launch_requests.NETWORK_OPTIONS[options.network or "auto"],
             )
     except launch_lib.LaunchError as error:
@@ -220,6 +227,9 @@ def build_parser():
     launch.add_argument("--min-workers", type=int, default=None,
                         help="elastic: a worker that fails through every restart is given up "
                         "on and the others go on from the last backup, down to M workers")
+    launch.add_argument("--data-workers", type=int, default=0,
+                        help="also run a tf.data service: a dispatcher and N data worker "
+                        "processes beside the training tasks (KD_DATA_SERVICE; kd.data.serve)")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before everything is stopped")
     launch.add_argument("--log-dir", default=None, help="also write each task's log here")
     launch.add_argument("--grace-period", type=float, default=launch_requests.DEFAULT_GRACE_PERIOD,

@@ -12,7 +12,7 @@ padding, random draws, BatchNormalization moments, layer state), `deferral`
 (whether a step defers the scale), `gradients` (the all-reduce before the optimizer),
 `collectives` (counting them), `step` (the one place that calls
 `strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the
-input pipeline), `inputs` (what `fit`, `evaluate` and `predict` are given,
+input pipeline), `served` (input from tf.data service), `inputs` (what `fit`, `evaluate` and `predict` are given,
 checked), `loop` (the engine), `parameter_server` (a source and a runner),
 `front` (one front door per verb), `models` (`kd.Model`), `saving`,
 `callbacks` (`kd.callbacks`) and `train_loop` (`kd.TrainLoop`).

@@ -13,10 +13,14 @@ steps come from `keras_distrib.training.step`; nothing here calls back
 into the model's class to build them.
 """
 
+import dataclasses
+
 from keras_distrib.training import loop
 from keras_distrib.training import parameter_server
 from keras_distrib.cluster import strategies
 from keras_distrib.training import inputs
+from keras_distrib.training import served
+from keras_distrib.cluster import info as cluster
 from keras_distrib import validation
 
 __all__ = ["evaluate", "fit", "on_parameter_server", "predict"]
@@ -32,10 +36,29 @@ def fit(model, steps_for, request):
 
     Returns the History.
     """
+    request = _served_input(model, request)
     inputs.validate_fit(model, request)
     if on_parameter_server(model):
         return parameter_server.fit(model, request, steps_per_call=steps_for("train").steps)
     return loop.fit(model, steps_for("train"), request, evaluate_steps=steps_for("test"))
+
+
+def _served_input(model, request):
+    """`request` with a `kd.data.serve` input as the dataset it trains on; says what its epochs are."""
+    source = served.description_of(request.x)
+    if source is None:
+        served.refuse_own_service_pipeline(request.x)
+        return request
+    if on_parameter_server(model):
+        raise validation.InputError(
+            "`x` is served by tf.data service (kd.data.serve), which kd supports under "
+            "one-device, mirrored and multi-worker strategies, not parameter-server training. "
+            "Pass the parameter-server coordinator a dataset_fn instead."
+        )
+    if cluster.cluster_info().is_chief:
+        print(source.description(), flush=True)
+    # A served epoch is in slot order (exact) or arrival order: nothing for Keras to shuffle.
+    return dataclasses.replace(request, x=source.distributed, shuffle=False)
 
 
 def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto",

@@ -33,6 +33,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.cluster import info as cluster
 from keras_distrib.training import data as data_lib
+from keras_distrib.training import served
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
 from keras_distrib.cluster import watchdog
@@ -233,6 +234,10 @@ def _fit_or_abort(model, source, runner, epochs, initial_epoch, callbacks, valid
         callbacks.on_train_begin()
         restored = resume_position(callbacks)
         position = restored or DataPosition(_keras_compat.initial_epoch(model) or initial_epoch)
+        if restored is not None and restored.batch:
+            served_input = served.description_of(_keras_compat.epoch_distributed_dataset(source))
+            if served_input is not None:
+                served_input.resumed_at(restored.epoch, restored.batch)
         if restored is not None and getattr(source, "continuous", False):
             # The data runs on across epochs (a parameter server's repeated
             # per-worker datasets): move past the epochs the backup holds too.

@@ -1,0 +1,124 @@
+"""Steps per second of an input-bound fit: local input against tf.data service with 1 and 2 data workers.
+
+One training process (one device). Its input's map function costs more CPU
+than a step (matrix products on each example). Three variants take turns,
+`--repeats` times, in one run:
+
+- local: `Dataset.map(preprocess, num_parallel_calls=AUTOTUNE).batch(...)`
+  in the training process (kd.distribute_dataset's pipeline);
+- service, 1 data worker: `kd.data.serve(..., mode="exact")` against a
+  dispatcher with one data worker process;
+- service, 2 data workers: the same against another dispatcher with two.
+
+The dispatchers and data workers are processes started here
+(`python -m keras_distrib.cluster.data_service`) and killed at the end.
+Steps/second count from the end of an epoch's first step to the end of its
+last. Prints a Markdown table (median and min-max of the repeats).
+
+    python tools/bench_data_service.py --steps 40 --repeats 3
+"""
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import keras_distrib as kd
+
+strategy = kd.make_strategy("one_device")
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from keras_distrib.cluster import ports  # noqa: E402
+
+FEATURES, BATCH = 64, 32
+
+
+def preprocess(x, y):
+    # About 8 products of 96x96 matrices per example: more CPU than a step.
+    m = tf.reshape(tf.tile(x, [144]), [96, 96]) * 1e-2
+    for _ in range(8):
+        m = tf.tanh(tf.matmul(m, m))
+    return x + tf.reduce_mean(m, axis=0)[:FEATURES], y
+
+
+class StepTimes(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.times = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter())
+
+    def rate(self):
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+
+def start_service(workers):
+    port = ports.pick_ports(1)[0]
+    module = [sys.executable, "-m", "keras_distrib.cluster.data_service"]
+    quiet = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    processes = [subprocess.Popen(module + ["dispatcher", "--port", str(port)], env=quiet,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    processes += [subprocess.Popen(module + ["worker", "--dispatcher", f"localhost:{port}"],
+                                   env=quiet, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL) for _ in range(workers)]
+    return f"grpc://localhost:{port}", processes
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args()
+    rows = options.steps * BATCH
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = rng.normal(size=(rows, 1)).astype("float32")
+    services = {}
+    processes = []
+    try:
+        for count in (1, 2):
+            address, started = start_service(count)
+            services[count] = address
+            processes += started
+        with strategy.scope():
+            model = kd.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(64, activation="relu"),
+                                   keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+            inputs = {
+                "local": tf.data.Dataset.from_tensor_slices((x, y)).map(
+                    preprocess, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH).prefetch(2),
+                "service, 1 data worker": kd.data.serve((x, y), global_batch_size=BATCH,
+                                                        service=services[1], preprocess=preprocess,
+                                                        connect_timeout=300),
+                "service, 2 data workers": kd.data.serve((x, y), global_batch_size=BATCH,
+                                                         service=services[2], preprocess=preprocess,
+                                                         connect_timeout=300),
+            }
+        rates = {name: [] for name in inputs}
+        timer = StepTimes()
+        for name, data in inputs.items():  # warm-up: trace, connect, start the data workers' jobs
+            model.fit(data, epochs=1, verbose=0, callbacks=[timer])
+        for _ in range(options.repeats):
+            for name, data in inputs.items():
+                model.fit(data, epochs=1, verbose=0, callbacks=[timer])
+                rates[name].append(timer.rate())
+        print(f"| input | steps/s (median, min-max of {options.repeats}) | vs local |")
+        print("|---|---|---|")
+        local = statistics.median(rates["local"])
+        for name, values in rates.items():
+            median = statistics.median(values)
+            print(f"| {name} | {median:.2f} ({min(values):.2f}-{max(values):.2f}) | "
+                  f"{median / local:.2f}x |")
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+
+
+if __name__ == "__main__":
+    main()
