@@ -165,7 +165,7 @@ def test_a_wrong_way_import_would_be_found():
 # Inside `training/`, bottom to top (training/__init__.py states the same
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
-    "penalties", "replica", "scaling", "coupling", "losses", "logs", "forward", "deferral", "gradients",
+    "penalties", "replica", "scaling", "coupling", "losses", "logs", "forward", "deferral", "buckets", "gradients",
     "collectives", "step", "refusals", "data", "inputs", "loop", "parameter_server", "front", "models", "saving",
     "callbacks", "train_loop",
 )
