@@ -188,7 +188,79 @@ def gradient_bytes(gradient_mb):
     return 4 * sum(math.prod(shape) for shape in _shapes(width_for(gradient_mb)))
 
 
-def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate):
+def trace_overlap(run, profile):
+    """Where each all-reduce of a step starts, against the end of that step's backward pass.
+
+    Runs `run` (an epoch) under TensorFlow's profiler when `profile` (the
+    other workers run it unprofiled: the collectives need them) and reads
+    the host trace: for step i, the i-th run of each op. The backward pass
+    is every op TensorFlow's tape made (`gradient_tape/...`); an all-reduce
+    is a `CollectiveReduceV2` kernel's run.
+
+    Returns:
+        `{"backward_ms": [...], "starts_ms": [[...], ...]}` per step: the
+        backward pass's length (its first op's start to its last op's end),
+        and each all-reduce's start relative to the backward pass's end
+        (negative: it started while the backward pass still ran). None
+        when not `profile`.
+    """
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    if not profile:
+        run()
+        return None
+    with tempfile.TemporaryDirectory(prefix="kdbench-trace-") as folder:
+        tf.profiler.experimental.start(folder)
+        try:
+            run()
+        finally:
+            tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        for path in glob.glob(f"{folder}/**/*.xplane.pb", recursive=True):
+            with open(path, "rb") as f:
+                space.ParseFromString(f.read())
+    backward, reduces = [], []  # (start ms, end ms) of each op run
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                if name.startswith("gradient_tape/") or name.endswith(":CollectiveReduceV2"):
+                    start = (line.timestamp_ns + event.offset_ps / 1e3) / 1e6
+                    (backward if name.startswith("gradient_tape/") else reduces).append(
+                        (start, start + event.duration_ps / 1e9))
+    return _per_step(sorted(backward), sorted(reduces))
+
+
+def _per_step(backward, reduces):
+    """Splits op runs into steps: step i runs from the start of its backward pass to the next one's.
+
+    A backward pass starts where one begins after a gap longer than any
+    inside one (the forward pass and the update lie between two). The last
+    step is left out: its window holds what follows the epoch.
+    """
+    if not backward:
+        return {"backward_ms": [], "starts_ms": []}
+    gaps = [later[0] - earlier[1] for earlier, later in zip(backward, backward[1:])]
+    widest = sorted(gaps)[-1] if gaps else 0.0
+    # The steps' gaps are the widest ones: a step's forward pass and update
+    # take longer than any wait between two of its own backward ops.
+    threshold = widest / 2
+    starts = [backward[0][0]] + [later[0] for gap, later in zip(gaps, backward[1:]) if gap > threshold]
+    result = {"backward_ms": [], "starts_ms": []}
+    for begin, end in zip(starts, starts[1:]):
+        ops = [op for op in backward if begin <= op[0] < end]
+        finish = max(stop for _, stop in ops)
+        result["backward_ms"].append(finish - begin)
+        result["starts_ms"].append([start - finish for start, _ in reduces if begin <= start < end])
+    return result
+
+
+def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate, first=False):
     """One worker's sweep; returns `{size: {rate: {variant: [steps/s, ...]}}}`.
 
     For each gradient size: every variant is built and run once at the
@@ -196,9 +268,11 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
     rate in turn (`ask_for_rate(rate)`: the first worker asks the
     benchmark process to set it), every variant, each going first in turn.
     Steps/s count from the end of an epoch's first step to its last's.
+    Then, at the last rate, one epoch of each kd variant runs under the
+    first worker's profiler (`trace_overlap`), kept under `"trace"`.
     """
     step_ends = []
-    timings = {}
+    timings = {"trace": {}}
     for size in sizes:
         built = _runners(size, steps, strategy, workers, lambda: step_ends.append(time.perf_counter()))
         names = [name for name in VARIANTS if name in built]
@@ -215,6 +289,8 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
                     speed = (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
                     by_rate[f"{rate:g}"][name].append(speed)
         timings[f"{size:g}"] = by_rate
+        timings["trace"][f"{size:g}"] = {
+            name: trace_overlap(built[name], first) for name in ("kd_fit", "kd_fit_one")}
         del built
         gc.collect()
     return timings
@@ -226,6 +302,8 @@ def summarize(timings, throughputs):
     `throughputs[rate]`: the link's measured Gbit/s at each setting of `rate`.
     """
     speeds, overlap, ratios = {}, {}, {}
+    timings = dict(timings)
+    traces = timings.pop("trace", {})
     for size, by_rate in timings.items():
         for rate, runs in by_rate.items():
             key = f"{size} MB @ {rate} Gbit/s"
@@ -246,7 +324,7 @@ def summarize(timings, throughputs):
                         point[f"{name}_ms"] = ms[name]
                         point[f"{name}_hidden"] = (compute + comm - ms[name]) / min(compute, comm)
             overlap[key] = point
-    return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios}
+    return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios, "trace": traces}
 
 
 def print_table(report, print_fn):
@@ -270,6 +348,17 @@ def print_table(report, print_fn):
                 value = part["ratios"][key].get(name)
                 row += f" {'-' if value is None else format(value, '.2f'):>22s}"
             print_fn(row)
+    print_fn("all-reduce starts, ms from the end of the backward pass (median over a profiled epoch; "
+             "negative: while it ran)")
+    for count, part in report["bandwidth"].items():
+        for size, by_name in part.get("trace", {}).items():
+            for name, trace in by_name.items():
+                if not trace or not trace["starts_ms"]:
+                    continue
+                starts = [statistics.median(column) for column in zip(*trace["starts_ms"])]
+                print_fn(f"{count:>7s} {size + ' MB':>9s} {name:>12s}: backward "
+                         f"{statistics.median(trace['backward_ms']):.0f} ms, all-reduces at "
+                         + ", ".join(f"{start:+.0f}" for start in starts))
 
 
 def _ms(value):

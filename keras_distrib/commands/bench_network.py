@@ -819,7 +819,7 @@ def _sweep_worker(options, strategy, first):
     workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
     timings = bench_bandwidth.worker_loop(
         sizes=options.gradient_mb, rates=options.rates, steps=options.steps, repeats=options.repeats,
-        strategy=strategy, workers=workers, ask_for_rate=lambda rate: ask("RATE", rate))
+        strategy=strategy, workers=workers, ask_for_rate=lambda rate: ask("RATE", rate), first=first)
     if first:
         print("TIMINGS " + json.dumps(timings), flush=True)
     return 0
