@@ -34,6 +34,8 @@ import math
 import statistics
 import time
 
+from keras_distrib import collectives
+
 __all__ = [
     "RATIOS",
     "VARIANTS",
@@ -97,7 +99,12 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end):
             model = mlp(keras, kd.Model)
             model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss(), gradient_buckets=setting)
         callbacks = clock(keras.callbacks.Callback)
-        return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
+
+        def run():
+            model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
+
+        run.model = model  # its traced step's collectives are counted (`collectives.traced`)
+        return run
 
     def keras3_loop():
         per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -290,7 +297,9 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
                     by_rate[f"{rate:g}"][name].append(speed)
         timings[f"{size:g}"] = by_rate
         timings["trace"][f"{size:g}"] = {
-            name: trace_overlap(built[name], first) for name in ("kd_fit", "kd_fit_one")}
+            name: {**(trace_overlap(built[name], first) or {}),
+                   "collectives": collectives.traced(built[name].model)["train"]}
+            for name in ("kd_fit", "kd_fit_one")}
         del built
         gc.collect()
     return timings
@@ -353,7 +362,10 @@ def print_table(report, print_fn):
     for count, part in report["bandwidth"].items():
         for size, by_name in part.get("trace", {}).items():
             for name, trace in by_name.items():
-                if not trace or not trace["starts_ms"]:
+                if trace.get("collectives"):
+                    print_fn(f"{count:>7s} {size + ' MB':>9s} {name:>12s}: collective ops per step in the "
+                             f"traced graph: {trace['collectives']['step']} {trace['collectives']['ops']}")
+                if not trace.get("starts_ms"):
                     continue
                 starts = [statistics.median(column) for column in zip(*trace["starts_ms"])]
                 print_fn(f"{count:>7s} {size + ' MB':>9s} {name:>12s}: backward "
