@@ -49,6 +49,9 @@ def test_the_trace_finds_each_step_and_where_its_all_reduces_start():
 def test_a_sweep_over_several_delays_is_refused_naming_the_fix(capsys):
     assert cli.main(["bench", "--network", "--rates", "1", "--delays", "0,1"]) == 2
     assert "`rates`=[1.0] sweeps one delay; got `delays`=[0.0, 1.0]. Pass one delay" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--network", "--rates", "1", "--workers", "2,4", "--batch", "66"])
+    assert "`--batch`=66 must be a positive multiple of every worker count (2, 4)" in capsys.readouterr().err
 
 
 @pytest.mark.cluster

@@ -17,7 +17,10 @@ variants taking turns:
 - `compute_alone`: one worker's step without any communication (plain Keras
   on its share of the global batch, no strategy);
 - `all_reduce_alone`: one all-reduce of the model's gradient bytes, nothing
-  else.
+  else;
+- `buckets_alone` (where kd buckets): the all-reduces of kd's buckets, one
+  after another, nothing else: several smaller all-reduces may take less
+  (or more) than one, so the overlap is also given against them.
 
 From the last two: the overlap limit max(compute, comm), the serial sum
 compute + comm, and for each kd variant the share of min(compute, comm) it
@@ -35,6 +38,7 @@ import statistics
 import time
 
 from keras_distrib import collectives
+from keras_distrib.training import buckets
 
 __all__ = [
     "RATIOS",
@@ -45,7 +49,8 @@ __all__ = [
     "worker_loop",
 ]
 
-VARIANTS = ("kd_fit", "kd_fit_one", "keras3_loop", "tf_keras_fit", "compute_alone", "all_reduce_alone")
+VARIANTS = ("kd_fit", "kd_fit_one", "keras3_loop", "tf_keras_fit", "compute_alone", "all_reduce_alone",
+            "buckets_alone")
 RATIOS = {
     "kd_fit / keras3_loop": ("kd_fit", "keras3_loop"),
     "kd_fit / tf_keras_fit": ("kd_fit", "tf_keras_fit"),
@@ -61,7 +66,7 @@ def width_for(gradient_mb):
     return max(8, int(math.sqrt(gradient_mb * 1e6 / 4 / DEPTH)))
 
 
-def _runners(gradient_mb, steps, strategy, workers, on_step_end):
+def _runners(gradient_mb, steps, strategy, workers, on_step_end, batch=GLOBAL_BATCH):
     """name -> callable running one timed epoch of `steps` steps, for the MLP of `gradient_mb` MB."""
     import keras
     import numpy as np
@@ -71,10 +76,10 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end):
 
     width = width_for(gradient_mb)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * steps, width)).astype("float32")
-    y = rng.integers(0, CLASSES, size=(GLOBAL_BATCH * steps,)).astype("int32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).cache()
-    local = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH // workers).take(steps).cache()
+    x = rng.normal(size=(batch * steps, width)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(batch * steps,)).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
+    local = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch // workers).take(steps).cache()
 
     def mlp(api, model_class):  # api: keras, or tf_keras
         inputs = api.Input((width,))
@@ -118,7 +123,7 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end):
             features, labels = inputs
             with tf.GradientTape() as tape:
                 loss_value = tf.nn.compute_average_loss(
-                    per_example(labels, model(features, training=True)), global_batch_size=GLOBAL_BATCH)
+                    per_example(labels, model(features, training=True)), global_batch_size=batch)
             grads = tape.gradient(loss_value, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss_value
@@ -157,15 +162,16 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end):
         callbacks = clock(keras.callbacks.Callback)
         return lambda: model.fit(local, epochs=1, verbose=0, callbacks=callbacks)
 
-    def all_reduce_alone():
-        elements = sum(int(np.prod(shape)) for shape in _shapes(width))
+    def all_reduce(sizes):
+        # The all-reduces of `sizes` elements each, one after another (TensorFlow
+        # orders them), of buffers made once: communication and nothing else.
+        buffers = [tf.ones([size]) for size in sizes]
 
         @tf.function
         def reduce_once():
             def replica():
-                summed = tf.distribute.get_replica_context().all_reduce(
-                    "sum", tf.fill([elements], 1.0))
-                return summed[0]
+                context = tf.distribute.get_replica_context()
+                return [context.all_reduce("sum", buffer)[0] for buffer in buffers]
 
             return strategy.run(replica)
 
@@ -176,9 +182,17 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end):
 
         return run
 
+    shapes = _shapes(width)
+    elements = [math.prod(shape) for shape in shapes]
+    plan = buckets.choose("auto", gradient_bytes=4 * sum(elements), workers=workers)
+    groups = buckets.split([4 * n for n in elements], plan.bucket_bytes)
+
     made = {"kd_fit": lambda: kd_fit("auto"), "kd_fit_one": lambda: kd_fit("one"),
             "keras3_loop": keras3_loop, "tf_keras_fit": tf_keras_fit,
-            "compute_alone": compute_alone, "all_reduce_alone": all_reduce_alone}
+            "compute_alone": compute_alone, "all_reduce_alone": lambda: all_reduce([sum(elements)]),
+            # What kd's buckets send, without compute (only where kd buckets).
+            "buckets_alone": lambda: all_reduce([sum(elements[i] for i in group) for group in groups])
+            if plan.bucketed else None}
     built = {name: make() for name, make in made.items()}
     return {name: run for name, run in built.items() if run is not None}
 
@@ -267,7 +281,8 @@ def _per_step(backward, reduces):
     return result
 
 
-def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate, first=False):
+def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate, first=False,
+                batch=GLOBAL_BATCH):
     """One worker's sweep; returns `{size: {rate: {variant: [steps/s, ...]}}}`.
 
     For each gradient size: every variant is built and run once at the
@@ -281,7 +296,7 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
     step_ends = []
     timings = {"trace": {}}
     for size in sizes:
-        built = _runners(size, steps, strategy, workers, lambda: step_ends.append(time.perf_counter()))
+        built = _runners(size, steps, strategy, workers, lambda: step_ends.append(time.perf_counter()), batch)
         names = [name for name in VARIANTS if name in built]
         ask_for_rate(0)
         for name in names:
@@ -332,16 +347,23 @@ def summarize(timings, throughputs):
                     if name in ms:
                         point[f"{name}_ms"] = ms[name]
                         point[f"{name}_hidden"] = (compute + comm - ms[name]) / min(compute, comm)
+                buckets_ms = ms.get("buckets_alone")
+                if buckets_ms and "kd_fit" in ms:
+                    point["buckets_alone_ms"] = buckets_ms
+                    point["kd_fit_hidden_of_buckets"] = (
+                        (compute + buckets_ms - ms["kd_fit"]) / min(compute, buckets_ms))
             overlap[key] = point
     return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios, "trace": traces}
 
 
 def print_table(report, print_fn):
     """The step times (ms) and the share of min(compute, comm) each variant hides, per worker count and point."""
-    print_fn("step ms (median) per variant; hidden = (compute + comm - step) / min(compute, comm)")
+    print_fn("step ms (median) per variant; hidden = (compute + comm - step) / min(compute, comm); "
+             "buckets: kd's bucket all-reduces alone, and kd's hidden share against them")
     names = ("kd_fit", "kd_fit_one", "keras3_loop", "tf_keras_fit")
     header = (f"{'workers':>7s} {'point':>22s} {'link Gbit/s':>11s} {'compute':>8s} {'comm':>8s} "
-              f"{'max':>8s} {'sum':>8s}" + "".join(f" {name:>12s} {'hidden':>7s}" for name in names)
+              f"{'max':>8s} {'sum':>8s} {'buckets':>8s} {'kd hidden of buckets':>20s}"
+              + "".join(f" {name:>12s} {'hidden':>7s}" for name in names)
               + "".join(f" {name:>22s}" for name in RATIOS))
     print_fn(header)
     for count, part in report["bandwidth"].items():
@@ -349,7 +371,10 @@ def print_table(report, print_fn):
             measured = point.get("measured_gbit")
             row = (f"{count:>7s} {key:>22s} {'-' if measured is None else format(measured, '.3g'):>11s} "
                    + " ".join(f"{_ms(point.get(name)):>8s}" for name in
-                              ("compute_ms", "all_reduce_ms", "overlap_limit_ms", "serial_ms")))
+                              ("compute_ms", "all_reduce_ms", "overlap_limit_ms", "serial_ms",
+                               "buckets_alone_ms")))
+            of_buckets = point.get("kd_fit_hidden_of_buckets")
+            row += f" {'-' if of_buckets is None else format(of_buckets, '.2f'):>20s}"
             for name in names:
                 hidden = point.get(f"{name}_hidden")
                 row += f" {_ms(point.get(f'{name}_ms')):>12s} {'-' if hidden is None else format(hidden, '.2f'):>7s}"

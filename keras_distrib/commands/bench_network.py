@@ -631,7 +631,7 @@ def _serve(testbed, deadline):
 
 
 def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", timeout=1800,
-        json_path=None, print_fn=print, model="mlp", rates=(), gradient_mb=(4, 40)):
+        json_path=None, print_fn=print, model="mlp", rates=(), gradient_mb=(4, 40), batch=None):
     """Runs the network benchmark and prints its table; returns the report.
 
     Args:
@@ -650,6 +650,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         rates: Link rates in Gbit/s (0: no limit): the bandwidth sweep
             (`bench_bandwidth`) instead of `model`, at the one delay given.
         gradient_mb: The sweep's gradient sizes in MB (an MLP of each size).
+        batch: The sweep's global batch (default `bench_bandwidth.GLOBAL_BATCH`):
+            larger for more compute per step.
 
     Returns:
         The report: `steps_per_second[workers][delay][variant]` holds the
@@ -678,7 +680,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         raise NetworkBenchError(f"`rates`={list(rates)} sweeps one delay; got `delays`={list(delays)}. "
                                 "Pass one delay (e.g. --delays 0) with --rates.")
     sweep = () if not rates else (
-        "--rates", ",".join(f"{r:g}" for r in rates), "--gradient-mb", ",".join(f"{m:g}" for m in gradient_mb))
+        "--rates", ",".join(f"{r:g}" for r in rates), "--gradient-mb", ",".join(f"{m:g}" for m in gradient_mb),
+        "--batch", str(batch or bench_bandwidth.GLOBAL_BATCH))
     found, resolved, note = problems(link, delays)
     if found:
         raise NetworkBenchError("keras-distrib bench --network cannot run here:\n  - " + "\n  - ".join(found))
@@ -696,7 +699,7 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
     if rates:
         report["config"].update(rates_gbit=list(rates), gradient_mb=list(gradient_mb),
                                 gradient_bytes={f"{m:g}": bench_bandwidth.gradient_bytes(m) for m in gradient_mb},
-                                global_batch=bench_bandwidth.GLOBAL_BATCH, model="bandwidth_mlp")
+                                global_batch=batch or bench_bandwidth.GLOBAL_BATCH, model="bandwidth_mlp")
         report["bandwidth"] = {}
     with _signals_raise():
         for count in workers:
@@ -819,7 +822,8 @@ def _sweep_worker(options, strategy, first):
     workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
     timings = bench_bandwidth.worker_loop(
         sizes=options.gradient_mb, rates=options.rates, steps=options.steps, repeats=options.repeats,
-        strategy=strategy, workers=workers, ask_for_rate=lambda rate: ask("RATE", rate), first=first)
+        strategy=strategy, workers=workers, ask_for_rate=lambda rate: ask("RATE", rate), first=first,
+        batch=options.batch)
     if first:
         print("TIMINGS " + json.dumps(timings), flush=True)
     return 0
@@ -876,6 +880,9 @@ def build_parser():
     parser.add_argument("--gradient-mb", type=_numbers(float, 0.001), default=(4, 40),
                         help="the bandwidth sweep's gradient sizes in MB, comma-separated (default 4,40; "
                         "an MLP of 3 square layers per size)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"the bandwidth sweep's global batch (default {bench_bandwidth.GLOBAL_BATCH}; "
+                        "larger: more compute per step)")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Marks the worker processes of one run (tests look for leftovers by it).
@@ -889,6 +896,10 @@ def main(argv=None):
     options = parser.parse_args(argv)
     bad = [f"`--{name}`={getattr(options, name)} must be >= {least}"
            for name, least in (("steps", 2), ("repeats", 1)) if getattr(options, name) < least]
+    uneven = [w for w in options.workers if options.batch is not None and options.batch % w]
+    if options.batch is not None and (options.batch < 1 or uneven):
+        bad.append(f"`--batch`={options.batch} must be a positive multiple of every worker count "
+                   f"({', '.join(map(str, options.workers))})")
     if options.timeout <= 0:
         bad.append(f"`--timeout`={options.timeout} must be > 0")
     if bad:
@@ -900,7 +911,7 @@ def main(argv=None):
     try:
         run(workers=options.workers, delays=options.delays, steps=options.steps,
             repeats=options.repeats, link=options.link, timeout=options.timeout, json_path=options.json,
-            model=options.model, rates=options.rates, gradient_mb=options.gradient_mb)
+            model=options.model, rates=options.rates, gradient_mb=options.gradient_mb, batch=options.batch)
     except NetworkBenchError as error:
         print(f"keras-distrib bench --network: {error}", file=sys.stderr)
         return 2
