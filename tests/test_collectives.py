@@ -67,8 +67,12 @@ def test_no_collective_ops_on_one_device_or_central_storage(kind):
 
 @pytest.mark.cluster
 def test_what_needs_more_collectives_says_why():
-    counted = _counted("mirrored", ["weighted", "multi_output", "dropout", "masked",
-                                    "own_compute_loss", "embedding"])
+    cases = ["weighted", "multi_output", "dropout", "masked", "own_compute_loss", "embedding",
+             "mlp", "buckets"]
+    code, output = _harness.run_script("collectives.py", "mirrored", ",".join(cases), timeout=600)
+    assert code == 0, output[-4000:]
+    results = {item["case"]: item for item in _harness.results_of(output)}
+    counted = {case: _figures(item) for case, item in results.items()}
     assert counted == {
         "weighted": ONE_PER_STEP,
         # Keras logs each output's loss as a mean over batches: its tracker
@@ -88,7 +92,24 @@ def test_what_needs_more_collectives_says_why():
         "own_compute_loss": {**ONE_PER_STEP, "train": (2, 0, 0), "test": (1, 0, 1),
                              "test_each_call": (2, 0, 1)},
         "embedding": {**ONE_PER_STEP, "train": (6, 0, 0)},
+        "mlp": ONE_PER_STEP,
+        # compile(gradient_buckets=40): 2 buckets, the row count and the
+        # metric states in the first: one collective per bucket, no more.
+        "buckets": {**ONE_PER_STEP, "train": (2, 0, 0)},
     }
+    # The step's backward pass has 3 MatMuls (the output layer's kernel and
+    # input, the hidden layer's kernel). One all-reduce waits for all of
+    # them; the first bucket (the last layers' gradients) not for the hidden
+    # kernel's, so TensorFlow can start it while that one runs.
+    assert results["mlp"]["backward_waits"] == [[3, 3]]
+    assert results["buckets"]["backward_waits"] == [[2, 3], [3, 3]]
+    # Reported once, at the start of the fit.
+    assert results["mlp"]["reported"] == [
+        "kd: 260 bytes of gradients per replica, 1 worker(s): one all-reduce after the backward "
+        "pass (gradient_buckets=\"auto\": latency dominates (one worker process))."]
+    assert results["buckets"]["reported"] == [
+        "kd: 260 bytes of gradients per replica, 1 worker(s): 2 all-reduces of up to 40 bytes, "
+        "each started as the backward pass produces its gradients (gradient_buckets=40)."]
 
 
 @pytest.mark.cluster

@@ -62,6 +62,7 @@ import threading
 import time
 
 from keras_distrib.commands import bench
+from keras_distrib.commands import bench_bandwidth
 from keras_distrib.cluster import _guard
 from keras_distrib.cluster import task_process
 from keras_distrib import validation
@@ -265,6 +266,8 @@ class _Relay:
         self._by_address = {socket.inet_aton(a): fd for a, fd in fds_by_address.items()}
         self._fds = list(self._by_address.values())
         self.delay_ms = 0.0
+        self.rate_gbit = 0.0  # 0: no limit
+        self._free_at = {}  # a sending device -> when its link is free again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._forward, name="kdbench-relay", daemon=True)
         self._thread.start()
@@ -282,7 +285,7 @@ class _Relay:
                     pass  # a full queue or a device going away: the packet is lost, as on a wire
             wait = min(0.1, held[0][0] - now) if held else 0.1
             ready, _, _ = select.select(self._fds, [], [], max(wait, 0.0))
-            due = time.monotonic() + self.delay_ms / 1000.0
+            now = time.monotonic()
             for fd in ready:
                 while True:
                     try:
@@ -292,7 +295,16 @@ class _Relay:
                     target = self._by_address.get(packet[16:20]) if packet[:1] and packet[0] >> 4 == 4 else None
                     if target is not None:
                         sequence += 1
-                        heapq.heappush(held, (due, sequence, target, packet))
+                        heapq.heappush(held, (self._due(fd, len(packet), now), sequence, target, packet))
+
+    def _due(self, source, size, now):
+        """When a packet of `size` bytes from device `source` arrives: its sender's link
+        sends one packet after another at `rate_gbit`, then the delay."""
+        sent = now
+        if self.rate_gbit > 0:
+            sent = max(now, self._free_at.get(source, 0.0)) + size * 8 / (self.rate_gbit * 1e9)
+            self._free_at[source] = sent
+        return sent + self.delay_ms / 1000.0
 
     def close(self):
         self._stop.set()
@@ -315,6 +327,8 @@ class _Testbed:
         self.logs = []
         self._relay = None
         self._netem_on = False
+        self.delay_ms = 0.0
+        self.rate_gbit = 0.0
         self._made = []
         try:
             for name in self.names + ([self.bridge] if self.bridge else []):
@@ -353,15 +367,79 @@ class _Testbed:
 
     def set_delay(self, delay_ms):
         """Every packet between workers now waits `delay_ms` (one way)."""
+        self.delay_ms = float(delay_ms)
         if self._relay is not None:
             self._relay.delay_ms = float(delay_ms)
             return
         if delay_ms == 0 and not self._netem_on:
             return
+        rate = ["rate", f"{self.rate_gbit}gbit", "limit", "100000"] if self.rate_gbit else []
         for name in self.names:
             _command([_tool("ip"), "netns", "exec", name, _tool("tc"), "qdisc", "replace", "dev", "eth0",
-                      "root", "netem", "delay", f"{delay_ms}ms"], "tc")
+                      "root", "netem", "delay", f"{delay_ms}ms", *rate], "tc")
         self._netem_on = True
+
+    def set_rate(self, rate_gbit):
+        """Each worker now sends at most `rate_gbit` Gbit/s (0: no limit), as a NIC of that rate.
+
+        veth: `tc tbf` on each worker's end (`netem ... rate` once a delay is
+        set, netem being its root qdisc then); the relay paces each
+        sender's packets itself.
+        """
+        self.rate_gbit = float(rate_gbit)
+        if self._relay is not None:
+            self._relay.rate_gbit = self.rate_gbit
+            return
+        for name in self.names:
+            tc = [_tool("ip"), "netns", "exec", name, _tool("tc"), "qdisc"]
+            if self._netem_on:
+                _command(tc + ["replace", "dev", "eth0", "root", "netem", "delay", f"{self.delay_ms}ms"]
+                         + (["rate", f"{self.rate_gbit}gbit", "limit", "100000"] if self.rate_gbit else []),
+                         "tc")
+            elif self.rate_gbit:
+                # A burst of at least one timer tick's bytes (rate / HZ, HZ <= 1000) and one
+                # 64 KB segment; a queue of 50 ms before packets are dropped.
+                burst = max(int(self.rate_gbit * 1e9 / 8 / 250), 2**16 + 2**12)
+                _command(tc + ["replace", "dev", "eth0", "root", "tbf", "rate", f"{self.rate_gbit}gbit",
+                               "burst", str(burst), "latency", "50ms"], "tc")
+            else:
+                subprocess.run(tc + ["del", "dev", "eth0", "root"], capture_output=True, timeout=30)
+
+    def throughput_gbit(self, megabytes=None):
+        """Gbit/s of a bulk TCP transfer from the first worker's namespace to the second's.
+
+        About half a second's worth at the set rate (16 MB without a limit).
+        """
+        size = int((megabytes or (min(16.0, self.rate_gbit * 1e3 / 8 / 2) if self.rate_gbit else 16.0)) * 1e6)
+        listener = _in_namespace(self.names[1], lambda: socket.create_server((self.addresses[1], PROBE_PORT)))
+        try:
+            client = _in_namespace(
+                self.names[0], lambda: socket.create_connection((self.addresses[1], PROBE_PORT), timeout=30))
+            listener.settimeout(30)
+            server, _ = listener.accept()
+            with client, server:
+                for end in (client, server):
+                    end.settimeout(60)
+                received = {"bytes": 0}
+
+                def drain():
+                    while received["bytes"] < size:
+                        chunk = server.recv(1 << 20)
+                        if not chunk:
+                            break
+                        received["bytes"] += len(chunk)
+                    server.sendall(b"y")
+
+                reader = threading.Thread(target=drain, name="kdbench-drain", daemon=True)
+                started = time.perf_counter()
+                reader.start()
+                client.sendall(bytes(size))
+                client.recv(1)
+                seconds = time.perf_counter() - started
+                reader.join(timeout=10)
+            return size * 8 / seconds / 1e9
+        finally:
+            listener.close()
 
     def round_trip_ms(self, samples=5):
         """Median milliseconds of a 1-byte TCP round trip from the first worker's namespace to the second's."""
@@ -472,15 +550,19 @@ def _tail(path, lines=25):
     return ""
 
 
-def _one_cluster(workers, *, link, delays, steps, repeats, deadline, print_fn, model="mlp"):
-    """Trains on `workers` workers at each delay; returns (timings, round trips)."""
+def _one_cluster(workers, *, link, delays, steps, repeats, deadline, print_fn, model="mlp",
+                 sweep=()):
+    """Trains on `workers` workers at each delay; returns (timings, round trips, throughputs).
+
+    `sweep`: extra worker arguments of the bandwidth sweep (`--rates`, `--gradient-mb`).
+    """
     testbed = _Testbed(workers, link)
     try:
         spec = {"worker": [f"{address}:{WORKER_PORT}" for address in testbed.addresses]}
         base_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
         worker_argv = [sys.executable, "-m", "keras_distrib.commands.bench_network", "--worker",
                        "--steps", str(steps), "--repeats", str(repeats), "--model", model,
-                       "--delays", ",".join(str(d) for d in delays), "--run-id", testbed.run_id]
+                       "--delays", ",".join(str(d) for d in delays), "--run-id", testbed.run_id, *sweep]
         with tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as log_dir:
             testbed.start(
                 lambda i: worker_argv,
@@ -506,7 +588,7 @@ def _serve(testbed, deadline):
         lines.put(None)
 
     threading.Thread(target=read, name="kdbench-chief-out", daemon=True).start()
-    round_trips = {}
+    round_trips, throughputs = {}, {}
 
     def failure(what):
         logs = "\n".join(f"--- worker {i} (last lines) ---\n{_tail(path)}" for i, path in enumerate(testbed.logs))
@@ -533,6 +615,12 @@ def _serve(testbed, deadline):
             round_trips.setdefault(delay, []).append(testbed.round_trip_ms())
             chief.stdin.write("OK\n")
             chief.stdin.flush()
+        elif line.startswith("RATE "):
+            rate = float(line.split()[1])
+            testbed.set_rate(rate)
+            throughputs.setdefault(f"{rate:g}", []).append(testbed.throughput_gbit())
+            chief.stdin.write("OK\n")
+            chief.stdin.flush()
         elif line.startswith("TIMINGS "):
             timings = json.loads(line[len("TIMINGS "):])
             for process in testbed.processes:
@@ -540,11 +628,11 @@ def _serve(testbed, deadline):
                     process.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise failure("the workers did not exit after the first one printed its timings.") from None
-            return timings, round_trips
+            return timings, round_trips, throughputs
 
 
 def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", timeout=1800,
-        json_path=None, print_fn=print, model="mlp"):
+        json_path=None, print_fn=print, model="mlp", rates=(), gradient_mb=(4, 40), batch=None):
     """Runs the network benchmark and prints its table; returns the report.
 
     Args:
@@ -560,6 +648,11 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         model: `"mlp"` (kd, tf-keras, the tutorial loop) or `"cnn_bn"`
             (BatchNormalization: kd global and per-replica, Keras 3
             SyncBN, tf-keras).
+        rates: Link rates in Gbit/s (0: no limit): the bandwidth sweep
+            (`bench_bandwidth`) instead of `model`, at the one delay given.
+        gradient_mb: The sweep's gradient sizes in MB (an MLP of each size).
+        batch: The sweep's global batch (default `bench_bandwidth.GLOBAL_BATCH`):
+            larger for more compute per step.
 
     Returns:
         The report: `steps_per_second[workers][delay][variant]` holds the
@@ -567,6 +660,11 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         ratios of medians; `round_trip_ms[workers][delay]` the TCP round
         trip between two workers' namespaces, measured at each change of
         delay (`median`, `min`, `max`, `runs`).
+        With `rates`: `bandwidth[workers]` holds the sweep's
+        `steps_per_second`, `overlap` (compute alone, one all-reduce alone,
+        each variant's step time and the share of min(compute, comm) it
+        hides) and `ratios`, by `"<MB> MB @ <rate> Gbit/s"`, and
+        `measured_gbit[rate]` the link's measured throughput.
 
     Raises:
         NetworkBenchError: It cannot run here (the message says what is
@@ -579,6 +677,12 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         >>> report["round_trip_ms"]["2"]["1"] >= 2.0  # doctest: +SKIP
         True
     """
+    if rates and len(delays) != 1:
+        raise NetworkBenchError(f"`rates`={list(rates)} sweeps one delay; got `delays`={list(delays)}. "
+                                "Pass one delay (e.g. --delays 0) with --rates.")
+    sweep = () if not rates else (
+        "--rates", ",".join(f"{r:g}" for r in rates), "--gradient-mb", ",".join(f"{m:g}" for m in gradient_mb),
+        "--batch", str(batch or bench_bandwidth.GLOBAL_BATCH))
     found, resolved, note = problems(link, delays)
     if found:
         raise NetworkBenchError("keras-distrib bench --network cannot run here:\n  - " + "\n  - ".join(found))
@@ -593,13 +697,27 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
                    "cpus": os.cpu_count()},
         "steps_per_second": {}, "ratios": {}, "round_trip_ms": {},
     }
+    if rates:
+        report["config"].update(rates_gbit=list(rates), gradient_mb=list(gradient_mb),
+                                gradient_bytes={f"{m:g}": bench_bandwidth.gradient_bytes(m) for m in gradient_mb},
+                                global_batch=batch or bench_bandwidth.GLOBAL_BATCH, model="bandwidth_mlp")
+        report["bandwidth"] = {}
     with _signals_raise():
         for count in workers:
-            timings, round_trips = _one_cluster(count, link=resolved, delays=delays, steps=steps,
-                                                repeats=repeats, deadline=deadline, print_fn=print_fn,
-                                                model=model)
-            _summarize(report, count, delays, timings, round_trips)
-    _print_table(report, print_fn)
+            timings, round_trips, throughputs = _one_cluster(
+                count, link=resolved, delays=delays, steps=steps, repeats=repeats, deadline=deadline,
+                print_fn=print_fn, model=model, sweep=sweep)
+            if rates:
+                report["bandwidth"][str(count)] = bench_bandwidth.summarize(
+                    timings, {rate: statistics.median(runs) for rate, runs in throughputs.items()})
+                report["bandwidth"][str(count)]["measured_gbit"] = throughputs
+                report["round_trip_ms"][str(count)] = round_trips
+            else:
+                _summarize(report, count, delays, timings, round_trips)
+    if rates:
+        bench_bandwidth.print_table(report, print_fn)
+    else:
+        _print_table(report, print_fn)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1, sort_keys=True)
@@ -658,6 +776,8 @@ def _worker_main(options):
 
     strategy = kd.make_strategy("multi_worker")
     first = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+    if options.rates:
+        return _sweep_worker(options, strategy, first)
     step_ends = []
     variants, _ = _variants(options.model)
     built = bench.runners(options.model, options.steps, strategy, only=set(variants.values()),
@@ -685,6 +805,26 @@ def _worker_main(options):
                 built[variants[name]]()
                 speed = (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
                 timings[name][f"{delay:g}"].append(speed)
+    if first:
+        print("TIMINGS " + json.dumps(timings), flush=True)
+    return 0
+
+
+def _sweep_worker(options, strategy, first):
+    """One worker of the bandwidth sweep; the first asks for the delay, then each rate."""
+
+    def ask(what, value):
+        if first:
+            print(f"{what} {value:g}", flush=True)
+            if sys.stdin.readline().strip() != "OK":
+                raise SystemExit("the benchmark process went away")
+
+    ask("DELAY", options.delays[0])
+    workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    timings = bench_bandwidth.worker_loop(
+        sizes=options.gradient_mb, rates=options.rates, steps=options.steps, repeats=options.repeats,
+        strategy=strategy, workers=workers, ask_for_rate=lambda rate: ask("RATE", rate), first=first,
+        batch=options.batch)
     if first:
         print("TIMINGS " + json.dumps(timings), flush=True)
     return 0
@@ -718,8 +858,9 @@ def build_parser():
         "SIGKILL left.")
     parser.add_argument("--workers", type=_numbers(int, 2), default=(2, 4),
                         help="worker counts, comma-separated (default 2,4)")
-    parser.add_argument("--delays", type=_numbers(float, 0), default=(0, 1, 5),
-                        help="one-way delays in ms, comma-separated (default 0,1,5; a round trip is twice)")
+    parser.add_argument("--delays", type=_numbers(float, 0), default=None,
+                        help="one-way delays in ms, comma-separated (default 0,1,5; with --rates 0; a round "
+                        "trip is twice)")
     parser.add_argument("--steps", type=int, default=40,
                         help="steps per timed epoch (default 40; timed from the first step's end to the last's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed epochs per variant and delay (default 5)")
@@ -732,6 +873,17 @@ def build_parser():
                         "BatchNormalization: kd global and per-replica statistics, Keras 3 SyncBN, tf-keras) "
                         "or contrastive (a dual encoder with in-batch negatives: kd, and a loop gathering "
                         "the global batch by hand)")
+    parser.add_argument("--rates", type=_numbers(float, 0), default=(),
+                        help="link rates in Gbit/s, comma-separated (0: no limit): the bandwidth sweep "
+                        "instead of --model (kd with and without gradient buckets, Keras 3 in the tutorial "
+                        "loop, tf-keras, one worker's compute alone, one all-reduce alone), at one --delays "
+                        "value (e.g. --delays 0)")
+    parser.add_argument("--gradient-mb", type=_numbers(float, 0.001), default=(4, 40),
+                        help="the bandwidth sweep's gradient sizes in MB, comma-separated (default 4,40; "
+                        "an MLP of 3 square layers per size)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"the bandwidth sweep's global batch (default {bench_bandwidth.GLOBAL_BATCH}; "
+                        "larger: more compute per step)")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Marks the worker processes of one run (tests look for leftovers by it).
@@ -745,18 +897,24 @@ def main(argv=None):
     options = parser.parse_args(argv)
     bad = [f"`--{name}`={getattr(options, name)} must be >= {least}"
            for name, least in (("steps", 2), ("repeats", 1)) if getattr(options, name) < least]
+    uneven = [w for w in options.workers if options.batch is not None and options.batch % w]
+    if options.batch is not None and (options.batch < 1 or uneven):
+        bad.append(f"`--batch`={options.batch} must be a positive multiple of every worker count "
+                   f"({', '.join(map(str, options.workers))})")
     if options.timeout <= 0:
         bad.append(f"`--timeout`={options.timeout} must be > 0")
     if options.json is not None:
         bad += filter(None, [validation.output_path_problem("--json", options.json)])
     if bad:
         parser.error("; ".join(bad))
+    if options.delays is None:
+        options.delays = (0,) if options.rates else (0, 1, 5)
     if options.worker:
         return _worker_main(options)
     try:
         run(workers=options.workers, delays=options.delays, steps=options.steps,
             repeats=options.repeats, link=options.link, timeout=options.timeout, json_path=options.json,
-            model=options.model)
+            model=options.model, rates=options.rates, gradient_mb=options.gradient_mb, batch=options.batch)
     except NetworkBenchError as error:
         print(f"keras-distrib bench --network: {error}", file=sys.stderr)
         return 2

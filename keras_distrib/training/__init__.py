@@ -9,7 +9,8 @@ correction), `coupling` (where the rows of a batch meet), `losses` (the
 replica's share of the global loss), `logs` (metric states and the step's
 logs), `forward` (the forward pass on several replicas as on one device:
 padding, random draws, BatchNormalization moments, layer state), `deferral`
-(whether a step defers the scale), `gradients` (the all-reduce before the optimizer),
+(whether a step defers the scale), `buckets` (which gradients share an
+all-reduce), `gradients` (the all-reduce before the optimizer),
 `collectives` (counting them), `step` (the one place that calls
 `strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the
 input pipeline), `served` (input from tf.data service), `inputs` (what `fit`, `evaluate` and `predict` are given,

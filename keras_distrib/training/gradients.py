@@ -1,4 +1,4 @@
-"""kd's gradient pipeline: one all-reduce, then the optimizer as on one device.
+"""kd's gradient pipeline: the all-reduce (one, or in buckets), then the optimizer as on one device.
 
 On one device, Keras's optimizer sees the gradient of the batch loss and
 runs: unscale (loss scaling) -> accumulate (`gradient_accumulation_steps`)
@@ -10,18 +10,23 @@ at the update: clipping then sees a fraction of the gradient (weights end up
 several replicas.
 
 kd's models give their optimizer a different first step: each replica's
-gradient of its loss share is summed over all replicas at once (one
-all-reduce, SUM), so every replica holds the gradient one device computes.
+gradient of its loss share is summed over all replicas at once (an
+all-reduce, SUM: one, or one per bucket where communication is a real part
+of the step, see `buckets`), so every replica holds the gradient one device
+computes.
 The optimizer's own pipeline then runs unchanged, in one-device order, on
 that gradient, and its own all-reduce is skipped. A non-finite value on any
 replica makes the summed gradient non-finite everywhere, so a
 `LossScaleOptimizer` skips the step on every replica and worker together.
 """
 
+import logging
+
 import keras
 import tensorflow as tf
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import buckets
 from keras_distrib.training import coupling
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
@@ -32,9 +37,13 @@ from keras_distrib.cluster import strategies
 __all__ = [
     "SparseGradientInLoop",
     "all_reduce",
+    "bucket_plan",
     "exact_optimizer",
     "install",
+    "report_bucket_plan",
 ]
+
+logger = logging.getLogger("keras_distrib")
 
 
 class SparseGradientInLoop(Exception):
@@ -68,6 +77,12 @@ def all_reduce(gradients):
     scale (each replica's R x n_r rows standing for the global N), the same
     all-reduce carries the row count and divides by it: one collective per
     step.
+
+    Where the step's `bucket_plan` says so, the gradients are summed in
+    buckets (`buckets.split`), last layers first, each its own collective
+    started as soon as the backward pass has produced its gradients; the
+    row count and the metric states ride in the first bucket. Each element
+    is summed over the replicas as in one all-reduce.
 
     Args:
         gradients: A list of this replica's gradients (tensors,
@@ -104,7 +119,7 @@ def all_reduce(gradients):
                 kind = replica.SHARE  # no target classified (gradients of a share kd computed)
             if kind != replica.SHARE:
                 present = scaling.row_weighted(batch, present, kind)
-        present = _sum_with_metric_states(context, batch, present)
+        present, _ = _sum_in_buckets(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
 
@@ -119,11 +134,72 @@ def _all_reduce_deferred(context, batch, gradients):
     """
     dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
     scaled = scaling.to_own_scale(batch, gradients)
-    *summed, global_rows = _sum_with_metric_states(
-        context, batch, scaled + [tf.cast(batch.local_rows, dtype)]
-    )
+    summed, (global_rows,) = _sum_in_buckets(context, batch, scaled, [tf.cast(batch.local_rows, dtype)])
     batch.learn_global_rows(global_rows)
     return scaling.divided(summed, global_rows)
+
+
+def bucket_plan(model, gradient_bytes, strategy=None):
+    """The `buckets.BucketPlan` of `model`'s steps, for `gradient_bytes` of dense gradients.
+
+    `model`'s `gradient_buckets` (a kd model's `compile` argument; `"auto"`
+    for any other model, or none: a hand-written loop) under `strategy`'s
+    workers (the current strategy by default).
+    """
+    setting = getattr(model, "gradient_buckets", buckets.AUTO) if model is not None else buckets.AUTO
+    return buckets.choose(setting, gradient_bytes=gradient_bytes,
+                          workers=strategies.traits(strategy).workers)
+
+
+def report_bucket_plan(model):
+    """Logs (INFO, logger `keras_distrib`) how `model`'s training steps all-reduce; returns the plan.
+
+    Called once at the start of `fit`, with the bytes of the model's
+    trainable weights (its gradients' size). Nothing is logged with one replica.
+    """
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync < 2:
+        return None
+    sizes = [_bytes(v) for v in model.trainable_variables]
+    plan = bucket_plan(model, sum(sizes), strategy)
+    logger.info(plan.describe(len(buckets.split(sizes, plan.bucket_bytes))))
+    return plan
+
+
+def _bytes(tensor):
+    """Bytes of a dense tensor of known shape (0 for sparse gradients or unknown shapes)."""
+    if isinstance(tensor, tf.IndexedSlices):
+        return 0
+    count = tensor.shape.num_elements()
+    return 0 if count is None else count * tf.as_dtype(tensor.dtype).size
+
+
+def _sum_in_buckets(context, batch, gradients, extra=()):
+    """Sums `gradients` (in the model's variable order) and `extra` over the replicas.
+
+    In the buckets of the step's `bucket_plan` (one bucket unless it says
+    otherwise), each one collective per dtype (`replica.sum_packed`); `extra`
+    (the row count) and the metric states ride in the first bucket, whose
+    gradients the backward pass produces first.
+
+    Returns:
+        `(summed gradients, summed extra)`, each a list in its input's order.
+    """
+    gradients, extra = list(gradients), list(extra)
+    sizes = [_bytes(g) for g in gradients]
+    plan = bucket_plan(batch.model if batch is not None else None, sum(sizes))
+    groups = buckets.split(sizes, plan.bucket_bytes) or [[]]
+    results = [None] * len(gradients)
+    summed_extra = []
+    for number, indices in enumerate(groups):
+        riders = extra if number == 0 else []
+        summed = _sum_with_metric_states(
+            context, batch if number == 0 else None, [gradients[i] for i in indices] + riders)
+        for index, value in zip(indices, summed):
+            results[index] = value
+        if number == 0:
+            summed_extra = summed[len(indices):]
+    return results, summed_extra
 
 
 def _sum_with_metric_states(context, batch, tensors):
@@ -224,7 +300,7 @@ def _all_reduce_in_loop(context, batch, gradients):
         sparse = [scaling.map_values(g, lambda v: v * scaling.own_scale(batch, v.dtype)) for g in sparse]
         dense = _all_reduce_deferred(context, batch, dense)
     elif dense:
-        dense = _sum_with_metric_states(context, batch, dense)
+        dense, _ = _sum_in_buckets(context, batch, dense)
     gathered = context.merge_call(_concat_slices, args=tuple(sparse))
     if batch.deferred:
         gathered = scaling.divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce

@@ -34,6 +34,7 @@ from keras_distrib import _keras_compat
 from keras_distrib.cluster import info as cluster
 from keras_distrib.training import data as data_lib
 from keras_distrib.training import served
+from keras_distrib.training import gradients
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
 from keras_distrib.cluster import watchdog
@@ -633,6 +634,7 @@ def fit(model, steps, request, *, evaluate_steps=None):
     )
     build(model, source)
     source.reset()
+    gradients.report_bucket_plan(model)
     callbacks = callback_list(
         request.callbacks, model, verbose=request.verbose, epochs=epochs,
         steps=source.num_batches, history=True,

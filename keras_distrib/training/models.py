@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import buckets
 from keras_distrib.training import coupling
 from keras_distrib.training import deferral
 from keras_distrib.training import forward
@@ -49,7 +50,8 @@ __all__ = [
 BATCH_NORM_MODES = ("global", "per_replica")
 # What kd adds to `compile`, with its defaults (a compile config names those
 # that differ).
-OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "pss_evaluation_shards": 0}
+OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "gradient_buckets": "auto",
+                        "pss_evaluation_shards": 0}
 # A `.keras` file's config entry (beside "compile_config") that keeps kd's own
 # compile arguments out of what plain Keras compiles with.
 OWN_COMPILE_ENTRY = "keras_distrib_compile"
@@ -266,7 +268,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     """
 
     def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", rows_meet="global",
-                **kwargs):
+                gradient_buckets="auto", **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
         Called outside any strategy scope, it runs in the scope of the
@@ -289,7 +291,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         global batch gathered from every replica, as one device does
         (`keras_distrib.training.coupling`); `"per_replica"`: each replica
         sees only its own rows (Keras's behaviour).
+
+        `gradient_buckets`: how the replicas' gradients are summed.
+        `"auto"` (default): in buckets of 25 MiB, each started as the
+        backward pass produces it, when the step spans several workers and
+        the gradient holds at least two buckets; else one all-reduce after
+        the backward pass (`keras_distrib.training.buckets`). `"one"`: one
+        all-reduce always; a whole number: buckets of that many bytes. Every
+        choice sums the same elements: the model is the same.
         """
+        buckets.check_setting(gradient_buckets)
         if rows_meet not in coupling.MODES:
             raise ValueError(
                 f"`rows_meet`={rows_meet!r}: expected one of {list(coupling.MODES)}. \"global\" "
@@ -305,6 +316,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         self.pss_evaluation_shards = pss_evaluation_shards
         self.batch_norm = batch_norm
         self.rows_meet = rows_meet
+        self.gradient_buckets = gradient_buckets
         # Called outside any scope, compile runs in the model's strategy (as
         # tf-keras does): Keras creates the loss tracker here, and a tracker
         # made outside the scope is a plain variable on one device.

@@ -12,7 +12,7 @@ needs neither kd nor Keras to load.)
 The way back: `load_model` loads any `.keras` file as a kd model, a plain
 Keras model's included, compiled as it was saved and with its optimizer
 state, to train on exactly where it stopped. What kd adds to `compile`
-(`batch_norm`, `rows_meet`, `pss_evaluation_shards`) is not Keras's: `save_for_keras`
+(`batch_norm`, `rows_meet`, `gradient_buckets`, `pss_evaluation_shards`) is not Keras's: `save_for_keras`
 keeps it in an entry of its own in the file (`keras_distrib.json`, which
 Keras does not read), `model.save` in an entry of the config beside
 "compile_config" (`models.OWN_COMPILE_ENTRY`, which Keras ignores), and

@@ -4,12 +4,13 @@ Usage: collectives.py KIND CASE[,CASE...]. KIND: one_device, mirrored or
 central_storage (2 virtual devices but one_device). Cases: `metrics0`,
 `metrics1`, `metrics3` (an MLP with 0, 1 or 3 compiled metrics; `_outside`: the metric
 objects made before the strategy's scope; `_spe3`:
-3 steps per call), and the models of `count` below. Each case's evaluation
+3 steps per call), and the models of `count` below (`buckets`: gradients summed in 2 buckets). Each case's evaluation
 runs twice: with verbose=0 (its logs read once) and with a callback that
 reads every batch's logs. Prints one 'RESULT {json}' line per case.
 """
 
 import json
+import logging
 import sys
 
 import keras_distrib as kd
@@ -22,6 +23,22 @@ import numpy as np  # noqa: E402
 from keras_distrib.training import collectives  # noqa: E402
 
 ROWS = 16
+
+
+class Reports(logging.Handler):
+    """kd's log lines (the bucket plan `fit` reports at its start)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+REPORTS = Reports()
+logging.getLogger("keras_distrib").addHandler(REPORTS)
+logging.getLogger("keras_distrib").setLevel(logging.INFO)
 
 
 METRICS = {0: lambda: [], 1: lambda: ["mae"],
@@ -46,7 +63,7 @@ def _metrics_mlp(strategy, metrics, spe, outside=False):
     return model
 
 
-def _dense(model_class, strategy, outputs=1, dropout=False, compute_loss=None):
+def _dense(model_class, strategy, outputs=1, dropout=False, compute_loss=None, buckets="auto"):
     with strategy.scope():
         inputs = keras.Input((6,))
         hidden = keras.layers.Dense(8, activation="relu", kernel_regularizer="l2")(inputs)
@@ -57,8 +74,37 @@ def _dense(model_class, strategy, outputs=1, dropout=False, compute_loss=None):
         if compute_loss is not None:
             model.compute_loss = compute_loss.__get__(model)
         model.compile(keras.optimizers.Adam(0.01), "mse", metrics=[["mae"]] * outputs if outputs > 1
-                      else ["mae"])
+                      else ["mae"], gradient_buckets=buckets)
     return model
+
+
+def backward_waits(model):
+    """For each all-reduce of the first replica's training step, in graph order: the
+    backward MatMuls (the tape's gradient ops) it waits for, of how many in the step.
+
+    Read from the traced graph: an op runs once its inputs (data and control) are
+    ready, so a collective that does not have a backward op among its ancestors
+    can start before that op has run.
+    """
+    graph = model.train_function.compiled_functions()["one"][0].graph.as_graph_def()
+    nodes = {node.name: node for node in graph.node}
+
+    def ancestors(name):
+        seen, stack = set(), [name]
+        while stack:
+            for source in nodes[stack.pop()].input:
+                source = source.lstrip("^").split(":")[0]
+                if source in nodes and source not in seen:
+                    seen.add(source)
+                    stack.append(source)
+        return seen
+
+    def backward(name):
+        return name.startswith("gradient_tape/functional") and nodes[name].op == "MatMul"
+
+    total = sum(map(backward, nodes))
+    return [[sum(map(backward, ancestors(node.name))), total] for node in graph.node
+            if node.op == "CollectiveReduceV2" and node.device.endswith("CPU:0")]
 
 
 def _masked(strategy):
@@ -92,6 +138,8 @@ def count(strategy, case):
         batch_size = ROWS // 4
     elif case == "mlp":
         model = _dense(kd.Model, strategy)
+    elif case == "buckets":  # 40-byte buckets: [out bias, out kernel, hidden bias], [hidden kernel]
+        model = _dense(kd.Model, strategy, buckets=40)
     elif case == "weighted":
         model = _dense(kd.Model, strategy)
         sample_weight = rng.uniform(size=ROWS).astype("float32")
@@ -115,10 +163,14 @@ def count(strategy, case):
         x = rng.integers(0, 20, size=(ROWS, 5))
     else:
         raise SystemExit(f"unknown case {case!r}")
+    REPORTS.lines.clear()
     counts = collectives.count(model, x, y, sample_weight=sample_weight, batch_size=batch_size)
     model.evaluate(x, y, sample_weight=sample_weight, batch_size=batch_size, verbose=0,
                    callbacks=[BatchLogs()])
     counts["test_each_call"] = collectives.traced(model)["test"]
+    if case in ("mlp", "buckets") and KIND == "mirrored":
+        counts["backward_waits"] = backward_waits(model)
+        counts["reported"] = [line for line in REPORTS.lines if "all-reduce" in line]
     return counts
 
 

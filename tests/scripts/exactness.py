@@ -25,7 +25,10 @@ PATHS = {
     "one_device": (1, "default", {}, None, {}),
     "mirrored1": (1, "mirrored", {}, None, {}),
     "mirrored2": (2, "mirrored", {}, None, {}),
-    "mirrored4": (4, "mirrored", {}, None, {}),
+    # Bucketed: gradients summed in buckets of 64 bytes (a few variables
+    # each), the row count and metric states in the first (see
+    # keras_distrib/training/buckets.py); the other paths make one all-reduce.
+    "mirrored4": (4, "mirrored", {"gradient_buckets": 64}, None, {}),
     "mirrored2_reduce_to_one_device": (2, "mirrored", {}, None, {"cross_device_ops": "reduce_to_one_device"}),
     "central_storage2": (2, "central_storage", {}, None, {}),
     "loop_mirrored2": (2, "mirrored", {}, 3, {}),
@@ -35,7 +38,7 @@ PATHS = {
     "bn_per_replica_mirrored2": (2, "mirrored", {"batch_norm": "per_replica"}, None, {}),
     "jit_one_device": (1, "default", {"jit_compile": True}, None, {}),
     "multi_worker1": (1, "multi_worker", {}, None, {}),
-    "multi_worker": (2, "multi_worker", {}, None, {}),
+    "multi_worker": (2, "multi_worker", {"gradient_buckets": 64}, None, {}),
     "loop_multi_worker": (2, "multi_worker", {}, 3, {}),
     # evaluate and predict on the reference's weights, in-process cluster
     "parameter_server": (1, "parameter_server", {}, None, {}),
