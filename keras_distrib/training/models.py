@@ -226,7 +226,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     """
 
     def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", rows_meet="global",
-                **kwargs):
+                first_step_check=True, **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
         Called outside any strategy scope, it runs in the scope of the
@@ -249,7 +249,20 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         global batch gathered from every replica, as one device does
         (`keras_distrib.training.coupling`); `"per_replica"`: each replica
         sees only its own rows (Keras's behaviour).
+
+        `first_step_check`: `True` (default): on several replicas, the first
+        training step of each step function kd traces is compared with one
+        device's step on the same global batch (loss, logs and global
+        gradient) and refused, with nothing trained, where they differ beyond
+        round-off (`keras_distrib.training.first_step`; docs: "The first-step
+        check"); `False`: no check.
         """
+        if not isinstance(first_step_check, bool):
+            raise ValueError(
+                f"`first_step_check`={first_step_check!r}: expected True or False. True compares "
+                "the first distributed training step with one device's and refuses a difference; "
+                "False trains without the check."
+            )
         if rows_meet not in coupling.MODES:
             raise ValueError(
                 f"`rows_meet`={rows_meet!r}: expected one of {list(coupling.MODES)}. \"global\" "
@@ -265,6 +278,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         self.pss_evaluation_shards = pss_evaluation_shards
         self.batch_norm = batch_norm
         self.rows_meet = rows_meet
+        self.first_step_check = first_step_check
         # Called outside any scope, compile runs in the model's strategy (as
         # tf-keras does): Keras creates the loss tracker here, and a tracker
         # made outside the scope is a plain variable on one device.
@@ -290,6 +304,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             return config
         own = {"batch_norm": (getattr(self, "batch_norm", "global"), "global"),
                "rows_meet": (getattr(self, "rows_meet", "global"), "global"),
+               "first_step_check": (getattr(self, "first_step_check", True), True),
                "pss_evaluation_shards": (getattr(self, "pss_evaluation_shards", 0), 0)}
         return {**config, **{name: value for name, (value, default) in own.items() if value != default}}
 
@@ -634,12 +649,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def _optimizers(self):
         """Every Keras optimizer the model holds as an attribute (a GAN's two, say)."""
-        found = []
-        for value in vars(self).values():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            found.extend(v for v in values if isinstance(v, keras.optimizers.Optimizer)
-                         and all(v is not f for f in found))
-        return found
+        return gradients.optimizers_of(self)
 
     def _install_step_hooks(self):
         """Installs what a step needs: the process-wide replacements, kd's gradient pipeline on
