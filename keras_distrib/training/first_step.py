@@ -80,10 +80,14 @@ def applies(model, strategy):
 
     On several replicas in sync, unless compiled with
     `first_step_check=False`. Not under a parameter server (each worker's
-    step is one replica's, scheduled remotely).
+    step is one replica's, scheduled remotely), nor for a model compiled to
+    compute on each replica's rows (`batch_norm="per_replica"`,
+    `rows_meet="per_replica"`: not one device's step, by request).
     """
     traits = strategies.traits(strategy)
     if traits.replicas <= 1 or traits.is_parameter_server:
+        return False
+    if "per_replica" in (getattr(model, "batch_norm", "global"), getattr(model, "rows_meet", "global")):
         return False
     return getattr(model, "first_step_check", True) is not False
 
@@ -271,7 +275,10 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
     """`[(what, difference, tolerance)]` beyond tolerance, logs first, then layers in model order."""
     found = []
     flat_logs = dict(tree.flatten_with_path(logs)) if logs else {}
-    for path, value in tree.flatten_with_path(reference_logs):
+    # The losses first: what the step optimizes, where a difference starts.
+    ordered = sorted(tree.flatten_with_path(reference_logs),
+                     key=lambda item: "loss" not in logs_lib.path_key(item[0]))
+    for path, value in ordered:
         if path not in flat_logs or not tf.is_tensor(value) or not value.dtype.is_floating:
             continue
         distance = difference(flat_logs[path], value)
@@ -341,7 +348,12 @@ def check(model, strategy, step, logs, captured, snapshot):
         after.restore()
         return
     what, distance, tolerance = found[0]
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    layers = list(dict.fromkeys(where.split("(layer ")[1].rstrip(")") for where, _, _ in found
+                                if "(layer " in where))
+    more = ""
+    if layers:
+        shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
+        more = f"; the gradients of {len(layers)} layers differ too, from the first: {shown}"
     raise FirstStepMismatch(
         f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
         f"replicas differs from one device's on the same global batch: {what} is off by "
