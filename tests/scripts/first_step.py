@@ -48,15 +48,14 @@ def build(case, base):
 
     keras.utils.set_random_seed(3)
     inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(8, activation="tanh", name="embed")(inputs)
     if case == "blinded":
         centred = keras.layers.Lambda(lambda h: h - ops.mean(h, axis=0, keepdims=True), name="centre")
-        hidden = keras.layers.Dense(5)(centred(hidden))
+        hidden = keras.layers.Dense(5, name="mix")(centred(hidden))
     else:
-        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8, use_bias=False)(hidden))
-        hidden = keras.layers.Dropout(0.3)(hidden)
-    model = base(inputs, keras.layers.Dense(3)(hidden))
-    return model
+        hidden = keras.layers.Dense(8, use_bias=False, name="mix")(hidden)
+        hidden = keras.layers.Dropout(0.3)(keras.layers.BatchNormalization()(hidden))
+    return base(inputs, keras.layers.Dense(3, name="head")(hidden))
 
 
 def _compile(model, check=True, spe=1):
