@@ -69,7 +69,7 @@ def test_difference_is_relative_to_the_largest_magnitude():
     # A gradient that is round-off of zero, against the largest of its step.
     assert first_step.difference([1e-17], [-1e-17], scale=1.0) == pytest.approx(2e-17)
     assert first_step.difference([np.nan], [1.0]) == np.inf
-    assert first_step.difference([np.inf], [np.inf]) == 0.0
+    assert first_step.difference([np.inf, 1.0], [np.nan, 1.0]) == 0.0
     assert first_step.difference([1.0, 2.0], [1.0]) == np.inf
 
 

@@ -235,7 +235,7 @@ def test_a_wrong_way_import_inside_training_would_be_found():
         "only: penalties, replica, scaling, coupling, losses, logs, forward, deferral)",
         "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
         "penalties, replica, scaling, coupling, losses, logs, forward, deferral, gradients, "
-        "collectives, step, refusals, data, inputs)",
+        "collectives, first_step, step, refusals, data, inputs)",
         "keras_distrib.training.replica -> keras_distrib.training.scaling (replica may import "
         "only: penalties)",
     ]

@@ -184,17 +184,19 @@ def difference(value, reference, scale=0.0):
     as zero up to round-off (a bias before BatchNormalization) is compared
     with the largest gradient of its step. Sparse gradients
     (`tf.IndexedSlices`) are compared dense. A value finite in one and not
-    in the other counts as infinitely far.
+    in the other counts as infinitely far; non-finite in both, as equal.
     """
     a, b = _dense(value), _dense(reference)
     if a.shape != b.shape:
         return np.inf
     if a.size == 0:
         return 0.0
-    same_nonfinite = (~np.isfinite(a) & ~np.isfinite(b)) & ((a == b) | (np.isnan(a) & np.isnan(b)))
-    if np.any(~np.isfinite(a) ^ ~np.isfinite(b)) or np.any(~np.isfinite(a) & ~same_nonfinite):
+    # Non-finite in both agrees (a sum over replicas may make NaN of one
+    # device's inf; a LossScaleOptimizer skips either step alike).
+    nonfinite = ~np.isfinite(a)
+    if np.any(nonfinite != ~np.isfinite(b)):
         return np.inf
-    a, b = np.where(same_nonfinite, 0.0, a), np.where(same_nonfinite, 0.0, b)
+    a, b = np.where(nonfinite, 0.0, a), np.where(nonfinite, 0.0, b)
     scale = max(np.max(np.abs(a)), np.max(np.abs(b)), scale)
     if scale == 0:
         return 0.0

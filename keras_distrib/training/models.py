@@ -824,11 +824,15 @@ class Model(DistributedModelMixin, keras.Model):
     `from_generator`) are copied before TensorFlow sees them, so they train
     exactly and your arrays are never written.
 
-    `compile` takes Keras's arguments and two of kd's:
+    `compile` takes Keras's arguments and kd's own:
     `batch_norm="per_replica"` (layers without `synchronized=True` normalize
-    each replica's rows: no all-reduce in the forward pass, not exact) and,
-    under parameter-server training, `pss_evaluation_shards=k` (evaluate on
-    the workers in `k` shards; `"auto"`: 4 per worker). Called outside any
+    each replica's rows: no all-reduce in the forward pass, not exact),
+    `rows_meet="per_replica"` (see `DistributedModelMixin.compile`),
+    `first_step_check=False` (no comparison of the first training step with
+    one device's, which kd otherwise makes on several replicas, refusing a
+    difference beyond round-off before anything is trained) and, under
+    parameter-server training, `pss_evaluation_shards=k` (evaluate on the
+    workers in `k` shards; `"auto"`: 4 per worker). Called outside any
     strategy scope, `compile` runs in the scope of the strategy the model was
     created in.
 

@@ -293,6 +293,11 @@ class Step:
     `StopIteration` when the iterator holds no batch at all. An evaluation
     step called with `logs=False` returns `{}` and reads no metric (no
     collective): `read_logs()` reads them once, at the end.
+
+    A training step function's first call, on several replicas, checks its
+    first step against one device's and refuses a difference
+    (`keras_distrib.training.first_step`); so does the first call after the
+    step is traced anew where rows met.
     """
 
     def __init__(self, model, kind, *, steps=1):
