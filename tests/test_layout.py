@@ -166,7 +166,7 @@ def test_a_wrong_way_import_would_be_found():
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
     "penalties", "replica", "scaling", "coupling", "losses", "logs", "forward", "deferral", "buckets", "gradients",
-    "collectives", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "models", "saving",
+    "collectives", "first_step", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "models", "saving",
     "callbacks", "train_loop",
 )
 
@@ -235,7 +235,7 @@ def test_a_wrong_way_import_inside_training_would_be_found():
         "only: penalties, replica, scaling, coupling, losses, logs, forward, deferral, buckets)",
         "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
         "penalties, replica, scaling, coupling, losses, logs, forward, deferral, buckets, "
-        "gradients, collectives, step, refusals, data, served, inputs)",
+        "gradients, collectives, first_step, step, refusals, data, served, inputs)",
         "keras_distrib.training.replica -> keras_distrib.training.scaling (replica may import "
         "only: penalties)",
     ]

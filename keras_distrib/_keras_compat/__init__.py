@@ -346,6 +346,7 @@ from keras_distrib._keras_compat.strategies import sum_in_merge  # noqa: F401
 from keras_distrib._keras_compat.variables import fix_variables  # noqa: F401
 from keras_distrib._keras_compat.variables import model_variables  # noqa: F401
 from keras_distrib._keras_compat.variables import optimizer_variables  # noqa: F401
+from keras_distrib._keras_compat.variables import variable_copies  # noqa: F401
 from keras_distrib._keras_compat.variables import replace_seed_next  # noqa: F401
 from keras_distrib._keras_compat.variables import weight_partitions  # noqa: F401
 from keras_distrib._keras_compat.variables import write_from_first_replica  # noqa: F401
@@ -353,6 +354,7 @@ from keras_distrib._keras_compat.variables import write_seed_state_from_last_rep
 from keras_distrib._keras_compat.optimizer import base_optimizer  # noqa: F401
 from keras_distrib._keras_compat.optimizer import has_gradient_pipeline  # noqa: F401
 from keras_distrib._keras_compat.optimizer import install_gradient_pipeline  # noqa: F401
+from keras_distrib._keras_compat.optimizer import updated_variables  # noqa: F401
 from keras_distrib._keras_compat.layers import batch_norm_axes  # noqa: F401
 from keras_distrib._keras_compat.layers import flatten_layers  # noqa: F401
 from keras_distrib._keras_compat.layers import get_keras_mask  # noqa: F401

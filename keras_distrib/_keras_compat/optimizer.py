@@ -13,6 +13,7 @@ __all__ = [
     "base_optimizer",
     "has_gradient_pipeline",
     "install_gradient_pipeline",
+    "updated_variables",
 ]
 
 
@@ -43,8 +44,15 @@ def has_gradient_pipeline(optimizer):
     return optimizer in _PIPELINE_OPTIMIZERS
 
 
+def updated_variables(optimizer, trainable_variables=None):
+    """The variables `optimizer.apply(grads, trainable_variables)` updates, as a list."""
+    if trainable_variables is None:
+        return list(optimizer._trainable_variables or ())
+    return list(trainable_variables)
+
+
 def install_gradient_pipeline(optimizer, aggregate, before_apply):
-    """Makes `optimizer.apply` call `aggregate(grads)` before anything else.
+    """Makes `optimizer.apply` call `aggregate(grads, variables)` before anything else.
 
     `before_apply(optimizer, trainable_variables)` runs first (kd builds an
     unbuilt optimizer there); `aggregate` all-reduces the replicas'
@@ -57,7 +65,8 @@ def install_gradient_pipeline(optimizer, aggregate, before_apply):
 
     def apply(grads, trainable_variables=None):
         before_apply(optimizer, trainable_variables)
-        return outer_apply(aggregate(list(grads)), trainable_variables)
+        variables = updated_variables(optimizer, trainable_variables)
+        return outer_apply(aggregate(list(grads), variables), trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)
     base = base_optimizer(optimizer)

@@ -21,6 +21,7 @@ __all__ = [
     "model_variables",
     "optimizer_variables",
     "replace_seed_next",
+    "variable_copies",
     "weight_partitions",
     "write_from_first_replica",
     "write_seed_state_from_last_replica",
@@ -213,3 +214,17 @@ def optimizer_variables(model):
             ]
         result.extend(wrappers[id(variable)])
     return result
+
+
+def variable_copies(variable):
+    """The `tf.Variable`s that hold a Keras variable's state in this process.
+
+    One per local replica for a mirrored or sync-on-read variable (each
+    replica's copy, which a cross-replica `assign` would not set one by
+    one), the variable itself otherwise.
+    """
+    inner = getattr(variable, "_value", variable)
+    copies = getattr(inner, "values", None)
+    if isinstance(copies, (tuple, list)) and copies and all(isinstance(c, tf.Variable) for c in copies):
+        return list(copies)
+    return [inner]

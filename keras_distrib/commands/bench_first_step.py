@@ -17,6 +17,9 @@ Frameworks (`--frameworks`):
   (`kd.virtual_devices`, `kd.make_strategy("mirrored")`);
 - `kd_bn_per_replica`: `kd` compiled with `batch_norm="per_replica"`
   (no global BatchNormalization statistics: what they cost);
+- `kd_unchecked`: `kd` compiled with `first_step_check=False` (no check of
+  the first step against one device: what the check costs, the ratio
+  "kd / kd unchecked");
 - `kd_before` (with `--before PATH`): `kd`, importing keras_distrib from
   another checkout, to compare a change with the code before it.
 
@@ -67,7 +70,7 @@ __all__ = [
 GLOBAL_BATCH = 64
 BATCHES = 2  # the first step is timed; a second keeps the epoch from being all first step
 MODELS = ("mlp", "cnn", "resnet9", "resnet21", "resnet39", "transformer", "hub_bert")
-FRAMEWORKS = ("keras_1", "kd_1", "keras", "kd", "kd_bn_per_replica", "kd_before")
+FRAMEWORKS = ("keras_1", "kd_1", "keras", "kd", "kd_bn_per_replica", "kd_unchecked", "kd_before")
 DEFAULT_FRAMEWORKS = ("keras_1", "kd_1", "keras", "kd")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -322,7 +325,8 @@ def task(framework, model_name, replicas, profile=False):
         strategy = kd.make_strategy("mirrored")
     else:
         strategy = tf.distribute.get_strategy()
-    options = {"batch_norm": "per_replica"} if framework == "kd_bn_per_replica" else {}
+    options = {"kd_bn_per_replica": {"batch_norm": "per_replica"},
+               "kd_unchecked": {"first_step_check": False}}.get(framework, {})
     build_cpu = time.process_time()
     with strategy.scope():
         model = _build(model_name, framework, keras, kd)
@@ -418,6 +422,7 @@ def summarize(runs, frameworks, models):
             }
         for name, (top, bottom) in {"kd / Keras 3": ("kd", "keras"),
                                     "kd / Keras 3, one device": ("kd_1", "keras_1"),
+                                    "kd / kd unchecked": ("kd", "kd_unchecked"),
                                     "kd / kd before": ("kd", "kd_before")}.items():
             pairs = list(zip(runs.get((top, model), []), runs.get((bottom, model), [])))
             for measure in ("cpu", "wall"):
@@ -450,8 +455,10 @@ def _cell(value, digits=2):
 def print_table(table, frameworks, print_fn=print):
     """The table in Markdown: CPU s and wall s per framework, then the ratios."""
     names = {"keras_1": "Keras 3, 1 device", "kd_1": "kd, 1 device", "keras": "Keras 3",
-             "kd": "kd", "kd_bn_per_replica": "kd BN per replica", "kd_before": "kd before"}
-    ratios = [r for r in ("kd / Keras 3", "kd / Keras 3, one device", "kd / kd before")
+             "kd": "kd", "kd_bn_per_replica": "kd BN per replica", "kd_unchecked": "kd unchecked",
+             "kd_before": "kd before"}
+    ratios = [r for r in ("kd / Keras 3", "kd / Keras 3, one device", "kd / kd unchecked",
+                          "kd / kd before")
               if any(table[m].get(f"{r} (cpu)") is not None for m in table)]
     header = ["model"] + [f"{names[f]} CPU s / wall s" for f in frameworks] + \
         [f"{r} (CPU / wall)" for r in ratios]

@@ -11,7 +11,8 @@ logs), `forward` (the forward pass on several replicas as on one device:
 padding, random draws, BatchNormalization moments, layer state), `deferral`
 (whether a step defers the scale), `buckets` (which gradients share an
 all-reduce), `gradients` (the all-reduce before the optimizer),
-`collectives` (counting them), `step` (the one place that calls
+`collectives` (counting them), `first_step` (the first step checked
+against one device's), `step` (the one place that calls
 `strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the
 input pipeline), `served` (input from tf.data service), `inputs` (what `fit`, `evaluate` and `predict` are given,
 checked), `loop` (the engine), `parameter_server` (a source and a runner),

@@ -40,6 +40,7 @@ __all__ = [
     "bucket_plan",
     "exact_optimizer",
     "install",
+    "optimizers_of",
     "report_bucket_plan",
 ]
 
@@ -58,7 +59,7 @@ class SparseGradientInLoop(Exception):
 
 
 @tf.autograph.experimental.do_not_convert
-def all_reduce(gradients):
+def all_reduce(gradients, variables=None):
     """Sums per-replica gradients over every replica (one all-reduce).
 
     Sparse gradients (`tf.IndexedSlices`, from `Embedding`) are gathered,
@@ -87,6 +88,10 @@ def all_reduce(gradients):
     Args:
         gradients: A list of this replica's gradients (tensors,
             `tf.IndexedSlices` or `None`).
+        variables: The variables they are the gradients of, in the same
+            order (optional). A step whose batch records its global
+            gradients (`ReplicaBatch.recorded_gradients`, the first-step
+            check) records them with their variables.
 
     Returns:
         The global gradients, in the same order.
@@ -98,7 +103,14 @@ def all_reduce(gradients):
             gather's shape changes with the batch; kd's step then runs one
             step per call instead.
     """
-    gradients = list(gradients)
+    summed = _summed(list(gradients))
+    batch = replica.current_batch()
+    if batch is not None and batch.recorded_gradients is not None and variables is not None:
+        batch.recorded_gradients.append((list(variables), summed))
+    return summed
+
+
+def _summed(gradients):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return gradients
@@ -394,3 +406,13 @@ def install(optimizer):
     if optimizer is not None:
         exact_optimizer(optimizer)
     return optimizer
+
+
+def optimizers_of(model):
+    """Every Keras optimizer `model` holds as an attribute (a GAN's two, say), each once."""
+    found = []
+    for value in vars(model).values():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found.extend(v for v in values if isinstance(v, keras.optimizers.Optimizer)
+                     and all(v is not f for f in found))
+    return found

@@ -51,7 +51,7 @@ BATCH_NORM_MODES = ("global", "per_replica")
 # What kd adds to `compile`, with its defaults (a compile config names those
 # that differ).
 OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "gradient_buckets": "auto",
-                        "pss_evaluation_shards": 0}
+                        "first_step_check": True, "pss_evaluation_shards": 0}
 # A `.keras` file's config entry (beside "compile_config") that keeps kd's own
 # compile arguments out of what plain Keras compiles with.
 OWN_COMPILE_ENTRY = "keras_distrib_compile"
@@ -268,7 +268,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     """
 
     def compile(self, *args, pss_evaluation_shards=0, batch_norm="global", rows_meet="global",
-                gradient_buckets="auto", **kwargs):
+                gradient_buckets="auto", first_step_check=True, **kwargs):
         """`keras.Model.compile`, then kd's exact losses, trackers and gradient pipeline.
 
         Called outside any strategy scope, it runs in the scope of the
@@ -299,8 +299,21 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         the backward pass (`keras_distrib.training.buckets`). `"one"`: one
         all-reduce always; a whole number: buckets of that many bytes. Every
         choice sums the same elements: the model is the same.
+
+        `first_step_check`: `True` (default): on several replicas, the first
+        training step of each step function kd traces is compared with one
+        device's step on the same global batch (loss, logs and global
+        gradient) and refused, with nothing trained, where they differ beyond
+        round-off (`keras_distrib.training.first_step`; docs: "The first-step
+        check"); `False`: no check.
         """
         buckets.check_setting(gradient_buckets)
+        if not isinstance(first_step_check, bool):
+            raise ValueError(
+                f"`first_step_check`={first_step_check!r}: expected True or False. True compares "
+                "the first distributed training step with one device's and refuses a difference; "
+                "False trains without the check."
+            )
         if rows_meet not in coupling.MODES:
             raise ValueError(
                 f"`rows_meet`={rows_meet!r}: expected one of {list(coupling.MODES)}. \"global\" "
@@ -317,6 +330,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         self.batch_norm = batch_norm
         self.rows_meet = rows_meet
         self.gradient_buckets = gradient_buckets
+        self.first_step_check = first_step_check
         # Called outside any scope, compile runs in the model's strategy (as
         # tf-keras does): Keras creates the loss tracker here, and a tracker
         # made outside the scope is a plain variable on one device.
@@ -705,12 +719,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def _optimizers(self):
         """Every Keras optimizer the model holds as an attribute (a GAN's two, say)."""
-        found = []
-        for value in vars(self).values():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            found.extend(v for v in values if isinstance(v, keras.optimizers.Optimizer)
-                         and all(v is not f for f in found))
-        return found
+        return gradients.optimizers_of(self)
 
     def _install_step_hooks(self):
         """Installs what a step needs: the process-wide replacements, kd's gradient pipeline on
@@ -894,11 +903,15 @@ class Model(DistributedModelMixin, keras.Model):
     `from_generator`) are copied before TensorFlow sees them, so they train
     exactly and your arrays are never written.
 
-    `compile` takes Keras's arguments and two of kd's:
+    `compile` takes Keras's arguments and kd's own:
     `batch_norm="per_replica"` (layers without `synchronized=True` normalize
-    each replica's rows: no all-reduce in the forward pass, not exact) and,
-    under parameter-server training, `pss_evaluation_shards=k` (evaluate on
-    the workers in `k` shards; `"auto"`: 4 per worker). Called outside any
+    each replica's rows: no all-reduce in the forward pass, not exact),
+    `rows_meet="per_replica"` (see `DistributedModelMixin.compile`),
+    `first_step_check=False` (no comparison of the first training step with
+    one device's, which kd otherwise makes on several replicas, refusing a
+    difference beyond round-off before anything is trained) and, under
+    parameter-server training, `pss_evaluation_shards=k` (evaluate on the
+    workers in `k` shards; `"auto"`: 4 per worker). Called outside any
     strategy scope, `compile` runs in the scope of the strategy the model was
     created in.
 

@@ -124,6 +124,9 @@ class ReplicaBatch:
         static_rows: n_r as a number when the batch's shape says it when
             traced (every batch the traced function takes has that many
             rows), else None.
+        recorded_gradients: None, or a list the gradient all-reduce appends
+            `(variables, global gradients)` to at each optimizer's update
+            (the first-step check reads them: `keras_distrib.training.first_step`).
     """
 
     def __init__(self, local_rows, global_rows=None, plan=None, offset=None, static_rows=None):
@@ -159,6 +162,7 @@ class ReplicaBatch:
         self.layouts = {}  # tensor ref -> the leaves its rows come from (coupling.row_layout)
         # Inside forward passes fed one padded row: whether that row is padding (innermost last).
         self.padded = []
+        self.recorded_gradients = None
 
     @property
     def global_rows(self):

@@ -22,6 +22,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import collectives
 from keras_distrib.training import coupling
+from keras_distrib.training import first_step
 from keras_distrib.training import gradients
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import replica
@@ -204,12 +205,19 @@ def refuse_stateful_draws(operations, owner):
         )
 
 
-def replica_function(model, kind, *, looped=False, sources=None):
+def replica_function(model, kind, *, looped=False, sources=None, capture=None, one_device=False):
     """One replica's step of `kind`, inside its `ReplicaBatch`.
 
     Returns `(outputs, states)`: the step's outputs, and the global metric
     states its gradient all-reduce brought (kd's own `train_step`; see
     `sum_with_metric_states`), else None.
+
+    With `capture` (a dict), a third value: `{"data": the replica's batch,
+    "gradients": [the global gradients of each optimizer update]}`, what the
+    first-step check compares; the variables of each update go in
+    `capture["variables"]` when traced. With `one_device`, the step is one
+    device's, run eagerly on a global batch (the check's reference): it
+    returns `(outputs, states, [(variables, gradients) of each update])`.
 
     Keras's Optional inputs become None, and the replica's batch (row
     counts, the plan) is open around the model's step, so an overridden
@@ -220,8 +228,9 @@ def replica_function(model, kind, *, looped=False, sources=None):
     """
     step_fn = {"train": model.train_step, "test": model.test_step,
                "predict": model.predict_step}[kind]
-    plan = plan_for(model, looped=looped)
+    plan = replica.StepPlan() if one_device else plan_for(model, looped=looped)
     sources = {} if sources is None else sources
+    records = capture is not None or one_device
 
     # Not converted by AutoGraph, as Keras 3 does not convert its steps: a
     # step holds no Python control flow on tensors, and converting it (and
@@ -245,6 +254,8 @@ def replica_function(model, kind, *, looped=False, sources=None):
             leaves = [t for t in tree.flatten(x) + tree.flatten(data)
                       if isinstance(t, tf.Tensor) and t.shape.rank]
             batch.leaves = list({t.ref(): t for t in leaves}.values())
+            if records:
+                batch.recorded_gradients = []
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations()) if not tf.executing_eagerly() else None
             # Leaves of the data a previous trace found rows meeting in are
@@ -254,9 +265,15 @@ def replica_function(model, kind, *, looped=False, sources=None):
                 refuse_stateful_draws(graph.get_operations()[first:],
                                       f"{type(model).__name__}.{kind}_step")
             outputs = outputs if kind == "predict" else logs_lib.replica_logs(outputs, sources)
+            if one_device:
+                return outputs, batch.global_metric_states, batch.recorded_gradients
+            if capture is not None:
+                capture["variables"] = [variables for variables, _ in batch.recorded_gradients]
+                return outputs, batch.global_metric_states, {
+                    "data": data, "gradients": [values for _, values in batch.recorded_gradients]}
             return outputs, batch.global_metric_states
 
-    if not model.jit_compile or model.run_eagerly or plan.xla_forward:
+    if one_device or not model.jit_compile or model.run_eagerly or plan.xla_forward:
         return replica_step
     return on_replica_device(tf.function(replica_step, jit_compile=True, reduce_retracing=True))
 
@@ -276,6 +293,11 @@ class Step:
     `StopIteration` when the iterator holds no batch at all. An evaluation
     step called with `logs=False` returns `{}` and reads no metric (no
     collective): `read_logs()` reads them once, at the end.
+
+    A training step function's first call, on several replicas, checks its
+    first step against one device's and refuses a difference
+    (`keras_distrib.training.first_step`); so does the first call after the
+    step is traced anew where rows met.
     """
 
     def __init__(self, model, kind, *, steps=1):
@@ -290,7 +312,13 @@ class Step:
         strategies.check_collective_keys(self.strategy)
         # Which of a step's outputs are metric results (path -> log key), learnt while tracing.
         self._sources = {}
-        self._single = replica_function(model, kind, sources=self._sources)
+        # The first-step check (first_step.py): the call of one step also
+        # returns its batch and global gradients, compared with one device's
+        # at the first call of each traced function.
+        self._checks = kind == "train" and first_step.applies(model, self.strategy)
+        self._captured = None
+        self._capture = {} if self._checks else None
+        self._single = replica_function(model, kind, sources=self._sources, capture=self._capture)
         self._looped = replica_function(model, kind, looped=True, sources=self._sources)
         # Collectives inside a compiled loop keep their first iteration's
         # shape; gathering predictions across workers (or sparse gradients,
@@ -329,10 +357,18 @@ class Step:
     # was most of the AutoGraph time before the first step (about 0.2 CPU s).
     @tf.autograph.experimental.do_not_convert
     def _one(self, iterator, logs=True):
-        outputs, states = self._run(next(iterator))
-        if not logs:
-            return {}
-        return self._finish(outputs, self._extras(outputs), states)
+        outputs, states, *captured = self._run(next(iterator))
+        result = self._finish(outputs, self._extras(outputs), states) if logs else {}
+        return (result, captured[0]) if captured else result
+
+    def _logs_of(self, result):
+        # The call of one step returns what the first-step check compares
+        # too (with the check on); kept for it only while it is due.
+        if not self._checks:
+            return result
+        logs, captured = result
+        self._captured = captured if self._check_due else None
+        return logs
 
     def _many(self, iterator, count, logs=True):
         if self.kind == "predict":
@@ -435,6 +471,7 @@ class Step:
                      "quiet_many": functools.partial(self._many, logs=False)}
         self._functions = {k: self._compiled(f) for k, f in functions.items()}
         self._read_function = None
+        self._check_due = self._checks
 
     @tf.autograph.experimental.do_not_convert
     def _read(self):
@@ -464,6 +501,8 @@ class Step:
         # batch is read, so no data is lost.
         for _ in range(_RETRACES):
             try:
+                if self._check_due:
+                    return self._checked_call(iterator, count, logs)
                 return self._call(iterator, count, logs)
             except coupling.RowsMeet as meeting:
                 where = str(meeting)
@@ -477,7 +516,33 @@ class Step:
             "with kd.losses.global_batch(tensor)."
         )
 
-    def _call(self, iterator, count, logs):
+    def _checked_call(self, iterator, count, logs):
+        """A call whose first step is checked against one device (first_step.check).
+
+        The first step runs alone (the call of one step), compared with one
+        device's before the call goes on; a difference raises with every
+        variable put back as it was before the step.
+        """
+        with self.strategy.scope():
+            snapshot = first_step.Snapshot(self.model)
+        result = self._call(iterator, 1, logs, alone=True)
+        captured, self._captured = self._captured, None
+        with self.strategy.scope():
+            first_step.check(self.model, self.strategy, self._single_one_device(), result,
+                             {**captured, "variables": self._capture["variables"]}, snapshot)
+        self._check_due = False
+        count = self.steps if count is None else int(count)
+        if count <= 1:
+            return result
+        try:
+            return self._call(iterator, count - 1, logs)
+        except StopIteration:
+            return result
+
+    def _single_one_device(self):
+        return replica_function(self.model, self.kind, one_device=True)
+
+    def _call(self, iterator, count, logs, alone=False):
         count = self.steps if count is None else int(count)
         functions = self._functions
         # Without logs (evaluation whose logs are read once, at its end:
@@ -486,8 +551,8 @@ class Step:
         try:
             # With more than one step per call, every call (a last, shorter
             # one too) runs the looped function: one trace, not two.
-            if count == 1 and self.steps == 1:
-                return functions[quiet + "one"](iterator)
+            if alone or (count == 1 and self.steps == 1):
+                return self._logs_of(functions[quiet + "one"](iterator))
             if self._looping:
                 try:
                     return self._call_many(iterator, count, quiet)
@@ -527,7 +592,7 @@ class Step:
         results = []
         for _ in range(count):
             try:
-                results.append(self._functions[quiet + "one"](iterator))
+                results.append(self._logs_of(self._functions[quiet + "one"](iterator)))
             except tf.errors.OutOfRangeError:
                 break
         if not results:

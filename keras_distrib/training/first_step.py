@@ -1,0 +1,381 @@
+"""The first-step check: the distributed step against one device, on the model's own first batch.
+
+kd makes a step exact by reading what the model computes: where the rows of
+the batch meet, how each term adds up over replicas. A model that does
+something kd reads wrongly would otherwise train off one device's result
+without a word. So at the first training step of every step function kd
+traces (a `Step` made, or traced again where rows met), on several replicas,
+kd checks the step itself: its loss, its logs and its global gradient
+against what one device computes on the same global batch, from the same
+weights and random state.
+
+How, without tracing the step twice:
+
+1. Before the step, `Snapshot` copies every variable it may write (weights,
+   BatchNormalization statistics, seed states, metrics, optimizer state),
+   each replica's copy.
+2. The real first step runs. Its compiled function also returns the batch
+   each replica took and the global gradients its all-reduce produced
+   (`ReplicaBatch.recorded_gradients`), tensors the step holds anyway.
+3. The step's result is copied too, and the copies from before the step are
+   written back. One device's step then runs eagerly on that global batch
+   (the replicas' rows in the order of TensorFlow's split,
+   `replica.piece_order`) in a thread of its own, outside the strategy,
+   inside a `keras.StatelessScope`: it reads the variables as they were
+   before the step and writes none of them (BatchNormalization statistics,
+   metrics, seed states stay in the scope). It stops at the optimizer: the
+   gradients are recorded and not applied, and what the step reads after
+   its update are the weights the distributed step wrote.
+4. Every log and every gradient is compared, relative to the largest
+   magnitude of its value (`difference`), against round-off of its dtype
+   (`TOLERANCE`). Within it, the step's result is written back and training
+   goes on. Beyond it, every variable stays as it was before the step and a
+   ValueError names the first log or layer that differs, by how much, and
+   the likely cause.
+
+Random layers draw the same numbers in both: kd lays the replicas' draws out
+over the global batch from the seed state one device starts from.
+
+`model.compile(first_step_check=False)` turns it off.
+"""
+
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from keras_distrib import _keras_compat
+from keras_distrib.training import gradients as gradients_lib
+from keras_distrib.training import logs as logs_lib
+from keras_distrib.training import replica
+from keras_distrib.cluster import strategies
+
+__all__ = [
+    "FirstStepMismatch",
+    "GRADIENT_TOLERANCE",
+    "Snapshot",
+    "TOLERANCE",
+    "applies",
+    "check",
+    "difference",
+    "global_batch",
+]
+
+# Round-off one device and several replicas may differ by, relative to a
+# value's largest magnitude, by the dtype it is computed in: for the logs,
+# the bounds of docs/concepts/exactness.md. A gradient is the derivative of
+# the whole network: below float64, TensorFlow's own kernels give gradients
+# that far apart for one device's step computed twice (eager and compiled,
+# float32: 1.8e-2 of the largest value on a ResNet with 21
+# BatchNormalization layers, where float64 agrees to 5e-15). Below float64
+# the gradients are held to what such round-off cannot reach (a gradient of
+# the wrong scale, a term missing or doubled); the loss and metrics to the
+# dtype's round-off.
+TOLERANCE = {"float64": 1e-9, "float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
+GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 0.1, "float16": 0.25, "bfloat16": 0.5}
+
+
+import os
+_DEBUG = os.environ.get("KDCHECK_DEBUG")
+
+
+class FirstStepMismatch(ValueError):
+    """The first distributed step differs from one device's beyond round-off (nothing was trained)."""
+
+
+def applies(model, strategy):
+    """Whether `model`'s training steps under `strategy` are checked at their first step.
+
+    On several replicas in sync, unless compiled with
+    `first_step_check=False`. Not under a parameter server (each worker's
+    step is one replica's, scheduled remotely), nor for a model compiled to
+    compute on each replica's rows (`batch_norm="per_replica"`,
+    `rows_meet="per_replica"`: not one device's step, by request).
+    """
+    traits = strategies.traits(strategy)
+    if traits.replicas <= 1 or traits.is_parameter_server:
+        return False
+    if "per_replica" in (getattr(model, "batch_norm", "global"), getattr(model, "rows_meet", "global")):
+        return False
+    return getattr(model, "first_step_check", True) is not False
+
+
+def _state_variables(model):
+    """Every Keras variable a training step may write, each once."""
+    found = {}
+    for variable in _keras_compat.model_variables(model):
+        found.setdefault(id(variable), variable)
+    for optimizer in gradients_lib.optimizers_of(model):
+        for variable in optimizer.variables:
+            found.setdefault(id(variable), variable)
+    return list(found.values())
+
+
+class Snapshot:
+    """Every variable a step may write, copied; `restore` writes the copies back.
+
+    Attributes:
+        variables: The Keras variables copied.
+        copies: For each, the values of its `tf.Variable`s in this process
+            (each replica's copy of a distributed variable).
+        values: For each, its value as one device holds it (a cross-replica
+            read: a metric's state summed over the replicas).
+    """
+
+    def __init__(self, model):
+        self.variables = _state_variables(model)
+        self.copies = [[tf.identity(c.read_value()) for c in _keras_compat.variable_copies(v)]
+                       for v in self.variables]
+        self.values = [tf.convert_to_tensor(v.value) for v in self.variables]
+
+    def restore(self):
+        """Writes every copy back into its variable."""
+        for variable, copies in zip(self.variables, self.copies):
+            for holder, value in zip(_keras_compat.variable_copies(variable), copies):
+                holder.assign(value)
+
+
+def _piece_order(strategy):
+    replicas = strategy.num_replicas_in_sync
+    local = len(tuple(getattr(strategy.extended, "worker_devices", ()))) or replicas
+    workers = max(replicas // local, 1)
+    return replica.piece_order(replicas, workers if replicas % workers == 0 else 1)
+
+
+def global_batch(strategy, data):
+    """The global batch the replicas of one step took, as one device takes it.
+
+    `data`: the per-replica values a step function returned (this process's
+    replicas). Each leaf with rows is put together from every replica's
+    rows, gathered from the other workers where there are several, in the
+    order of TensorFlow's split (`replica.piece_order`); a leaf without rows
+    is replica 0's.
+    """
+    multi_worker = strategies.traits(strategy).is_multi_worker
+    order = _piece_order(strategy)
+
+    def whole(value):
+        parts = strategy.experimental_local_results(value)
+        first = parts[0]
+        if not isinstance(first, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) \
+                or first.shape.rank == 0:
+            return first
+        if multi_worker:
+            rows = strategy.gather(strategy.run(lambda v: tf.shape(v, out_type=tf.int64)[:1],
+                                                args=(value,)), axis=0)
+            gathered = strategy.gather(value, axis=0)
+            parts = tf.split(gathered, [int(r) for r in np.asarray(rows)], axis=0)
+        pieces = sorted(zip(order, parts), key=lambda pair: pair[0])
+        return tf.concat([part for _, part in pieces], axis=0)
+
+    return tree.map_structure(whole, data)
+
+
+def _dense(value):
+    return np.asarray(tf.convert_to_tensor(value), dtype=np.float64)
+
+
+def difference(value, reference, scale=0.0):
+    """How far `value` is from `reference`, relative to the larger of their largest magnitudes.
+
+    Relative to `scale` where that is larger: a gradient one device computes
+    as zero up to round-off (a bias before BatchNormalization) is compared
+    with the largest gradient of its step. Sparse gradients
+    (`tf.IndexedSlices`) are compared dense. A value finite in one and not
+    in the other counts as infinitely far; non-finite in both, as equal.
+    """
+    a, b = _dense(value), _dense(reference)
+    if a.shape != b.shape:
+        return np.inf
+    if a.size == 0:
+        return 0.0
+    # Non-finite in both agrees (a sum over replicas may make NaN of one
+    # device's inf; a LossScaleOptimizer skips either step alike).
+    nonfinite = ~np.isfinite(a)
+    if np.any(nonfinite != ~np.isfinite(b)):
+        return np.inf
+    a, b = np.where(nonfinite, 0.0, a), np.where(nonfinite, 0.0, b)
+    scale = max(np.max(np.abs(a)), np.max(np.abs(b)), scale)
+    if scale == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / scale)
+
+
+def _tolerance(model, *dtypes, table=TOLERANCE):
+    """Round-off of the least precise of the model's compute dtype and `dtypes`, from `table`."""
+    names = [tf.as_dtype(d).name for d in dtypes if d is not None]
+    names.append(tf.as_dtype(keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)).name)
+    return max(table.get(name, table["float32"]) for name in names)
+
+
+class _RecordedUpdates:
+    """Each optimizer's `apply` records its gradients and writes nothing (one device's reference).
+
+    The gradients go through kd's `all_reduce` (on one device: as they are),
+    which records them on the step's batch, as in the distributed step.
+    What the step reads after the update are the weights the distributed
+    step wrote (`after`).
+    """
+
+    def __init__(self, model, scope, after):
+        self._optimizers = gradients_lib.optimizers_of(model)
+        self._scope = scope
+        self._after = after
+
+    def __enter__(self):
+        # kd's pipeline is the optimizer's own `apply` attribute: kept, and put back.
+        self._kept = [vars(optimizer).get("apply") for optimizer in self._optimizers]
+        for optimizer in self._optimizers:
+            object.__setattr__(optimizer, "apply", self._apply_of(optimizer))
+        return self
+
+    def _apply_of(self, optimizer):
+        def apply(grads, trainable_variables=None):
+            variables = _keras_compat.updated_variables(optimizer, trainable_variables)
+            gradients_lib.all_reduce(list(grads), variables)
+            for variable in variables:
+                if id(variable) in self._after:
+                    self._scope.add_update((variable, self._after[id(variable)]))
+
+        return apply
+
+    def __exit__(self, *exc):
+        for optimizer, kept in zip(self._optimizers, self._kept):
+            if kept is None:
+                object.__delattr__(optimizer, "apply")
+            else:
+                object.__setattr__(optimizer, "apply", kept)
+
+
+def _one_device(model, step, data, after):
+    """One device's step on `data` from the variables' current values, writing none of them.
+
+    Returns `(outputs, metric states, recorded gradients)`. `after`: the
+    `Snapshot` of the distributed step's result, whose weights the step
+    reads after its update.
+    """
+    updated = {id(v): value for v, value in zip(after.variables, after.values)}
+    result = {}
+
+    def run():
+        try:
+            # Reads see the variables (the tape watches them); every write
+            # stays in the scope.
+            with keras.StatelessScope() as scope, _RecordedUpdates(model, scope, updated):
+                result["value"] = step(data)
+        except Exception as error:  # handed to the caller's thread
+            result["error"] = error
+
+    # A thread of its own: outside the strategy (one device's replica
+    # context), and with a stateless scope of its own (Keras keeps it per thread).
+    thread = threading.Thread(target=run, name="kd-first-step-check")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _layer_of(variable, model):
+    path = str(getattr(variable, "path", variable.name))
+    return path.rsplit("/", 1)[0] if "/" in path else path
+
+
+def _differences(model, logs, reference_logs, gradients, reference_gradients):
+    """`[(what, difference, tolerance)]` beyond tolerance, logs first, then layers in model order."""
+    found = []
+    flat_logs = dict(tree.flatten_with_path(logs)) if logs else {}
+    # The losses first: what the step optimizes, where a difference starts.
+    ordered = sorted(tree.flatten_with_path(reference_logs),
+                     key=lambda item: "loss" not in logs_lib.path_key(item[0]))
+    for path, value in ordered:
+        if path not in flat_logs or not tf.is_tensor(value) or not value.dtype.is_floating:
+            continue
+        distance = difference(flat_logs[path], value)
+        if _DEBUG: print("KDCHECK", path, distance)
+        tolerance = _tolerance(model, value.dtype)
+        if not distance <= tolerance:
+            found.append((f"the logged {logs_lib.path_key(path)!r}", distance, tolerance))
+    order = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    pairs = []
+    for (variables, values), (_, references) in zip(gradients, reference_gradients):
+        largest = max([float(np.max(np.abs(_dense(r)), initial=0.0)) for r in references
+                       if r is not None] + [0.0])
+        for variable, value, reference in zip(variables, values, references):
+            if value is None or reference is None:
+                if (value is None) != (reference is None):
+                    pairs.append((variable, np.inf, 0.0))
+                continue
+            distance = difference(value, reference, largest)
+            if _DEBUG:
+                a, b = _dense(value), _dense(reference)
+                print("KDCHECK", variable.path, distance, np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300), "NORMS", np.linalg.norm(a-b)**2, np.linalg.norm(b)**2)
+            tolerance = _tolerance(model, reference.dtype, variable.dtype, table=GRADIENT_TOLERANCE)
+            if not distance <= tolerance:
+                pairs.append((variable, distance, tolerance))
+    pairs.sort(key=lambda item: order.get(id(item[0]), len(order)))
+    found += [(f"the gradient of {v.path!r} (layer {_layer_of(v, model)!r})", d, t)
+              for v, d, t in pairs]
+    return found
+
+
+def check(model, strategy, step, logs, captured, snapshot):
+    """Compares the first distributed step with one device's; refuses it beyond round-off.
+
+    Args:
+        model: The model whose step ran.
+        strategy: Its strategy.
+        step: One device's replica step, called eagerly on a global batch:
+            returns `(outputs, metric states, recorded gradients)`.
+        logs: The distributed step's global logs.
+        captured: What its compiled function returned besides them:
+            `{"data": per-replica batch, "gradients": per-replica global
+            gradients, "variables": their variables}`.
+        snapshot: The `Snapshot` taken before the step.
+
+    Raises:
+        FirstStepMismatch: a log or gradient differs beyond round-off; every
+            variable is back as it was before the step.
+    """
+    data = global_batch(strategy, captured["data"])
+    distributed = [
+        (variables, [None if g is None else strategy.experimental_local_results(g)[0] for g in values])
+        for variables, values in zip(captured["variables"], captured["gradients"])
+    ]
+    # One device starts from the variables as they were before the step.
+    after = Snapshot(model)
+    snapshot.restore()
+    try:
+        outputs, _, recorded = _one_device(model, step, data, after)
+    except Exception as error:
+        raise FirstStepMismatch(
+            f"kd's first-step check could not run one device's step of {type(model).__name__} "
+            f"to compare the first distributed step with ({type(error).__name__}: {error}). "
+            "Nothing was trained. Compile with first_step_check=False to train without the check."
+        ) from error
+    found = _differences(model, logs, outputs, distributed, recorded)
+    if len(recorded) != len(distributed):
+        found.append(("the number of optimizer updates", np.inf, 0.0))
+    if not found:
+        after.restore()
+        return
+    what, distance, tolerance = found[0]
+    layers = list(dict.fromkeys(where.split("(layer ")[1].rstrip(")") for where, _, _ in found
+                                if "(layer " in where))
+    more = ""
+    if layers:
+        shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
+        more = f"; the gradients of {len(layers)} layers differ too, from the first: {shown}"
+    raise FirstStepMismatch(
+        f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
+        f"replicas differs from one device's on the same global batch: {what} is off by "
+        f"{distance:.3g} relative to its largest value (round-off allows {tolerance:.0e}){more}. "
+        "Nothing was trained: every variable is as it was before the step. Likely cause: the "
+        "rows of the batch meet in an op kd could not read (a loss or layer reading the whole "
+        "batch through an op kd does not know, e.g. a tf.while_loop over rows), so each "
+        "replica computed it from its own rows. Gather the rows yourself with "
+        "kd.losses.global_batch(tensor), or compile with rows_meet=\"per_replica\" and "
+        "first_step_check=False to keep Keras's per-replica behaviour knowingly."
+    )

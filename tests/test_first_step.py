@@ -1,0 +1,84 @@
+"""The first-step check (keras_distrib/training/first_step.py), against one device.
+
+tests/scripts/first_step.py trains each case under a strategy and on one
+device (Keras's own `keras.Model`, no kd step) from the same initial
+weights: an exact model with BatchNormalization and Dropout, with the check
+on and off, and a model whose rows meet in a layer kd is blinded to
+(`coupling.meets` patched to find nothing), which the check must refuse
+before anything is trained. One process per strategy layout runs every case.
+"""
+
+import numpy as np
+import pytest
+
+from keras_distrib.training import first_step
+from tests import _harness
+
+TOLERANCE = {True: 1e-9, False: 2e-5}
+
+
+def _check_results(results, expected_cases):
+    by_case = {(r["case"], r["float64"]): r for r in results}
+    assert set(by_case) == expected_cases, sorted(by_case)
+    errors = [r for r in results if "error" in r]
+    assert not errors, errors
+    for (case, float64), result in by_case.items():
+        if case.startswith("exact"):
+            # Exact models pass the check and train as one device does ...
+            assert result["weights"] <= TOLERANCE[float64], result
+            assert result["logs"] <= TOLERANCE[float64], result
+            # ... and the check changes nothing training computes: every
+            # variable (moving statistics, optimizer slots, metric and seed
+            # states too) is bitwise what training without it leaves.
+            assert result["same_on_and_off"] is True, result
+    blinded = by_case[("blinded", True)]
+    # kd blinded to rows that meet: the check refuses the first step, naming
+    # the loss and the layers, and nothing is trained ...
+    refusal = blinded.get("refusal", "")
+    assert refusal.startswith("FirstStepMismatch: The first training step of FunctionalModel"), blinded
+    assert "differs from one device's on the same global batch: the logged 'loss' is off by" in refusal
+    assert "the gradients of 3 layers differ too, from the first: 'embed', 'mix', 'head'" in refusal, refusal
+    assert "rows of the batch meet" in refusal and "first_step_check=False" in refusal, refusal
+    assert blinded["restored"] is True, blinded
+    # ... while without the check the same model trains off one device's result.
+    assert blinded["weights_off"] > 1e-3 and blinded["logs_off"] > 1e-3, blinded
+
+
+@pytest.mark.cluster
+def test_first_step_check_on_mirrored_replicas():
+    code, output = _harness.run_script("first_step.py", "mirrored2", timeout=600)
+    assert code == 0, output[-4000:]
+    _check_results(_harness.results_of(output),
+                   {("exact", True), ("exact", False), ("exact_spe2", True), ("blinded", True)})
+
+
+@pytest.mark.cluster
+def test_first_step_check_on_two_worker_processes():
+    result, output = _harness.run_cluster("first_step.py", "multi_worker", workers=2, timeout=600)
+    assert result.returncode == 0, output[-4000:]
+    by_task = _harness.results_by_task(output)
+    assert sorted(by_task) == ["worker 0", "worker 1"], output[-4000:]
+    for results in by_task.values():
+        _check_results(results, {("exact", True), ("blinded", True)})
+
+
+def test_difference_is_relative_to_the_largest_magnitude():
+    reference = np.array([[4.0, -2.0], [0.0, 1.0]])
+    assert first_step.difference(reference, reference) == 0.0
+    assert first_step.difference(reference + [[0.0, 0.0], [0.0, 4e-9]], reference) == pytest.approx(1e-9)
+    # A gradient that is round-off of zero, against the largest of its step.
+    assert first_step.difference([1e-17], [-1e-17], scale=1.0) == pytest.approx(2e-17)
+    assert first_step.difference([np.nan], [1.0]) == np.inf
+    assert first_step.difference([np.inf, 1.0], [np.nan, 1.0]) == 0.0
+    assert first_step.difference([1.0, 2.0], [1.0]) == np.inf
+
+
+def test_compile_refuses_a_first_step_check_that_is_not_a_bool():
+    import keras
+    import keras_distrib as kd
+
+    model = kd.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"`first_step_check`='no': expected True or False"):
+        model.compile(optimizer="sgd", loss="mse", first_step_check="no")
+    model.compile(optimizer="sgd", loss="mse", first_step_check=False)
+    assert model.get_compile_config()["first_step_check"] is False
