@@ -55,6 +55,7 @@ def test_a_sweep_over_several_delays_is_refused_naming_the_fix(capsys):
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_short_sweep_shapes_the_link_and_measures_every_variant():
     if os.geteuid() != 0:
