@@ -311,6 +311,7 @@ from keras_distrib._keras_compat.data import next_epoch_over  # noqa: F401
 from keras_distrib._keras_compat.data import per_replica_specs  # noqa: F401
 from keras_distrib._keras_compat.data import pipeline_batch_size  # noqa: F401
 from keras_distrib._keras_compat.data import pythonify_logs  # noqa: F401
+from keras_distrib._keras_compat.data import reads_data_service  # noqa: F401
 from keras_distrib._keras_compat.data import redistributed  # noqa: F401
 from keras_distrib._keras_compat.data import serialized_graph  # noqa: F401
 from keras_distrib._keras_compat.data import set_epoch_batches  # noqa: F401
