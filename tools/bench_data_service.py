@@ -18,7 +18,7 @@ last. Prints a Markdown table (median and min-max of the repeats). With
 and the data workers on the others, as on a training host whose CPUs the
 preprocessing outgrows.
 
-    python tools/bench_data_service.py --steps 30 --repeats 3 [--pin]
+    python tools/bench_data_service.py --steps 30 --repeats 3 [--size 192] [--pin]
 """
 
 import argparse
@@ -41,12 +41,16 @@ from keras_distrib.cluster import ports  # noqa: E402
 FEATURES, BATCH = 64, 32
 
 
-def preprocess(x, y):
-    # 8 products of 192x192 matrices per example: far more CPU than a step.
-    m = tf.reshape(tf.tile(x, [576]), [192, 192]) * 1e-2
-    for _ in range(8):
-        m = tf.tanh(tf.matmul(m, m))
-    return x + tf.reduce_mean(m, axis=0)[:FEATURES], y
+def make_preprocess(size):
+    """A map of 8 products of size x size matrices per example (192: far more CPU than a step)."""
+
+    def preprocess(x, y):
+        m = tf.reshape(tf.tile(x, [size * size // FEATURES]), [size, size]) * 1e-2
+        for _ in range(8):
+            m = tf.tanh(tf.matmul(m, m))
+        return x + tf.reduce_mean(m, axis=0)[:FEATURES], y
+
+    return preprocess
 
 
 class StepTimes(keras.callbacks.Callback):
@@ -79,6 +83,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size", type=int, default=192,
+                        help="matrix size of the map's products (its cost grows as size**3)")
     parser.add_argument("--pin", action="store_true",
                         help="training on CPU 0 only, data workers on the other CPUs: a training "
                         "host whose CPUs the preprocessing outgrows")
@@ -87,6 +93,7 @@ def main():
     if options.pin:
         data_cpus = sorted(os.sched_getaffinity(0) - {0})
         os.sched_setaffinity(0, {0})
+    preprocess = make_preprocess(options.size)
     rows = options.steps * BATCH
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, FEATURES)).astype("float32")
