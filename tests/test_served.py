@@ -103,6 +103,9 @@ def test_bad_input_is_named(service, one_device):
         kd.data.serve(x, global_batch_size=4, service=service, strategy=one_device,
                       preprocess=lambda row: tf.ensure_shape(
                           tf.py_function(lambda v: v, [row], tf.float64), [3]))
+    with pytest.raises(ValueError, match=r"draws stateful random numbers .*`mode`='exact'"):
+        kd.data.serve(x, global_batch_size=4, service=service, strategy=one_device,
+                      preprocess=lambda row: row + tf.random.uniform([3], dtype=tf.float64))
     own = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).apply(
         tf.data.experimental.service.distribute("parallel_epochs", service)).batch(4)
     with one_device.scope():
