@@ -72,6 +72,10 @@ def test_exact_mode_equals_one_device(service, one_device, float64):
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
     np.testing.assert_allclose(history, expected, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(model.evaluate(served, verbose=0),
+                               reference.evaluate(local, verbose=0), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(model.predict(served, verbose=0),
+                               reference.predict(local, verbose=0), rtol=0, atol=1e-9)
     assert (served.steps, served.plan.local, served.recovered) == (4, 1, 0)
 
 
@@ -88,6 +92,8 @@ def test_fit_says_what_an_epoch_is(service, one_device, capsys):
         model.fit(served, epochs=1, verbose=0)
         line = capsys.readouterr().out.splitlines()[0]
         assert line.startswith(f"kd input: tf.data service at {service}") and words in line, line
+    with pytest.raises(InputError, match=r"`mode`='exactly_once': its rows arrive .*mode='exact'"):
+        model.predict(served, verbose=0)
 
 
 def test_bad_input_is_named(service, one_device):
