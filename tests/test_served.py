@@ -1,12 +1,14 @@
 """kd.data.serve: input from tf.data service, exact or exactly-once, against one device.
 
 In this process: a dispatcher and a data worker (TensorFlow's servers,
-in-process) serve one device; the model equals plain Keras's (float64),
-fit says what an epoch is, and bad input is named. On a cluster: 2
-training workers of 2 replicas each and 2 data workers, started by
-kd.launch(data_workers=2) (tests/scripts/served_input.py): exact against
-one device with a last batch of 1 row for 4 replicas, exactly-once counted
-per example over 2 epochs with a data worker killed in the first.
+in-process) serve one device; fit, evaluate and predict equal plain
+Keras's (float64), fit says what an epoch is, and bad input is named. On a
+cluster: 2 training workers of 2 replicas each and 2 data workers, started
+by kd.launch(data_workers=2, max_restarts=1) (tests/scripts/served_input.py):
+exact against one device with a last batch of 1 row for 4 replicas, after a
+training worker was killed mid-epoch and the run resumed from its backup;
+exactly-once counted per example over 2 epochs with a data worker killed
+in the first. The Slurm recipe runs in tests/test_slurm.py.
 """
 
 import keras
