@@ -11,6 +11,8 @@ exactly-once counted per example over 2 epochs with a data worker killed
 in the first. The Slurm recipe runs in tests/test_slurm.py.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -139,7 +141,7 @@ def test_two_training_and_two_data_workers_exact_resumed_and_exactly_once_with_a
     for item in exact:
         assert (item["replicas"], item["steps"], item["local"]) == (4, 6, 2), item
         assert item["weights"] < 1e-9 and item["restarted"], item
-    assert result.restarts == 1 and "resumed at step 2 of epoch 2 in slot order" in output
+    assert result.restarts == 1 and "resumed after 2 step(s) of epoch 2 in slot order" in output
     once = {r["task"]: r for r in found if r["part"] == "exactly_once"}
     assert sorted(once) == ["worker 0", "worker 1"], output[-4000:]
     assert once["worker 0"]["killed"], once
@@ -149,3 +151,32 @@ def test_two_training_and_two_data_workers_exact_resumed_and_exactly_once_with_a
         assert item["counts"] == [[1] * 64, [1] * 64], item
         assert item["duplicates"] == 0, item
     assert "kd input: tf.data service at" in output and "not one device's order" in output
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAfter(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise _Stop()
+
+
+def test_a_resume_mid_epoch_says_what_the_epoch_is(service, one_device, tmp_path, capsys):
+    x = np.arange(16.0).reshape(16, 1)
+    for mode, words in (("exactly_once", r"resumed after (\d) step\(s\) of epoch 1 in exactly-once "
+                                         r"mode: the \1 step\(s\) skipped .* not at all"),
+                        ("exact", r"resumed after \d step\(s\) of epoch 1 in slot order")):
+        served = kd.data.serve((x, x), global_batch_size=4, service=service, mode=mode,
+                               strategy=one_device)
+        with one_device.scope():
+            model = kd.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        backup = kd.callbacks.BackupAndRestore(str(tmp_path / mode), save_freq=1)
+        with pytest.raises(_Stop):
+            model.fit(served, epochs=1, verbose=0, callbacks=[backup, _StopAfter()])
+        capsys.readouterr()
+        model.fit(served, epochs=1, verbose=0,
+                  callbacks=[kd.callbacks.BackupAndRestore(str(tmp_path / mode), save_freq=1)])
+        assert re.search(words, capsys.readouterr().out)

@@ -301,11 +301,11 @@ class ServedDataset:
         this time: the epoch is no longer exactly-once, and kd says so.
         """
         if self.mode == "exact":
-            print(f"kd.data.serve: resumed at step {step} of epoch {epoch + 1} in slot order: "
+            print(f"kd.data.serve: resumed after {step} step(s) of epoch {epoch + 1} in slot order: "
                   "the rest of the epoch is one device's", flush=True)
             return
-        print(f"kd.data.serve: resumed at step {step} of epoch {epoch + 1} in exactly-once "
-              f"mode: the {step} step(s) skipped are the first slots to arrive now, not those "
+        print(f"kd.data.serve: resumed after {step} step(s) of epoch {epoch + 1} in "
+              f"exactly-once mode: the {step} step(s) skipped are the first slots to arrive now, not those "
               "trained before the restart, so in this epoch some examples may be trained on "
               "twice and others not at all (later epochs are exactly-once again). Use "
               "mode='exact' for resumes that are exact.", flush=True)
