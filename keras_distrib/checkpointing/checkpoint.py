@@ -345,8 +345,10 @@ def data_problems(path):
 
 
 def _first_line(error):
+    """`Type: first line` of `error`, whole, without TensorFlow's `{{function_node ...}}` and `[Op:...]`."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", text[0]) if text else ""
+    return f"{type(error).__name__}: {line}"
 
 def _new_run():
     """A fresh run's identity: a random id, the host and the start (UTC)."""
