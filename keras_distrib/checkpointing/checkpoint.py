@@ -523,11 +523,9 @@ class CheckpointManager:
         except (files.DirectoryInUseError, files.UnsafeLockError) as error:
             raise CheckpointError(str(error)) from None
         except OSError as error:
-            raise CheckpointError(
-                f"Could not write the lock file {self._lock.path!r} ({error.strerror}); nothing "
-                f"was restored or written. Free space in (or fix the permissions of) "
-                f"{self.directory!r}, or give another directory."
-            ) from None
+            raise CheckpointError(disk_full_advice(
+                error, self._lock.path, "nothing was restored or written", what="the lock file ",
+                where=self.directory)) from None
         if self._created:
             marker = os.path.join(self.directory, CREATED_MARKER)
             if not os.path.lexists(marker):
