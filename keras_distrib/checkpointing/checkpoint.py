@@ -33,6 +33,7 @@ into `directory`, and only the chief locks it; the others write into a
 scratch directory that is removed.
 """
 
+import contextlib
 import datetime
 import errno
 import hashlib
@@ -523,6 +524,14 @@ class CheckpointManager:
         except (files.DirectoryInUseError, files.UnsafeLockError) as error:
             raise CheckpointError(str(error)) from None
         except OSError as error:
+            if self._created:
+                # The directory was made for this lock: take it back, so that
+                # "nothing was written" holds (and a later run creates it, marked, anew).
+                with contextlib.suppress(OSError):
+                    if os.path.getsize(self._lock.path) == 0:
+                        os.remove(self._lock.path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.directory)
             raise CheckpointError(disk_full_advice(
                 error, self._lock.path, "nothing was restored or written", what="the lock file ",
                 where=self.directory)) from None
