@@ -1474,3 +1474,21 @@ def test_a_full_disk_at_the_lock_leaves_no_directory_behind(tmp_path, monkeypatc
     assert not backup.exists()
     _fit(_model(), backup)
     assert not backup.exists()
+
+
+@pytest.mark.parametrize("line,config", [
+    ("keras_distrib.checkpointing.checkpoint.ForeignCheckpointError: The checkpoint '/b/ckpt-7' does "
+     "not belong to this directory's run: it was written by run 9c41 ...", True),
+    ("keras_distrib.checkpointing.checkpoint.CheckpointError: '/b/ckpt-4' is left over from run 3f2a "
+     "..., which finished; ...", True),
+    ("keras_distrib.checkpointing.checkpoint.CheckpointError: Could not write the checkpoint '/b/ckpt-4' "
+     "(No space left on device); ...", False),  # contrast: space may be freed, a restart may pass
+])
+def test_a_backup_of_another_run_or_a_leftover_ends_a_launch_instead_of_restarting(line, config):
+    """A rerun would meet them again: exit 2, not a loop of restarts (on e2df62d: exit 1, restarted)."""
+    from keras_distrib.cluster import failures
+    from keras_distrib.cluster.task_process import TaskResult
+
+    result = TaskResult("worker", 0, 1, ["Traceback (most recent call last):", line])
+    code, _ = failures.failure_report(result, [result])
+    assert code == (failures.CONFIG_EXIT_CODE if config else 1)
