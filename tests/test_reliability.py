@@ -1522,3 +1522,45 @@ def shlex_quote(value):
     import shlex
 
     return shlex.quote(str(value))
+
+
+def test_a_full_disk_at_the_lock_leaves_no_directory_behind(tmp_path, monkeypatch):
+    """The directory kd made for the lock is taken back: a later run creates (and removes) it anew.
+
+    On e2df62d it stayed, unmarked as kd's, so it was never removed (found by the chaos soak).
+    """
+    import errno
+
+    from keras_distrib import files
+    from keras_distrib.checkpointing.checkpoint import CheckpointError
+
+    def full(self, fd, previous):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    backup = tmp_path / "backup"
+    with monkeypatch.context() as patch:
+        patch.setattr(files.DirectoryLock, "_write_owner", full)
+        with pytest.raises(CheckpointError, match=r"Could not write the lock file .*nothing was restored or "
+                                                  r"written\. Free space in"):
+            _fit(_model(), backup)
+    assert not backup.exists()
+    _fit(_model(), backup)
+    assert not backup.exists()
+
+
+@pytest.mark.parametrize("line,config", [
+    ("keras_distrib.checkpointing.checkpoint.ForeignCheckpointError: The checkpoint '/b/ckpt-7' does "
+     "not belong to this directory's run: it was written by run 9c41 ...", True),
+    ("keras_distrib.checkpointing.checkpoint.CheckpointError: '/b/ckpt-4' is left over from run 3f2a "
+     "..., which finished; ...", True),
+    ("keras_distrib.checkpointing.checkpoint.CheckpointError: Could not write the checkpoint '/b/ckpt-4' "
+     "(No space left on device); ...", False),  # contrast: space may be freed, a restart may pass
+])
+def test_a_backup_of_another_run_or_a_leftover_ends_a_launch_instead_of_restarting(line, config):
+    """A rerun would meet them again: exit 2, not a loop of restarts (on e2df62d: exit 1, restarted)."""
+    from keras_distrib.cluster import failures
+    from keras_distrib.cluster.task_process import TaskResult
+
+    result = TaskResult("worker", 0, 1, ["Traceback (most recent call last):", line])
+    code, _ = failures.failure_report(result, [result])
+    assert code == (failures.CONFIG_EXIT_CODE if config else 1)

@@ -1,13 +1,17 @@
 """kd.data.serve: input from tf.data service, exact or exactly-once, against one device.
 
 In this process: a dispatcher and a data worker (TensorFlow's servers,
-in-process) serve one device; the model equals plain Keras's (float64),
-fit says what an epoch is, and bad input is named. On a cluster: 2
-training workers of 2 replicas each and 2 data workers, started by
-kd.launch(data_workers=2) (tests/scripts/served_input.py): exact against
-one device with a last batch of 1 row for 4 replicas, exactly-once counted
-per example over 2 epochs with a data worker killed in the first.
+in-process) serve one device; fit, evaluate and predict equal plain
+Keras's (float64), fit says what an epoch is, and bad input is named. On a
+cluster: 2 training workers of 2 replicas each and 2 data workers, started
+by kd.launch(data_workers=2, max_restarts=1) (tests/scripts/served_input.py):
+exact against one device with a last batch of 1 row for 4 replicas, after a
+training worker was killed mid-epoch and the run resumed from its backup;
+exactly-once counted per example over 2 epochs with a data worker killed
+in the first. The Slurm recipe runs in tests/test_slurm.py.
 """
+
+import re
 
 import keras
 import numpy as np
@@ -72,6 +76,10 @@ def test_exact_mode_equals_one_device(service, one_device, float64):
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
     np.testing.assert_allclose(history, expected, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(model.evaluate(served, verbose=0),
+                               reference.evaluate(local, verbose=0), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(model.predict(served, verbose=0),
+                               reference.predict(local, verbose=0), rtol=0, atol=1e-9)
     assert (served.steps, served.plan.local, served.recovered) == (4, 1, 0)
 
 
@@ -88,6 +96,8 @@ def test_fit_says_what_an_epoch_is(service, one_device, capsys):
         model.fit(served, epochs=1, verbose=0)
         line = capsys.readouterr().out.splitlines()[0]
         assert line.startswith(f"kd input: tf.data service at {service}") and words in line, line
+    with pytest.raises(InputError, match=r"`mode`='exactly_once': its rows arrive .*mode='exact'"):
+        model.predict(served, verbose=0)
 
 
 def test_bad_input_is_named(service, one_device):
@@ -103,6 +113,9 @@ def test_bad_input_is_named(service, one_device):
         kd.data.serve(x, global_batch_size=4, service=service, strategy=one_device,
                       preprocess=lambda row: tf.ensure_shape(
                           tf.py_function(lambda v: v, [row], tf.float64), [3]))
+    with pytest.raises(ValueError, match=r"draws stateful random numbers .*`mode`='exact'"):
+        kd.data.serve(x, global_batch_size=4, service=service, strategy=one_device,
+                      preprocess=lambda row: row + tf.random.uniform([3], dtype=tf.float64))
     own = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).apply(
         tf.data.experimental.service.distribute("parallel_epochs", service)).batch(4)
     with one_device.scope():
@@ -128,7 +141,7 @@ def test_two_training_and_two_data_workers_exact_resumed_and_exactly_once_with_a
     for item in exact:
         assert (item["replicas"], item["steps"], item["local"]) == (4, 6, 2), item
         assert item["weights"] < 1e-9 and item["restarted"], item
-    assert result.restarts == 1 and "resumed at step 2 of epoch 2 in slot order" in output
+    assert result.restarts == 1 and "resumed after 2 step(s) of epoch 2 in slot order" in output
     once = {r["task"]: r for r in found if r["part"] == "exactly_once"}
     assert sorted(once) == ["worker 0", "worker 1"], output[-4000:]
     assert once["worker 0"]["killed"], once
@@ -138,3 +151,32 @@ def test_two_training_and_two_data_workers_exact_resumed_and_exactly_once_with_a
         assert item["counts"] == [[1] * 64, [1] * 64], item
         assert item["duplicates"] == 0, item
     assert "kd input: tf.data service at" in output and "not one device's order" in output
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAfter(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise _Stop()
+
+
+def test_a_resume_mid_epoch_says_what_the_epoch_is(service, one_device, tmp_path, capsys):
+    x = np.arange(16.0).reshape(16, 1)
+    for mode, words in (("exactly_once", r"resumed after (\d) step\(s\) of epoch 1 in exactly-once "
+                                         r"mode: the \1 step\(s\) skipped .* not at all"),
+                        ("exact", r"resumed after \d step\(s\) of epoch 1 in slot order")):
+        served = kd.data.serve((x, x), global_batch_size=4, service=service, mode=mode,
+                               strategy=one_device)
+        with one_device.scope():
+            model = kd.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        backup = kd.callbacks.BackupAndRestore(str(tmp_path / mode), save_freq=1)
+        with pytest.raises(_Stop):
+            model.fit(served, epochs=1, verbose=0, callbacks=[backup, _StopAfter()])
+        capsys.readouterr()
+        model.fit(served, epochs=1, verbose=0,
+                  callbacks=[kd.callbacks.BackupAndRestore(str(tmp_path / mode), save_freq=1)])
+        assert re.search(words, capsys.readouterr().out)

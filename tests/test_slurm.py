@@ -230,3 +230,23 @@ def test_the_elastic_recipe_goes_on_with_the_node_left_and_ends_as_one_device(sl
     assert output.count("DONE tf_config 2 worker") == 2 and "DONE tf_config 4" not in output, output[-5000:]
     assert _harness.saved_weights_diff(reference, str(job_dir / "weights.npz")) <= _TOLERANCE
     assert not _no_leftovers(slurm)
+
+
+def test_the_data_service_recipe_trains_exactly_on_two_nodes(slurm, tmp_path):
+    # docs/guides/data-service.md's second Slurm recipe, verbatim: the
+    # service on the training nodes (--overlap), the model one device's.
+    with open(os.path.join(_harness.REPO, "docs", "guides", "data-service.md")) as f:
+        text = f.read()
+    script = re.search(r"shares the training nodes.*?^```bash\n(.*?)^```", text, re.S | re.M).group(1)
+    (tmp_path / "train.sbatch").write_text(script)
+    shutil.copy(os.path.join(_harness.SCRIPTS, "slurm_served.py"), tmp_path / "train.py")
+    job = _submit(slurm, tmp_path, DATA_PORT=str(_harness.free_port_block(1)))
+    state, exit_code, _ = slurm.wait(job, 400)
+    output = _output(tmp_path)
+    assert state == "COMPLETED", output[-4000:]
+    results = _harness.task_results(output)
+    assert sorted(r["task"] for r in results) == ["worker 0", "worker 1"], output[-4000:]
+    assert all(r["workers"] == 2 and r["weights"] < 1e-9 for r in results), results
+    assert output.count("tf.data service worker serving at") == 2, output[-4000:]
+    assert "kd input: tf.data service at grpc://" in output, output[-4000:]
+    assert not _no_leftovers(slurm)

@@ -13,9 +13,12 @@ than a step (matrix products on each example). Three variants take turns,
 The dispatchers and data workers are processes started here
 (`python -m keras_distrib.cluster.data_service`) and killed at the end.
 Steps/second count from the end of an epoch's first step to the end of its
-last. Prints a Markdown table (median and min-max of the repeats).
+last. Prints a Markdown table (median and min-max of the repeats). With
+`--pin`, the training process (and so the local input) runs on CPU 0 only
+and the data workers on the others, as on a training host whose CPUs the
+preprocessing outgrows.
 
-    python tools/bench_data_service.py --steps 40 --repeats 3
+    python tools/bench_data_service.py --steps 30 --repeats 3 [--size 192] [--pin]
 """
 
 import argparse
@@ -38,12 +41,16 @@ from keras_distrib.cluster import ports  # noqa: E402
 FEATURES, BATCH = 64, 32
 
 
-def preprocess(x, y):
-    # About 8 products of 96x96 matrices per example: more CPU than a step.
-    m = tf.reshape(tf.tile(x, [144]), [96, 96]) * 1e-2
-    for _ in range(8):
-        m = tf.tanh(tf.matmul(m, m))
-    return x + tf.reduce_mean(m, axis=0)[:FEATURES], y
+def make_preprocess(size):
+    """A map of 8 products of size x size matrices per example (192: far more CPU than a step)."""
+
+    def preprocess(x, y):
+        m = tf.reshape(tf.tile(x, [size * size // FEATURES]), [size, size]) * 1e-2
+        for _ in range(8):
+            m = tf.tanh(tf.matmul(m, m))
+        return x + tf.reduce_mean(m, axis=0)[:FEATURES], y
+
+    return preprocess
 
 
 class StepTimes(keras.callbacks.Callback):
@@ -57,15 +64,18 @@ class StepTimes(keras.callbacks.Callback):
         return (len(self.times) - 1) / (self.times[-1] - self.times[0])
 
 
-def start_service(workers):
+def start_service(workers, cpus=None):
+    """`(address, processes)`: a dispatcher and `workers` data workers (on `cpus` when given)."""
     port = ports.pick_ports(1)[0]
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     module = [sys.executable, "-m", "keras_distrib.cluster.data_service"]
     quiet = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     processes = [subprocess.Popen(module + ["dispatcher", "--port", str(port)], env=quiet,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     processes += [subprocess.Popen(module + ["worker", "--dispatcher", f"localhost:{port}"],
                                    env=quiet, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL) for _ in range(workers)]
+                                   stderr=subprocess.DEVNULL, preexec_fn=pin)
+                  for _ in range(workers)]
     return f"grpc://localhost:{port}", processes
 
 
@@ -73,7 +83,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size", type=int, default=192,
+                        help="matrix size of the map's products (its cost grows as size**3)")
+    parser.add_argument("--pin", action="store_true",
+                        help="training on CPU 0 only, data workers on the other CPUs: a training "
+                        "host whose CPUs the preprocessing outgrows")
     options = parser.parse_args()
+    data_cpus = None
+    if options.pin:
+        data_cpus = sorted(os.sched_getaffinity(0) - {0})
+        os.sched_setaffinity(0, {0})
+    preprocess = make_preprocess(options.size)
     rows = options.steps * BATCH
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, FEATURES)).astype("float32")
@@ -82,7 +102,7 @@ def main():
     processes = []
     try:
         for count in (1, 2):
-            address, started = start_service(count)
+            address, started = start_service(count, data_cpus)
             services[count] = address
             processes += started
         with strategy.scope():

@@ -33,6 +33,7 @@ into `directory`, and only the chief locks it; the others write into a
 scratch directory that is removed.
 """
 
+import contextlib
 import datetime
 import errno
 import hashlib
@@ -345,8 +346,10 @@ def data_problems(path):
 
 
 def _first_line(error):
+    """`Type: first line` of `error`, whole, without TensorFlow's `{{function_node ...}}` and `[Op:...]`."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", text[0]) if text else ""
+    return f"{type(error).__name__}: {line}"
 
 def _new_run():
     """A fresh run's identity: a random id, the host and the start (UTC)."""
@@ -521,11 +524,17 @@ class CheckpointManager:
         except (files.DirectoryInUseError, files.UnsafeLockError) as error:
             raise CheckpointError(str(error)) from None
         except OSError as error:
-            raise CheckpointError(
-                f"Could not write the lock file {self._lock.path!r} ({error.strerror}); nothing "
-                f"was restored or written. Free space in (or fix the permissions of) "
-                f"{self.directory!r}, or give another directory."
-            ) from None
+            if self._created:
+                # The directory was made for this lock: take it back, so that
+                # "nothing was written" holds (and a later run creates it, marked, anew).
+                with contextlib.suppress(OSError):
+                    if os.path.getsize(self._lock.path) == 0:
+                        os.remove(self._lock.path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.directory)
+            raise CheckpointError(disk_full_advice(
+                error, self._lock.path, "nothing was restored or written", what="the lock file ",
+                where=self.directory)) from None
         if self._created:
             marker = os.path.join(self.directory, CREATED_MARKER)
             if not os.path.lexists(marker):

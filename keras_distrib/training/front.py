@@ -45,25 +45,45 @@ def fit(model, steps_for, request):
 
 def _served_input(model, request):
     """`request` with a `kd.data.serve` input as the dataset it trains on; says what its epochs are."""
-    source = served.description_of(request.x)
+    source = _served_source(model, request.x, "fit")
     if source is None:
-        served.refuse_own_service_pipeline(request.x)
         return request
-    if on_parameter_server(model):
-        raise validation.InputError(
-            "`x` is served by tf.data service (kd.data.serve), which kd supports under "
-            "one-device, mirrored and multi-worker strategies, not parameter-server training. "
-            "Pass the parameter-server coordinator a dataset_fn instead."
-        )
     if cluster.cluster_info().is_chief:
         print(source.description(), flush=True)
     # A served epoch is in slot order (exact) or arrival order: nothing for Keras to shuffle.
     return dataclasses.replace(request, x=source.distributed, shuffle=False)
 
 
+def _served_source(model, x, method):
+    """The `kd.data.serve` input behind `x`, or None; refuses what kd cannot run as asked."""
+    source = served.description_of(x)
+    if source is None:
+        served.refuse_own_service_pipeline(x)
+        return None
+    if on_parameter_server(model):
+        raise validation.InputError(
+            "`x` is served by tf.data service (kd.data.serve), which kd supports under "
+            "one-device, mirrored and multi-worker strategies, not parameter-server training. "
+            "Pass the parameter-server coordinator a dataset_fn instead."
+        )
+    if method == "predict" and source.mode != "exact":
+        raise validation.InputError(
+            f"`x` is served with `mode`={source.mode!r}: its rows arrive in the data workers' "
+            "order, so `predict`'s outputs would not line up with the rows. Serve it with "
+            "mode='exact' to predict."
+        )
+    return source
+
+
+def _unserved(model, x, method):
+    source = _served_source(model, x, method)
+    return x if source is None else source.distributed
+
+
 def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto",
              sample_weight=None, steps=None, callbacks=None, return_dict=False, shards=None):
     """`Model.evaluate` for `model`; `shards` splits it over parameter-server workers."""
+    x = _unserved(model, x, "evaluate")
     inputs.validate_inputs(model, x, y, sample_weight, method="evaluate",
                                batch_size=batch_size, steps=steps, verbose=verbose,
                                callbacks=callbacks, return_dict=return_dict)
@@ -88,6 +108,7 @@ def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto
 
 def predict(model, steps_for, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """`Model.predict` for `model`: every row once, in input order."""
+    x = _unserved(model, x, "predict")
     inputs.validate_inputs(model, x, method="predict", batch_size=batch_size, steps=steps,
                                verbose=verbose, callbacks=callbacks)
     if on_parameter_server(model):

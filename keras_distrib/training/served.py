@@ -195,15 +195,35 @@ def _check(data, global_batch_size, mode, preprocess, strategy):
 
 
 _PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
+# Random ops whose draws depend on the order in which they run: a data worker
+# draws them in whatever order its slots come, so a piece is not one device's.
+_STATEFUL_RANDOM_OPS = {
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "RandomShuffle", "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt",
+    "StatefulStandardNormalV2", "StatefulTruncatedNormal", "StatefulRandomBinomial",
+}
 
 
-def _check_preprocess(dataset):
-    """Raises ValueError for a `preprocess` a data worker cannot run, or whose rows cannot be stacked."""
+def _check_preprocess(dataset, mode):
+    """Raises ValueError for a `preprocess` a data worker cannot run, or whose rows cannot be stacked.
+
+    In `mode="exact"`, also for one that draws stateful random numbers: its
+    result would depend on which data worker ran a slot, and when.
+    """
     if _keras_compat.dataset_calls_python(dataset, _PYTHON_OPS):
         raise ValueError(
             "`preprocess` calls Python (tf.py_function / tf.numpy_function): the data workers "
             "run the pipeline's graph in other processes, without this process's Python "
             "functions, so the dataset cannot be served. Write it with TensorFlow ops only."
+        )
+    if mode == "exact" and _keras_compat.dataset_calls_python(dataset, _STATEFUL_RANDOM_OPS):
+        raise ValueError(
+            "`preprocess` draws stateful random numbers (tf.random.uniform, normal, shuffle, "
+            "a tf.random.Generator...) and `mode`='exact': the draws depend on which data "
+            "worker runs a slot and when, so the batches would not be one device's. Use "
+            "stateless draws seeded by the example (tf.random.stateless_uniform(..., "
+            "seed=...)), or mode='exactly_once'."
         )
     unknown = [spec for spec in tree.flatten(dataset.element_spec)
                if getattr(spec, "shape", None) is None or spec.shape.rank is None]
@@ -253,7 +273,7 @@ class ServedDataset:
         examples_dataset = tf.data.Dataset.from_tensor_slices(arrays)
         if preprocess is not None:
             examples_dataset = examples_dataset.map(preprocess)
-            _check_preprocess(examples_dataset)
+            _check_preprocess(examples_dataset, mode)
         self._example_spec = examples_dataset.element_spec
         self.distributed = strategy.distribute_datasets_from_function(self._worker_dataset)
         _described[self.distributed] = self
@@ -281,11 +301,11 @@ class ServedDataset:
         this time: the epoch is no longer exactly-once, and kd says so.
         """
         if self.mode == "exact":
-            print(f"kd.data.serve: resumed at step {step} of epoch {epoch + 1} in slot order: "
+            print(f"kd.data.serve: resumed after {step} step(s) of epoch {epoch + 1} in slot order: "
                   "the rest of the epoch is one device's", flush=True)
             return
-        print(f"kd.data.serve: resumed at step {step} of epoch {epoch + 1} in exactly-once "
-              f"mode: the {step} step(s) skipped are the first slots to arrive now, not those "
+        print(f"kd.data.serve: resumed after {step} step(s) of epoch {epoch + 1} in "
+              f"exactly-once mode: the {step} step(s) skipped are the first slots to arrive now, not those "
               "trained before the restart, so in this epoch some examples may be trained on "
               "twice and others not at all (later epochs are exactly-once again). Use "
               "mode='exact' for resumes that are exact.", flush=True)
