@@ -116,8 +116,6 @@ class Snapshot:
         variables: The Keras variables copied.
         copies: For each, the values of its `tf.Variable`s in this process
             (each replica's copy of a distributed variable).
-        values: For each, its value as one device holds it (a cross-replica
-            read: a metric's state summed over the replicas).
     """
 
     def __init__(self, model):
@@ -125,7 +123,6 @@ class Snapshot:
         # (A read is the value at that moment: a later write does not change it.)
         self.copies = [[c.read_value() for c in _keras_compat.variable_copies(v)]
                        for v in self.variables]
-        self.values = [tf.convert_to_tensor(v.value) for v in self.variables]
 
     def restore(self):
         """Writes every copy back into its variable."""
@@ -253,7 +250,8 @@ def _one_device(model, step, data, after):
     `Snapshot` of the distributed step's result, whose weights the step
     reads after its update.
     """
-    updated = {id(v): value for v, value in zip(after.variables, after.values)}
+    # A weight's copies are alike on every replica: the first is its value.
+    updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies) if v.trainable}
     result = {}
 
     def run():
