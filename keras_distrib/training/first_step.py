@@ -77,10 +77,6 @@ TOLERANCE = {"float64": 1e-9, "float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2
 GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 0.1, "float16": 0.25, "bfloat16": 0.5}
 
 
-import os
-_DEBUG = os.environ.get("KDCHECK_DEBUG")
-
-
 class FirstStepMismatch(ValueError):
     """The first distributed step differs from one device's beyond round-off (nothing was trained)."""
 
@@ -120,15 +116,13 @@ class Snapshot:
         variables: The Keras variables copied.
         copies: For each, the values of its `tf.Variable`s in this process
             (each replica's copy of a distributed variable).
-        values: For each, its value as one device holds it (a cross-replica
-            read: a metric's state summed over the replicas).
     """
 
     def __init__(self, model):
         self.variables = _state_variables(model)
-        self.copies = [[tf.identity(c.read_value()) for c in _keras_compat.variable_copies(v)]
+        # (A read is the value at that moment: a later write does not change it.)
+        self.copies = [[c.read_value() for c in _keras_compat.variable_copies(v)]
                        for v in self.variables]
-        self.values = [tf.convert_to_tensor(v.value) for v in self.variables]
 
     def restore(self):
         """Writes every copy back into its variable."""
@@ -256,7 +250,8 @@ def _one_device(model, step, data, after):
     `Snapshot` of the distributed step's result, whose weights the step
     reads after its update.
     """
-    updated = {id(v): value for v, value in zip(after.variables, after.values)}
+    # A weight's copies are alike on every replica: the first is its value.
+    updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies) if v.trainable}
     result = {}
 
     def run():
@@ -294,7 +289,6 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
         if path not in flat_logs or not tf.is_tensor(value) or not value.dtype.is_floating:
             continue
         distance = difference(flat_logs[path], value)
-        if _DEBUG: print("KDCHECK", path, distance)
         tolerance = _tolerance(model, value.dtype)
         if not distance <= tolerance:
             found.append((f"the logged {logs_lib.path_key(path)!r}", distance, tolerance))
@@ -309,9 +303,6 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
                     pairs.append((variable, np.inf, 0.0))
                 continue
             distance = difference(value, reference, largest)
-            if _DEBUG:
-                a, b = _dense(value), _dense(reference)
-                print("KDCHECK", variable.path, distance, np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300), "NORMS", np.linalg.norm(a-b)**2, np.linalg.norm(b)**2)
             tolerance = _tolerance(model, reference.dtype, variable.dtype, table=GRADIENT_TOLERANCE)
             if not distance <= tolerance:
                 pairs.append((variable, distance, tolerance))
