@@ -176,7 +176,7 @@ def _row_aligned(values, what):
     for index, value in enumerate(values):
         if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
-            if kind == penalties.ROWS:
+            if kind in (penalties.ROWS, penalties.ROW_BLOCKS):
                 positions.append(index)
             elif isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
                 raise ValueError(penalties.refusal(kind, what, _replicas()))

@@ -59,6 +59,7 @@ __all__ = [
     "NO_ROWS",
     "OPS",
     "ROWS",
+    "ROW_BLOCKS",
     "ROW_MEAN",
     "ROW_SUM",
     "SHARE",
@@ -90,9 +91,12 @@ _STATIC = "static"  # an integer constant cast to a number, maybe the static row
 _OPTIONAL = "optional"  # the replica's next batch as an Optional (get_next_as_optional)
 _COLUMNS = "columns"  # rows transposed onto the second axis (`transpose(x)`, `x[None, :]`)
 _OFFSET = "offset"  # where the replica's rows start in the global batch (`kd.losses.global_batch`)
-# The rows merged with the axes after them (`reshape(x, [-1, classes])` of a
-# (rows, steps, classes) tensor): each block of entries one row's.
-_BLOCKS = "row blocks"
+# The rows regrouped along the first axis, each entry one row's: merged with
+# the axes after them (`reshape(x, [-1, classes])` of a (rows, steps,
+# classes) tensor), or batches concatenated along the rows (a GAN's
+# generated and real images). Sums and means over its entries add up as
+# over rows; what depends on its order is not read.
+ROW_BLOCKS = _BLOCKS = "row blocks"
 # A replica's share of a loss kd computed (its shares add up over replicas to
 # the global loss): what it is made of is kd's arithmetic, not the walk's.
 SHARE = "share"
@@ -331,10 +335,6 @@ def _binary(op, kinds):
             return _meeting(op, "combines every row of the batch with every other row (e.g. "
                                 "`labels[:, None] == labels[None, :]`)")
         return _unread(op)
-    if _BLOCKS in kind_set and kind_set <= {_BLOCKS, FIXED}:
-        fixed_ok = all(_broadcasts_into_rows(op.outputs[0], t) for k, t in ((a, ta), (b, tb))
-                       if k == FIXED)
-        return _BLOCKS if fixed_ok else _unread(op)
     if kind_set <= {ROWS, FIXED, _DRAW}:
         if ROWS in kind_set and _DRAW in kind_set:
             return _mixing(op, "combines the rows with random numbers drawn for this replica's "
@@ -637,6 +637,9 @@ def _concat(op, index, kinds):
     rank = _rank(op.outputs[0])
     if axis is not None and rank and int(axis) % rank != 0 and all(k == ROWS for k in kinds[:-1]):
         return ROWS
+    if axis is not None and rank and int(axis) % rank == 0 and \
+            all(k in (ROWS, _BLOCKS) for k in kinds[:-1]):
+        return _BLOCKS  # batches stacked along the rows
     return _unread(op)
 
 
@@ -677,10 +680,6 @@ def _per_row_image(op, index, kinds):
 
 def _select(op, index, kinds):
     kind_set = set(kinds)
-    if _BLOCKS in kind_set and kind_set <= {_BLOCKS, FIXED}:
-        fixed_ok = all(_broadcasts_into_rows(op.outputs[0], t) for k, t in ((a, ta), (b, tb))
-                       if k == FIXED)
-        return _BLOCKS if fixed_ok else _unread(op)
     if kind_set <= {ROWS, FIXED, _DRAW}:
         if ROWS in kind_set and _DRAW in kind_set:
             return _mixing(op, "selects between the rows with random numbers drawn for this "
@@ -863,6 +862,10 @@ def _kind_of_op_output(op, index, kinds):
         return FIXED  # a function of weights and constants alone: the same on every replica
     if entry is None:
         return _unread(op)
+    if _BLOCKS in kinds and set(kinds) <= {_BLOCKS, FIXED} and kind_type != "ConcatV2":
+        # Regrouped rows go through what each row goes through alone.
+        kind = entry.kind(op, index, [ROWS if k == _BLOCKS else k for k in kinds])
+        return _BLOCKS if kind == ROWS else kind
     return entry.kind(op, index, kinds)
 
 
