@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 # Keras 3.15's layers by what their training call does with the rows of a
-# batch (`tests/test_layers.py` checks that every layer Keras exports is in
+# batch (`tests/test_rows_meet.py` checks that every layer Keras exports is in
 # one of these lists, or is kd's own concern: BatchNormalization, Lambda,
 # InputLayer). A layer of another class, or another library, is not trusted
 # by name: kd reads its graph (`may_meet`).
@@ -196,7 +196,8 @@ def drop_padding(outputs, batch, first=None, owner=None):
 
 def _check_rows(value, owner):
     kind = penalties.kind_of_value(value)
-    if kind in (penalties.ROWS, penalties.GLOBAL) or not spreads_over_replicas():
+    if kind in (penalties.ROWS, penalties.ROW_BLOCKS, penalties.GLOBAL) or \
+            not spreads_over_replicas():
         return  # (GLOBAL: kept whole from a computation on the global batch)
     name = f"{owner.name!r} ({type(owner).__name__})" if owner is not None else "the model"
     if isinstance(kind, penalties.Unknown):
