@@ -141,3 +141,23 @@ def test_an_op_the_table_does_not_read_is_unknown_never_rows():
     assert found["layout"] is None
     assert found["read"] == penalties.ROWS
     assert "Lgamma" not in penalties.OPS and "Exp" in penalties.OPS
+
+
+def test_a_sequence_loss_and_a_broadcast_embedding_keep_the_rows():
+    # TensorFlow's sparse cross-entropy of a sequence merges the rows with
+    # the steps and reshapes back; a position embedding is broadcast to each
+    # row: both row by row, so kd computes them on the replica's rows.
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 8, 5)), tf.TensorSpec((None, 8), tf.int32)])
+    def forward(logits, labels):
+        found["loss"] = penalties.kind_of_value(
+            keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        found["mean"] = penalties.kind_of(tf.reduce_mean(tf.reshape(logits, [-1, 5])))
+        position = tf.broadcast_to(tf.ones((8, 5)), tf.shape(logits))
+        found["position"] = penalties.kind_of_value(position)
+        return tf.constant(0.0)
+
+    forward(tf.zeros((2, 8, 5)), tf.zeros((2, 8), tf.int32))
+    assert found == {"loss": penalties.ROWS, "mean": penalties.ROW_MEAN,
+                     "position": penalties.ROWS}

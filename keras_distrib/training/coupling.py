@@ -176,7 +176,7 @@ def _row_aligned(values, what):
     for index, value in enumerate(values):
         if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
-            if kind == penalties.ROWS:
+            if kind in (penalties.ROWS, penalties.ROW_BLOCKS):
                 positions.append(index)
             elif isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
                 raise ValueError(penalties.refusal(kind, what, _replicas()))
@@ -434,7 +434,18 @@ def layer_call(layer, call, *, pad, meets=False):
     without reading its graph.
     """
 
-    def called(inputs, *args, **kwargs):
+    def called(*args, **kwargs):
+        if args:
+            return on_inputs(call, *args, **kwargs)
+        # Called with keywords only (an attention layer's `query=`, `value=`):
+        # the first tensor among them stands for the inputs.
+        name = next((k for k, v in kwargs.items() if isinstance(v, tf.Tensor)), None)
+        if name is None:
+            return call(**kwargs)
+        inputs = kwargs.pop(name)
+        return on_inputs(lambda x, *a, **k: call(*a, **{name: x}, **k), inputs, **kwargs)
+
+    def on_inputs(call, inputs, *args, **kwargs):
         batch = replica.current_batch()
         key = kwargs.get("training")
         key = bool(key) if isinstance(key, bool) else None
@@ -448,6 +459,11 @@ def layer_call(layer, call, *, pad, meets=False):
             return _padded(call, inputs, args, kwargs, batch, pad)
         if decision is not None:
             return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, decision[1])
+        if _first_unread((inputs, args, kwargs)) is not None:
+            # Its inputs already passed an op kd cannot read (or meet): not
+            # this layer's doing. The layer or loss that reads those inputs'
+            # ops decides (or kd refuses there, see `_row_aligned`).
+            return _padded(call, inputs, args, kwargs, batch, pad)
         losses = len(batch.losses) if batch.losses is not None else None
         draws = dict(batch.seed_draws)
         outputs = _padded(call, inputs, args, kwargs, batch, pad, inspect=True)
@@ -464,6 +480,16 @@ def layer_call(layer, call, *, pad, meets=False):
         return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, outputs.statistics)
 
     return called
+
+
+def _first_unread(values):
+    """The first tensor kind in `values` whose rows meet or kd cannot read, or None."""
+    for value in tree.flatten(values):
+        if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource:
+            kind = penalties.kind_of_value(value)
+            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+                return kind
+    return None
 
 
 def _added_meet(terms):
@@ -539,15 +565,17 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics)
             "jit_compile=False (or GPUs, where XLA compiles the whole step)."
         )
     flat = tree.flatten(inputs)
-    positions = _row_aligned(flat, f"the inputs of layer {layer.name!r} ({type(layer).__name__})")
+    what = f"the inputs of layer {layer.name!r} ({type(layer).__name__})"
+    positions = _row_aligned(flat, what)
     if not positions:
         return call(inputs, *args, **kwargs)
-    mask = kwargs.get("mask")
-    masked = isinstance(mask, tf.Tensor) and bool(mask.shape.rank)
-    values = [flat[i] for i in positions] + ([mask] if masked else [])
+    # The rows of its other tensor arguments (a mask, an attention layer's
+    # `value=`) are gathered with them.
+    names = list(kwargs)
+    keyed = [names[i] for i in _row_aligned([kwargs[n] for n in names], what)]
+    values = [flat[i] for i in positions] + [kwargs[n] for n in keyed]
     gathered, places = gather(values, batch, own_gradient=False)
-    if masked:
-        kwargs = {**kwargs, "mask": gathered.pop()}
+    kwargs = {**kwargs, **dict(zip(keyed, gathered[len(positions):]))}
     for position, value in zip(positions, gathered):
         flat[position] = value
     with _global_region(batch):

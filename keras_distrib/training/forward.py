@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 # Keras 3.15's layers by what their training call does with the rows of a
-# batch (`tests/test_layers.py` checks that every layer Keras exports is in
+# batch (`tests/test_rows_meet.py` checks that every layer Keras exports is in
 # one of these lists, or is kd's own concern: BatchNormalization, Lambda,
 # InputLayer). A layer of another class, or another library, is not trusted
 # by name: kd reads its graph (`may_meet`).
@@ -196,7 +196,8 @@ def drop_padding(outputs, batch, first=None, owner=None):
 
 def _check_rows(value, owner):
     kind = penalties.kind_of_value(value)
-    if kind in (penalties.ROWS, penalties.GLOBAL) or not spreads_over_replicas():
+    if kind in (penalties.ROWS, penalties.ROW_BLOCKS, penalties.GLOBAL) or \
+            not spreads_over_replicas():
         return  # (GLOBAL: kept whole from a computation on the global batch)
     name = f"{owner.name!r} ({type(owner).__name__})" if owner is not None else "the model"
     if isinstance(kind, penalties.Unknown):
@@ -281,7 +282,7 @@ def global_batch_call(layer, call):
         mine = tf.gather(outputs, indices)
         mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
         # Each row its own, as on one device, where the inputs' rows lie.
-        return coupling.mark_layout(penalties.mark_rows(mine), coupling.row_layout(inputs, batch), batch)
+        return coupling.mark_layout(_as_rows_of(mine, inputs), coupling.row_layout(inputs, batch), batch)
 
     return laid_out
 
@@ -358,7 +359,11 @@ def global_batch_draw(name, shaped, draw):
             leading = first[0] if isinstance(first, (list, tuple)) and tf.is_tensor(first[0]) else shape[0]
             total, indices = _global_rows_of(shape[0], leading, batch)
             drawn = draw(tf.concat([[total], shape[1:]], 0), *args, **kwargs)
-            return penalties.mark_rows(tf.gather(drawn, indices))  # one device's draws for these rows
+            # One device's draws for these rows (several batches' stacked, where
+            # the shape is of tensors concatenated along the rows).
+            layout = coupling.row_layout(leading, batch) if tf.is_tensor(leading) else None
+            kind = penalties.ROW_BLOCKS if layout and len(layout) > 1 else penalties.ROWS
+            return penalties.mark_kind(tf.gather(drawn, indices), kind)
         inputs = tf.convert_to_tensor(first)
         noise_shape = kwargs.get("noise_shape", args[1] if name == "dropout" and len(args) > 1 else None)
         if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
@@ -370,9 +375,16 @@ def global_batch_draw(name, shaped, draw):
         mine = tf.gather(draw(spread, *args, **kwargs), indices)
         if name == "dropout":
             mine.set_shape(inputs.shape)
-        return penalties.mark_rows(mine)
+        return _as_rows_of(mine, inputs)
 
     return drawing
+
+
+def _as_rows_of(value, inputs):
+    """`value` marked as the replica's rows, or as its regrouped rows where `inputs` are those."""
+    if penalties.kind_of_value(inputs) == penalties.ROW_BLOCKS:
+        return penalties.mark_kind(value, penalties.ROW_BLOCKS)
+    return penalties.mark_rows(value)
 
 
 def _refuse_row_parameters(name, args, kwargs):
@@ -476,15 +488,15 @@ def row_wise_call(layer, call):
         if batch is None or batch.global_region or tf.executing_eagerly() \
                 or not spreads_over_replicas():
             return outputs
-        inputs = [v for v in tree.flatten((args, kwargs)) if _row_aligned(v)]
-        if not inputs or any(penalties.kind_of_value(v) not in (penalties.ROWS, penalties.FIXED)
-                             for v in inputs):
+        inputs = {penalties.kind_of_value(v) for v in tree.flatten((args, kwargs)) if _row_aligned(v)}
+        if not inputs or not inputs <= {penalties.ROWS, penalties.ROW_BLOCKS, penalties.FIXED}:
             return outputs
+        rows = penalties.ROW_BLOCKS if penalties.ROW_BLOCKS in inputs else penalties.ROWS
         for value in tree.flatten(outputs):
             if _row_aligned(value):
                 kind = penalties.kind_of_value(value)
-                if kind == penalties.ROWS or (isinstance(kind, penalties.Unknown) and kind.unread):
-                    penalties.mark_rows(value)
+                if kind == rows or (isinstance(kind, penalties.Unknown) and kind.unread):
+                    penalties.mark_kind(value, rows)
         return outputs
 
     return called

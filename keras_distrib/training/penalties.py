@@ -59,6 +59,7 @@ __all__ = [
     "NO_ROWS",
     "OPS",
     "ROWS",
+    "ROW_BLOCKS",
     "ROW_MEAN",
     "ROW_SUM",
     "SHARE",
@@ -90,6 +91,12 @@ _STATIC = "static"  # an integer constant cast to a number, maybe the static row
 _OPTIONAL = "optional"  # the replica's next batch as an Optional (get_next_as_optional)
 _COLUMNS = "columns"  # rows transposed onto the second axis (`transpose(x)`, `x[None, :]`)
 _OFFSET = "offset"  # where the replica's rows start in the global batch (`kd.losses.global_batch`)
+# The rows regrouped along the first axis, each entry one row's: merged with
+# the axes after them (`reshape(x, [-1, classes])` of a (rows, steps,
+# classes) tensor), or batches concatenated along the rows (a GAN's
+# generated and real images). Sums and means over its entries add up as
+# over rows; what depends on its order is not read.
+ROW_BLOCKS = _BLOCKS = "row blocks"
 # A replica's share of a loss kd computed (its shares add up over replicas to
 # the global loss): what it is made of is kd's arithmetic, not the walk's.
 SHARE = "share"
@@ -252,6 +259,15 @@ def _const(tensor, depth=0):
     if op.type == "ConcatV2":
         parts = [_const(t, depth + 1) for t in op.inputs]
         return None if any(p is None for p in parts) else np.concatenate(parts[:-1], int(parts[-1]))
+    if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape" and \
+            op.get_attr("shrink_axis_mask") == 1 and not op.get_attr("ellipsis_mask"):
+        # One known dimension of a partly known shape (`shape(x)[-1]`).
+        dims = op.inputs[0].op.inputs[0].shape
+        begin = _const(op.inputs[1], depth + 1)
+        if dims.rank is None or begin is None or begin.size != 1:
+            return None
+        dim = dims[int(begin.reshape(-1)[0])]
+        return None if dim is None else np.int32(dim)
     if op.type == "Slice" and op.inputs[0].op.type == "Shape":
         # The known dimensions of a partly known shape (the features, not the rows).
         dims = op.inputs[0].op.inputs[0].shape.as_list()
@@ -368,7 +384,7 @@ def _reduce(op, kinds):
         return FIXED if kinds[1] == FIXED else _unread(op)
     if kind in (ROW_SUM, ROW_MEAN):
         return kind if op.type in ("Sum", "Mean") and kinds[1] == FIXED else _unread(op)
-    if kind not in (ROWS, _DRAW):
+    if kind not in (ROWS, _DRAW, _BLOCKS):
         return _unread(op)
     axes = _axes(op, op.inputs[0], op.inputs[1])
     if axes is None:
@@ -544,10 +560,31 @@ def _pack(op, index, kinds):
     return _unread(op)
 
 
+def _merges_rows(op):
+    """Whether a reshape merges the rows with the axes after them, keeping the rest.
+
+    (The replicas' blocks have one size: every replica's batch has the same
+    axes after the rows.)
+    """
+    before, after = op.inputs[0].shape, op.outputs[0].shape
+    if before.rank is None or after.rank is None or not 1 <= after.rank < before.rank:
+        return False
+    trailing = after[1:].as_list()
+    if None in trailing:
+        target = _const(op.inputs[1])
+        if target is None or target.ndim != 1 or len(target) != after.rank:
+            return False
+        trailing = [int(d) for d in target[1:]]
+    kept = before[before.rank - after.rank + 1:]
+    return kept.is_fully_defined() and kept.as_list() == trailing
+
+
 def _shape_op(op, index, kinds):
     """A shape op (`_SHAPE_OPS`) on rows: rows where it keeps them, columns where it turns them."""
-    if op.type == "Reshape" and kinds[0] == ROWS and kinds[1] == _SHAPE:
+    if op.type == "Reshape" and kinds[0] in (ROWS, _BLOCKS) and kinds[1] == _SHAPE:
         return ROWS  # back to a shape read off the rows (a loss reshaped to its rows)
+    if op.type == "Reshape" and kinds[0] == ROWS and kinds[1] == FIXED and _merges_rows(op):
+        return _BLOCKS  # (tf.nn's sparse cross-entropy of a sequence's logits)
     if kinds[0] in (ROWS, _DRAW):
         others_fixed = all(k == FIXED for k in kinds[1:])
         if others_fixed and kinds[0] == ROWS and _makes_columns(op):
@@ -575,6 +612,19 @@ def _slice(op, index, kinds):
     return _unread(op)
 
 
+def _broadcast_to(op, index, kinds):
+    """`broadcast_to(x, shape)`: rows where the shape's first entry is the row count."""
+    value, shape = kinds[0], kinds[1]
+    if shape == _SHAPE and value in (FIXED, ROWS):
+        # A constant repeated for each row (a position embedding), or rows
+        # broadcast along their other axes.
+        return ROWS if value == FIXED or (_rank(op.inputs[0]) or 0) == (_rank(op.outputs[0]) or -1) \
+            else _unread(op)
+    if shape == FIXED and value == ROWS and (_rank(op.inputs[0]) or 0) == (_rank(op.outputs[0]) or -1):
+        return ROWS  # a static batch shape: each row broadcast along its other axes
+    return _unread(op)
+
+
 def _concat(op, index, kinds):
     if kinds and kinds[-1] == FIXED and set(kinds[:-1]) <= {_SHAPE, FIXED} and _SHAPE in kinds:
         parts = [k for k, t in zip(kinds[:-1], op.inputs[:-1])
@@ -587,6 +637,9 @@ def _concat(op, index, kinds):
     rank = _rank(op.outputs[0])
     if axis is not None and rank and int(axis) % rank != 0 and all(k == ROWS for k in kinds[:-1]):
         return ROWS
+    if axis is not None and rank and int(axis) % rank == 0 and \
+            all(k in (ROWS, _BLOCKS) for k in kinds[:-1]):
+        return _BLOCKS  # batches stacked along the rows
     return _unread(op)
 
 
@@ -677,6 +730,9 @@ def _rows_or_meeting(op, index, kinds):
     if kind_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
                      "InTopKV2") and ROWS in kinds and set(kinds) <= {ROWS, FIXED}:
         return ROWS
+    if kind_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits") and \
+            set(kinds) == {_BLOCKS}:
+        return _BLOCKS
     if kind_type == "GatherV2" and rows and kinds[1] in (ROWS, FIXED) and kinds[2] == FIXED:
         axis = _const(op.inputs[2])
         if axis is not None and int(axis) % (_rank(op.inputs[0]) or 1) == 0:
@@ -737,6 +793,7 @@ def _table():
     add(("StridedSlice",), _slice, _STRIDED)
     add(("Slice",), _slice)
     add(("ConcatV2",), _concat, _CONCAT)
+    add(("BroadcastTo",), _broadcast_to, _KEEPS)
     add(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"), _matmul, _KEEPS)
     add(("Einsum",), lambda op, index, kinds: _einsum(op, kinds))
     add(_PER_ROW_IMAGE, _per_row_image, _KEEPS)
@@ -805,6 +862,10 @@ def _kind_of_op_output(op, index, kinds):
         return FIXED  # a function of weights and constants alone: the same on every replica
     if entry is None:
         return _unread(op)
+    if _BLOCKS in kinds and set(kinds) <= {_BLOCKS, FIXED} and kind_type != "ConcatV2":
+        # Regrouped rows go through what each row goes through alone.
+        kind = entry.kind(op, index, [ROWS if k == _BLOCKS else k for k in kinds])
+        return _BLOCKS if kind == ROWS else kind
     return entry.kind(op, index, kinds)
 
 
@@ -997,7 +1058,7 @@ def kind_of(term):
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return Unknown(term.op.name)  # a graph shape the walk does not know: not split
     kind = _settled(kind)
-    if kind == ROWS:
+    if kind in (ROWS, _BLOCKS):
         return ROW_SUM
     if kind in (FIXED, ROW_SUM, ROW_MEAN, GLOBAL, SHARE):
         return kind

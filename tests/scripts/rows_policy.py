@@ -86,7 +86,7 @@ def build(pattern, base):
     inputs = keras.Input((4, 4, 2))
     hidden = keras.layers.Dense(4, activation="tanh")(keras.layers.Flatten()(inputs))
     if pattern == "unread_loss":
-        outputs = keras.layers.Dense(3, activation="softmax", kernel_initializer=keras.initializers.RandomNormal(stddev=20.0))(hidden)
+        outputs = keras.layers.Dense(3, activation="softmax", kernel_initializer=keras.initializers.RandomNormal(stddev=5.0))(hidden)
         model = base(inputs, outputs)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss=unread_loss, metrics=["accuracy"])
         return model, "labels"
