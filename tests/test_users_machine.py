@@ -102,8 +102,9 @@ def _check_demo_runs(out, runs):
 
 
 def _commands_it_names(output, command):
-    """The `keras-distrib ...` commands `output` advises; each must parse as `command` takes it."""
-    named = re.findall(r"`(keras-distrib [^`]*)`", output)
+    """The `keras-distrib ...` commands `output` advises (a wrapped one joined back); each must
+    parse as `command` takes it."""
+    named = [" ".join(found.split()) for found in re.findall(r"`(keras-distrib [^`]*)`", output)]
     for line in named:
         argv = shlex.split(line)[1:]
         assert argv[0] == command, line
