@@ -12,6 +12,7 @@ started has a timeout and is killed (with its process group) on exit.
 import atexit
 import json
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -234,6 +235,20 @@ WARM_SOCKET = "KD_TESTS_WARM_SOCKET"  # tests/_warm_task.py reads it
 def results_of(output):
     """The JSON objects a script printed on lines starting with 'RESULT '."""
     return [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+
+
+def check_rows(output):
+    """`keras-distrib test`'s table rows by check, each detail's wrapped lines joined back into one."""
+    rows, check = {}, None
+    for line in output.splitlines():
+        if re.search(r"\s(PASS|FAIL|SKIP)\s", line):
+            check = line.split("  ")[0]
+            rows[check] = line
+        elif check and line.startswith(" ") and line.strip():
+            rows[check] += " " + line.strip()
+        else:
+            check = None
+    return rows
 
 
 def task_results(output):

@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_its_logic_on_cpu_devices():
     # replaced by RING collectives and saying so.
     code, output = _harness.run_script("gpu_check.py", timeout=240)
     assert code == 0, output[-4000:]
-    rows = {line.split("  ")[0]: line for line in output.splitlines() if re.search(r"\s(PASS|FAIL|SKIP)\s", line)}
+    rows = _harness.check_rows(output)
     assert sorted(rows) == sorted([
         "devices", "all-reduce, 2 replicas (RING, NCCL's stand-in on CPU)",
         "training: float32, RING vs one device", "training: mixed_float16 vs one device",

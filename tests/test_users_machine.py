@@ -170,26 +170,12 @@ def test_a_launch_without_namespaces_is_refused_in_one_sentence_naming_the_ways_
                         r"tasks' ports to this host's network \(firewall them\)\.", line), line
 
 
-def _table_rows(output):
-    """`keras-distrib test`'s rows by check, each detail's wrapped lines joined back."""
-    rows, check = {}, None
-    for line in output.splitlines():
-        if re.search(r"\s(PASS|FAIL|SKIP)\s", line):
-            check = line.split("  ")[0]
-            rows[check] = line
-        elif check and line.startswith(" ") and line.strip():
-            rows[check] += " " + line.strip()
-        else:
-            check = None
-    return rows
-
-
 def test_keras_distrib_test_passes_on_a_bare_machine(bare):
     _, report = bare
     result = report["test"]
     output = result["output"]
     assert result["code"] == 0, output[-4000:]
-    rows = _table_rows(output)
+    rows = _harness.check_rows(output)
     assert sorted(rows) == sorted([
         "devices", "all-reduce, 2 replicas (mirrored)", "training: mirrored vs one device",
         "start 2 worker processes", "all-reduce, 2 worker processes",
@@ -232,7 +218,7 @@ def test_keras_distrib_test_without_namespaces_skips_the_workers_saying_why(no_n
     result = report["test"]
     output = result["output"]
     assert result["code"] == 0, output[-4000:]
-    rows = _table_rows(output)
+    rows = _harness.check_rows(output)
     assert sorted(rows) == sorted(["devices", "all-reduce, 2 replicas (mirrored)",
                                    "training: mirrored vs one device", "start 2 worker processes"])
     assert re.search(r"^start 2 worker processes\s+SKIP\s+\S+ s\s+not run: this machine makes no "
