@@ -4,7 +4,7 @@ tests/scripts/first_step.py trains each case under a strategy and on one
 device (Keras's own `keras.Model`, no kd step) from the same initial
 weights: an exact model with BatchNormalization and Dropout, with the check
 on and off, and a model whose rows meet in a layer kd is blinded to
-(`coupling.meets` patched to find nothing), which the check must refuse
+(`penalties._kind_of_op_output` patched to read it as rows), which the check must refuse
 before anything is trained. One process per strategy layout runs every case.
 """
 
