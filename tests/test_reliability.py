@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -1124,8 +1125,11 @@ def test_a_second_launch_on_the_same_ports_fails_at_once():
     ports = kd_ports.pick_ports(2)
     code = (f"import sys, keras_distrib as kd; sys.exit(kd.launch({FAMILY!r}, workers=2, "
             f"args=['hang'], ports={ports}, grace_period=2, timeout=120).returncode)")
+    # Both launches keep their port locks in this process's temporary
+    # directory (TMPDIR as this process read it first).
+    env = {**_harness._env(), "TMPDIR": tempfile.gettempdir()}
     first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, env=_harness._env(), start_new_session=True)
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
     pids, lines = [], []
     try:
         families, output = _read_families(first, 2)

@@ -274,9 +274,9 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
     # Before a private network is tried: nothing starts for a bad target.
     requests.checked_target(target)
     network = requests.check_private_network(private_network)
-    if network.note:
-        sink(network.note)
     with ports_lib.reserve_ports(ports):
+        if network.note:  # once the launch goes ahead
+            sink(network.note)
         result = _launch_attempts(target, args, workers=workers, ps=ps, chief=chief,
                                   timeout=timeout, env=env, sink=sink, log_dir=log_dir,
                                   ports=ports, evaluator=evaluator, grace_period=grace_period,
