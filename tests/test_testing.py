@@ -118,7 +118,7 @@ class OwnLoss(kd.Model):
                 loss = tf.sqrt(tf.reduce_mean(errors))
             elif self.LOSS == "cumsum":  # later rows weigh more: rows meet, the global batch
                 loss = tf.reduce_mean(tf.math.cumsum(errors, axis=0)) / 8.0
-            else:  # later rows weigh more, in a loop kd does not follow: taken as a mean
+            else:  # later rows weigh more, in a loop kd cannot read: the global batch
                 loss = tf.foldl(lambda total, row: 0.9 * total + row,
                                 tf.reduce_mean(errors, axis=1), initializer=tf.zeros((), errors.dtype))
         gradients = tape.gradient(loss, self.trainable_variables)
@@ -243,9 +243,15 @@ def test_layer_state_is_named():
 
 
 def test_custom_reduction_is_caught():
+    # A loop over the rows kd cannot read: kd computes it on the global batch ...
+    result = kd.testing.assert_parity(hand_made_loss, (X, Y), batch_size=16)
+    assert max(result.values()) <= 2e-5, result
+    # ... and where the model leaves each replica its own rows, the parity check catches it.
     with pytest.raises(AssertionError) as caught:
-        kd.testing.assert_parity(hand_made_loss, (X, Y), batch_size=16)
-    assert "likely cause: a custom reduction in HandMadeLoss.train_step" in str(caught.value)
+        kd.testing.assert_parity(lambda: build(HandMadeLoss, compile_options={"rows_meet": "per_replica"}),
+                                 (X, Y), batch_size=16)
+    assert 'likely cause: rows left to each replica: the model was compiled with rows_meet="per_replica"' \
+        in str(caught.value), str(caught.value)
     # A mean or a sum over the replica's rows: kd reads which from the graph,
     # exact; where the rows meet (the root of a mean, a cumulative sum over
     # rows), kd computes the loss on the global batch.
