@@ -1436,7 +1436,7 @@ def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkey
     reason = ("slirp4netns is not installed, and the default launch needs it for its private network: "
               "install it (`apt-get install slirp4netns`), or launch with `--network offline` or "
               "`--network host`; the end of this sentence must show")
-    monkeypatch.setattr(shutil, "get_terminal_size", lambda *a: os.terminal_size((100, 24)))
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *args, **kwargs: os.terminal_size((100, 24)))
     row = selftest._run("private network", lambda: (_ for _ in ()).throw(RuntimeError(reason)))
     selftest.print_table([row], 1.0)
     lines = capsys.readouterr().out.splitlines()

@@ -6,8 +6,8 @@ exactly (`losses`, `gradients`). Contrastive and retrieval code does not:
 in-batch negatives compare every row with every other (`x @ y^T`), labels
 number the rows (`arange(batch_size)`), a mined triplet loss picks each
 row's hardest partner in the batch, a layer normalizes over the batch's
-rows. On a replica those see only the replica's rows: plain Keras, and kd
-before this module, silently train another model.
+rows. On a replica those see only the replica's rows: plain Keras silently
+trains another model there.
 
 kd finds these places from the graph (`penalties`: the op where rows meet,
 named) at the first trace of a step, at four kinds of site:

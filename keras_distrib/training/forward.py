@@ -671,9 +671,8 @@ def global_moments(layer, inputs, mask, keras_moments):
     of a row x is g_mean / N + g_var * 2 (x - mean) / N, with g_mean and
     g_var the gradients of the global loss, the replicas' own summed in one
     all-reduce of 2C values. Differentiating through the merge instead
-    traced about three times the ops of Keras's per-replica statistics,
-    which TensorFlow then optimizes at the first step: kd's first step took
-    1.9x Keras 3's CPU seconds on a ResNet.
+    would trace about three times the ops of Keras's per-replica
+    statistics, which TensorFlow then optimizes at the first step.
     """
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()

@@ -159,8 +159,7 @@ def chunk_end_hooks(callbacks):
 
     Keras dispatches `on_train_batch_end` from a background thread only when
     no callback overrides it; otherwise every step waits for its logs to be
-    copied to NumPy on the main thread (1.3x CPU and 1.8x wall time for a
-    small model on 2 workers). kd's callbacks need the main thread after a
+    copied to NumPy on the main thread. kd's callbacks need the main thread after a
     chunk (to save between steps) but not the logs' values, so the loop
     calls this hook instead, with the logs as they are (tensors).
     """

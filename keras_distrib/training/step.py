@@ -354,7 +354,7 @@ class Step:
 
     # As written, as Keras's own step function runs: nothing here needs
     # AutoGraph (no tensor-dependent Python control flow), and converting it
-    # was most of the AutoGraph time before the first step (about 0.2 CPU s).
+    # costs CPU before every first step.
     @tf.autograph.experimental.do_not_convert
     def _one(self, iterator, logs=True):
         outputs, states, *captured = self._run(next(iterator))
@@ -378,12 +378,10 @@ class Step:
         # (per replica thread). The logs are read from the metrics after the
         # loop; what else the step returns (reduced) is carried out of it,
         # in the shapes the previous trace recorded (see _CarriedOutputs).
-        # Each iteration fetches its batch first. (Fetching the next batch at
-        # the end of an iteration, under `if steps < count`, keeps the step
-        # out of a `tf.cond` and traces faster, ResNet spe=10 6.4 -> 5.7 CPU s
-        # to the first step, but the fetch inside a `tf.cond` made every
-        # looped step as slow as a call of one step: MLP spe=50 1.00x of
-        # spe=1, against 1.71x this way.)
+        # Each iteration fetches its batch first: a fetch at the end of an
+        # iteration would sit inside a `tf.cond` (`if steps < count`), which
+        # makes every looped step as slow as a call of one step
+        # (docs/benchmarks/2026-11-24-first-step.md).
         # The global metric states, when the step's gradient all-reduce
         # brings them (see sum_with_metric_states), are carried out too: the
         # logs then cost no collective.
