@@ -158,6 +158,54 @@ def _contrastive_model(model_class):
     return model
 
 
+def step_clock(callback_class, on_step_end):
+    """`fit`'s callbacks calling `on_step_end()` after each training step (none if it is None).
+
+    `callback_class` is Keras 3's or tf-keras's `Callback`, so that either `fit` accepts it.
+    """
+    if on_step_end is None:
+        return []
+
+    class StepClock(callback_class):
+        def on_train_batch_end(self, batch, logs=None):
+            on_step_end()
+
+    return [StepClock()]
+
+
+def hand_loop(strategy, dataset, step, on_step_end=None):
+    """One epoch of TensorFlow's custom-training-loop tutorial around `step`.
+
+    The shape the tutorial teaches: the dataset distributed by the strategy,
+    each batch through `strategy.run(step)` in a `tf.function`, the replicas'
+    losses summed. The benchmarks' hand-written loops differ only in `step`.
+
+    Args:
+        strategy: The strategy `step` runs under.
+        dataset: The global batches.
+        step: One replica's training step on its share of a batch.
+        on_step_end: Called with no argument after each step, or None.
+
+    Returns:
+        A callable running the epoch.
+    """
+    import tensorflow as tf
+
+    @tf.function
+    def distributed_step(inputs):
+        return strategy.reduce("SUM", strategy.run(step, args=(inputs,)), axis=None)
+
+    distributed = strategy.experimental_distribute_dataset(dataset)
+
+    def run():
+        for batch in distributed:
+            distributed_step(batch)
+            if on_step_end is not None:
+                on_step_end()
+
+    return run
+
+
 def runners(kind, steps, strategy, only=None, on_step_end=None):
     """name -> callable running one epoch of `steps` steps (after building).
 
@@ -189,22 +237,12 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
     y = rng.integers(0, 10, size=(GLOBAL_BATCH * steps,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).cache()
 
-    def step_clock(callback_class):
-        if on_step_end is None:
-            return []
-
-        class StepClock(callback_class):
-            def on_train_batch_end(self, batch, logs=None):
-                on_step_end()
-
-        return [StepClock()]
-
     def fit_runner(model_class, scope, steps_per_execution=1, synchronized=False, **kd_options):
         with scope:
             model = _contrastive_model(model_class) if kind == "contrastive" else \
                 _model(kind, model_class, synchronized)
             _compile(model, steps_per_execution, **kd_options)
-        callbacks = step_clock(keras.callbacks.Callback)
+        callbacks = step_clock(keras.callbacks.Callback, on_step_end)
         return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def loop_runner(steps_per_loop):
@@ -240,19 +278,7 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
 
-        @tf.function
-        def distributed_step(inputs):
-            return strategy.reduce("SUM", strategy.run(step, args=(inputs,)), axis=None)
-
-        distributed = strategy.experimental_distribute_dataset(dataset)
-
-        def run():
-            for batch in distributed:
-                distributed_step(batch)
-                if on_step_end is not None:
-                    on_step_end()
-
-        return run
+        return hand_loop(strategy, dataset, step, on_step_end)
 
     def gathered_runner():
         # In-batch negatives gathered by hand, as SimCLR's and CLIP's own code
@@ -279,19 +305,7 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
 
-        @tf.function
-        def distributed_step(images):
-            return strategy.reduce("SUM", strategy.run(step, args=(images,)), axis=None)
-
-        distributed = strategy.experimental_distribute_dataset(dataset.map(lambda x, y: x))
-
-        def run():
-            for images in distributed:
-                distributed_step(images)
-                if on_step_end is not None:
-                    on_step_end()
-
-        return run
+        return hand_loop(strategy, dataset.map(lambda x, y: x), step, on_step_end)
 
     def tf_keras_runner():
         # Legacy Keras 2 (the package users fall back to), same model and data.
@@ -322,7 +336,7 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
                 optimizer=tf_keras.optimizers.Adam(1e-3),
                 loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
-        callbacks = step_clock(tf_keras.callbacks.Callback)
+        callbacks = step_clock(tf_keras.callbacks.Callback, on_step_end)
         return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def resume_runner(before_distribution):

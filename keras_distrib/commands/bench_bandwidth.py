@@ -38,6 +38,7 @@ import statistics
 import time
 
 from keras_distrib import collectives
+from keras_distrib.commands import bench
 from keras_distrib.training import buckets
 
 __all__ = [
@@ -88,13 +89,6 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end, batch=GLOBAL_BA
             hidden = api.layers.Dense(width, activation="relu")(hidden)
         return model_class(inputs, api.layers.Dense(CLASSES)(hidden))
 
-    def clock(callback_class):
-        class StepClock(callback_class):
-            def on_train_batch_end(self, batch, logs=None):
-                on_step_end()
-
-        return [StepClock()]
-
     def loss():
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -103,7 +97,7 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end, batch=GLOBAL_BA
             keras.utils.set_random_seed(0)
             model = mlp(keras, kd.Model)
             model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss(), gradient_buckets=setting)
-        callbacks = clock(keras.callbacks.Callback)
+        callbacks = bench.step_clock(keras.callbacks.Callback, on_step_end)
 
         def run():
             model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
@@ -128,18 +122,7 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end, batch=GLOBAL_BA
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss_value
 
-        @tf.function
-        def distributed_step(inputs):
-            return strategy.reduce("SUM", strategy.run(step, args=(inputs,)), axis=None)
-
-        distributed = strategy.experimental_distribute_dataset(dataset)
-
-        def run():
-            for batch in distributed:
-                distributed_step(batch)
-                on_step_end()
-
-        return run
+        return bench.hand_loop(strategy, dataset, step, on_step_end)
 
     def tf_keras_fit():
         try:
@@ -151,7 +134,7 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end, batch=GLOBAL_BA
             model = mlp(tf_keras, tf_keras.Model)
             model.compile(optimizer=tf_keras.optimizers.SGD(1e-3),
                           loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        callbacks = clock(tf_keras.callbacks.Callback)
+        callbacks = bench.step_clock(tf_keras.callbacks.Callback, on_step_end)
         return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
 
     def compute_alone():
@@ -159,7 +142,7 @@ def _runners(gradient_mb, steps, strategy, workers, on_step_end, batch=GLOBAL_BA
         keras.utils.set_random_seed(0)
         model = mlp(keras, keras.Model)
         model.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss())
-        callbacks = clock(keras.callbacks.Callback)
+        callbacks = bench.step_clock(keras.callbacks.Callback, on_step_end)
         return lambda: model.fit(local, epochs=1, verbose=0, callbacks=callbacks)
 
     def all_reduce(sizes):
