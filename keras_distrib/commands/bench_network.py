@@ -411,57 +411,56 @@ class _Testbed:
         About half a second's worth at the set rate (16 MB without a limit).
         """
         size = int((megabytes or (min(16.0, self.rate_gbit * 1e3 / 8 / 2) if self.rate_gbit else 16.0)) * 1e6)
-        listener = _in_namespace(self.names[1], lambda: socket.create_server((self.addresses[1], PROBE_PORT)))
-        try:
-            client = _in_namespace(
-                self.names[0], lambda: socket.create_connection((self.addresses[1], PROBE_PORT), timeout=30))
-            listener.settimeout(30)
-            server, _ = listener.accept()
-            with client, server:
-                for end in (client, server):
-                    end.settimeout(60)
-                received = {"bytes": 0}
+        with self._probe_connection(connect_timeout=30) as (client, server):
+            for end in (client, server):
+                end.settimeout(60)
+            received = {"bytes": 0}
 
-                def drain():
-                    while received["bytes"] < size:
-                        chunk = server.recv(1 << 20)
-                        if not chunk:
-                            break
-                        received["bytes"] += len(chunk)
-                    server.sendall(b"y")
+            def drain():
+                while received["bytes"] < size:
+                    chunk = server.recv(1 << 20)
+                    if not chunk:
+                        break
+                    received["bytes"] += len(chunk)
+                server.sendall(b"y")
 
-                reader = threading.Thread(target=drain, name="kdbench-drain", daemon=True)
-                started = time.perf_counter()
-                reader.start()
-                client.sendall(bytes(size))
-                client.recv(1)
-                seconds = time.perf_counter() - started
-                reader.join(timeout=10)
-            return size * 8 / seconds / 1e9
-        finally:
-            listener.close()
+            reader = threading.Thread(target=drain, name="kdbench-drain", daemon=True)
+            started = time.perf_counter()
+            reader.start()
+            client.sendall(bytes(size))
+            client.recv(1)
+            seconds = time.perf_counter() - started
+            reader.join(timeout=10)
+        return size * 8 / seconds / 1e9
 
     def round_trip_ms(self, samples=5):
         """Median milliseconds of a 1-byte TCP round trip from the first worker's namespace to the second's."""
+        with self._probe_connection(connect_timeout=10) as (client, server):
+            for end in (client, server):
+                end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                end.settimeout(10)
+            times = []
+            for _ in range(samples):
+                started = time.perf_counter()
+                client.sendall(b"x")
+                server.recv(1)
+                server.sendall(b"y")
+                client.recv(1)
+                times.append((time.perf_counter() - started) * 1000.0)
+        return statistics.median(times)
+
+    @contextlib.contextmanager
+    def _probe_connection(self, connect_timeout):
+        """A TCP connection from the first worker's namespace (client) to the second's (server), closed after."""
         listener = _in_namespace(self.names[1], lambda: socket.create_server((self.addresses[1], PROBE_PORT)))
         try:
             client = _in_namespace(
-                self.names[0], lambda: socket.create_connection((self.addresses[1], PROBE_PORT), timeout=10))
-            listener.settimeout(10)
+                self.names[0],
+                lambda: socket.create_connection((self.addresses[1], PROBE_PORT), timeout=connect_timeout))
+            listener.settimeout(connect_timeout)
             server, _ = listener.accept()
             with client, server:
-                for end in (client, server):
-                    end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    end.settimeout(10)
-                times = []
-                for _ in range(samples):
-                    started = time.perf_counter()
-                    client.sendall(b"x")
-                    server.recv(1)
-                    server.sendall(b"y")
-                    client.recv(1)
-                    times.append((time.perf_counter() - started) * 1000.0)
-            return statistics.median(times)
+                yield client, server
         finally:
             listener.close()
 
