@@ -24,6 +24,7 @@ __all__ = [
     "concrete_functions",
     "data_batch_size",
     "dataset_element_spec",
+    "dataset_sources",
     "draw_order",
     "end_pass",
     "epoch_distributed_dataset",
@@ -225,11 +226,12 @@ def pipeline_batch_size(dataset):
     return None
 
 
-def reads_data_service(dataset):
-    """Whether a `tf.data.Dataset` reads from tf.data service (`service.distribute`, `from_dataset_id`).
+def dataset_sources(dataset):
+    """Yields `dataset` and every `tf.data.Dataset` it reads, each once.
 
-    Walks the dataset's inputs (TensorFlow's private `_inputs()`) to a
-    `_DataServiceDataset`.
+    Walks TensorFlow's private `_inputs()`; a dataset that cannot name its
+    inputs raises (NotImplementedError), so that no question about the
+    whole pipeline is answered from part of it.
     """
     pending, seen = [dataset], set()
     while pending:
@@ -237,13 +239,16 @@ def reads_data_service(dataset):
         if id(current) in seen or not isinstance(current, tf.data.Dataset):
             continue
         seen.add(id(current))
-        if "DataService" in type(current).__name__:
-            return True
-        try:
-            pending.extend(current._inputs())
-        except Exception:  # noqa: BLE001 - a dataset without the accessor: nothing to walk
-            continue
-    return False
+        yield current
+        pending.extend(current._inputs())
+
+
+def reads_data_service(dataset):
+    """Whether a `tf.data.Dataset` reads from tf.data service (`service.distribute`, `from_dataset_id`).
+
+    Walks the dataset's inputs (`dataset_sources`) to a `_DataServiceDataset`.
+    """
+    return any("DataService" in type(current).__name__ for current in dataset_sources(dataset))
 
 
 def dataset_element_spec(epoch_iterator):

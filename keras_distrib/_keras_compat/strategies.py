@@ -17,6 +17,7 @@ from tensorflow.python.distribute.coordinator import values as coordinator_value
 from tensorflow.python.eager import context as tf_context
 from tensorflow.python.ops import control_flow_util
 
+from keras_distrib._keras_compat.data import dataset_sources
 from keras_distrib._keras_compat.data import epoch_iterator
 from keras_distrib._keras_compat.data import serialized_graph
 
@@ -184,16 +185,7 @@ def reshuffles_each_iteration(dataset):
         dataset = getattr(dataset, "_original_dataset", None)
         if not isinstance(dataset, tf.data.Dataset):
             return None
-    pending, seen = [dataset], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if getattr(current, "_reshuffle_each_iteration", False) is True:
-            return True
-        pending.extend(current._inputs())
-    return False
+    return any(getattr(current, "_reshuffle_each_iteration", False) is True for current in dataset_sources(dataset))
 
 
 def dataset_calls_python(dataset, op_types):
@@ -203,12 +195,7 @@ def dataset_calls_python(dataset, op_types):
     serializing the dataset (which would copy every constant it holds, e.g.
     the arrays of `from_tensor_slices`).
     """
-    pending, seen = [dataset], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in dataset_sources(dataset):
         for wrapper in current._functions():
             graphs = [wrapper.function.graph]
             while graphs:
@@ -216,7 +203,6 @@ def dataset_calls_python(dataset, op_types):
                 if any(op.type in op_types for op in graph.get_operations()):
                     return True
                 graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
-        pending.extend(current._inputs())
     return False
 
 
