@@ -938,9 +938,15 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
                          r".*--network open", notices[0]), notices
 
 
+# Where kd's launcher finds slirp4netns (keras_distrib/cluster/network.py).
+_SLIRP = shutil.which("slirp4netns") or shutil.which("slirp4netns", path="/usr/bin:/usr/sbin:/sbin")
+
+
 @pytest.mark.cluster
-@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare"),
-                    reason="needs root (a mount namespace and port 53) and util-linux's unshare")
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not _SLIRP,
+                    reason="needs root (a mount namespace, port 53), `unshare` and slirp4netns (the private "
+                    "network's way out): run the tests as root, with util-linux installed and "
+                    "`bash tools/setup_private_network.sh` run")
 def test_names_resolve_in_the_private_network_when_the_hosts_resolver_is_on_its_loopback():
     """On a host whose /etc/resolv.conf names 127.0.0.53 (Ubuntu's systemd-resolved) a task in
     the private network resolves names (through slirp4netns); 4c0b8d4's namespace could not.
@@ -1314,7 +1320,8 @@ def _unremovable(path):
         os.close(fd)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="marks a directory immutable (root)")
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root: it marks a directory immutable "
+                    "(CAP_LINUX_IMMUTABLE), which no other user can; run the tests as root")
 def test_a_backup_the_clean_up_cannot_remove_is_reported_and_refused_by_the_next_run(tmp_path, caplog):
     """On e2df62d it was left without a word, and the next run resumed from it: steps skipped."""
     import keras
@@ -1447,7 +1454,8 @@ def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkey
 
 @pytest.mark.cluster
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
-                    reason="switches to an unprivileged user (root, unshare, setpriv)")
+                    reason="needs root (it switches to the unprivileged user `nobody`), `unshare` and "
+                    "`setpriv`: run the tests as root, with util-linux installed")
 def test_an_unprivileged_user_launches_is_preempted_resumes_exactly_and_leaves_nothing(tmp_path):
     """uid 65534 (`nobody`), its own HOME and TMPDIR: launch 2 workers, SIGTERM mid-epoch, restart,
     resume, clean-up. Its privacy level: `--network offline` (a network namespace of its own with
@@ -1461,7 +1469,9 @@ def test_an_unprivileged_user_launches_is_preempted_resumes_exactly_and_leaves_n
     import tempfile
 
     if not all(os.stat(parent).st_mode & stat.S_IXOTH for parent in _parents(_harness.REPO)):
-        pytest.skip(f"the repository {_harness.REPO} is not reachable by other users")
+        pytest.skip(f"the repository {_harness.REPO} is not reachable by other users (a folder above it "
+                    "lacks o+x), so `nobody` cannot run it: check it out under a reachable folder such "
+                    "as /tmp or /srv")
     place = tempfile.mkdtemp(prefix="kd_nobody_", dir="/tmp")  # pytest's folders are root's alone
     try:
         os.chmod(place, 0o755)

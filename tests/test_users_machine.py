@@ -36,7 +36,8 @@ pytestmark = [
     pytest.mark.long,
     pytest.mark.xdist_group("users_machine"),  # one worker runs each situation once
     pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare"),
-                       reason="needs root (mount namespaces) and util-linux's unshare"),
+                       reason="needs root (it hides components in mount namespaces) and `unshare`: run the "
+                              "tests as root, with util-linux installed (`apt-get install util-linux`)"),
 ]
 
 SCRIPT = os.path.join(_harness.SCRIPTS, "users_machine.py")
@@ -52,7 +53,9 @@ def _situation(out, *, no_namespaces):
         argv += ["--user", "--map-root-user"]
     probe = subprocess.run([*argv, "true"], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:  # a container without CAP_SYS_ADMIN, say
-        pytest.skip(f"{' '.join(argv)} is refused here: {probe.stderr.strip()}")
+        pytest.skip(f"`{' '.join(argv)}` is refused here ({probe.stderr.strip()}): a container needs "
+                    "CAP_SYS_ADMIN (`docker run --cap-add SYS_ADMIN`)"
+                    + (", and `sysctl user.max_user_namespaces` above 0" if no_namespaces else ""))
     process = subprocess.Popen([*argv, sys.executable, "-u", SCRIPT, str(out)]
                                + (["--no-namespaces"] if no_namespaces else []),
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -113,7 +116,8 @@ def _commands_it_names(output, command):
 
 
 def _clean_output(report, command):
-    """`command`'s output, after checking it succeeded and printed none of `NOISE` (TensorFlow's start-up logs, a traceback)."""
+    """`command`'s output, after checking it succeeded and printed none of `NOISE` (start-up logs, a
+    traceback)."""
     result = report[command]
     output = result["output"]
     assert result["code"] == 0, output[-4000:]
