@@ -324,6 +324,7 @@ from keras_distrib._keras_compat.data import serialized_graph  # noqa: F401
 from keras_distrib._keras_compat.data import set_epoch_batches  # noqa: F401
 from keras_distrib._keras_compat.data import skip_batch_agreement  # noqa: F401
 from keras_distrib._keras_compat.data import train_validation_split  # noqa: F401
+from keras_distrib._keras_compat.strategies import PYTHON_OPS  # noqa: F401
 from keras_distrib._keras_compat.strategies import KeyExists  # noqa: F401
 from keras_distrib._keras_compat.strategies import KeyMissing  # noqa: F401
 from keras_distrib._keras_compat.strategies import collective_key_base  # noqa: F401

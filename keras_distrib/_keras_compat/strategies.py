@@ -24,6 +24,7 @@ from keras_distrib._keras_compat.data import serialized_graph
 __all__ = [
     "KeyExists",
     "KeyMissing",
+    "PYTHON_OPS",
     "collective_key_base",
     "cpu_replicas_per_worker",
     "dataset_calls_python",
@@ -49,6 +50,10 @@ def in_xla_context():
     """Whether the graph being built is compiled by XLA (`jit_compile=True`)."""
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
+
+# The op types through which a tf.data graph calls back into this Python
+# process (tf.py_function, tf.numpy_function, Dataset.from_generator).
+PYTHON_OPS = frozenset(("PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"))
 
 # The ops a distributed iterator opened inside a `tf.function` adds to its graph
 # (`iter(distributed_dataset)` there: TensorFlow's multi-device iterator), and

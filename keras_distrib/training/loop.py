@@ -422,9 +422,6 @@ def predict_pass(model, source, runner, *, callbacks):
 # Front ends over local or distributed data (everything but parameter servers).
 
 
-_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
-
-
 def _copy_batch(batch):
     """A batch whose arrays are new NumPy arrays that nothing else holds."""
     return tree.map_structure(
@@ -480,7 +477,7 @@ def owned_batches(x):
     if isinstance(x, keras.utils.PyDataset):
         return _CopiedBatches(x)
     if isinstance(x, tf.data.Dataset):
-        if _keras_compat.dataset_calls_python(x, _PYTHON_OPS):
+        if _keras_compat.dataset_calls_python(x, _keras_compat.PYTHON_OPS):
             return x.map(_copy_element)
         return x
     if isinstance(x, collections.abc.Iterator) and not hasattr(x, "shape"):

@@ -50,12 +50,9 @@ def coordinator_for(strategy):
     return _COORDINATORS[strategy]
 
 
-_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
-
-
 def _check_shippable(dataset, argument="x"):
     """Refuses a dataset whose graph calls back into this Python process."""
-    found = sorted(_PYTHON_OPS & _keras_compat.dataset_ops_used(dataset))
+    found = sorted(_keras_compat.PYTHON_OPS & _keras_compat.dataset_ops_used(dataset))
     if found:
         raise ValueError(
             f"`{argument}` is a tf.data.Dataset built with Python code ({', '.join(found)}: "

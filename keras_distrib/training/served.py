@@ -194,7 +194,6 @@ def _check(data, global_batch_size, mode, preprocess, strategy):
     return int(np.shape(leaves[0])[0])
 
 
-_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
 # Random ops whose draws depend on the order in which they run: a data worker
 # draws them in whatever order its slots come, so a piece is not one device's.
 _STATEFUL_RANDOM_OPS = {
@@ -211,7 +210,7 @@ def _check_preprocess(dataset, mode):
     In `mode="exact"`, also for one that draws stateful random numbers: its
     result would depend on which data worker ran a slot, and when.
     """
-    if _keras_compat.dataset_calls_python(dataset, _PYTHON_OPS):
+    if _keras_compat.dataset_calls_python(dataset, _keras_compat.PYTHON_OPS):
         raise ValueError(
             "`preprocess` calls Python (tf.py_function / tf.numpy_function): the data workers "
             "run the pipeline's graph in other processes, without this process's Python "
