@@ -106,9 +106,10 @@ def test_bad_input_is_named(service, one_device):
         kd.data.serve(x, global_batch_size=4, service="grpc://localhost:1", connect_timeout=0.2,
                       strategy=one_device)
     with pytest.raises(ValueError, match=r"(?s)`mode`='ordered'.*`global_batch_size`=0.*"
+                                         r"`stall_timeout`=0: expected a finite number of seconds > 0.*"
                                          r"`data` is a _RangeDataset"):
         kd.data.serve(tf.data.Dataset.range(8), global_batch_size=0, service=service,
-                      mode="ordered")
+                      mode="ordered", stall_timeout=0)
     with pytest.raises(ValueError, match=r"`preprocess` calls Python"):
         kd.data.serve(x, global_batch_size=4, service=service, strategy=one_device,
                       preprocess=lambda row: tf.ensure_shape(

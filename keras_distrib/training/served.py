@@ -158,7 +158,7 @@ def _service_address(service):
     return service if "://" in service else f"grpc://{service}"
 
 
-def _check(data, global_batch_size, mode, preprocess, strategy):
+def _check(data, global_batch_size, mode, preprocess, strategy, timeouts):
     problems = []
     if mode not in MODES:
         problems.append(
@@ -172,6 +172,9 @@ def _check(data, global_batch_size, mode, preprocess, strategy):
         problems.append(f"`preprocess`={preprocess!r}: expected a function of one example, or None")
     if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
         problems.append(f"`strategy`={strategy!r}: expected a tf.distribute.Strategy, or None")
+    for name, value in timeouts.items():
+        if not validation.is_seconds(value):
+            problems.append(f"`{name}`={value!r}: expected a finite number of seconds > 0")
     leaves = tree.flatten(data) if not isinstance(data, tf.data.Dataset) else None
     if leaves is None or not leaves or not all(
             isinstance(v, np.ndarray) or tf.is_tensor(v) for v in leaves):
@@ -488,13 +491,11 @@ def serve(data, *, global_batch_size, service=None, mode="exact", preprocess=Non
         ValueError: a bad argument (every one named), no dispatcher at
             `service`, or a dataset the dispatcher cannot register.
     """
-    examples = _check(data, global_batch_size, mode, preprocess, strategy)
+    examples = _check(data, global_batch_size, mode, preprocess, strategy,
+                      dict(connect_timeout=connect_timeout, stall_timeout=stall_timeout))
     strategy = data_lib._strategy_or_current(strategy)
     data_lib._check_batch(global_batch_size, strategy.num_replicas_in_sync, False)
     service = _service_address(service)
-    for name, value in (("connect_timeout", connect_timeout), ("stall_timeout", stall_timeout)):
-        if not validation.is_seconds(value):
-            raise ValueError(f"`{name}`={value!r}: expected a number of seconds > 0")
     check_reachable(service, connect_timeout)
     arrays = tree.map_structure(tf.convert_to_tensor, data)
     return ServedDataset(service=service, mode=mode, examples=examples,
