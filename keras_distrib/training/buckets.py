@@ -37,6 +37,8 @@ The choice (`choose`) comes from what kd knows when a step is traced:
 
 import dataclasses
 
+from keras_distrib import validation
+
 __all__ = [
     "AUTO",
     "AUTO_MIN_BUCKETS",
@@ -62,7 +64,7 @@ def check_setting(setting):
     """Raises ValueError unless `setting` is `"auto"`, `"one"` or a whole number of bytes >= 1."""
     if setting in (AUTO, ONE):
         return setting
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+    if not validation.is_whole(setting, 1):
         raise ValueError(
             f"`gradient_buckets`={setting!r}: expected \"auto\" (kd chooses from the gradient's "
             "bytes and the workers), \"one\" (one all-reduce of every gradient) or a whole number "
