@@ -11,6 +11,7 @@ device (the reference) and with kd under each path of the matrix.
 import fcntl
 import os
 import pickle
+import traceback
 
 import keras
 import numpy as np
@@ -661,6 +662,20 @@ def relative_difference(reference, candidate):
     with np.errstate(invalid="ignore"):
         gaps = np.where(same, 0.0, np.abs(a - b) / (1.0 + np.abs(a)))
     return float(np.max(gaps))
+
+
+def differences(expected, actual):
+    """`relative_difference` of two runs' results: their `weights`, and the rest (`logs`)."""
+    def logs(result):
+        return {k: v for k, v in result.items() if k != "weights"}
+
+    return dict(weights=relative_difference(expected["weights"], actual["weights"]),
+                logs=relative_difference(logs(expected), logs(actual)))
+
+
+def failure(error):
+    """A RESULT's `error` and `trace` for a run that raised `error` (the test decides what it means)."""
+    return dict(error=f"{type(error).__name__}: {error}"[:3000], trace=traceback.format_exc()[-6000:])
 
 
 def reference(name):

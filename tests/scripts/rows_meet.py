@@ -29,13 +29,14 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_distrib as kd
+from features import differences
+from features import failure
 
 CONFIGS = {
     "one_device": (1, "one_device"),
@@ -338,22 +339,6 @@ def train(pattern, base, strategy, initial=None, per_replica=False, steps_per_ex
     return start, result
 
 
-def relative_difference(reference, candidate):
-    if isinstance(reference, dict):
-        if sorted(reference) != sorted(candidate):
-            raise AssertionError(f"keys differ: {sorted(reference)} vs {sorted(candidate)}")
-        return max((relative_difference(reference[k], candidate[k]) for k in reference), default=0.0)
-    if isinstance(reference, (list, tuple)):
-        assert len(reference) == len(candidate), (len(reference), len(candidate))
-        return max((relative_difference(a, b) for a, b in zip(reference, candidate)), default=0.0)
-    a = np.asarray(reference, dtype="float64")
-    b = np.asarray(candidate, dtype="float64")
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if not np.all(np.isfinite(b)):
-        return float("inf")
-    return float(np.max(np.abs(a - b) / (1.0 + np.abs(a)), initial=0.0))
-
-
 def main(configs, patterns, dtypes):
     devices, kind = CONFIGS[configs[0]]
     if devices > 1:
@@ -398,14 +383,10 @@ def report(config, pattern, dtype, strategy):
         _, actual = train(pattern, base, strategy, initial=start, per_replica=per_replica,
                           steps_per_execution=steps_per_execution)
         item["collectives"] = actual.pop("collectives", None)
-        item["weights"] = relative_difference(expected["weights"], actual["weights"])
-        item["logs"] = relative_difference(
-            {k: v for k, v in expected.items() if k != "weights"},
-            {k: v for k, v in actual.items() if k != "weights"})
+        item.update(differences(expected, actual))
         item["keys"] = sorted(actual["history"])
     except Exception as error:  # reported; the test decides
-        item["error"] = f"{type(error).__name__}: {error}"[:3000]
-        item["trace"] = traceback.format_exc()[-6000:]
+        item.update(failure(error))
     item["cpu_seconds"] = round(time.process_time() - began, 1)
     print("RESULT " + json.dumps(item), flush=True)
 

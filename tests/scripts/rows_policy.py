@@ -32,14 +32,14 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_distrib as kd
-from rows_meet import relative_difference
+from features import differences
+from features import failure
 
 ROWS, BATCH, EPOCHS = 225, 32, 2
 
@@ -181,13 +181,9 @@ def main(patterns, dtypes):
                 start, expected = references[reference_key]
                 base = keras.Model if pattern.endswith("_plain") else kd.Model
                 _, actual = train(pattern, base, strategy, initial=start)
-                item["weights"] = relative_difference(expected["weights"], actual["weights"])
-                item["logs"] = relative_difference(
-                    {k: v for k, v in expected.items() if k != "weights"},
-                    {k: v for k, v in actual.items() if k != "weights"})
+                item.update(differences(expected, actual))
             except Exception as error:  # reported; the test decides
-                item["error"] = f"{type(error).__name__}: {error}"[:3000]
-                item["trace"] = traceback.format_exc()[-4000:]
+                item.update(failure(error))
             item["cpu_seconds"] = round(time.process_time() - began, 1)
             print("RESULT " + json.dumps(item), flush=True)
 
