@@ -43,6 +43,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import uuid
 
 import tensorflow as tf
@@ -351,10 +352,9 @@ def _first_line(error):
     line = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", text[0]) if text else ""
     return f"{type(error).__name__}: {line}"
 
+
 def _new_run():
     """A fresh run's identity: a random id, the host and the start (UTC)."""
-    import socket
-
     return {"id": uuid.uuid4().hex[:12], "host": socket.gethostname(),
             "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
 
@@ -379,16 +379,15 @@ def read_run_file(directory):
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
-        raise CheckpointError(
-            f"{file!r} cannot be read ({error}); it records which run the checkpoints beside it "
-            "belong to. Put it back from a copy, or give another directory to start from scratch."
-        ) from None
-    if (not isinstance(record, dict) or record.get("format") != _RUN_FORMAT
-            or not isinstance(record.get("run"), dict) or not isinstance(record["run"].get("id"), str)):
-        raise CheckpointError(
-            f"{file!r} is not a run record kd wrote; it records which run the checkpoints beside it "
-            "belong to. Put it back from a copy, or give another directory to start from scratch.")
-    return record
+        problem = f"cannot be read ({error})"
+    else:
+        if (isinstance(record, dict) and record.get("format") == _RUN_FORMAT
+                and isinstance(record.get("run"), dict) and isinstance(record["run"].get("id"), str)):
+            return record
+        problem = "is not a run record kd wrote"
+    raise CheckpointError(
+        f"{file!r} {problem}; it records which run the checkpoints beside it belong to. Put it "
+        "back from a copy, or give another directory to start from scratch.")
 
 
 def _write_run_file(directory, record):
