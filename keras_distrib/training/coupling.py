@@ -156,7 +156,7 @@ def meets(values, statistics=False):
     for value in tree.flatten(values):
         if isinstance(value, tf.Tensor) and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
-            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+            if isinstance(kind, penalties.Unknown) and kind.on_global_batch:
                 return kind
             if statistics and kind in (penalties.ROW_SUM, penalties.ROW_MEAN):
                 return penalties.Unknown(
@@ -178,7 +178,7 @@ def _row_aligned(values, what):
             kind = penalties.kind_of_value(value)
             if kind in (penalties.ROWS, penalties.ROW_BLOCKS):
                 positions.append(index)
-            elif isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+            elif isinstance(kind, penalties.Unknown) and kind.on_global_batch:
                 raise ValueError(penalties.refusal(kind, what, _replicas()))
     return positions
 
@@ -487,7 +487,7 @@ def _first_unread(values):
     for value in tree.flatten(values):
         if isinstance(value, tf.Tensor) and value.shape.rank and value.dtype != tf.resource:
             kind = penalties.kind_of_value(value)
-            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+            if isinstance(kind, penalties.Unknown) and kind.on_global_batch:
                 return kind
     return None
 
@@ -495,7 +495,7 @@ def _first_unread(values):
 def _added_meet(terms):
     for term in terms:
         kind = penalties.kind_of(term) if isinstance(term, tf.Tensor) else None
-        if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+        if isinstance(kind, penalties.Unknown) and kind.on_global_batch:
             return kind
     return None
 

@@ -726,7 +726,7 @@ def _metric_update(metric, keras_update):
         tensors = [v for v in tree.flatten((args, kwargs)) if isinstance(v, tf.Tensor)]
         kinds = [penalties.kind_of_value(v) for v in tensors]
         for tensor, kind in zip(tensors, kinds):
-            if isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
+            if isinstance(kind, penalties.Unknown) and kind.on_global_batch:
                 coupling.inline(kind, batch, f"what the metric {metric.name!r} is updated with",
                                 tensor.graph)
         if penalties.GLOBAL not in kinds or not _takes_sample_weight(keras_update):

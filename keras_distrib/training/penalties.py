@@ -135,6 +135,16 @@ class Unknown:
         return not self.mixing and not self.meets
 
     @property
+    def on_global_batch(self):
+        """Whether kd computes the value on the global batch: its rows meet there, or kd cannot read `op`.
+
+        On the global batch every replica computes what one device computes,
+        whatever the op does with the rows; a per-replica random draw
+        (`mixing` without `meets`) is not fixed by it.
+        """
+        return self.meets or self.unread
+
+    @property
     def why(self):
         """What happens at `op`, in words (for an error message)."""
         if self.mixing:
