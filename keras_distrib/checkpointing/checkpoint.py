@@ -353,6 +353,15 @@ def _first_line(error):
     return f"{type(error).__name__}: {line}"
 
 
+def adoption_problem(adopt_checkpoint, where):
+    """Why `adopt_checkpoint` is not the name of a checkpoint (in `where`, words), or None."""
+    if adopt_checkpoint is None or (isinstance(adopt_checkpoint, str)
+                                    and checkpoint_number(adopt_checkpoint) is not None):
+        return None
+    return (f"`adopt_checkpoint`={adopt_checkpoint!r}: expected the name of a checkpoint in {where}, "
+            f"e.g. '{_PREFIX}-7' (or None)")
+
+
 def _new_run():
     """A fresh run's identity: a random id, the host and the start (UTC)."""
     return {"id": uuid.uuid4().hex[:12], "host": socket.gethostname(),
@@ -480,10 +489,9 @@ class CheckpointManager:
 
     def __init__(self, checkpoint, directory, *, max_to_keep=1, adopt_checkpoint=None):
         problems = []
-        if adopt_checkpoint is not None and (not isinstance(adopt_checkpoint, str)
-                                             or checkpoint_number(adopt_checkpoint) is None):
-            problems.append(f"`adopt_checkpoint`={adopt_checkpoint!r} must be the name of a "
-                            f"checkpoint in the directory, e.g. '{_PREFIX}-7' (or None)")
+        adoption = adoption_problem(adopt_checkpoint, "the directory")
+        if adoption:
+            problems.append(adoption)
         if not isinstance(checkpoint, tf.train.Checkpoint):
             problems.append(
                 f"`checkpoint` must be a tf.train.Checkpoint, got {type(checkpoint).__name__}; "

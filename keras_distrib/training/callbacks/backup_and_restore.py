@@ -352,10 +352,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                  max_to_keep=2, declared_changes=(), adopt_checkpoint=None):
         super().__init__()
         self.backup_dir = checkpoint_lib.validate_directory(backup_dir, "backup_dir")
-        if adopt_checkpoint is not None and (not isinstance(adopt_checkpoint, str)
-                                             or checkpoint_lib.checkpoint_number(adopt_checkpoint) is None):
-            raise ValueError(f"`adopt_checkpoint`={adopt_checkpoint!r}: expected the name of a backup "
-                             "in `backup_dir`, e.g. 'ckpt-7' (or None)")
+        adoption = checkpoint_lib.adoption_problem(adopt_checkpoint, "`backup_dir`")
+        if adoption:
+            raise ValueError(adoption)
         self.adopt_checkpoint = adopt_checkpoint
         self.declared_changes = _declared_changes(declared_changes)
         if not validation.is_whole(max_to_keep, 1):
