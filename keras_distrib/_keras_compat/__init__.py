@@ -39,7 +39,8 @@ process-wide ones), `losses` (compiled losses, trackers, metrics),
 iterators, datasets), `strategies` (tf.distribute
 internals, the coordination service), `variables` (central storage,
 parameter servers, partitions, seed state), `optimizer` (the gradient
-pipeline), `layers` (the forward pass) and `summaries` (TensorBoard). This
+pipeline), `layers` (the forward pass), `summaries` (TensorBoard) and
+`versions` (the installed versions, for version checks). This
 `__init__` keeps the version check and `PRIVATE_NAMES`, and re-exports what
 the rest of kd uses (`_keras_compat.<name>`).
 
@@ -53,20 +54,16 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_distrib._keras_compat.versions import KERAS_VERSION  # noqa: F401
+from keras_distrib._keras_compat.versions import TENSORFLOW_VERSION  # noqa: F401
+from keras_distrib._keras_compat.versions import version_tuple
+
 # The minor versions the whole suite passes on (first, last); pyproject.toml
 # admits exactly these (tests/test_keras_compat.py checks that the two agree).
 TESTED_KERAS = ((3, 13), (3, 15))
 TESTED_TENSORFLOW = ((2, 20), (2, 21))
 # Set to 1 to run on other versions anyway: kd then warns instead of refusing.
 UNTESTED_VERSIONS_VARIABLE = "KD_UNTESTED_VERSIONS"
-
-
-def _version_tuple(version):
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def _minor_range(tested):
@@ -101,7 +98,7 @@ def check_versions(keras_version, tensorflow_version, environ=None):
     environ = os.environ if environ is None else environ
     found = {"Keras": (keras_version, TESTED_KERAS), "TensorFlow": (tensorflow_version, TESTED_TENSORFLOW)}
     wrong = [f"{name} {version}" for name, (version, tested) in found.items()
-             if not tested[0] <= _version_tuple(version) <= tested[1]]
+             if not tested[0] <= version_tuple(version) <= tested[1]]
     if not wrong:
         return
     tested = " and ".join(f"{name} {_minor_range(tested)}" for name, (_, tested) in found.items())
@@ -115,8 +112,6 @@ def check_versions(keras_version, tensorflow_version, environ=None):
                       f"{UNTESTED_VERSIONS_VARIABLE}=1 to run anyway, unchecked.")
 
 
-KERAS_VERSION = _version_tuple(keras.__version__)
-TENSORFLOW_VERSION = _version_tuple(tf.__version__)
 check_versions(keras.__version__, tf.__version__)
 
 # Every private name kd relies on: (owner, name, what kd needs from it).

@@ -15,6 +15,8 @@ from keras.src.saving import saving_lib
 from keras.src.saving import serialization_lib
 from keras.src.trainers import compile_utils
 
+from keras_distrib._keras_compat.versions import KERAS_VERSION
+
 __all__ = [
     "Functional",
     "ModelHooks",
@@ -156,7 +158,7 @@ class ModelHooks:
 
 # Keras 3.14 on lets a ValueError from the model's symbolic call through
 # `_symbolic_build`; 3.13 wraps it in a RuntimeError.
-_BUILD_WRAPS_VALUE_ERRORS = tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 14)
+_BUILD_WRAPS_VALUE_ERRORS = KERAS_VERSION < (3, 14)
 
 
 def symbolic_build(model, data_batch):
