@@ -50,26 +50,20 @@ ALLOW_NAMESPACES = ("run as root, or allow unprivileged user namespaces (sysctl 
                     "profile that admits unshare)")
 
 
-class NoNamespace(OSError):
-    """No network namespace can be made here: the kernel or a policy refuses one.
-
-    `reason` says why in a few words (the kernel's refusal), without advice.
-    """
+class _Refused(OSError):
+    """A private network this host does not give; `reason` says why in a few words, without advice."""
 
     def __init__(self, message, *, reason):
         super().__init__(message)
         self.reason = reason
 
 
-class NoRouteOut(OSError):
-    """A namespace can be made but not given a route out: slirp4netns is missing or fails.
+class NoNamespace(_Refused):
+    """No network namespace can be made here: the kernel or a policy refuses one (`reason`: its refusal)."""
 
-    `reason` says why in a few words, without advice.
-    """
 
-    def __init__(self, message, *, reason):
-        super().__init__(message)
-        self.reason = reason
+class NoRouteOut(_Refused):
+    """A namespace can be made but not given a route out: slirp4netns is missing or fails."""
 
 
 class PrivateNetwork:
