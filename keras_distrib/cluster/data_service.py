@@ -24,11 +24,9 @@ import sys
 
 from keras_distrib.cluster import ports as ports_lib
 from keras_distrib.cluster import supervisor
-from keras_distrib import validation
 
 __all__ = [
     "SERVICE_ENV",
-    "check_count",
     "serve_forever",
     "task_specs",
 ]
@@ -41,14 +39,6 @@ DATA_WORKER = "data_worker"
 # unfinished splits are not served again: at most once).
 HEARTBEAT_MS = 500
 WORKER_TIMEOUT_MS = 3000
-
-
-def check_count(data_workers):
-    """The problem with `data_workers`, as a message, or None."""
-    if not validation.is_whole(data_workers, 0):
-        return (f"`data_workers`={data_workers!r}: expected a whole number >= 0 (data worker "
-                "processes of a tf.data service started beside the training tasks)")
-    return None
 
 
 def task_specs(count, env):

@@ -268,9 +268,7 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
                       env=env, log_dir=log_dir, sink=sink, evaluator=evaluator, verbose=verbose)
     requests.check_grace_period(grace_period)
     requests.check_min_workers(min_workers, workers, ps)
-    problem = data_service.check_count(data_workers)
-    if problem:
-        raise LaunchError(f"Invalid launch arguments:\n  - {problem}")
+    requests.check_data_workers(data_workers)
     # Before a private network is tried: nothing starts for a bad target.
     requests.checked_target(target)
     network = requests.check_private_network(private_network)

@@ -26,6 +26,7 @@ __all__ = [
     "NetworkLevel",
     "NoPrivateNetwork",
     "OFFLINE",
+    "check_data_workers",
     "check_grace_period",
     "check_min_workers",
     "check_private_network",
@@ -195,6 +196,14 @@ def check_grace_period(grace_period):
     problems = _grace_problems(grace_period)
     if problems:
         raise LaunchError("Invalid launch request:\n  - " + "\n  - ".join(problems))
+
+
+def check_data_workers(data_workers):
+    """Raises `LaunchError` unless `data_workers` is a whole number >= 0."""
+    if not validation.is_whole(data_workers, 0):
+        raise LaunchError(f"Invalid launch request:\n  - `data_workers`={data_workers!r}: expected a "
+                          "whole number >= 0 (data worker processes of a tf.data service started "
+                          "beside the training tasks)")
 
 
 def check_min_workers(min_workers, workers, ps):
