@@ -266,6 +266,17 @@ def mount_point(tmp_path):
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+def _fill(point, free_pages=0):
+    """Fills the file system at `point` (a file `filler`), then frees `free_pages` pages of 4096 bytes."""
+    fd = os.open(point / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, b"x" * 4096)
+    if free_pages:
+        os.ftruncate(fd, os.fstat(fd).st_size - free_pages * 4096)
+    os.close(fd)
+
+
 @pytest.mark.cluster
 def test_a_mount_point_backup_dir_is_emptied_not_removed(mount_point):
     model = _fit_and_return(mount_point)
@@ -418,12 +429,7 @@ def test_latest_naming_a_deleted_checkpoint_is_refused(tmp_path):
 def test_a_full_disk_at_the_first_backup_names_the_directory(free_pages, what, mount_point):
     from keras_distrib.checkpointing.checkpoint import CheckpointError
 
-    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
-    with contextlib.suppress(OSError):
-        while True:
-            os.write(fd, b"x" * 4096)
-    os.ftruncate(fd, os.fstat(fd).st_size - free_pages * 4096)
-    os.close(fd)
+    _fill(mount_point, free_pages)
     with pytest.raises(CheckpointError, match=rf"Could not write the {what} .*volume.*"
                                               r"No space left on device.*Free space in"):
         _fit_and_return(mount_point)
@@ -436,11 +442,7 @@ def test_a_full_disk_at_model_checkpoints_first_save_is_named(mount_point):
     import keras_distrib as kd
     from keras_distrib.checkpointing.checkpoint import CheckpointError
 
-    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
-    with contextlib.suppress(OSError):
-        while True:
-            os.write(fd, b"x" * 4096)
-    os.close(fd)
+    _fill(mount_point)
     target = mount_point / "model.keras"
     with pytest.raises(CheckpointError, match=r"ModelCheckpoint could not write '.*volume/model\.keras': "
                                               r"No space left on device\..*Free space in"):
@@ -1059,14 +1061,6 @@ def test_a_two_worker_tensorflow_cluster_trains_in_a_private_network():
 
 
 # Late or raw errors, round 3 (continued): logs and scratch space on a full disk.
-
-
-def _fill(point):
-    fd = os.open(point / "filler", os.O_WRONLY | os.O_CREAT)
-    with contextlib.suppress(OSError):
-        while True:
-            os.write(fd, b"x" * 4096)
-    os.close(fd)
 
 
 @pytest.mark.cluster
