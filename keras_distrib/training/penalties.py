@@ -96,7 +96,7 @@ _OFFSET = "offset"  # where the replica's rows start in the global batch (`kd.lo
 # classes) tensor), or batches concatenated along the rows (a GAN's
 # generated and real images). Sums and means over its entries add up as
 # over rows; what depends on its order is not read.
-ROW_BLOCKS = _BLOCKS = "row blocks"
+ROW_BLOCKS = "row blocks"
 # A replica's share of a loss kd computed (its shares add up over replicas to
 # the global loss): what it is made of is kd's arithmetic, not the walk's.
 SHARE = "share"
@@ -394,7 +394,7 @@ def _reduce(op, kinds):
         return FIXED if kinds[1] == FIXED else _unread(op)
     if kind in (ROW_SUM, ROW_MEAN):
         return kind if op.type in ("Sum", "Mean") and kinds[1] == FIXED else _unread(op)
-    if kind not in (ROWS, _DRAW, _BLOCKS):
+    if kind not in (ROWS, _DRAW, ROW_BLOCKS):
         return _unread(op)
     axes = _axes(op, op.inputs[0], op.inputs[1])
     if axes is None:
@@ -591,10 +591,10 @@ def _merges_rows(op):
 
 def _shape_op(op, index, kinds):
     """A shape op (`_SHAPE_OPS`) on rows: rows where it keeps them, columns where it turns them."""
-    if op.type == "Reshape" and kinds[0] in (ROWS, _BLOCKS) and kinds[1] == _SHAPE:
+    if op.type == "Reshape" and kinds[0] in (ROWS, ROW_BLOCKS) and kinds[1] == _SHAPE:
         return ROWS  # back to a shape read off the rows (a loss reshaped to its rows)
     if op.type == "Reshape" and kinds[0] == ROWS and kinds[1] == FIXED and _merges_rows(op):
-        return _BLOCKS  # (tf.nn's sparse cross-entropy of a sequence's logits)
+        return ROW_BLOCKS  # (tf.nn's sparse cross-entropy of a sequence's logits)
     if kinds[0] in (ROWS, _DRAW):
         others_fixed = all(k == FIXED for k in kinds[1:])
         if others_fixed and kinds[0] == ROWS and _makes_columns(op):
@@ -648,8 +648,8 @@ def _concat(op, index, kinds):
     if axis is not None and rank and int(axis) % rank != 0 and all(k == ROWS for k in kinds[:-1]):
         return ROWS
     if axis is not None and rank and int(axis) % rank == 0 and \
-            all(k in (ROWS, _BLOCKS) for k in kinds[:-1]):
-        return _BLOCKS  # batches stacked along the rows
+            all(k in (ROWS, ROW_BLOCKS) for k in kinds[:-1]):
+        return ROW_BLOCKS  # batches stacked along the rows
     return _unread(op)
 
 
@@ -741,8 +741,8 @@ def _rows_or_meeting(op, index, kinds):
                      "InTopKV2") and ROWS in kinds and set(kinds) <= {ROWS, FIXED}:
         return ROWS
     if kind_type in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits") and \
-            set(kinds) == {_BLOCKS}:
-        return _BLOCKS
+            set(kinds) == {ROW_BLOCKS}:
+        return ROW_BLOCKS
     if kind_type == "GatherV2" and rows and kinds[1] in (ROWS, FIXED) and kinds[2] == FIXED:
         axis = _const(op.inputs[2])
         if axis is not None and int(axis) % (_rank(op.inputs[0]) or 1) == 0:
@@ -872,10 +872,10 @@ def _kind_of_op_output(op, index, kinds):
         return FIXED  # a function of weights and constants alone: the same on every replica
     if entry is None:
         return _unread(op)
-    if _BLOCKS in kinds and set(kinds) <= {_BLOCKS, FIXED} and kind_type != "ConcatV2":
+    if ROW_BLOCKS in kinds and set(kinds) <= {ROW_BLOCKS, FIXED} and kind_type != "ConcatV2":
         # Regrouped rows go through what each row goes through alone.
-        kind = entry.kind(op, index, [ROWS if k == _BLOCKS else k for k in kinds])
-        return _BLOCKS if kind == ROWS else kind
+        kind = entry.kind(op, index, [ROWS if k == ROW_BLOCKS else k for k in kinds])
+        return ROW_BLOCKS if kind == ROWS else kind
     return entry.kind(op, index, kinds)
 
 
@@ -1068,7 +1068,7 @@ def kind_of(term):
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return Unknown(term.op.name)  # a graph shape the walk does not know: not split
     kind = _settled(kind)
-    if kind in (ROWS, _BLOCKS):
+    if kind in (ROWS, ROW_BLOCKS):
         return ROW_SUM
     if kind in (FIXED, ROW_SUM, ROW_MEAN, GLOBAL, SHARE):
         return kind
