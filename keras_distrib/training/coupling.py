@@ -54,7 +54,6 @@ from keras_distrib.training import replica
 __all__ = [
     "GatherInLoop",
     "MODES",
-    "NO_ROWS",
     "ROWS_REFUSAL",
     "RowsMeet",
     "anchor",
@@ -190,8 +189,9 @@ def _row_aligned(values, what):
 # (`(0,)`: the batch's own rows; `(0, 2)`: leaf 0's rows, then leaf 2's, as
 # `concat([x, z])` stacks them; `(0, 0)`: two blocks of the batch, a GAN's
 # generated and real images). One device holds, for a layout, every
-# replica's rows of each block in turn. `NO_ROWS`: weights and constants.
-NO_ROWS = penalties.NO_ROWS
+# replica's rows of each block in turn. `penalties.NO_ROWS`: weights and
+# constants. `penalties.layout_of_op` reads an op's layout from its inputs'.
+
 
 def mark_layout(tensor, layout, batch=None):
     """Records that `tensor`'s rows have `layout` (kd's own outputs: padded, laid out, drawn)."""
@@ -202,7 +202,7 @@ def mark_layout(tensor, layout, batch=None):
 
 
 def row_layout(tensor, batch):
-    """The layout of `tensor`'s rows (see `NO_ROWS`), or None where kd cannot tell.
+    """The layout of `tensor`'s rows (see `penalties.NO_ROWS`), or None where kd cannot tell.
 
     Read from the graph with the op table that also gives each tensor its
     kind (`penalties.OPS`, `penalties.layout_of_op`): the step's data
@@ -227,7 +227,7 @@ def row_layout(tensor, batch):
         op = value.op
         if penalties.holds_no_rows(op.type) or value.dtype == tf.resource or (
                 op.type == "Placeholder" and key not in leaves) or not op.inputs:
-            memo[key] = NO_ROWS if op.type != "Placeholder" or value.dtype == tf.resource else None
+            memo[key] = penalties.NO_ROWS if op.type != "Placeholder" or value.dtype == tf.resource else None
             continue
         pending = [t for t in op.inputs if t.ref() not in memo]
         if not ready and pending:
