@@ -889,17 +889,26 @@ def _outside_server():
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("mode", ["default", "offline", False])
-def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_tasks_reach_out(mode):
+@pytest.mark.parametrize("mode", ["default", "pasta", "offline", False])
+def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_tasks_reach_out(
+        mode, monkeypatch):
     """By default a task's listener on 0.0.0.0 (as TF's gRPC server) is reached by no one outside.
 
     Tried for real: from this host's loopback and its address, as this user
     and as another one (uid 65534). The task reaches a server on this host
     (its address, and 10.0.2.2, this host seen from the private network).
+    "pasta": the default where slirp4netns is not found (the name kd looks
+    for is one no system has: the launcher runs in this process, which
+    cannot have a mount namespace of its own to hide the file, its threads
+    sharing it), so pasta gives the route out.
     Contrasts: "offline" reaches nothing out; False is reachable by all.
     """
     from tests import launch_targets
 
+    if mode == "pasta":
+        if not shutil.which(network.PASTA, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
+            pytest.skip("pasta is not installed here (tools/setup_private_network.sh installs it)")
+        monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
     host = _host_address()
     lines, seen = [], {}
 
@@ -907,20 +916,26 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
         lines.append(line)
         if "LISTENING " in line:
             port = int(line.rsplit(" ", 1)[1])
-            for address in ["127.0.0.1"] + ([host] if host else []):
-                seen[f"{address} by this user"] = _reachable(address, port)
-                seen[f"{address} by another user"] = _reachable_by_a_stranger(address, port)
+            # Again after pasta's look at the tasks' bound ports (each second), which its
+            # default forwards to this host.
+            for when, pause in (("", 0), (" later", 1.5)):
+                time.sleep(pause)
+                for address in ["127.0.0.1"] + ([host] if host else []):
+                    seen[f"{address} by this user{when}"] = _reachable(address, port)
+                    seen[f"{address} by another user{when}"] = _reachable_by_a_stranger(address, port)
 
     with _outside_server() as port:
         outside = [(host, port)] if host else []
         if mode != False:  # noqa: E712 - False is the open mode here
             outside.append((network.HOST_FROM_TASKS, port))
-        kwargs = {} if mode == "default" else {"private_network": mode}
+        kwargs = {} if mode in ("default", "pasta") else {"private_network": mode}
         result = kd_launch.launch(launch_targets.listen_and_reach_out, workers=1, args=(outside, 3),
                                   env=_harness._env(), sink=sink, timeout=120, **kwargs)
     assert result.returncode == 0, lines
     reached = [line.split("] ", 1)[1] for line in lines if "REACHED " in line]
-    if mode == "default":
+    if mode == "pasta":
+        assert lines[0].startswith("[launcher] network: private, with a route out through pasta "), lines
+    if mode in ("default", "pasta"):
         assert not any(seen.values()), (seen, lines)
         assert seen["127.0.0.1 by another user"] is not None or os.getuid() != 0
         assert reached == [f"REACHED {h} {p} hello" for h, p in outside], lines
@@ -943,29 +958,36 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
                     reason="needs root (a mount namespace and port 53) and util-linux's unshare")
 def test_names_resolve_in_the_private_network_when_the_hosts_resolver_is_on_its_loopback():
     """On a host whose /etc/resolv.conf names 127.0.0.53 (Ubuntu's systemd-resolved) a task in
-    the private network resolves names (through slirp4netns); 4c0b8d4's namespace could not.
+    the private network resolves names (through slirp4netns, or pasta where slirp4netns is
+    absent); 4c0b8d4's namespace could not.
 
     Contrast ("offline"): no route out, no name.
     """
     results = {}
-    for mode in ("True", "offline"):
+    pasta = shutil.which(network.PASTA, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin")
+    for mode in ("True", "offline") + (("pasta",) if pasta else ()):
         done = subprocess.run(
             ["unshare", "-m", "--propagation", "private", sys.executable, "-u",
              os.path.join(_harness.SCRIPTS, "loopback_resolver.py"), mode],
             env=_harness._env(), capture_output=True, text=True, timeout=120)
         (results[mode],) = _harness.results_of(done.stdout) or [done.stdout + done.stderr]
-    assert results["True"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77"}, results
+    assert results["True"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77", "network": []}, results
+    if pasta:  # slirp4netns hidden for real: pasta's forwarder answers
+        assert results["pasta"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77", "network": [
+            "[launcher] network: private, with a route out through pasta (no other host or user "
+            "reaches the tasks' ports)"]}, results
     assert results["offline"]["host"] == "192.0.2.77", results
     assert results["offline"]["task"].startswith("UNRESOLVED"), results
 
 
-def test_an_explicit_private_network_without_slirp4netns_is_refused_saying_what_to_install(monkeypatch):
+def test_an_explicit_private_network_without_a_route_out_is_refused_saying_what_to_install(monkeypatch):
     """`private_network=True` asks for a route out: where it cannot be made, nothing runs."""
     from tests import launch_targets
 
-    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
-    with pytest.raises(kd_launch.LaunchError, match=r"not installed here: install it \(Debian/Ubuntu: "
-                       r"`apt-get install slirp4netns`.*`private_network=\"offline\"`.*"
+    _harness.hide_routes_out(monkeypatch)
+    with pytest.raises(kd_launch.LaunchError, match=r"neither of which is installed here: install one "
+                       r"\(Debian/Ubuntu: `apt-get install slirp4netns`, or `apt-get install passt` "
+                       r"for pasta;.*`private_network=\"offline\"`.*"
                        r"`private_network=False` \(`--network open`") as refused:
         kd_launch.launch(launch_targets.whoami, workers=1, args=("x",), sink=lambda line: None,
                          timeout=60, private_network=True)
@@ -974,21 +996,31 @@ def test_an_explicit_private_network_without_slirp4netns_is_refused_saying_what_
 
 @pytest.mark.cluster
 def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(monkeypatch):
-    """A route out where slirp4netns works; else a namespace without one, saying why; else refused."""
+    """A route out where slirp4netns (else pasta) works; else a namespace without one, saying why;
+    else refused."""
     best = requests.check_private_network(requests.AUTO)
     if shutil.which(network.SLIRP, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
         assert best.name == "private" and best.no_route_out is None
         assert best.note.startswith("[launcher] network: private, with a route out through slirp4netns")
     else:  # tools/setup_private_network.sh installs it
         assert best.name == "offline", best
+    # Without slirp4netns, pasta gives the route out (tools/setup_private_network.sh installs it too).
     monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    if shutil.which(network.PASTA, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
+        by_pasta = requests.check_private_network(requests.AUTO)
+        assert by_pasta.name == "private" and by_pasta.no_route_out is None
+        assert by_pasta.note == ("[launcher] network: private, with a route out through pasta (no other "
+                                 "host or user reaches the tasks' ports)")
+    _harness.hide_routes_out(monkeypatch)
     offline = requests.check_private_network(requests.AUTO)
     assert offline.name == "offline"
-    assert offline.note == ("[launcher] network: private, without a route out (kd-no-such-slirp4netns "
-                            "is not installed here): the tasks reach each other and nothing else; "
-                            "kd-no-such-slirp4netns would give them one")
-    assert re.search(r"without a route out \(kd-no-such-slirp4netns is not installed here\): install "
-                     r"kd-no-such-slirp4netns \(Debian/Ubuntu: .*`--network open`", offline.no_route_out)
+    assert offline.note == ("[launcher] network: private, without a route out (neither "
+                            "kd-no-such-slirp4netns nor kd-no-such-pasta is installed here): the tasks "
+                            "reach each other and nothing else; kd-no-such-slirp4netns or "
+                            "kd-no-such-pasta would give them one")
+    assert re.search(r"without a route out \(neither kd-no-such-slirp4netns nor kd-no-such-pasta is "
+                     r"installed here\): install kd-no-such-slirp4netns or kd-no-such-pasta "
+                     r"\(Debian/Ubuntu: .*`--network open`", offline.no_route_out)
     # Asked for by name, the offline network says nothing at launch, and its advice is to drop it.
     explicit = requests.check_private_network(requests.OFFLINE)
     assert explicit.note is None and "launch without it" in explicit.no_route_out
@@ -1011,7 +1043,7 @@ def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(mon
 def test_a_task_without_a_route_out_that_fails_on_the_network_is_told_how_to_get_one(monkeypatch):
     from tests import launch_targets
 
-    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    _harness.hide_routes_out(monkeypatch)
     lines = []
     result = kd_launch.launch(launch_targets.reach_out, workers=1, args=(network.HOST_FROM_TASKS, 9),
                               sink=lines.append, timeout=60, env=_harness._env())
@@ -1019,8 +1051,9 @@ def test_a_task_without_a_route_out_that_fails_on_the_network_is_told_how_to_get
     assert lines[0].startswith("[launcher] network: private, without a route out"), lines
     (told,) = [line for line in lines if "failed on a network error" in line]
     assert re.match(r"\[launcher\] worker 0 failed on a network error, and the tasks ran in a private "
-                    r"network without a route out \(kd-no-such-slirp4netns is not installed here\): "
-                    r"install kd-no-such-slirp4netns", told), told
+                    r"network without a route out \(neither kd-no-such-slirp4netns nor "
+                    r"kd-no-such-pasta is installed here\): install kd-no-such-slirp4netns or "
+                    r"kd-no-such-pasta", told), told
     assert any("Network is unreachable" in line for line in lines), lines
 
 
