@@ -212,6 +212,15 @@ def test_a_bad_invocation_or_a_missing_component_ends_in_one_sentence_and_exit_c
     assert (tmp_path / "file").read_text() == "kept"
 
 
+def test_bench_without_a_private_network_skips_its_launch_timing_naming_no_option(monkeypatch):
+    """`keras-distrib bench` has no `--network open` (its `--network` is another benchmark): where
+    no namespace can be made its 2-worker launch timing is not run, saying why, with no advice."""
+    from keras_distrib.commands import bench
+
+    monkeypatch.setattr(network, "PrivateNetwork", _harness.NoNamespaceHere)
+    assert bench._launch_to_first_step(1) == ([], "this machine makes no network namespace (EPERM)")
+
+
 def test_demo_and_test_asked_for_a_route_out_they_cannot_have_name_the_command_that_runs_them(
         monkeypatch, tmp_path):
     """`--network private` without slirp4netns or pasta: the worker rows say why, and the offline
