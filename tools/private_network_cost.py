@@ -140,7 +140,7 @@ def main(argv=None):
     from keras_distrib.cluster import network
 
     variants = {"private": True, "offline": "offline", "open": False}
-    if any(name == network.PASTA for name, _ in network._routes_out()):
+    if any(name == network.PASTA for name, _ in network.routes_out()):
         variants = {"private": True, "pasta": True, "offline": "offline", "open": False}
     made = {name: [] for name in variants if name != "open"}
     for _ in range(4 * options.repeats):

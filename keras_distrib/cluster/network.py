@@ -28,6 +28,7 @@ __all__ = [
     "PASTA",
     "PrivateNetwork",
     "SLIRP",
+    "routes_out",
 ]
 
 
@@ -72,12 +73,14 @@ class NoNamespace(OSError):
 class NoRouteOut(OSError):
     """A namespace can be made but not given a route out: slirp4netns and pasta are missing or fail.
 
-    `reason` says why in a few words, without advice.
+    `reason` says why in a few words, without advice; `fix` what gives the
+    tasks a route out here ("install ...", "open ...", "check ...").
     """
 
-    def __init__(self, message, *, reason):
+    def __init__(self, message, *, reason, fix):
         super().__init__(message)
         self.reason = reason
+        self.fix = fix
 
 
 class PrivateNetwork:
@@ -109,14 +112,15 @@ class PrivateNetwork:
         self.router = None
         self.route_out = None
         self._exit_fd = None
-        routes = _routes_out() if outbound else []
+        routes = routes_out() if outbound else []
         if outbound and not routes:
             raise NoRouteOut(
                 f"`private_network`: kd runs a local launch's tasks in a network namespace of "
                 f"their own (TensorFlow's servers have no authentication) and reaches the "
                 f"outside through {SLIRP} or {PASTA}, neither of which is installed here: install "
                 f"one {INSTALL_SLIRP}; " + OPT_OUT + ".",
-                reason=f"neither {SLIRP} nor {PASTA} is installed here")
+                reason=f"neither {SLIRP} nor {PASTA} is installed here",
+                fix=f"install {SLIRP} or {PASTA} {INSTALL_SLIRP}")
         # This host's resolver on its own loopback cannot be reached from the
         # namespace: there /etc/resolv.conf names the route out's, which forwards to it.
         stub = _stub_resolv_conf() if outbound else None
@@ -149,7 +153,8 @@ class PrivateNetwork:
             except OSError as error:  # it would not start (not executable, say)
                 failures.append(NoRouteOut(f"`private_network`: {path} does not start ({error}): "
                                            f"check that {name} works here; " + OPT_OUT + ".",
-                                           reason=f"{name} does not start"))
+                                           reason=f"{name} does not start",
+                                           fix=f"check that {name} works here"))
             self._end_router()
         if failures:
             self.close()
@@ -259,7 +264,7 @@ class PrivateNetwork:
             self._exit_fd = None
 
 
-def _routes_out():
+def routes_out():
     """`(name, path)` of slirp4netns and pasta, those installed, in kd's order."""
     found = []
     for name in (SLIRP, PASTA):
@@ -283,7 +288,9 @@ def _failed(name, error, returncode):
                   else f" Check that {name} works here;")
         + " " + OPT_OUT + ".",
         reason=f"{name} cannot open /dev/net/tun as this user" if tun_closed
-        else f"{name} fails here: {error[0]}" if error else f"{name} fails here")
+        else f"{name} fails here: {error[0]}" if error else f"{name} fails here",
+        fix="open /dev/net/tun to this user (distributions make it mode 0666: `chmod 0666 "
+        "/dev/net/tun` as root)" if tun_closed else f"check that {name} works here")
 
 
 def _has_default_route(pid):
