@@ -1481,16 +1481,21 @@ def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkey
 @pytest.mark.cluster
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
                     reason="switches to an unprivileged user (root, unshare, setpriv)")
-def test_an_unprivileged_user_launches_is_preempted_resumes_exactly_and_leaves_nothing(tmp_path):
-    """uid 65534 (`nobody`), its own HOME and TMPDIR: launch 2 workers, SIGTERM mid-epoch, restart,
-    resume, clean-up. Its privacy level: `--network offline` (a network namespace of its own with
-    no outside network): slirp4netns, the default's way out, needs /dev/net/tun, which is 0600 here.
+def test_an_unprivileged_user_installs_runs_the_demo_launches_is_preempted_resumes_and_leaves_nothing(
+        tmp_path):
+    """uid 65534 (`nobody`), its own HOME and TMPDIR, as a user who got the project's files:
+    installs kd into a virtual environment of its own (`pip install -e`), runs `keras-distrib
+    demo --quick` (every kd row matches plain Keras on one device), then `keras-distrib launch
+    --workers 2` of a script that is preempted mid-epoch (SIGTERM), restarts and resumes exactly;
+    the backup is cleaned up. Its privacy level is the default's: a network namespace of its own,
+    with a route out where /dev/net/tun is open to it, else (0600, as on this project's machine,
+    where slirp4netns and pasta cannot open it) without one; with the network open, stated, where
+    the kernel makes it no namespace.
 
     The interpreter lives under root's 0700 home, so it is bind-mounted where the user can reach
     it, in a mount namespace of this test's own (gone when the command ends).
     """
     import stat
-    import sys
     import tempfile
 
     if not all(os.stat(parent).st_mode & stat.S_IXOTH for parent in _parents(_harness.REPO)):
@@ -1512,47 +1517,101 @@ def _parents(path):
         path = os.path.dirname(path)
 
 
-def _unprivileged_run(place, tmp_path):
+def _as_nobody(place, script, timeout):
+    """`script` run by sh as uid 65534 with HOME `place`/home (TMPDIR its tmp); its exit code and
+    output."""
     import sys
 
     home = place / "home"
-    home.mkdir()
-    os.chown(home, 65534, 65534)
-    prefix = sys.base_prefix
     view = place / "python"
-    view.mkdir()
-    site = [p for p in sys.path if p.startswith(prefix) and p.endswith("site-packages")]
-    paths = [_harness.REPO] + [p.replace(prefix, str(view), 1) for p in site]
+    view.mkdir(exist_ok=True)
+    # The interpreter finds its libpython by an absolute path under root's home (pyenv's RUNPATH).
     env = " ".join(shlex_quote(f"{k}={v}") for k, v in {
-        "PATH": f"{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
-        "PYTHONPATH": os.pathsep.join(paths), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PATH": f"{home}/venv/bin:{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home / "tmp",
+        "LD_LIBRARY_PATH": f"{view}/lib", "CUDA_VISIBLE_DEVICES": "",
     }.items())
-    backup, out = home / "backup", home / "out.npz"
-    launch = (f"python -m keras_distrib launch --workers 2 --max-restarts 1 --network offline "
-              f"{shlex_quote(os.path.join(_harness.SCRIPTS, 'preempt.py'))} fit {backup} {out} 4")
-    command = (f"mount --bind {shlex_quote(prefix)} {view} && exec setpriv --reuid 65534 --regid 65534 "
-               f"--clear-groups env -i {env} sh -c {shlex_quote('id -u && ' + launch)}")
+    command = (f"mount --bind {shlex_quote(sys.base_prefix)} {view} && exec setpriv --reuid 65534 "
+               f"--regid 65534 --clear-groups env -i {env} sh -c {shlex_quote(script)}")
     done = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        output = done.communicate(timeout=400)[0]
+        output = done.communicate(timeout=timeout)[0]
     finally:
         if done.poll() is None:
             os.killpg(done.pid, signal.SIGKILL)
             done.wait(timeout=10)
-    assert done.returncode == 0 and output.splitlines()[0] == "65534", output[-4000:]
+    return done.returncode, output
+
+
+def _unprivileged_run(place, tmp_path):
+    from tests.test_users_machine import _check_demo_runs
+
+    home, src = place / "home", place / "home" / "src"
+    shutil.copytree(os.path.join(_harness.REPO, "keras_distrib"), src / "keras_distrib",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(_harness.REPO, name), src)
+    (home / "tmp").mkdir()
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, 65534, 65534)
+    _, probe = _as_nobody(place, "unshare --user --net true && echo NAMESPACES", 60)
+    namespaces = "NAMESPACES" in probe
+    tun = os.stat("/dev/net/tun").st_mode & 0o006 == 0o006 if os.path.exists("/dev/net/tun") else False
+    backup, out = home / "backup", home / "out.npz"
+    script = " && ".join([
+        "id -u", "cd",  # not the repository: its keras_distrib would shadow the installed one
+        "python -m venv --without-pip --system-site-packages \"$HOME/venv\"",
+        "python -m pip install --quiet --no-deps --no-build-isolation --no-index -e \"$HOME/src\"",
+        "python -c 'import importlib.util as u; print(\"FOUND\", u.find_spec(\"keras_distrib\").origin)'",
+        "started=$(date +%s%N)", "{ keras-distrib demo --quick --out \"$HOME/demo\"; code=$?; true; }",
+        "echo \"DEMO $code $(( ($(date +%s%N) - started) / 1000000 ))\"",
+        f"keras-distrib launch --workers 2 --max-restarts 1 {'' if namespaces else '--network open '}"
+        f"{shlex_quote(os.path.join(_harness.SCRIPTS, 'preempt.py'))} fit {backup} {out} 4",
+    ])
+    code, output = _as_nobody(place, script, 900)
+    lines = output.splitlines()
+    assert code == 0 and lines[0] == "65534", output[-4000:]
+    # Installed from the user's own copy: the console script, and the package found there.
+    assert f"FOUND {src}/keras_distrib/__init__.py" in lines, [l for l in lines if "FOUND" in l]
+    assert (home / "venv" / "bin" / "keras-distrib").exists()
+    (demo_code, milliseconds), = [line.split()[1:] for line in lines if line.startswith("DEMO ")]
+    print(f"keras-distrib demo --quick as uid 65534: {int(milliseconds) / 1000:.1f} s")
+    assert demo_code == "0", output[-4000:]
+    _check_demo_runs(home / "demo", ("one_device", "kd_mirrored", "kd_loop")
+                     + (("kd_workers",) if namespaces else ()))
+    # The privacy level, said in one line by the demo and by the launch; without namespaces the
+    # demo's worker rows say why they did not run, and the launch (asked for open) names its ports.
+    installed = [name for name in (network.SLIRP, network.PASTA)
+                 if shutil.which(name, path="/usr/bin:/usr/sbin:/sbin")]
+    level = ("private, with a route out through " if tun and installed else
+             f"private, without a route out ({installed[0]} cannot open /dev/net/tun as this user): "
+             "the tasks reach each other and nothing else; to give them one, open /dev/net/tun to "
+             "this user (distributions make it mode 0666: `chmod 0666 /dev/net/tun` as root)"
+             if installed else
+             "private, without a route out (neither slirp4netns nor pasta is installed here)")
+    if namespaces:
+        assert f"  network: {level}" in output, output[-4000:]
+        assert f"[launcher] network: {level}" in output, output[-4000:]
+    else:
+        assert re.search(r"^kd, 2 worker processes \(launcher\)\s+not run\s", output, re.M), output
+        assert "[launcher] note: " in output, output[-4000:]
+    # The launch: preempted once, resumed, and the same as an uninterrupted run on one device.
     assert "exited with code 42" in output and output.count("DONE 18") == 2, output[-4000:]
-    # The same run, uninterrupted on one device (as root, in this process's network).
     code, reference = _harness.run_script("preempt.py", "fit", tmp_path / "ref_backup",
                                           tmp_path / "ref.npz", -1)
     assert code == 0, reference[-3000:]
     assert _harness.saved_weights_diff(str(tmp_path / "ref.npz"), str(out)) <= 1e-6
-    # Clean-up: the backup is gone, and nothing but the output and caches is left in HOME.
+    # Clean-up: the backup is gone, and nothing but what the user made and caches is left in HOME;
+    # in TMPDIR only the bytecode of the modules TensorFlow's AutoGraph generated in the demo's
+    # own process (the tasks' temporary files go with their scratch directories).
     assert not backup.exists()
     assert sorted(p.name for p in home.iterdir() if not p.name.startswith(".")) == [
-        "out.npz", "out.npz.signalled"]
-    assert all(p.stat().st_uid == 65534 for p in home.rglob("*"))
+        "demo", "out.npz", "out.npz.signalled", "src", "tmp", "venv"]
+    left = [p.relative_to(home / "tmp").as_posix() for p in (home / "tmp").rglob("*")]
+    assert all(name == "__pycache__" or name.startswith("__pycache__/__autograph_generated_file")
+               for name in left), left
+    assert all(p.lstat().st_uid == 65534 for p in home.rglob("*"))
 
 
 def shlex_quote(value):
