@@ -1517,9 +1517,10 @@ def _parents(path):
         path = os.path.dirname(path)
 
 
-def _as_nobody(place, script, timeout):
-    """`script` run by sh as uid 65534 with HOME `place`/home (TMPDIR its tmp); its exit code and
-    output."""
+def _as_nobody(place, script, timeout, *, before="true", pythonpath=""):
+    """`script` run by sh as uid 65534 with HOME `place`/home (TMPDIR its tmp) and PYTHONPATH
+    `pythonpath`, after the shell command `before` as root (in the same mount namespace); its
+    exit code and output."""
     import sys
 
     home = place / "home"
@@ -1528,10 +1529,10 @@ def _as_nobody(place, script, timeout):
     # The interpreter finds its libpython by an absolute path under root's home (pyenv's RUNPATH).
     env = " ".join(shlex_quote(f"{k}={v}") for k, v in {
         "PATH": f"{home}/venv/bin:{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home / "tmp",
-        "LD_LIBRARY_PATH": f"{view}/lib", "CUDA_VISIBLE_DEVICES": "",
+        "LD_LIBRARY_PATH": f"{view}/lib", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath,
     }.items())
-    command = (f"mount --bind {shlex_quote(sys.base_prefix)} {view} && exec setpriv --reuid 65534 "
-               f"--regid 65534 --clear-groups env -i {env} sh -c {shlex_quote(script)}")
+    command = (f"{before} && mount --bind {shlex_quote(sys.base_prefix)} {view} && exec setpriv "
+               f"--reuid 65534 --regid 65534 --clear-groups env -i {env} sh -c {shlex_quote(script)}")
     done = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -1612,6 +1613,40 @@ def _unprivileged_run(place, tmp_path):
     assert all(name == "__pycache__" or name.startswith("__pycache__/__autograph_generated_file")
                for name in left), left
     assert all(p.lstat().st_uid == 65534 for p in home.rglob("*"))
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv")
+                    or not shutil.which("nsenter"),
+                    reason="switches to an unprivileged user (root, unshare, setpriv, nsenter)")
+def test_an_unprivileged_user_with_dev_net_tun_gets_a_route_out_through_slirp4netns_or_pasta():
+    """Where /dev/net/tun is open to it (mode 0666, as distributions ship it; here a node of
+    this test's own, over the 0600 one, in a mount namespace of its own), uid 65534 gets a route
+    out through slirp4netns, and through pasta where slirp4netns is not found (pasta joins the
+    user's own user namespace), and no one outside reaches the tasks' ports.
+    """
+    import tempfile
+
+    installed = {name for name in (network.SLIRP, network.PASTA)
+                 if shutil.which(name, path="/usr/bin:/usr/sbin:/sbin")}
+    if installed != {network.SLIRP, network.PASTA}:
+        pytest.skip("needs slirp4netns and pasta (tools/setup_private_network.sh installs them)")
+    place = pathlib.Path(tempfile.mkdtemp(prefix="kd_nobody_", dir="/tmp"))
+    try:
+        os.chmod(place, 0o755)
+        (place / "home").mkdir()
+        os.chown(place / "home", 65534, 65534)
+        (place / "dev").mkdir()
+        script = f"cd && python {shlex_quote(os.path.join(_harness.SCRIPTS, 'route_out_as_user.py'))}"
+        tun = (f"mount -t tmpfs none {place}/dev && mknod -m 0666 {place}/dev/tun c 10 200 && "
+               f"mount --bind {place}/dev/tun /dev/net/tun")
+        code, output = _as_nobody(place, script, 120, before=tun, pythonpath=_harness.REPO)
+    finally:
+        shutil.rmtree(place)
+    assert code == 0, output[-3000:]
+    (report,) = _harness.results_of(output)
+    assert report == {name: {"read": "hello", "reached_from_outside": False}
+                      for name in (network.SLIRP, network.PASTA)}, report
 
 
 def shlex_quote(value):
