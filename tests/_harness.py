@@ -372,6 +372,12 @@ def saved_weights_diff(a, b):
     return max(float(np.abs(x - y).max()) for x, y in zip(weights(a), weights(b)))
 
 
+def hide_routes_out(monkeypatch):
+    """Makes kd find neither of its routes out of a private network (slirp4netns, pasta)."""
+    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    monkeypatch.setattr(network, "PASTA", "kd-no-such-pasta")
+
+
 class NoNamespaceHere:
     """Stands in for `network.PrivateNetwork` on a host whose kernel refuses network namespaces
     (a container's seccomp profile, say); tests/test_users_machine.py makes the kernel refuse."""

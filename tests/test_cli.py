@@ -117,8 +117,8 @@ def test_the_checkpoint_check_sees_a_left_scratch_directory(tmp_path):
         files.remove_scratch(left)
 
 
-def _no_slirp(c):
-    c.monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+def _no_route_out(c):
+    _harness.hide_routes_out(c.monkeypatch)
 
 
 def _no_namespaces(c):
@@ -154,10 +154,10 @@ BAD_INVOCATIONS = [
      r"^keras-distrib launch: `target`='.*/missing.py' is not a file\. Pass the path of a Python script"),
     (["launch", "--workers", "2", "--per-node", "2", "{script}"], None,
      r"^keras-distrib launch: `--per-node` is for the per-node agent .*; on one machine give `--workers N`\.$"),
-    (["launch", "--workers", "2", "--network", "private", "{script}"], _no_slirp,
-     r"^keras-distrib launch: `private_network`: .*kd-no-such-slirp4netns, which is not installed "
-     r"here: install it \(Debian/Ubuntu: `apt-get install slirp4netns`.*`--network offline`.*"
-     r"`--network open`"),
+    (["launch", "--workers", "2", "--network", "private", "{script}"], _no_route_out,
+     r"^keras-distrib launch: `private_network`: .*kd-no-such-slirp4netns or kd-no-such-pasta, "
+     r"neither of which is installed here: install one \(Debian/Ubuntu: `apt-get install "
+     r"slirp4netns`, or `apt-get install passt` for pasta;.*`--network offline`.*`--network open`"),
     (["launch", "--workers", "2", "{script}"], _no_namespaces,
      r"^keras-distrib launch: `private_network`: .* this machine makes no network namespace \(EPERM\): "
      r"run as root, or allow unprivileged user namespaces .*`--network open`"),
@@ -212,21 +212,32 @@ def test_a_bad_invocation_or_a_missing_component_ends_in_one_sentence_and_exit_c
     assert (tmp_path / "file").read_text() == "kept"
 
 
+def test_bench_without_a_private_network_skips_its_launch_timing_naming_no_option(monkeypatch):
+    """`keras-distrib bench` has no `--network open` (its `--network` is another benchmark): where
+    no namespace can be made its 2-worker launch timing is not run, saying why, with no advice."""
+    from keras_distrib.commands import bench
+
+    monkeypatch.setattr(network, "PrivateNetwork", _harness.NoNamespaceHere)
+    assert bench._launch_to_first_step(1) == ([], "this machine makes no network namespace (EPERM)")
+
+
 def test_demo_and_test_asked_for_a_route_out_they_cannot_have_name_the_command_that_runs_them(
         monkeypatch, tmp_path):
-    """`--network private` without slirp4netns: the worker rows say why, and the offline command."""
+    """`--network private` without slirp4netns or pasta: the worker rows say why, and the offline
+    command."""
     from keras_distrib.commands import demo
 
-    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    _harness.hide_routes_out(monkeypatch)
     code, said, _ = demo._run_stage("kd_workers", str(tmp_path), 1, 10, False, dict(os.environ),
                                     "private")
-    assert (code, said) == (None, "not run: kd-no-such-slirp4netns is not installed here; "
-                            "`keras-distrib demo --network offline` runs them in a private network "
-                            "without a route out")
+    assert (code, said) == (None, "not run: neither kd-no-such-slirp4netns nor kd-no-such-pasta is "
+                            "installed here; `keras-distrib demo --network offline` runs them in a "
+                            "private network without a route out")
     (row,) = selftest.launched_checks(network="private")
     assert (row.name, row.ok, row.skipped) == ("start 2 worker processes", True, True)
-    assert row.detail == ("not run: kd-no-such-slirp4netns is not installed here; `keras-distrib test "
-                          "--network offline` runs them in a private network without a route out")
+    assert row.detail == ("not run: neither kd-no-such-slirp4netns nor kd-no-such-pasta is installed "
+                          "here; `keras-distrib test --network offline` runs them in a private "
+                          "network without a route out")
     for command, text in (("demo", said), ("test", row.detail)):
         (advised,) = re.findall(r"`(keras-distrib [^`]*)`", text)
         assert cli.build_parser().parse_args(advised.split()[1:]).command == command

@@ -893,17 +893,26 @@ def _outside_server():
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("mode", ["default", "offline", False])
-def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_tasks_reach_out(mode):
+@pytest.mark.parametrize("mode", ["default", "pasta", "offline", False])
+def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_tasks_reach_out(
+        mode, monkeypatch):
     """By default a task's listener on 0.0.0.0 (as TF's gRPC server) is reached by no one outside.
 
     Tried for real: from this host's loopback and its address, as this user
     and as another one (uid 65534). The task reaches a server on this host
     (its address, and 10.0.2.2, this host seen from the private network).
+    "pasta": the default where slirp4netns is not found (the name kd looks
+    for is one no system has: the launcher runs in this process, which
+    cannot have a mount namespace of its own to hide the file, its threads
+    sharing it), so pasta gives the route out.
     Contrasts: "offline" reaches nothing out; False is reachable by all.
     """
     from tests import launch_targets
 
+    if mode == "pasta":
+        if not shutil.which(network.PASTA, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
+            pytest.skip("pasta is not installed here (tools/setup_private_network.sh installs it)")
+        monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
     host = _host_address()
     lines, seen = [], {}
 
@@ -911,20 +920,26 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
         lines.append(line)
         if "LISTENING " in line:
             port = int(line.rsplit(" ", 1)[1])
-            for address in ["127.0.0.1"] + ([host] if host else []):
-                seen[f"{address} by this user"] = _reachable(address, port)
-                seen[f"{address} by another user"] = _reachable_by_a_stranger(address, port)
+            # Again after pasta's look at the tasks' bound ports (each second), which its
+            # default forwards to this host.
+            for when, pause in (("", 0), (" later", 1.5)):
+                time.sleep(pause)
+                for address in ["127.0.0.1"] + ([host] if host else []):
+                    seen[f"{address} by this user{when}"] = _reachable(address, port)
+                    seen[f"{address} by another user{when}"] = _reachable_by_a_stranger(address, port)
 
     with _outside_server() as port:
         outside = [(host, port)] if host else []
         if mode != False:  # noqa: E712 - False is the open mode here
             outside.append((network.HOST_FROM_TASKS, port))
-        kwargs = {} if mode == "default" else {"private_network": mode}
+        kwargs = {} if mode in ("default", "pasta") else {"private_network": mode}
         result = kd_launch.launch(launch_targets.listen_and_reach_out, workers=1, args=(outside, 3),
                                   env=_harness._env(), sink=sink, timeout=120, **kwargs)
     assert result.returncode == 0, lines
     reached = [line.split("] ", 1)[1] for line in lines if "REACHED " in line]
-    if mode == "default":
+    if mode == "pasta":
+        assert lines[0].startswith("[launcher] network: private, with a route out through pasta "), lines
+    if mode in ("default", "pasta"):
         assert not any(seen.values()), (seen, lines)
         assert seen["127.0.0.1 by another user"] is not None or os.getuid() != 0
         assert reached == [f"REACHED {h} {p} hello" for h, p in outside], lines
@@ -942,40 +957,43 @@ def test_a_private_network_keeps_strangers_off_the_tasks_ports_and_lets_the_task
                          r".*--network open", notices[0]), notices
 
 
-# Where kd's launcher finds slirp4netns (keras_distrib/cluster/network.py).
-_SLIRP = shutil.which("slirp4netns") or shutil.which("slirp4netns", path="/usr/bin:/usr/sbin:/sbin")
-
-
 @pytest.mark.cluster
-@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not _SLIRP,
-                    reason="needs root (a mount namespace, port 53), `unshare` and slirp4netns (the private "
-                    "network's way out): run the tests as root, with util-linux installed and "
-                    "`bash tools/setup_private_network.sh` run")
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not network.routes_out(),
+                    reason="needs root (a mount namespace, port 53), `unshare` and slirp4netns or pasta "
+                    "(the private network's way out): run the tests as root, with util-linux installed "
+                    "and `bash tools/setup_private_network.sh` run")
 def test_names_resolve_in_the_private_network_when_the_hosts_resolver_is_on_its_loopback():
     """On a host whose /etc/resolv.conf names 127.0.0.53 (Ubuntu's systemd-resolved) a task in
-    the private network resolves names (through slirp4netns); 4c0b8d4's namespace could not.
+    the private network resolves names (through slirp4netns, or pasta where slirp4netns is
+    absent); 4c0b8d4's namespace could not.
 
     Contrast ("offline"): no route out, no name.
     """
     results = {}
-    for mode in ("True", "offline"):
+    pasta = shutil.which(network.PASTA, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin")
+    for mode in ("True", "offline") + (("pasta",) if pasta else ()):
         done = subprocess.run(
             ["unshare", "-m", "--propagation", "private", sys.executable, "-u",
              os.path.join(_harness.SCRIPTS, "loopback_resolver.py"), mode],
             env=_harness._env(), capture_output=True, text=True, timeout=120)
         (results[mode],) = _harness.results_of(done.stdout) or [done.stdout + done.stderr]
-    assert results["True"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77"}, results
+    assert results["True"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77", "network": []}, results
+    if pasta:  # slirp4netns hidden for real: pasta's forwarder answers
+        assert results["pasta"] == {"host": "192.0.2.77", "task": "RESOLVED 192.0.2.77", "network": [
+            "[launcher] network: private, with a route out through pasta (no other host or user "
+            "reaches the tasks' ports)"]}, results
     assert results["offline"]["host"] == "192.0.2.77", results
     assert results["offline"]["task"].startswith("UNRESOLVED"), results
 
 
-def test_an_explicit_private_network_without_slirp4netns_is_refused_saying_what_to_install(monkeypatch):
+def test_an_explicit_private_network_without_a_route_out_is_refused_saying_what_to_install(monkeypatch):
     """`private_network=True` asks for a route out: where it cannot be made, nothing runs."""
     from tests import launch_targets
 
-    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
-    with pytest.raises(kd_launch.LaunchError, match=r"not installed here: install it \(Debian/Ubuntu: "
-                       r"`apt-get install slirp4netns`.*`private_network=\"offline\"`.*"
+    _harness.hide_routes_out(monkeypatch)
+    with pytest.raises(kd_launch.LaunchError, match=r"neither of which is installed here: install one "
+                       r"\(Debian/Ubuntu: `apt-get install slirp4netns`, or `apt-get install passt` "
+                       r"for pasta;.*`private_network=\"offline\"`.*"
                        r"`private_network=False` \(`--network open`") as refused:
         kd_launch.launch(launch_targets.whoami, workers=1, args=("x",), sink=lambda line: None,
                          timeout=60, private_network=True)
@@ -984,21 +1002,31 @@ def test_an_explicit_private_network_without_slirp4netns_is_refused_saying_what_
 
 @pytest.mark.cluster
 def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(monkeypatch):
-    """A route out where slirp4netns works; else a namespace without one, saying why; else refused."""
+    """A route out where slirp4netns (else pasta) works; else a namespace without one, saying why;
+    else refused."""
     best = requests.check_private_network(requests.AUTO)
     if shutil.which(network.SLIRP, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
         assert best.name == "private" and best.no_route_out is None
         assert best.note.startswith("[launcher] network: private, with a route out through slirp4netns")
     else:  # tools/setup_private_network.sh installs it
         assert best.name == "offline", best
+    # Without slirp4netns, pasta gives the route out (tools/setup_private_network.sh installs it too).
     monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    if shutil.which(network.PASTA, path=os.environ.get("PATH", "") + ":/usr/bin:/usr/sbin:/sbin"):
+        by_pasta = requests.check_private_network(requests.AUTO)
+        assert by_pasta.name == "private" and by_pasta.no_route_out is None
+        assert by_pasta.note == ("[launcher] network: private, with a route out through pasta (no other "
+                                 "host or user reaches the tasks' ports)")
+    _harness.hide_routes_out(monkeypatch)
     offline = requests.check_private_network(requests.AUTO)
     assert offline.name == "offline"
-    assert offline.note == ("[launcher] network: private, without a route out (kd-no-such-slirp4netns "
-                            "is not installed here): the tasks reach each other and nothing else; "
-                            "kd-no-such-slirp4netns would give them one")
-    assert re.search(r"without a route out \(kd-no-such-slirp4netns is not installed here\): install "
-                     r"kd-no-such-slirp4netns \(Debian/Ubuntu: .*`--network open`", offline.no_route_out)
+    assert offline.note == ("[launcher] network: private, without a route out (neither "
+                            "kd-no-such-slirp4netns nor kd-no-such-pasta is installed here): the tasks "
+                            "reach each other and nothing else; kd-no-such-slirp4netns or "
+                            "kd-no-such-pasta would give them one")
+    assert re.search(r"without a route out \(neither kd-no-such-slirp4netns nor kd-no-such-pasta is "
+                     r"installed here\): install kd-no-such-slirp4netns or kd-no-such-pasta "
+                     r"\(Debian/Ubuntu: .*`--network open`", offline.no_route_out)
     # Asked for by name, the offline network says nothing at launch, and its advice is to drop it.
     explicit = requests.check_private_network(requests.OFFLINE)
     assert explicit.note is None and "launch without it" in explicit.no_route_out
@@ -1021,7 +1049,7 @@ def test_by_default_a_launch_takes_the_most_private_network_this_host_allows(mon
 def test_a_task_without_a_route_out_that_fails_on_the_network_is_told_how_to_get_one(monkeypatch):
     from tests import launch_targets
 
-    monkeypatch.setattr(network, "SLIRP", "kd-no-such-slirp4netns")
+    _harness.hide_routes_out(monkeypatch)
     lines = []
     result = kd_launch.launch(launch_targets.reach_out, workers=1, args=(network.HOST_FROM_TASKS, 9),
                               sink=lines.append, timeout=60, env=_harness._env())
@@ -1029,8 +1057,9 @@ def test_a_task_without_a_route_out_that_fails_on_the_network_is_told_how_to_get
     assert lines[0].startswith("[launcher] network: private, without a route out"), lines
     (told,) = [line for line in lines if "failed on a network error" in line]
     assert re.match(r"\[launcher\] worker 0 failed on a network error, and the tasks ran in a private "
-                    r"network without a route out \(kd-no-such-slirp4netns is not installed here\): "
-                    r"install kd-no-such-slirp4netns", told), told
+                    r"network without a route out \(neither kd-no-such-slirp4netns nor "
+                    r"kd-no-such-pasta is installed here\): install kd-no-such-slirp4netns or "
+                    r"kd-no-such-pasta", told), told
     assert any("Network is unreachable" in line for line in lines), lines
 
 
@@ -1452,16 +1481,21 @@ def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkey
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
                     reason="needs root (it switches to the unprivileged user `nobody`), `unshare` and "
                     "`setpriv`: run the tests as root, with util-linux installed")
-def test_an_unprivileged_user_launches_is_preempted_resumes_exactly_and_leaves_nothing(tmp_path):
-    """uid 65534 (`nobody`), its own HOME and TMPDIR: launch 2 workers, SIGTERM mid-epoch, restart,
-    resume, clean-up. Its privacy level: `--network offline` (a network namespace of its own with
-    no outside network): slirp4netns, the default's way out, needs /dev/net/tun, which is 0600 here.
+def test_an_unprivileged_user_installs_runs_the_demo_launches_is_preempted_resumes_and_leaves_nothing(
+        tmp_path):
+    """uid 65534 (`nobody`), its own HOME and TMPDIR, as a user who got the project's files:
+    installs kd into a virtual environment of its own (`pip install -e`), runs `keras-distrib
+    demo --quick` (every kd row matches plain Keras on one device), then `keras-distrib launch
+    --workers 2` of a script that is preempted mid-epoch (SIGTERM), restarts and resumes exactly;
+    the backup is cleaned up. Its privacy level is the default's: a network namespace of its own,
+    with a route out where /dev/net/tun is open to it, else (0600, as on this project's machine,
+    where slirp4netns and pasta cannot open it) without one; with the network open, stated, where
+    the kernel makes it no namespace.
 
     The interpreter lives under root's 0700 home, so it is bind-mounted where the user can reach
     it, in a mount namespace of this test's own (gone when the command ends).
     """
     import stat
-    import sys
     import tempfile
 
     if not all(os.stat(parent).st_mode & stat.S_IXOTH for parent in _parents(_harness.REPO)):
@@ -1485,47 +1519,136 @@ def _parents(path):
         path = os.path.dirname(path)
 
 
-def _unprivileged_run(place, tmp_path):
+def _as_nobody(place, script, timeout, *, before="true", pythonpath=""):
+    """`script` run by sh as uid 65534 with HOME `place`/home (TMPDIR its tmp) and PYTHONPATH
+    `pythonpath`, after the shell command `before` as root (in the same mount namespace); its
+    exit code and output."""
     import sys
 
     home = place / "home"
-    home.mkdir()
-    os.chown(home, 65534, 65534)
-    prefix = sys.base_prefix
     view = place / "python"
-    view.mkdir()
-    site = [p for p in sys.path if p.startswith(prefix) and p.endswith("site-packages")]
-    paths = [_harness.REPO] + [p.replace(prefix, str(view), 1) for p in site]
+    view.mkdir(exist_ok=True)
+    # The interpreter finds its libpython by an absolute path under root's home (pyenv's RUNPATH).
     env = " ".join(shlex_quote(f"{k}={v}") for k, v in {
-        "PATH": f"{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
-        "PYTHONPATH": os.pathsep.join(paths), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PATH": f"{home}/venv/bin:{view}/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home / "tmp",
+        "LD_LIBRARY_PATH": f"{view}/lib", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath,
     }.items())
-    backup, out = home / "backup", home / "out.npz"
-    launch = (f"python -m keras_distrib launch --workers 2 --max-restarts 1 --network offline "
-              f"{shlex_quote(os.path.join(_harness.SCRIPTS, 'preempt.py'))} fit {backup} {out} 4")
-    command = (f"mount --bind {shlex_quote(prefix)} {view} && exec setpriv --reuid 65534 --regid 65534 "
-               f"--clear-groups env -i {env} sh -c {shlex_quote('id -u && ' + launch)}")
+    command = (f"{before} && mount --bind {shlex_quote(sys.base_prefix)} {view} && exec setpriv "
+               f"--reuid 65534 --regid 65534 --clear-groups env -i {env} sh -c {shlex_quote(script)}")
     done = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        output = done.communicate(timeout=400)[0]
+        output = done.communicate(timeout=timeout)[0]
     finally:
         if done.poll() is None:
             os.killpg(done.pid, signal.SIGKILL)
             done.wait(timeout=10)
-    assert done.returncode == 0 and output.splitlines()[0] == "65534", output[-4000:]
+    return done.returncode, output
+
+
+def _unprivileged_run(place, tmp_path):
+    from tests.test_users_machine import _check_demo_runs
+
+    home, src = place / "home", place / "home" / "src"
+    shutil.copytree(os.path.join(_harness.REPO, "keras_distrib"), src / "keras_distrib",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(_harness.REPO, name), src)
+    (home / "tmp").mkdir()
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, 65534, 65534)
+    _, probe = _as_nobody(place, "unshare --user --net true && echo NAMESPACES", 60)
+    namespaces = "NAMESPACES" in probe
+    tun = os.stat("/dev/net/tun").st_mode & 0o006 == 0o006 if os.path.exists("/dev/net/tun") else False
+    backup, out = home / "backup", home / "out.npz"
+    script = " && ".join([
+        "id -u", "cd",  # not the repository: its keras_distrib would shadow the installed one
+        "python -m venv --without-pip --system-site-packages \"$HOME/venv\"",
+        "python -m pip install --quiet --no-deps --no-build-isolation --no-index -e \"$HOME/src\"",
+        "python -c 'import importlib.util as u; print(\"FOUND\", u.find_spec(\"keras_distrib\").origin)'",
+        "started=$(date +%s%N)", "{ keras-distrib demo --quick --out \"$HOME/demo\"; code=$?; true; }",
+        "echo \"DEMO $code $(( ($(date +%s%N) - started) / 1000000 ))\"",
+        f"keras-distrib launch --workers 2 --max-restarts 1 {'' if namespaces else '--network open '}"
+        f"{shlex_quote(os.path.join(_harness.SCRIPTS, 'preempt.py'))} fit {backup} {out} 4",
+    ])
+    code, output = _as_nobody(place, script, 900)
+    lines = output.splitlines()
+    assert code == 0 and lines[0] == "65534", output[-4000:]
+    # Installed from the user's own copy: the console script, and the package found there.
+    assert f"FOUND {src}/keras_distrib/__init__.py" in lines, [l for l in lines if "FOUND" in l]
+    assert (home / "venv" / "bin" / "keras-distrib").exists()
+    (demo_code, milliseconds), = [line.split()[1:] for line in lines if line.startswith("DEMO ")]
+    print(f"keras-distrib demo --quick as uid 65534: {int(milliseconds) / 1000:.1f} s")
+    assert demo_code == "0", output[-4000:]
+    _check_demo_runs(home / "demo", ("one_device", "kd_mirrored", "kd_loop")
+                     + (("kd_workers",) if namespaces else ()))
+    # The privacy level, said in one line by the demo and by the launch; without namespaces the
+    # demo's worker rows say why they did not run, and the launch (asked for open) names its ports.
+    installed = [name for name in (network.SLIRP, network.PASTA)
+                 if shutil.which(name, path="/usr/bin:/usr/sbin:/sbin")]
+    level = ("private, with a route out through " if tun and installed else
+             f"private, without a route out ({installed[0]} cannot open /dev/net/tun as this user): "
+             "the tasks reach each other and nothing else; to give them one, open /dev/net/tun to "
+             "this user (distributions make it mode 0666: `chmod 0666 /dev/net/tun` as root)"
+             if installed else
+             "private, without a route out (neither slirp4netns nor pasta is installed here)")
+    if namespaces:
+        assert f"  network: {level}" in output, output[-4000:]
+        assert f"[launcher] network: {level}" in output, output[-4000:]
+    else:
+        assert re.search(r"^kd, 2 worker processes \(launcher\)\s+not run\s", output, re.M), output
+        assert "[launcher] note: " in output, output[-4000:]
+    # The launch: preempted once, resumed, and the same as an uninterrupted run on one device.
     assert "exited with code 42" in output and output.count("DONE 18") == 2, output[-4000:]
-    # The same run, uninterrupted on one device (as root, in this process's network).
     code, reference = _harness.run_script("preempt.py", "fit", tmp_path / "ref_backup",
                                           tmp_path / "ref.npz", -1)
     assert code == 0, reference[-3000:]
     assert _harness.saved_weights_diff(str(tmp_path / "ref.npz"), str(out)) <= 1e-6
-    # Clean-up: the backup is gone, and nothing but the output and caches is left in HOME.
+    # Clean-up: the backup is gone, and nothing but what the user made and caches is left in HOME;
+    # in TMPDIR only the bytecode of the modules TensorFlow's AutoGraph generated in the demo's
+    # own process (the tasks' temporary files go with their scratch directories).
     assert not backup.exists()
     assert sorted(p.name for p in home.iterdir() if not p.name.startswith(".")) == [
-        "out.npz", "out.npz.signalled"]
-    assert all(p.stat().st_uid == 65534 for p in home.rglob("*"))
+        "demo", "out.npz", "out.npz.signalled", "src", "tmp", "venv"]
+    left = [p.relative_to(home / "tmp").as_posix() for p in (home / "tmp").rglob("*")]
+    assert all(name == "__pycache__" or name.startswith("__pycache__/__autograph_generated_file")
+               for name in left), left
+    assert all(p.lstat().st_uid == 65534 for p in home.rglob("*"))
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv")
+                    or not shutil.which("nsenter"),
+                    reason="switches to an unprivileged user (root, unshare, setpriv, nsenter)")
+def test_an_unprivileged_user_with_dev_net_tun_gets_a_route_out_through_slirp4netns_or_pasta():
+    """Where /dev/net/tun is open to it (mode 0666, as distributions ship it; here a node of
+    this test's own, over the 0600 one, in a mount namespace of its own), uid 65534 gets a route
+    out through slirp4netns, and through pasta where slirp4netns is not found (pasta joins the
+    user's own user namespace), and no one outside reaches the tasks' ports.
+    """
+    import tempfile
+
+    installed = {name for name in (network.SLIRP, network.PASTA)
+                 if shutil.which(name, path="/usr/bin:/usr/sbin:/sbin")}
+    if installed != {network.SLIRP, network.PASTA}:
+        pytest.skip("needs slirp4netns and pasta (tools/setup_private_network.sh installs them)")
+    place = pathlib.Path(tempfile.mkdtemp(prefix="kd_nobody_", dir="/tmp"))
+    try:
+        os.chmod(place, 0o755)
+        (place / "home").mkdir()
+        os.chown(place / "home", 65534, 65534)
+        (place / "dev").mkdir()
+        script = f"cd && python {shlex_quote(os.path.join(_harness.SCRIPTS, 'route_out_as_user.py'))}"
+        tun = (f"mount -t tmpfs none {place}/dev && mknod -m 0666 {place}/dev/tun c 10 200 && "
+               f"mount --bind {place}/dev/tun /dev/net/tun")
+        code, output = _as_nobody(place, script, 120, before=tun, pythonpath=_harness.REPO)
+    finally:
+        shutil.rmtree(place)
+    assert code == 0, output[-3000:]
+    (report,) = _harness.results_of(output)
+    assert report == {name: {"read": "hello", "reached_from_outside": False}
+                      for name in (network.SLIRP, network.PASTA)}, report
 
 
 def shlex_quote(value):

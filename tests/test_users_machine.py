@@ -1,6 +1,6 @@
 """The README's first command and `keras-distrib test` on a user's machine, not only on CI's.
 
-CI installs slirp4netns, Chromium and Slurm (`.ci/run`); a user's machine may
+CI installs slirp4netns, pasta, Chromium and Slurm (`.ci/run`); a user's machine may
 have none of them, nor a way to make network namespaces (a container whose
 seccomp profile refuses unshare, a kernel without unprivileged user
 namespaces). tests/scripts/users_machine.py hides those components for real
@@ -75,7 +75,7 @@ def _situation(out, *, no_namespaces):
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory):
-    """Root on a machine without slirp4netns, Chromium or Slurm."""
+    """Root on a machine without slirp4netns, pasta, Chromium or Slurm."""
     out = tmp_path_factory.mktemp("bare")
     return out, _situation(out, no_namespaces=False)
 
@@ -146,8 +146,8 @@ def test_the_demo_on_a_bare_machine_runs_its_workers_privately_without_a_route_o
     assert len(events) == 1 and events[0].startswith("events.out.tfevents")
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints", "tensorboard"]
     # The network the workers got, in one line: the most private this machine allows.
-    assert re.search(r"^  network: private, without a route out \(slirp4netns is not installed "
-                     r"here\)", output, re.M), output
+    assert re.search(r"^  network: private, without a route out \(neither slirp4netns nor pasta is "
+                     r"installed here\)", output, re.M), output
     # A person can read it: one screen (no TensorFlow start-up logs, no traceback: `_clean_output`).
     assert len(output.splitlines()) <= 40, output
     assert "[worker 0] chief: wrote 2 checkpoints" in output
@@ -160,9 +160,9 @@ def test_a_launch_on_a_bare_machine_is_private_without_a_route_out_and_says_so(b
     result = report["launch"]
     lines = result["output"].splitlines()
     assert result["code"] == 0, lines
-    assert lines[0] == ("[launcher] network: private, without a route out (slirp4netns is not "
-                        "installed here): the tasks reach each other and nothing else; slirp4netns "
-                        "would give them one"), lines
+    assert lines[0] == ("[launcher] network: private, without a route out (neither slirp4netns nor "
+                        "pasta is installed here): the tasks reach each other and nothing else; "
+                        "slirp4netns or pasta would give them one"), lines
     assert sorted(line for line in lines if "hello" in line) == [
         "[worker 0] hello from worker 0", "[worker 1] hello from worker 1"], lines
 

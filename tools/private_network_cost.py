@@ -1,12 +1,14 @@
 """What a local launch's private network costs: start-up, training speed, outbound throughput.
 
-Usage: PYTHONPATH=. python tools/private_network_cost.py [--repeats 5] [--epochs 4]
+Usage: PYTHONPATH=. python tools/private_network_cost.py [--repeats 5] [--epochs 4] [--no-training]
 
 Every figure compares the default (a network namespace of the launch's own,
 with slirp4netns as its route out) with `private_network=False` (the host's
 network) and, where it applies, `"offline"` (the namespace without a route
-out), the variants taking turns repeat after repeat so that a machine
-slowing down affects them alike; the medians are printed.
+out) and "pasta" (the default where slirp4netns is not found: pasta is the
+route out; where pasta is installed), the variants taking turns repeat after
+repeat so that a machine slowing down affects them alike; the medians are
+printed.
 
 - start-up: making and closing the namespace alone (`PrivateNetwork`), and a
   whole `kd.launch` of two tasks that return at once;
@@ -14,8 +16,10 @@ slowing down affects them alike; the medians are printed.
   loopback) fit an MLP (784-256-256-10, global batch 64, 4096 rows); steps
   per second over the epochs after the first;
 - outbound: one task reads 256 MB from a server on this host (its address
-  on the default route), through slirp4netns or directly.
+  on the default route), through slirp4netns, pasta or directly.
 """
+
+import contextlib
 
 import argparse
 import os
@@ -74,6 +78,20 @@ def _task(kind, *args):
         print(f"RATE {(epochs - 1) * (ROWS // BATCH) / seconds:.2f}", flush=True)
 
 
+@contextlib.contextmanager
+def _variant(name):
+    """The route out as variant `name` has it: "pasta" hides slirp4netns from kd."""
+    from keras_distrib.cluster import network
+
+    slirp = network.SLIRP
+    if name == "pasta":
+        network.SLIRP = "kd-hidden-slirp4netns"
+    try:
+        yield
+    finally:
+        network.SLIRP = slirp
+
+
 def _launch(private, *args, timeout=600):
     import keras_distrib as kd
 
@@ -117,22 +135,27 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--no-training", action="store_true", help="skip the training figures")
     options = parser.parse_args(argv)
     from keras_distrib.cluster import network
 
     variants = {"private": True, "offline": "offline", "open": False}
-    made = {"private": [], "offline": []}
+    if any(name == network.PASTA for name, _ in network.routes_out()):
+        variants = {"private": True, "pasta": True, "offline": "offline", "open": False}
+    made = {name: [] for name in variants if name != "open"}
     for _ in range(4 * options.repeats):
         for name in made:
             started = time.perf_counter()
-            network.PrivateNetwork(outbound=variants[name] is True).close()
+            with _variant(name):
+                network.PrivateNetwork(outbound=variants[name] is True).close()
             made[name].append(time.perf_counter() - started)
     for name, seconds in made.items():
         print(f"namespace made and closed ({name}): {1e3 * statistics.median(seconds):.1f} ms")
     launches = {name: [] for name in variants}
     for _ in range(options.repeats):
         for name, value in variants.items():
-            launches[name].append(_launch(value, "quick")[0])
+            with _variant(name):
+                launches[name].append(_launch(value, "quick")[0])
     for name, seconds in launches.items():
         print(f"kd.launch of 2 tasks that return at once ({name}): "
               f"{statistics.median(seconds):.3f} s")
@@ -142,15 +165,18 @@ def main(argv=None):
     server.listen()
     threading.Thread(target=_serve, args=(server,), daemon=True).start()
     host, port = _host_address(), server.getsockname()[1]
-    outbound = {"private": [], "open": []}
+    outbound = {name: [] for name in variants if name != "offline"}
     for _ in range(options.repeats):
         for name in outbound:
-            outbound[name] += _launch(variants[name], "read", host, port)[1]
+            with _variant(name):
+                outbound[name] += _launch(variants[name], "read", host, port)[1]
     server.close()
     for name, rates in outbound.items():
         print(f"outbound: a task reads {OUTBOUND_BYTES >> 20} MB from this host ({name}): "
               f"{statistics.median(rates):.0f} MB/s")
 
+    if options.no_training:
+        return
     training = {"private": [], "open": []}
     for _ in range(options.repeats):
         for name in training:

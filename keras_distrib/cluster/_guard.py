@@ -19,6 +19,10 @@ ignores them. The task starts with SIGUSR1 ignored (kd's backup handler
 takes it over): Slurm's warning goes to every process of the step, and the
 launcher passes it on as SIGTERM.
 
+`_guard.py --hold-netns` and `_guard.py --die-with-parent PID ARGV...`
+serve `network.PrivateNetwork`: the first keeps the tasks' network
+namespace, the second starts its route out (pasta).
+
 Only the standard library, no keras_distrib import: it starts in ~20 ms.
 """
 
@@ -195,10 +199,28 @@ def join_network_namespace(holder):
     return True
 
 
+def exec_dying_with_parent(parent, argv):
+    """Becomes `argv`, which the kernel kills (SIGKILL) when `parent` dies, even by SIGKILL.
+
+    For a helper that cannot tie its own lifetime to the launcher (pasta has
+    no `--exit-fd` as slirp4netns has). Signals this interpreter ignores
+    (SIGPIPE, SIGXFSZ) get their default action back: pasta refuses to start
+    with SIGPIPE ignored.
+    """
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(128 + signal.SIGKILL)
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(signum, signal.SIG_DFL)
+    os.execv(argv[0], argv)
+
+
 def main(argv):
     if argv[:1] == ["--hold-netns"]:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
         return hold_network_namespace(*argv[1:2])
+    if argv[:1] == ["--die-with-parent"]:
+        return exec_dying_with_parent(int(argv[1]), argv[2:])
     launcher = int(argv[0])
     command = argv[1:]
     if command[:1] == ["--netns"]:

@@ -225,11 +225,11 @@ def launch(target, *, workers=2, ps=0, chief=False, args=(), max_restarts=0,
             servers listen on every interface and have no authentication;
             there no other host, user or network namespace reaches their
             ports, while the tasks still open connections out (downloads,
-            remote storage) through `slirp4netns`; this host itself is
-            `10.0.2.2` from the tasks. Needs root or unprivileged user
-            namespaces, and slirp4netns (refused without them, saying what
-            to install). `"offline"`: the namespace without a route out (no
-            slirp4netns needed). False: the tasks share this host's
+            remote storage) through `slirp4netns`, else `pasta`; this host
+            itself is `10.0.2.2` from the tasks. Needs root or unprivileged
+            user namespaces, and slirp4netns or pasta (refused without
+            them, saying what to install). `"offline"`: the namespace
+            without a route out (neither needed). False: the tasks share this host's
             network, their ports open to it (one line at launch names
             them).
         min_workers: Elastic training. When a worker still fails after

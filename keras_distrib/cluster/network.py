@@ -3,9 +3,9 @@
 A local launch runs every task of an attempt in one `PrivateNetwork`, made
 and closed by `supervisor.run_tasks`; the request check
 (`requests.check_private_network`) makes and closes one first, to find out
-what this host allows: a namespace with a route out (slirp4netns), one
-without (`NoRouteOut`: slirp4netns missing or failing), or none at all
-(`NoNamespace`: the kernel or a policy refuses).
+what this host allows: a namespace with a route out (slirp4netns, else
+pasta), one without (`NoRouteOut`: neither installed, or both failing), or
+none at all (`NoNamespace`: the kernel or a policy refuses).
 """
 
 import os
@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from keras_distrib.cluster import _guard
 
@@ -24,22 +25,30 @@ __all__ = [
     "NoNamespace",
     "NoRouteOut",
     "OPT_OUT",
+    "PASTA",
     "PrivateNetwork",
     "SLIRP",
+    "routes_out",
 ]
 
 
 # How a private network's tasks reach the outside: a user-mode TCP/IP stack
-# (Debian/Ubuntu/Fedora package `slirp4netns`) that connects on their behalf
-# from this host's namespace and forwards nothing inward.
+# that connects on their behalf from this host's namespace and forwards
+# nothing inward. slirp4netns (package `slirp4netns`) where installed: it
+# says when it is ready and ends with this process by itself; else pasta
+# (package `passt`), kept to the same addresses and told to forward no port.
 SLIRP = "slirp4netns"
+PASTA = "pasta"
 # The gateway address through which the tasks reach this host itself (its
-# loopback services included), in slirp4netns's default 10.0.2.0/24.
+# loopback services included), in slirp4netns's default 10.0.2.0/24; the
+# tasks' own address in it, and the DNS forwarder's.
 HOST_FROM_TASKS = "10.0.2.2"
-# Seconds slirp4netns gets to configure the tasks' interface.
+TASKS_ADDRESS = "10.0.2.100"
+SLIRP_DNS = "10.0.2.3"
+# Seconds the route out gets to configure the tasks' interface.
 SLIRP_READY_SECONDS = 10.0
-INSTALL_SLIRP = ("(Debian/Ubuntu: `apt-get install slirp4netns`; Fedora/RHEL: `dnf install "
-                 "slirp4netns`; Arch: `pacman -S slirp4netns`)")
+INSTALL_SLIRP = ("(Debian/Ubuntu: `apt-get install slirp4netns`, or `apt-get install passt` for "
+                 "pasta; Fedora/RHEL: `dnf install slirp4netns`; Arch: `pacman -S slirp4netns`)")
 OPT_OUT = ("or launch with `private_network=\"offline\"` (`--network offline`: private, no "
            "outside network) or `private_network=False` (`--network open`: the tasks' ports "
            "open to this host's network, firewall them)")
@@ -63,7 +72,14 @@ class NoNamespace(_Refused):
 
 
 class NoRouteOut(_Refused):
-    """A namespace can be made but not given a route out: slirp4netns is missing or fails."""
+    """A namespace can be made but not given a route out: slirp4netns and pasta are missing or fail.
+
+    `fix` says what gives the tasks a route out here ("install ...", "open ...", "check ...").
+    """
+
+    def __init__(self, message, *, reason, fix):
+        super().__init__(message, reason=reason)
+        self.fix = fix
 
 
 class PrivateNetwork:
@@ -74,34 +90,38 @@ class PrivateNetwork:
     authentication: anyone who reaches a task's port runs TensorFlow ops as
     the training user. Inside this namespace the tasks reach each other on
     `localhost`, and no other host, user or network namespace reaches them.
-    With `outbound` (the default), `slirp4netns` gives the namespace a
-    user-mode route out: the tasks open connections to any address this
-    host can reach (downloads, remote storage; this host itself is
-    `HOST_FROM_TASKS`), and nothing is forwarded in; where this host's
+    With `outbound` (the default), slirp4netns (else pasta) gives the
+    namespace a user-mode route out: the tasks open connections to any
+    address this host can reach (downloads, remote storage; this host itself
+    is `HOST_FROM_TASKS`), and nothing is forwarded in; where this host's
     resolver listens on its own loopback (systemd-resolved), the namespace's
-    /etc/resolv.conf names slirp4netns's forwarder instead (a mount
-    namespace of its own). Needs root, or unprivileged user namespaces;
-    `outbound` needs slirp4netns.
+    /etc/resolv.conf names the route's forwarder instead (a mount namespace
+    of its own). Needs root, or unprivileged user namespaces; `outbound`
+    needs slirp4netns or pasta. `route_out` names the one that gives it.
 
     Raises:
         NoNamespace: the namespace cannot be made (the message says what
             allows one, and how to opt out).
-        NoRouteOut: `outbound`, and slirp4netns is missing or fails (the
-            message says what to install, and how to opt out).
+        NoRouteOut: `outbound`, and neither slirp4netns nor pasta is
+            installed, or each one installed fails (the message says what
+            to install, or the first one's failure, and how to opt out).
     """
 
     def __init__(self, outbound=True):
-        self.slirp = None
+        self.router = None
+        self.route_out = None
         self._exit_fd = None
-        slirp = shutil.which(SLIRP) or shutil.which(SLIRP, path="/usr/bin:/usr/sbin:/sbin")
-        if outbound and slirp is None:
+        routes = routes_out() if outbound else []
+        if outbound and not routes:
             raise NoRouteOut(
                 f"`private_network`: kd runs a local launch's tasks in a network namespace of "
                 f"their own (TensorFlow's servers have no authentication) and reaches the "
-                f"outside through {SLIRP}, which is not installed here: install it {INSTALL_SLIRP}; "
-                + OPT_OUT + ".", reason=f"{SLIRP} is not installed here")
+                f"outside through {SLIRP} or {PASTA}, neither of which is installed here: install "
+                f"one {INSTALL_SLIRP}; " + OPT_OUT + ".",
+                reason=f"neither {SLIRP} nor {PASTA} is installed here",
+                fix=f"install {SLIRP} or {PASTA} {INSTALL_SLIRP}")
         # This host's resolver on its own loopback cannot be reached from the
-        # namespace: there /etc/resolv.conf names slirp4netns's, which forwards to it.
+        # namespace: there /etc/resolv.conf names the route out's, which forwards to it.
         stub = _stub_resolv_conf() if outbound else None
         try:
             self.holder = subprocess.Popen(
@@ -121,17 +141,23 @@ class PrivateNetwork:
                 + refusal + "): " + ALLOW_NAMESPACES + "; or launch with `private_network=False` "
                 "(`--network open`: the tasks' ports open to this host's network, firewall "
                 "them).", reason=f"this machine makes no network namespace ({refusal})")
-        if outbound:
+        failures = []
+        for name, path in routes:
             try:
-                self._start_slirp(slirp)
-            except NoRouteOut:
-                self.close()
-                raise
+                (self._start_slirp if name == SLIRP else self._start_pasta)(path)
+                self.route_out = name
+                return
+            except NoRouteOut as error:
+                failures.append(error)
             except OSError as error:  # it would not start (not executable, say)
-                self.close()
-                raise NoRouteOut(f"`private_network`: {slirp} does not start ({error}): check "
-                                 f"that {SLIRP} works here; " + OPT_OUT + ".",
-                                 reason=f"{SLIRP} does not start") from None
+                failures.append(NoRouteOut(f"`private_network`: {path} does not start ({error}): "
+                                           f"check that {name} works here; " + OPT_OUT + ".",
+                                           reason=f"{name} does not start",
+                                           fix=f"check that {name} works here"))
+            self._end_router()
+        if failures:
+            self.close()
+            raise failures[0]
 
     def _start_slirp(self, slirp):
         own = os.stat("/proc/self/ns/user").st_ino
@@ -144,7 +170,7 @@ class PrivateNetwork:
         command += [f"--ready-fd={ready_write}", f"--exit-fd={exit_read}", str(self.holder.pid), "tap0"]
         try:
             # --exit-fd: slirp4netns ends when this process does (its end of the pipe closes).
-            self.slirp = subprocess.Popen(command, pass_fds=(ready_write, exit_read),
+            self.router = subprocess.Popen(command, pass_fds=(ready_write, exit_read),
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True)
         finally:
@@ -155,22 +181,57 @@ class PrivateNetwork:
         finally:
             os.close(ready_read)
         if ready != b"1":
-            if self.slirp.poll() is None:
-                self.slirp.kill()
-            self.slirp.wait(timeout=10)
-            error = self.slirp.stderr.read().strip().splitlines()
-            tun_closed = "/dev/net/tun" in "".join(error)
-            raise NoRouteOut(
-                f"`private_network`: {SLIRP} could not give the tasks' namespace a route out ("
-                + ("; ".join(error[-2:]) if error else
-                   f"no answer in {SLIRP_READY_SECONDS:g}s" if self.slirp.returncode is None or ready is None
-                   else f"exit code {self.slirp.returncode}")
-                + ")." + (" /dev/net/tun is closed to this user: distributions make it mode "
-                          "0666 (`chmod 0666 /dev/net/tun` as root);" if tun_closed
-                          else f" Check that {SLIRP} works here;")
-                + " " + OPT_OUT + ".",
-                reason=f"{SLIRP} cannot open /dev/net/tun as this user" if tun_closed
-                else f"{SLIRP} fails here: {error[0]}" if error else f"{SLIRP} fails here")
+            if self.router.poll() is None:
+                self.router.kill()
+            self.router.wait(timeout=10)
+            error = self.router.stderr.read().strip().splitlines()
+            raise _failed(SLIRP, error, None if ready is None else self.router.returncode)
+
+    def _start_pasta(self, pasta):
+        own = os.stat("/proc/self/ns/user").st_ino
+        userns = f"/proc/{self.holder.pid}/ns/user"
+        # pasta drops its privileges before it joins the namespace: it gets
+        # the namespaces as descriptors this process opened.
+        fds = [os.open(f"/proc/{self.holder.pid}/ns/net", os.O_RDONLY)]
+        namespaces = ["--netns", f"/proc/self/fd/{fds[0]}"]
+        if os.stat(userns).st_ino != own:  # an unprivileged user's namespace: join its owner
+            fds.append(os.open(userns, os.O_RDONLY))
+            namespaces = ["--userns", f"/proc/self/fd/{fds[1]}", *namespaces]
+        # Root's pasta would become `nobody`, who may not enter root's namespace.
+        runas = ["--runas", f"{os.getuid()}:{os.getgid()}"] if os.getuid() == 0 else []
+        # No port forwarded either way (pasta's default forwards every port
+        # the tasks bind to this host); IPv4 only, as slirp4netns; this
+        # host's loopback is the gateway, as slirp4netns's.
+        command = [pasta, "--config-net", "--foreground", "--quiet", "--ipv4-only",
+                   "--tcp-ports", "none", "--udp-ports", "none", "--tcp-ns", "none",
+                   "--udp-ns", "none", "--address", TASKS_ADDRESS, "--netmask", "24",
+                   "--gateway", HOST_FROM_TASKS, "--dns-forward", SLIRP_DNS, "--ns-ifname", "tap0",
+                   "--mtu", "65520", *runas, *namespaces]
+        # A file, not a pipe: pasta may go on writing while the tasks run.
+        log = tempfile.TemporaryFile(mode="w+")
+        try:
+            self.router = subprocess.Popen(
+                [sys.executable, "-I", "-S", _guard.__file__, "--die-with-parent", str(os.getpid()),
+                 *command], pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=log, text=True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.router.stderr = log
+        # Ready once pasta has given the interface its route: packets sent
+        # from then on wait in the device until pasta reads them.
+        deadline = time.monotonic() + SLIRP_READY_SECONDS
+        while not _has_default_route(self.holder.pid):
+            if self.router.poll() is not None or time.monotonic() > deadline:
+                silent = self.router.poll() is None
+                if silent:
+                    self.router.kill()
+                self.router.wait(timeout=10)
+                log.seek(0)
+                error = [line for line in log.read().strip().splitlines()
+                         if "to syslog" not in line]  # its logger's own complaint
+                raise _failed(PASTA, error, None if silent else self.router.returncode)
+            time.sleep(0.005)
 
     @property
     def pid(self):
@@ -178,29 +239,66 @@ class PrivateNetwork:
         return self.holder.pid
 
     def close(self):
-        """Ends slirp4netns and the holder; the namespace goes away with its last process."""
-        if self.slirp is not None:
-            if self.slirp.poll() is None:
-                self.slirp.terminate()
-            try:
-                self.slirp.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.slirp.kill()
-                self.slirp.wait(timeout=10)
-            self.slirp.stderr.close()
-            self.slirp = None
-        if self._exit_fd is not None:
-            os.close(self._exit_fd)
-            self._exit_fd = None
+        """Ends the route out and the holder; the namespace goes away with its last process."""
+        self._end_router()
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait(timeout=10)
         for stream in (self.holder.stdin, self.holder.stdout, self.holder.stderr):
             stream.close()
 
+    def _end_router(self):
+        if self.router is not None:
+            if self.router.poll() is None:
+                self.router.terminate()
+            try:
+                self.router.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+                self.router.wait(timeout=10)
+            self.router.stderr.close()
+            self.router = None
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)
+            self._exit_fd = None
 
-# slirp4netns's DNS forwarder, seen from the namespace.
-SLIRP_DNS = "10.0.2.3"
+
+def routes_out():
+    """`(name, path)` of slirp4netns and pasta, those installed, in kd's order."""
+    found = []
+    for name in (SLIRP, PASTA):
+        path = shutil.which(name) or shutil.which(name, path="/usr/bin:/usr/sbin:/sbin")
+        if path:
+            found.append((name, path))
+    return found
+
+
+def _failed(name, error, returncode):
+    """The `NoRouteOut` for route out `name` that did not come up: its last `error` lines,
+    else its exit code (None: it gave no answer in time)."""
+    # slirp4netns names the device; pasta says "Failed to open tun socket in namespace".
+    tun_closed = any("/dev/net/tun" in line or "open tun" in line for line in error)
+    return NoRouteOut(
+        f"`private_network`: {name} could not give the tasks' namespace a route out ("
+        + ("; ".join(error[-2:]) if error else f"no answer in {SLIRP_READY_SECONDS:g}s"
+           if returncode is None else f"exit code {returncode}")
+        + ")." + (" /dev/net/tun is closed to this user: distributions make it mode "
+                  "0666 (`chmod 0666 /dev/net/tun` as root);" if tun_closed
+                  else f" Check that {name} works here;")
+        + " " + OPT_OUT + ".",
+        reason=f"{name} cannot open /dev/net/tun as this user" if tun_closed
+        else f"{name} fails here: {error[0]}" if error else f"{name} fails here",
+        fix="open /dev/net/tun to this user (distributions make it mode 0666: `chmod 0666 "
+        "/dev/net/tun` as root)" if tun_closed else f"check that {name} works here")
+
+
+def _has_default_route(pid):
+    """Whether process `pid`'s network namespace has an IPv4 default route."""
+    try:
+        with open(f"/proc/{pid}/net/route") as f:
+            return any(line.split()[1:2] == ["00000000"] for line in f.read().splitlines()[1:])
+    except OSError:
+        return False
 
 
 def _stub_resolv_conf(path=_guard.RESOLV_CONF):
@@ -222,7 +320,7 @@ def _stub_resolv_conf(path=_guard.RESOLV_CONF):
     handle, stub = tempfile.mkstemp(prefix="kd-resolv-", suffix=".conf")
     with os.fdopen(handle, "w") as f:
         f.write("\n".join(kept + [f"# kd: {', '.join(servers)} on this host's loopback, reached "
-                                  f"through slirp4netns", f"nameserver {SLIRP_DNS}"]) + "\n")
+                                  f"through the route out", f"nameserver {SLIRP_DNS}"]) + "\n")
     os.chmod(stub, 0o644)
     return stub
 

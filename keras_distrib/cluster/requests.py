@@ -252,17 +252,18 @@ def check_private_network(private_network):
             raise NoPrivateNetwork(str(error), reason=error.reason, offline_possible=False) from None
         return _level(private_network, explicit=True)
     try:
-        network.PrivateNetwork(outbound=True).close()
-        return _level(True, explicit=False)
+        made = network.PrivateNetwork(outbound=True)
+        made.close()
+        return _level(True, explicit=False, route_out=made.route_out)
     except network.NoRouteOut as error:
-        why = error.reason
+        missing = error
     except network.NoNamespace as error:
         raise _no_private_network(error) from None
     try:
         network.PrivateNetwork(outbound=False).close()
     except network.NoNamespace as error:
         raise _no_private_network(error) from None
-    return _level(OFFLINE, explicit=False, why=why)
+    return _level(OFFLINE, explicit=False, missing=missing)
 
 
 def _no_private_network(error):
@@ -274,23 +275,27 @@ def _no_private_network(error):
         reason=error.reason, offline_possible=False)
 
 
-def _level(mode, *, explicit, why=None):
+def _level(mode, *, explicit, missing=None, route_out=None):
+    """`missing`: the `NoRouteOut` of an `AUTO` launch without a route out."""
+    routes = f"{network.SLIRP} or {network.PASTA}"
     if mode is True:
         return NetworkLevel(True, None if explicit else (
-            f"[launcher] network: private, with a route out through {network.SLIRP} (no other "
+            f"[launcher] network: private, with a route out through {route_out} (no other "
             "host or user reaches the tasks' ports)"))
     if explicit:
         return NetworkLevel(OFFLINE, None, (
             "the tasks ran in a private network without a route out (`private_network="
             "\"offline\"`, `--network offline`); launch without it to give them one through "
-            f"{network.SLIRP}."))
+            f"{routes}."))
+    absent = not network.routes_out()
     return NetworkLevel(OFFLINE, (
-        f"[launcher] network: private, without a route out ({why}): the tasks reach each other "
-        f"and nothing else; {network.SLIRP} would give them one"), (
-        f"the tasks ran in a private network without a route out ({why}): "
-        f"install {network.SLIRP} {network.INSTALL_SLIRP} to give "
-        "them one, or launch with `private_network=False` (`--network open`: the tasks' ports "
-        "open to this host's network)."))
+        f"[launcher] network: private, without a route out ({missing.reason}): the tasks reach "
+        f"each other and nothing else; "
+        + (f"{routes} would give them one" if absent else
+           f"to give them one, {missing.fix}")), (
+        f"the tasks ran in a private network without a route out ({missing.reason}): "
+        f"{missing.fix} to give them one, or launch with `private_network=False` (`--network "
+        "open`: the tasks' ports open to this host's network)."))
 
 
 def checked_target(target):

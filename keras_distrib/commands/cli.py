@@ -38,7 +38,7 @@ _WITH_TENSORFLOW = ("bench", "demo", "env", "test")
 _NETWORK_HELP = ("the worker processes' network: 'auto' (the default) the most private this "
                  "machine allows, said in one line; 'private' a network namespace of their own, "
                  "so no other host or user reaches TensorFlow's unauthenticated ports, with a "
-                 "route out through slirp4netns (refused without it); 'offline' the namespace "
+                 "route out through slirp4netns or pasta (refused without both); 'offline' the namespace "
                  "without the route out; 'open' this host's network, ports open to it")
 
 
