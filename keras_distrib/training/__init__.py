@@ -7,8 +7,9 @@ rows, the global count), `scaling` (the global-batch scaling rule and its
 arithmetic: a replica's fraction, deferred scale, the gradients'
 correction), `coupling` (where the rows of a batch meet), `losses` (the
 replica's share of the global loss), `logs` (metric states and the step's
-logs), `forward` (the forward pass on several replicas as on one device:
-padding, random draws, BatchNormalization moments, layer state), `deferral`
+logs), `batch_norm` (BatchNormalization's global moments), `forward` (the
+forward pass on several replicas as on one device: padding, random draws,
+layer state), `deferral`
 (whether a step defers the scale), `buckets` (which gradients share an
 all-reduce), `gradients` (the all-reduce before the optimizer),
 `collectives` (counting them), `first_step` (the first step checked

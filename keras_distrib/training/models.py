@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import batch_norm as batch_norm_lib
 from keras_distrib.training import buckets
 from keras_distrib.training import coupling
 from keras_distrib.training import deferral
@@ -392,11 +393,11 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         for layer in _keras_compat.flatten_layers(self):
             _keras_compat.record_add_loss(layer, forward.record_loss)
             if isinstance(layer, keras.layers.BatchNormalization):
-                _keras_compat.replace_batch_norm_moments(layer, forward.global_moments)
+                _keras_compat.replace_batch_norm_moments(layer, batch_norm_lib.global_moments)
                 if per_replica:
-                    forward.PER_REPLICA_BATCH_NORM.add(layer)
+                    batch_norm_lib.PER_REPLICA_BATCH_NORM.add(layer)
                 else:
-                    forward.PER_REPLICA_BATCH_NORM.discard(layer)
+                    batch_norm_lib.PER_REPLICA_BATCH_NORM.discard(layer)
             # Keras's layers by what they do with the rows (their class
             # exactly; a subclass may change that, and is read instead).
             if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS:

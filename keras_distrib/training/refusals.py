@@ -7,6 +7,7 @@ before anything runs.
 import keras
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import batch_norm
 from keras_distrib.training import forward
 from keras_distrib.training import step as step_lib
 from keras_distrib.cluster import strategies
@@ -72,7 +73,7 @@ def unsupported_settings(model, *, training):
                "forward pass with XLA, because TensorFlow cannot synchronize replicas inside XLA here")
         fix = "Use jit_compile=False (or GPUs, where XLA compiles the whole step)."
         for layer in layers:
-            if forward.global_batch_norm(layer):
+            if batch_norm.global_batch_norm(layer):
                 problems.append(f"layer {layer.name!r} (BatchNormalization) all-reduces its global "
                                 f"statistics inside the forward pass: {why}. {fix} Or compile with "
                                 "batch_norm=\"per_replica\" (per-replica statistics, not exact).")
