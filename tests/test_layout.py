@@ -165,7 +165,7 @@ def test_a_wrong_way_import_would_be_found():
 # Inside `training/`, bottom to top (training/__init__.py states the same
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
-    "penalties", "replica", "scaling", "coupling", "losses", "logs", "batch_norm", "forward", "deferral", "buckets", "gradients",
+    "penalties", "replica", "scaling", "coupling", "losses", "logs", "batch_norm", "forward", "deferral", "buckets", "gradients", "hooks",
     "collectives", "first_step", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "models", "saving",
     "callbacks", "train_loop",
 )
@@ -236,7 +236,7 @@ def test_a_wrong_way_import_inside_training_would_be_found():
         "buckets)",
         "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
         "penalties, replica, scaling, coupling, losses, logs, batch_norm, forward, deferral, buckets, "
-        "gradients, collectives, first_step, step, refusals, data, served, inputs)",
+        "gradients, hooks, collectives, first_step, step, refusals, data, served, inputs)",
         "keras_distrib.training.replica -> keras_distrib.training.scaling (replica may import "
         "only: penalties)",
     ]

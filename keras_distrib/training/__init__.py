@@ -11,7 +11,8 @@ logs), `batch_norm` (BatchNormalization's global moments), `forward` (the
 forward pass on several replicas as on one device: padding, random draws,
 layer state), `deferral`
 (whether a step defers the scale), `buckets` (which gradients share an
-all-reduce), `gradients` (the all-reduce before the optimizer),
+all-reduce), `gradients` (the all-reduce before the optimizer), `hooks` (what kd installs
+on a model's layers, optimizers and metrics),
 `collectives` (counting them), `first_step` (the first step checked
 against one device's), `step` (the one place that calls
 `strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the

@@ -35,6 +35,7 @@ from keras_distrib.cluster import info as cluster
 from keras_distrib.training import data as data_lib
 from keras_distrib.training import served
 from keras_distrib.training import gradients
+from keras_distrib.training import hooks
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
 from keras_distrib.cluster import watchdog
@@ -595,7 +596,7 @@ def build_model(model, data_batch):
         if optimizer is not None and not optimizer.built:
             optimizer.build(_keras_compat.optimizer_variables(model))
     # Per-replica bookkeeping on the layers and variables just created.
-    model._install_layer_hooks()
+    hooks.install_layer_hooks(model)
 
 
 def _first_replica_spec(spec):

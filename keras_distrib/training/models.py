@@ -11,7 +11,6 @@ draws, BatchNormalization moments, layer state) is
 """
 
 import contextlib
-import inspect
 import json
 import os
 import warnings
@@ -22,12 +21,12 @@ import tensorflow as tf
 from keras import tree
 
 from keras_distrib import _keras_compat
-from keras_distrib.training import batch_norm as batch_norm_lib
 from keras_distrib.training import buckets
 from keras_distrib.training import coupling
 from keras_distrib.training import deferral
 from keras_distrib.training import forward
 from keras_distrib.training import front
+from keras_distrib.training import hooks
 from keras_distrib.training import gradients
 from keras_distrib.training import inputs
 from keras_distrib.training import losses as kd_losses
@@ -114,23 +113,6 @@ def _metric_in_scope(metric):
         return type(metric).from_config(metric.get_config())
     except (TypeError, ValueError, NotImplementedError):
         return metric  # a metric of one's own that cannot be made again: as it is
-
-
-def _recorded_result(metric, result):
-    """`metric.result` that tells kd's step which logs are this metric's (see step.py)."""
-
-    def recorded():
-        value = result()
-        batch = replica.current_batch()
-        if batch is not None:
-            if isinstance(value, dict):
-                for key, leaf in value.items():
-                    batch.metric_results[id(leaf)] = (leaf, key)
-            else:
-                batch.metric_results[id(value)] = (value, metric.name)
-        return value
-
-    return recorded
 
 
 def unregistered_class_warning(model):
@@ -344,7 +326,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
             # Not the metrics yet: a subclass's compile may create them after this returns.
-            self._install_layer_hooks(variables=False)
+            hooks.install_layer_hooks(self, variables=False)
 
     def get_compile_config(self):
         """The arguments `compile` was called with, serialized (saved in `.keras` files).
@@ -382,70 +364,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    def _install_layer_hooks(self, variables=True):
-        """Installs kd's per-replica hooks on every layer and variable (idempotent).
-
-        `variables`: also the model's, metrics' and optimizer's variables;
-        not in `compile`, where a subclass's own `compile` creates metrics
-        after calling `super().compile()` (SimCLR's order).
-        """
-        per_replica = getattr(self, "batch_norm", "global") == "per_replica"
-        for layer in _keras_compat.flatten_layers(self):
-            _keras_compat.record_add_loss(layer, forward.record_loss)
-            if isinstance(layer, keras.layers.BatchNormalization):
-                _keras_compat.replace_batch_norm_moments(layer, batch_norm_lib.global_moments)
-                if per_replica:
-                    batch_norm_lib.PER_REPLICA_BATCH_NORM.add(layer)
-                else:
-                    batch_norm_lib.PER_REPLICA_BATCH_NORM.discard(layer)
-            # Keras's layers by what they do with the rows (their class
-            # exactly; a subclass may change that, and is read instead).
-            if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS:
-                _keras_compat.replace_call(layer, forward.global_batch_call)
-            elif type(layer) in forward.ROWS_MEET_LAYERS:
-                _keras_compat.replace_call(layer, forward.rows_meet_call)
-            elif type(layer) in forward.ROW_WISE_LAYERS:
-                _keras_compat.replace_call(layer, forward.row_wise_call)
-            elif isinstance(layer, keras.Model) and layer is not self \
-                    and not isinstance(layer, DistributedModelMixin):
-                # A plain Keras model inside: padded for an empty replica, a
-                # place where rows may meet, and its outputs where a custom
-                # step's own computations start (coupling.anchor).
-                _keras_compat.replace_call(layer, forward.sub_model_call)
-            elif layer is not self and forward.may_meet(layer):
-                _keras_compat.replace_call(layer, forward.layer_call)
-        for layer, variable in forward.layer_state(self):
-            _keras_compat.replace_variable_updates(variable, forward.replica_state_updates(layer, variable))
-        self._install_replica_writes()
-        self._track_random_states()
-        if variables:
-            _keras_compat.fix_variables(_keras_compat.model_variables(self))
-
-    def _track_random_states(self):
-        # Keras's seed generators (random layers, a `SeedGenerator` of the
-        # model's own) are not checkpoint dependencies of the model: a
-        # restored model would draw other masks than the run it continues.
-        # A child holding their states puts them in every checkpoint of the
-        # model (kd's backups and the user's tf.train.Checkpoint alike).
-        states = forward.random_states(self)
-        current = getattr(self, "_kd_random_states", None)
-        if current is not None and current.keys == forward.state_keys(states):
-            return
-        self._kd_random_states = forward.RandomStates(states)
-
-    def _install_replica_writes(self):
-        # Under central storage, BatchNormalization's moving statistics are
-        # written by replica 0 (see _keras_compat.write_from_first_replica).
-        # Random layers' seed states are written by the last replica, after
-        # every replica has read them.
-        for layer in _keras_compat.flatten_layers(self):
-            if isinstance(layer, keras.layers.BatchNormalization):
-                _keras_compat.write_from_first_replica(layer.non_trainable_variables)
-            for generator in _keras_compat.owned_seed_generators(layer):
-                _keras_compat.write_seed_state_from_last_replica(generator)
-                _keras_compat.replace_seed_next(generator, forward.counted_draws)
-        object.__setattr__(self, "_kd_replica_writes", self.built)
-
+    # Whether the replica writes (`hooks.install_replica_writes`) are installed on built layers.
     _kd_replica_writes = False
 
     def replica_batch(self, x):
@@ -515,14 +434,14 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # A hand-written loop may call the model in a replica without
             # compiling it: its BatchNormalization updates need kd's
             # central-storage writes all the same.
-            self._install_replica_writes()
+            hooks.install_replica_writes(self)
         batch = replica.current_batch()
         if batch is None and forward.opens_own_batch(self, args, kwargs):
             # A hand-written loop calls the model in `strategy.run` without
             # kd's step: the forward pass opens the replica's batch itself,
             # so BatchNormalization statistics and random layers are laid
             # out over the global batch as in `fit`.
-            self._install_layer_hooks()
+            hooks.install_layer_hooks(self)
             forward.check_loop_shape()
             with replica.replica_batch(replica.batch_rows(forward.first_input(args, kwargs)),
                                        forward.loop_plan(self)) as batch:
@@ -718,54 +637,16 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return replica.mark_share(super().compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training))
 
-    def _optimizers(self):
-        """Every Keras optimizer the model holds as an attribute (a GAN's two, say)."""
-        return gradients.optimizers_of(self)
-
-    def _install_step_hooks(self):
-        """Installs what a step needs: the process-wide replacements, kd's gradient pipeline on
-        every optimizer, one device's logs from every metric (idempotent)."""
-        # For the whole process, at the first step (not on import); each is
-        # Keras's or TensorFlow's own outside a kd replica step
-        # (_keras_compat.replacements lists every replacement and its scope).
-        _keras_compat.install_for_process(
-            loss_call=kd_losses.loss_object_call, before_gradient=gradients.classify_gradient_target,
-            random_draw=forward.global_batch_draw)
-        for optimizer in self._optimizers():
-            gradients.install(optimizer)
-        self._own_compute_loss_on_global_batch()
-        metrics = list(self.metrics)
-        kd_losses.exact_trackers(metrics)
-        kd_losses.exact_metric_updates(metrics)
-        for metric in metrics:
-            _keras_compat.replace_metric_result(metric, _recorded_result)
-
-    def _own_compute_loss_on_global_batch(self):
-        """A `compute_loss` of the subclass's own runs on the global batch where its rows meet.
-
-        (An in-batch contrastive loss: `coupling.call_on_global_batch`.) Its
-        scalar result is then this replica's share, as kd's own `compute_loss`
-        returns; a per-row result is the global batch's (GLOBAL).
-        """
-        if type(self).compute_loss is DistributedModelMixin.compute_loss or "compute_loss" in vars(self):
-            return
-        own = type(self).compute_loss.__get__(self)
-
-        def compute_loss(*args, **kwargs):
-            result, _ = coupling.call_on_global_batch(
-                self, lambda a, k: own(*a, **k), (args, kwargs), share_scalars=True)
-            return result
-
-        compute_loss.__signature__ = inspect.signature(own)  # Keras reads its arguments
-        compute_loss.__doc__ = own.__doc__
-        object.__setattr__(self, "compute_loss", compute_loss)
-
     def _ready_for(self, kind):
         """Readies the model for its first `kind` step: the refusals, then the hooks its steps need."""
         self._check_strategy(training=kind == "train")
         self._check_exactness(training=kind == "train")
-        self._install_layer_hooks()
+        hooks.install_layer_hooks(self)
         self._install_step_hooks()
+
+    def _install_step_hooks(self):
+        """What the model's steps need at the first step (`hooks.install_step_hooks`)."""
+        hooks.install_step_hooks(self, kd_compute_loss=DistributedModelMixin.compute_loss)
 
     def _own_steps(self):
         """The model's own compiled steps (`step.ModelSteps`), kept in Keras's attributes."""
