@@ -18,7 +18,8 @@ against one device's), `step` (the one place that calls
 `strategy.run`), `refusals` (what kd cannot make exact, named), `data` (the
 input pipeline), `served` (input from tf.data service), `inputs` (what `fit`, `evaluate` and `predict` are given,
 checked), `loop` (the engine), `parameter_server` (a source and a runner),
-`front` (one front door per verb), `models` (`kd.Model`), `saving`,
+`front` (one front door per verb), `model_call` (a kd model's forward
+pass in a replica), `models` (`kd.Model`), `saving`,
 `callbacks` (`kd.callbacks`) and `train_loop` (`kd.TrainLoop`).
 
 May import: `checkpointing`, `cluster` and the floor (`validation`, `files`,

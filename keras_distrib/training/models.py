@@ -31,6 +31,7 @@ from keras_distrib.training import gradients
 from keras_distrib.training import inputs
 from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import loop
+from keras_distrib.training import model_call
 from keras_distrib.training import penalties
 from keras_distrib.training import refusals
 from keras_distrib.training import replica
@@ -364,8 +365,11 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    # Whether the replica writes (`hooks.install_replica_writes`) are installed on built layers.
+    # Whether the replica writes (`hooks.install_replica_writes`) are installed on built layers
+    # (read by `model_call`).
     _kd_replica_writes = False
+    # The forward pass compiled with XLA and what its outputs are to the rows (`model_call`).
+    _kd_xla_function = None
 
     def replica_batch(self, x):
         """Context for one replica's batch (row counts for loss scaling).
@@ -429,87 +433,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     # does (see `kd.losses`), not rewritten by AutoGraph at every trace.
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
-        if not self._kd_replica_writes and tf.distribute.has_strategy() \
-                and not tf.distribute.in_cross_replica_context():
-            # A hand-written loop may call the model in a replica without
-            # compiling it: its BatchNormalization updates need kd's
-            # central-storage writes all the same.
-            hooks.install_replica_writes(self)
-        batch = replica.current_batch()
-        if batch is None and forward.opens_own_batch(self, args, kwargs):
-            # A hand-written loop calls the model in `strategy.run` without
-            # kd's step: the forward pass opens the replica's batch itself,
-            # so BatchNormalization statistics and random layers are laid
-            # out over the global batch as in `fit`.
-            hooks.install_layer_hooks(self)
-            forward.check_loop_shape()
-            with replica.replica_batch(replica.batch_rows(forward.first_input(args, kwargs)),
-                                       forward.loop_plan(self)) as batch:
-                batch.rows_meet = getattr(self, "rows_meet", "global")
-                batch.leaves = [t for t in tree.flatten(forward.first_input(args, kwargs))
-                                if isinstance(t, tf.Tensor) and t.shape.rank][:1]
-                outputs = self.__call__(*args, **kwargs)
-                replica.keep_losses(self, batch.losses)
-            return outputs
-        if batch is None or batch.in_forward:
-            return super().__call__(*args, **kwargs)
-        plan = batch.plan
-        padding = bool(args) and plan.pad_empty and not batch.global_region
-        if padding:
-            args = (forward.pad_empty_batch(args[0], batch),) + args[1:]
-            batch.padded.append(tf.logical_not(batch.has_rows))
-        batch.losses, batch.owner, batch.in_forward = [], self, True
-        try:
-            if plan.xla_forward:
-                if any(_keras_compat.owned_seed_generators(layer)
-                       for layer in _keras_compat.flatten_layers(self)):
-                    batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
-                outputs, batch.losses = self._xla_forward(*args, **kwargs)
-            elif forward.may_meet(self):
-                # The model's own `call` (a subclass's, a functional model's
-                # own ops) may make rows meet: see coupling.layer_call.
-                own_call = coupling.layer_call(self, super().__call__, pad=False)
-                outputs = own_call(*args, **kwargs)
-            else:
-                outputs = super().__call__(*args, **kwargs)
-        finally:
-            batch.in_forward = False
-            if padding:
-                batch.padded.pop()
-        if plan.pad_empty and not batch.global_region:
-            outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs), self)
-        return coupling.anchor(outputs, self, batch)
-
-    def _xla_forward(self, *args, **kwargs):
-        # The forward pass (and its gradient) compiled on the replica's
-        # device; the all-reduces stay outside (see StepPlan.xla_forward).
-        # What the outputs and `add_loss` terms are to the rows is read in the
-        # compiled function's own graph (the call op hides them) and marked
-        # on what it returns.
-        forward, kinds = self._kd_xla_function or (None, {})
-        if forward is None:
-            def forward_pass(*args, **kwargs):
-                batch = replica.current_batch()
-                batch.losses = []
-                outputs = self(*args, **kwargs)  # in_forward: Keras's own call
-                kinds["outputs"] = [penalties.kind_of_value(v) if isinstance(v, tf.Tensor) else None
-                                    for v in tree.flatten(outputs)]
-                kinds["losses"] = [penalties.kind_of(term) for term in batch.losses]
-                return outputs, list(batch.losses)
-
-            forward = step_lib.on_replica_device(
-                tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
-            )
-            object.__setattr__(self, "_kd_xla_function", (forward, kinds))
-        outputs, losses = forward(*args, **kwargs)
-        for value, kind in zip(tree.flatten(outputs), kinds["outputs"]):
-            if kind is not None:
-                penalties.mark_kind(value, kind)
-        for value, kind in zip(losses, kinds["losses"]):
-            penalties.mark_kind(value, kind)
-        return outputs, losses
-
-    _kd_xla_function = None
+        # In a replica, the forward pass as one device computes it for the
+        # global batch (`model_call`); elsewhere Keras's own call.
+        return model_call.call(self, super().__call__, args, kwargs)
 
     def _call_model(self, x, training):
         if _keras_compat.call_has_training_arg(self):
