@@ -166,7 +166,7 @@ def test_a_wrong_way_import_would_be_found():
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
     "penalties", "replica", "scaling", "coupling", "losses", "logs", "batch_norm", "forward", "deferral", "buckets", "gradients", "hooks",
-    "collectives", "first_step", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "model_call", "models", "saving",
+    "collectives", "first_step", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "model_call", "model_files", "models", "saving",
     "callbacks", "train_loop",
 )
 

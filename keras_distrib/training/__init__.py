@@ -19,7 +19,8 @@ against one device's), `step` (the one place that calls
 input pipeline), `served` (input from tf.data service), `inputs` (what `fit`, `evaluate` and `predict` are given,
 checked), `loop` (the engine), `parameter_server` (a source and a runner),
 `front` (one front door per verb), `model_call` (a kd model's forward
-pass in a replica), `models` (`kd.Model`), `saving`,
+pass in a replica), `model_files` (what a kd model's `save` writes),
+`models` (`kd.Model`), `saving`,
 `callbacks` (`kd.callbacks`) and `train_loop` (`kd.TrainLoop`).
 
 May import: `checkpointing`, `cluster` and the floor (`validation`, `files`,

@@ -11,11 +11,8 @@ draws, BatchNormalization moments, layer state) is
 """
 
 import contextlib
-import json
-import os
 import warnings
 
-import h5py
 import keras
 import tensorflow as tf
 from keras import tree
@@ -32,6 +29,7 @@ from keras_distrib.training import inputs
 from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import loop
 from keras_distrib.training import model_call
+from keras_distrib.training import model_files
 from keras_distrib.training import penalties
 from keras_distrib.training import refusals
 from keras_distrib.training import replica
@@ -45,7 +43,6 @@ __all__ = [
     "FunctionalModel",
     "Model",
     "Sequential",
-    "unregistered_class_warning",
 ]
 
 BATCH_NORM_MODES = ("global", "per_replica")
@@ -53,9 +50,6 @@ BATCH_NORM_MODES = ("global", "per_replica")
 # that differ).
 OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "gradient_buckets": "auto",
                         "first_step_check": True, "pss_evaluation_shards": 0}
-# A `.keras` file's config entry (beside "compile_config") that keeps kd's own
-# compile arguments out of what plain Keras compiles with.
-OWN_COMPILE_ENTRY = "keras_distrib_compile"
 
 
 def _static_rows(x):
@@ -70,32 +64,6 @@ def _static_rows(x):
             return None
         return int(shape[0])
     return None
-
-
-def _file_stamp(path):
-    try:
-        status = os.stat(path)
-    except (OSError, TypeError, ValueError):
-        return None
-    return status.st_mtime_ns, status.st_size, status.st_ino
-
-
-def _record_registered_class(path, cls):
-    """Names `cls` by its registered name in a legacy `.h5` file's model config."""
-    name = keras.saving.get_registered_name(cls)
-    if name == cls.__name__:  # not registered: Keras's bare name is all there is
-        return
-    with h5py.File(path, "r+") as file:
-        config = file.attrs.get("model_config")
-        if config is None:
-            return
-        if isinstance(config, bytes):
-            config = config.decode("utf-8")
-        config = json.loads(config)
-        if config.get("class_name") != cls.__name__:
-            return
-        config["class_name"] = name
-        file.attrs["model_config"] = json.dumps(config).encode("utf-8")
 
 
 def _metric_in_scope(metric):
@@ -114,67 +82,6 @@ def _metric_in_scope(metric):
         return type(metric).from_config(metric.get_config())
     except (TypeError, ValueError, NotImplementedError):
         return metric  # a metric of one's own that cannot be made again: as it is
-
-
-def unregistered_class_warning(model):
-    """Warns when `keras.saving.load_model` will not find `model`'s class.
-
-    A `.keras` file names the model's class; a subclass such as
-    `class MyTask(kd.DistributedModelMixin, keras_hub.models.BertTextClassifier)`
-    reloads only if Keras can look its name up: registered with
-    `@keras.saving.register_keras_serializable()`, or passed to
-    `load_model(..., custom_objects={"MyTask": MyTask})`. Said when saving,
-    while the class is at hand, rather than when loading fails.
-
-    Returns:
-        True if it warned.
-    """
-    cls = type(model)
-    if keras.saving.get_registered_object(keras.saving.get_registered_name(cls)) is cls:
-        return False
-    warnings.warn(
-        f"{cls.__name__} is not registered with Keras, so keras.saving.load_model will not "
-        f"find it in this file (\"Could not locate class '{cls.__name__}'\"). Decorate the class "
-        "with @keras.saving.register_keras_serializable(), or load with "
-        f"keras.saving.load_model(path, custom_objects={{'{cls.__name__}': {cls.__name__}}}).",
-        stacklevel=3,
-    )
-    return True
-
-
-def _as_keras_classes(config):
-    """A serialized model config naming kd's functional and Sequential classes as Keras's.
-
-    Each such node keeps kd's registered name (`keras_distrib>FunctionalModel`),
-    which Keras looks up first: where kd's model classes are loaded it finds
-    kd's class; where kd is not installed it falls back to the module and
-    class, now Keras's `Functional` or `Sequential`, whose layers and
-    weights are the same. kd's own compile arguments move out of
-    "compile_config" (plain Keras's `compile` refuses them) to an entry of
-    their own (`OWN_COMPILE_ENTRY`), which `kd.load_model` applies again.
-    A subclass of the user's own keeps its class, as in plain Keras.
-    """
-    keras_classes = {keras.saving.get_registered_name(FunctionalModel): _keras_compat.Functional,
-                     keras.saving.get_registered_name(Sequential): keras.Sequential}
-
-    def visit(node):
-        if isinstance(node, dict):
-            keras_class = keras_classes.get(node.get("registered_name"))
-            if keras_class is not None:
-                node["module"], node["class_name"] = keras_class.__module__, keras_class.__name__
-                compile_config = node.get("compile_config") or {}
-                own = {name: compile_config.pop(name) for name in OWN_COMPILE_DEFAULTS
-                       if name in compile_config}
-                if own:
-                    node[OWN_COMPILE_ENTRY] = own
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(config)
-    return config
 
 
 def _strategy_name(strategy):
@@ -672,15 +579,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         A subclass of your own (or of a KerasHub task) reloads only if
         registered (`@keras.saving.register_keras_serializable()`) or passed
         as `custom_objects`; saving one that is neither warns
-        (`unregistered_class_warning`).
+        (`model_files.unregistered_class_warning`).
         """
-        unregistered_class_warning(self)
-        before = _file_stamp(filepath)
-        with _keras_compat.saved_config(_as_keras_classes):
-            result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-        if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:
-            _record_registered_class(filepath, type(self))
-        return result
+        keras_classes = {keras.saving.get_registered_name(FunctionalModel): _keras_compat.Functional,
+                         keras.saving.get_registered_name(Sequential): keras.Sequential}
+        return model_files.save(self, super().save, filepath, overwrite=overwrite, zipped=zipped,
+                                keras_classes=keras_classes, own_compile_names=tuple(OWN_COMPILE_DEFAULTS),
+                                **kwargs)
 
     def build_from_data(self, iterator=None, data_batch=None):
         """Builds every variable from an epoch iterator's spec, or a batch.
