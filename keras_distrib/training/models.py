@@ -84,12 +84,6 @@ def _metric_in_scope(metric):
         return metric  # a metric of one's own that cannot be made again: as it is
 
 
-def _strategy_name(strategy):
-    if strategy is None or strategy is _keras_compat.default_strategy():
-        return "no strategy"
-    return type(strategy).__name__
-
-
 class DistributedModelMixin(_keras_compat.ModelHooks):
     """Exact global-batch training for any `keras.Model` subclass.
 
@@ -406,56 +400,6 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._call_model(x, training=False)
 
-    def _check_strategy(self, training=False):
-        """Refuses to run under a strategy the model (or its parts) was not created in."""
-        if not tf.distribute.has_strategy():
-            return
-        active = tf.distribute.get_strategy()
-        scope = f"`{type(active).__name__}.scope()`"
-        created = _keras_compat.created_strategy(self)
-        if created is not active:
-            built_in = type(created).__name__ if created is not None else "no strategy"
-            raise ValueError(
-                f"This model was created under {built_in}, but is used inside "
-                f"{scope}. Its variables are not "
-                "distributed, so training would silently ignore the strategy. "
-                "Create (and compile) the model inside `with strategy.scope():`."
-            )
-        if isinstance(active, (tf.distribute.MirroredStrategy,
-                               tf.distribute.MultiWorkerMirroredStrategy)):
-            stray = [v.path for v in self.weights
-                     if not active.extended.variable_created_in_scope(v.value)]
-            if stray:
-                shown = ", ".join(f"`{p}`" for p in stray[:4]) + (" ..." if len(stray) > 4 else "")
-                raise ValueError(
-                    f"The model was created inside {scope}, but {len(stray)} of its "
-                    f"variables were not ({shown}): a layer was built before the scope was "
-                    "entered, so its weights are not mirrored and each replica would train "
-                    "its own copy. Create the layers (and the model) inside "
-                    "`with strategy.scope():`."
-                )
-        optimizer = getattr(self, "optimizer", None)
-        if training and optimizer is not None:
-            optimizer_strategy = _keras_compat.optimizer_strategy(optimizer, active)
-            if optimizer_strategy is not active:
-                raise ValueError(
-                    f"The optimizer `{optimizer.name}` ({type(optimizer).__name__}) was created "
-                    f"under {_strategy_name(optimizer_strategy)}, but the model trains inside "
-                    f"{scope}: its step count and slots would not be distributed. Create the "
-                    "optimizer inside `with strategy.scope():` (e.g. "
-                    "`model.compile(optimizer=keras.optimizers.Adam(...))` there)."
-                )
-
-    def _check_exactness(self, training):
-        """Refuses settings kd cannot make exact here, naming each one."""
-        problems = refusals.unsupported_settings(self, training=training)
-        if problems:
-            strategy = type(self.distribute_strategy).__name__
-            raise ValueError(
-                f"kd cannot make this model exact under {strategy}:\n  - "
-                + "\n  - ".join(problems)
-            )
-
     # The compiled steps (Keras's names; each is a `keras_distrib.training.step.Step`).
 
     @tf.autograph.experimental.do_not_convert
@@ -472,8 +416,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
     def _ready_for(self, kind):
         """Readies the model for its first `kind` step: the refusals, then the hooks its steps need."""
-        self._check_strategy(training=kind == "train")
-        self._check_exactness(training=kind == "train")
+        refusals.check_strategy(self, training=kind == "train")
+        refusals.check_exactness(self, training=kind == "train")
         hooks.install_layer_hooks(self)
         self._install_step_hooks()
 
@@ -506,7 +450,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_batch_size=None, validation_freq=1):
         """`keras.Model.fit`, exact under any strategy (kd's loop, shared with `kd.TrainLoop`)."""
         _keras_compat.assert_compiled(self, "fit")
-        self._check_strategy(training=True)
+        refusals.check_strategy(self, training=True)
         return front.fit(self, self._own_steps(), inputs.FitRequest(
             x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
@@ -519,7 +463,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                  steps=None, callbacks=None, return_dict=False, **kwargs):
         """`keras.Model.evaluate`, exact under any strategy."""
         _keras_compat.assert_compiled(self, "evaluate")
-        self._check_strategy()
+        refusals.check_strategy(self)
         kwargs.pop("_use_cached_eval_dataset", None)
         shards = kwargs.pop("shards", None)
         if kwargs:
@@ -540,7 +484,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
         Works on a model that was never compiled (inference), as Keras's.
         """
-        self._check_strategy()
+        refusals.check_strategy(self)
         return front.predict(self, self._own_steps(), x, batch_size=batch_size, verbose=verbose,
                              steps=steps, callbacks=callbacks)
 

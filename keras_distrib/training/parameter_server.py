@@ -27,6 +27,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import loop
 from keras_distrib.training import logs as logs_lib
+from keras_distrib.training import refusals
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
 
@@ -277,7 +278,7 @@ def fit(model, request, *, steps_per_call=1):
             "ParameterServerStrategy (workers read repeated per-worker datasets); pass "
             "`validation_data`."
         )
-    model._check_exactness(training=True)
+    refusals.check_exactness(model, training=True)
     coordinator = coordinator_for(strategy)
     data = WorkerData(strategy, request.x, request.y, request.sample_weight, request.batch_size,
                       request.shuffle, request.class_weight)
