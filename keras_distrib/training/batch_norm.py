@@ -60,7 +60,7 @@ def global_moments(layer, inputs, mask, keras_moments):
     """
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()
-    if context is None or context.num_replicas_in_sync == 1 or batch is None or batch.global_region:
+    if replica.replicas_in_sync() == 1 or batch is None or batch.global_region:
         return keras_moments(inputs, mask)  # one replica, or the global batch already
     if layer in PER_REPLICA_BATCH_NORM and not layer.synchronized:
         # Per replica on request (batch_norm="per_replica"): not a place
@@ -95,7 +95,7 @@ def global_moments(layer, inputs, mask, keras_moments):
     if brings_rows:
         own.insert(0, tf.reshape(tf.cast(batch.local_rows, dtype), [1]))
     own = tf.concat(own, 0)
-    replicas = context.num_replicas_in_sync
+    replicas = replica.replicas_in_sync()
     slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
     local = batch.chain(slots[:, None] * own[None, :])
     gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
@@ -163,7 +163,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
     else:
         count = live_times(tf.cast(tf.shape(inputs)[0], dtype) * math.prod(reduced))
         heads = tf.stack(([tf.cast(batch.local_rows, dtype)] if brings_rows else []) + [count])
-    replicas = context.num_replicas_in_sync
+    replicas = replica.replicas_in_sync()
     replica_id = tf.get_static_value(context.replica_id_in_sync_group)
     token = [batch.moments_token] if batch.moments_token is not None else []
     first = int(brings_rows)  # the row count's column, if it travels here

@@ -129,14 +129,9 @@ def _decide(site, key, decision):
     _DECISIONS.setdefault(site, {})[key] = (decision, weakref.ref(graph))
 
 
-def _replicas():
-    context = tf.distribute.get_replica_context()
-    return context.num_replicas_in_sync if context is not None else 1
-
-
 def _active(batch):
     """Whether rows may meet across replicas in `batch`'s step (and kd handles them)."""
-    return batch is not None and not batch.global_region and _replicas() > 1 \
+    return batch is not None and not batch.global_region and replica.replicas_in_sync() > 1 \
         and batch.rows_meet == "global" and not tf.executing_eagerly()
 
 
@@ -179,7 +174,7 @@ def _row_aligned(values, what):
             if kind in (penalties.ROWS, penalties.ROW_BLOCKS):
                 positions.append(index)
             elif isinstance(kind, penalties.Unknown) and (kind.meets or kind.unread):
-                raise ValueError(penalties.refusal(kind, what, _replicas()))
+                raise ValueError(penalties.refusal(kind, what, replica.replicas_in_sync()))
     return positions
 
 
@@ -307,7 +302,7 @@ def gather(values, batch, *, own_gradient):
     all-reduce of their row counts and come in replica order.
     """
     context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
+    replicas = replica.replicas_in_sync()
     if batch.plan.looped:
         raise GatherInLoop("the global batch cannot be gathered inside a compiled loop")
     values = [tf.convert_to_tensor(v) for v in values]
@@ -416,7 +411,7 @@ def _site_name(site):
 
 def _as_share(value, batch):
     if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
-        return replica.mark_share(value / tf.cast(_replicas(), value.dtype))
+        return replica.mark_share(value / tf.cast(replica.replicas_in_sync(), value.dtype))
     return value
 
 
@@ -682,7 +677,7 @@ def inline(kind, batch, what, graph):
         return  # compiled to leave each replica its own rows
     if batch is not None and batch.retraceable and request_anchors(kind, graph, batch):
         raise RowsMeet(kind.why)
-    raise ValueError(penalties.refusal(kind, what, _replicas()))
+    raise ValueError(penalties.refusal(kind, what, replica.replicas_in_sync()))
 
 
 # ---------------------------------------------------------------------------
@@ -726,7 +721,7 @@ def global_batch(tensor):
     if tensor.shape.rank == 0:
         raise ValueError(f"`tensor` is a scalar ({tensor.dtype.name}); `global_batch` gathers "
                          "rows: pass a tensor whose first axis holds this replica's rows")
-    if _replicas() == 1 or tf.distribute.get_replica_context() is None:
+    if replica.replicas_in_sync() == 1 or tf.distribute.get_replica_context() is None:
         return tensor, tf.constant(0, tf.int32)
     batch = replica.current_batch()
     with (contextlib.nullcontext(batch) if batch is not None else

@@ -14,6 +14,7 @@ from keras_distrib.training import batch_norm
 from keras_distrib.training import coupling
 from keras_distrib.training import forward
 from keras_distrib.training import losses as kd_losses
+from keras_distrib.training import replica
 
 __all__ = ["defers_scaling"]
 
@@ -37,7 +38,7 @@ def defers_scaling(model, *, training, kd_compute_loss):
     `kd_compute_loss`: kd's own `compute_loss` (the model's must be it, not
     an override).
     """
-    if not forward.spreads_over_replicas():
+    if replica.replicas_in_sync() == 1:
         return False
     layers = _keras_compat.flatten_layers(model)
     if training and any(batch_norm.global_batch_norm(layer) and layer.trainable for layer in layers):

@@ -60,7 +60,6 @@ __all__ = [
     "replica_state_updates",
     "row_wise_call",
     "rows_meet_call",
-    "spreads_over_replicas",
     "state_keys",
     "sub_model_call",
 ]
@@ -189,24 +188,18 @@ def drop_padding(outputs, batch, first=None, owner=None):
 def _check_rows(value, owner):
     kind = penalties.kind_of_value(value)
     if kind in (penalties.ROWS, penalties.ROW_BLOCKS, penalties.GLOBAL) or \
-            not spreads_over_replicas():
+            replica.replicas_in_sync() == 1:
         return  # (GLOBAL: kept whole from a computation on the global batch)
     name = f"{owner.name!r} ({type(owner).__name__})" if owner is not None else "the model"
     if isinstance(kind, penalties.Unknown):
         raise ValueError(penalties.refusal(kind, f"the output `{value.op.name}` of {name}",
-                                           tf.distribute.get_replica_context().num_replicas_in_sync))
+                                           replica.replicas_in_sync()))
     raise ValueError(
         f"the output `{value.op.name}` of {name} is not one row per row of the batch (kd reads "
         f"it as {kind!r}), so kd cannot split it over the replicas' rows: a model's outputs must "
         "hold one row per input row. Return the statistic from a layer's `add_loss` or a metric "
         "instead, or compute it in the loss."
     )
-
-
-def spreads_over_replicas():
-    """Whether the calling code runs in a replica context of several replicas in sync."""
-    context = tf.distribute.get_replica_context()
-    return context is not None and context.num_replicas_in_sync > 1
 
 
 def _global_rows_of(rows, of, batch):
@@ -253,7 +246,7 @@ def global_batch_call(layer, call):
     def laid_out(inputs, *args, **kwargs):
         batch = replica.current_batch()
         if batch is None or kwargs.get("training") in (None, False) or batch.global_region \
-                or not spreads_over_replicas():
+                or replica.replicas_in_sync() == 1:
             return call(inputs, *args, **kwargs)
         if not isinstance(inputs, tf.Tensor):
             raise ValueError(
@@ -310,7 +303,7 @@ def _blocks_of(rows, batch):
 def _lays_out_draws():
     batch = replica.current_batch()
     return batch is not None and not batch.laid_out and not batch.global_region \
-        and spreads_over_replicas()
+        and replica.replicas_in_sync() > 1
 
 
 def _batch_shaped(rows):
@@ -391,7 +384,7 @@ def _refuse_row_parameters(name, args, kwargs):
             raise ValueError(
                 f"`keras.random.{name}` is given a parameter of shape {tuple(value.shape)} that "
                 "depends on the rows of the batch, in a step on "
-                f"{tf.distribute.get_replica_context().num_replicas_in_sync} replicas: kd draws "
+                f"{replica.replicas_in_sync()} replicas: kd draws "
                 "for the global batch, as one device does, only with parameters that are the "
                 "same for every row. Draw with scalar parameters (and scale the draws by the "
                 "rows' values), or draw in the input pipeline."
@@ -478,7 +471,7 @@ def row_wise_call(layer, call):
         outputs = call(*args, **kwargs)
         batch = replica.current_batch()
         if batch is None or batch.global_region or tf.executing_eagerly() \
-                or not spreads_over_replicas():
+                or replica.replicas_in_sync() == 1:
             return outputs
         inputs = {penalties.kind_of_value(v) for v in tree.flatten((args, kwargs)) if _row_aligned(v)}
         if not inputs or not inputs <= {penalties.ROWS, penalties.ROW_BLOCKS, penalties.FIXED}:
@@ -512,7 +505,7 @@ def counted_draws(generator, keras_next):
 
     def next_seed(ordered=True):
         batch = replica.current_batch()
-        if batch is None or not ordered or not spreads_over_replicas():
+        if batch is None or not ordered or replica.replicas_in_sync() == 1:
             return keras_next(ordered)
         start, count = batch.seed_draws.get(id(generator), (None, 0))
         if start is None:
@@ -590,7 +583,7 @@ def replica_state_updates(layer, variable):
     def make(current, keras_assign):
         def assign(value, *args, **kwargs):
             if _in_replica_step():
-                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                replicas = replica.replicas_in_sync()
                 raise ValueError(
                     f"layer {layer.name!r} ({type(layer).__name__}) assigns its variable "
                     f"{variable.path!r} with `assign` in a step on {replicas} replicas: each "
@@ -634,7 +627,7 @@ def replica_state_updates(layer, variable):
 
 
 def _in_replica_step():
-    return replica.current_batch() is not None and spreads_over_replicas()
+    return replica.current_batch() is not None and replica.replicas_in_sync() > 1
 
 
 def first_input(args, kwargs):
@@ -679,7 +672,7 @@ def check_loop_shape():
 
 def opens_own_batch(model, args, kwargs):
     """Whether `model` is called in a replica of several, with no kd step around it."""
-    if first_input(args, kwargs) is None or not spreads_over_replicas():
+    if first_input(args, kwargs) is None or replica.replicas_in_sync() == 1:
         return False
     if _keras_compat.in_symbolic_scope() or tf.executing_eagerly():
         return False

@@ -111,9 +111,9 @@ def all_reduce(gradients, variables=None):
 
 
 def _summed(gradients):
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if replica.replicas_in_sync() == 1:
         return gradients
+    context = tf.distribute.get_replica_context()
     present = [g for g in gradients if g is not None]
     if not present:
         return gradients
@@ -252,8 +252,7 @@ def classify_gradient_target(target):
     is weighted by n_r / N (`scaling.row_weighted`).
     """
     batch = replica.current_batch()
-    context = tf.distribute.get_replica_context()
-    if batch is None or context is None or context.num_replicas_in_sync == 1 \
+    if batch is None or replica.replicas_in_sync() == 1 \
             or tf.executing_eagerly() or not isinstance(target, tf.Tensor):
         return
     if replica.is_share(target):
@@ -272,7 +271,7 @@ def classify_gradient_target(target):
         if kind.mixing and not kind.meets:
             raise ValueError(
                 f"The loss whose gradient the step takes is not one kd can split over "
-                f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
+                f"{replica.replicas_in_sync()} replicas: {kind.mixing}. One device computes it "
                 "from the whole batch; each replica would compute it from its own rows. Compute "
                 "the loss with self.compute_loss(...), a Keras loss object, "
                 "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "

@@ -21,7 +21,6 @@ from keras_distrib import _keras_compat
 from keras_distrib.training import buckets
 from keras_distrib.training import coupling
 from keras_distrib.training import deferral
-from keras_distrib.training import forward
 from keras_distrib.training import front
 from keras_distrib.training import hooks
 from keras_distrib.training import gradients
@@ -30,10 +29,8 @@ from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import loop
 from keras_distrib.training import model_call
 from keras_distrib.training import model_files
-from keras_distrib.training import penalties
 from keras_distrib.training import refusals
 from keras_distrib.training import replica
-from keras_distrib.training import scaling
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
@@ -284,7 +281,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """This replica's share of an `add_loss` or regularization term.
 
         Keras divides these terms by R. kd reads what the term is from its
-        graph and takes `scaling.replica_share` of it: a sum over the
+        graph and takes `scaling.replica_share` of it (`losses.add_loss_share`): a sum over the
         batch's rows (`add_loss(c * tf.reduce_sum(x))`) whole, since the
         replicas' sums add up to one device's; a mean over rows (activity
         regularizers) and a term of the weights alone by n_r / N, exact on
@@ -293,22 +290,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         outside a layer kd computes on the global batch) is refused, naming
         the op. Replicas without rows contribute nothing.
         """
-        if not loss.dtype.is_floating:
-            loss = tf.cast(loss, keras.backend.floatx())
-        batch = replica.current_batch()
-        if batch is None:
-            return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
-        total = tf.reduce_sum(loss)
-        kind = penalties.kind_of(loss) if forward.spreads_over_replicas() else penalties.ROW_MEAN
-        if isinstance(kind, penalties.Unknown) and batch.rows_meet != "global":
-            kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
-        weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
-        return scaling.replica_share(
-            kind, total, fraction=tf.cast(scaling.fraction(batch), total.dtype) if weighs else None,
-            has_rows=batch.has_rows,
-            replicas=tf.distribute.get_strategy().num_replicas_in_sync,
-            what=f"the `add_loss` term `{loss.name if hasattr(loss, 'op') else loss}`",
-            row_sum=lambda value: scaling.in_step_scale(batch, value))
+        return kd_losses.add_loss_share(loss)
 
     @property
     def losses(self):

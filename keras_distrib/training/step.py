@@ -189,14 +189,13 @@ def _stateful_draws(operations):
 
 def refuse_stateful_draws(operations, owner):
     """Refuses TensorFlow's stateful random ops in `owner`'s step on several replicas."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if replica.replicas_in_sync() == 1:
         return
     found = _stateful_draws(operations)
     if found:
         raise ValueError(
             f"{owner} draws random numbers with TensorFlow's stateful ops: {', '.join(found)}. "
-            f"On {context.num_replicas_in_sync} replicas each device draws from its own state, "
+            f"On {replica.replicas_in_sync()} replicas each device draws from its own state, "
             "not the numbers one device draws for the global batch, so training would differ "
             "from one device. Draw with Keras's random functions and a seed generator "
             "(keras.random.normal(shape, seed=self.seed_generator), the generator a "
