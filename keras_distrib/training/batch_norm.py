@@ -67,7 +67,7 @@ def global_moments(layer, inputs, mask, keras_moments):
         # where kd gathers the rows that meet (`coupling`), which would see
         # the replica's statistics fed back into its rows.
         mean, variance = keras_moments(inputs, mask)
-        return penalties.mark_global(mean), penalties.mark_global(variance)
+        return penalties.mark_fixed(mean), penalties.mark_fixed(variance)
     axes = _keras_compat.batch_norm_axes(layer)
     if mask is None:
         moments = _unmasked_global_moments(context, batch, inputs, axes)
@@ -122,7 +122,7 @@ def global_moments(layer, inputs, mask, keras_moments):
     mean = tf.squeeze(tf.reshape(mean, channels), axes)
     variance = tf.squeeze(tf.reshape(variance, channels), axes)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.
-    return penalties.mark_global(mean), penalties.mark_global(variance)
+    return penalties.mark_fixed(mean), penalties.mark_fixed(variance)
 
 
 def _unmasked_global_moments(context, batch, inputs, axes):
@@ -210,7 +210,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
     if len(channels) > 1:
         mean, variance = tf.reshape(mean, channels), tf.reshape(variance, channels)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.
-    return penalties.mark_global(mean), penalties.mark_global(variance)
+    return penalties.mark_fixed(mean), penalties.mark_fixed(variance)
 
 
 def _sum_without_gradient(context, value):

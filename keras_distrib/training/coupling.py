@@ -586,7 +586,7 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics)
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0) or statistic:
             # A statistic of the global batch (or a scalar): the same on every
             # replica, its gradient all-reduced back through the gather.
-            return penalties.mark_global(value) if isinstance(value, tf.Tensor) else value
+            return penalties.mark_fixed(value) if isinstance(value, tf.Tensor) else value
         check = tf.debugging.assert_equal(tf.shape(value)[0], tf.shape(first)[0],
                                           message=ROWS_REFUSAL + f" Layer: {layer.name!r}.")
         with tf.control_dependencies([check]):
@@ -732,4 +732,4 @@ def global_batch(tensor):
     # (its queries against every key): to kd's loss arithmetic, the gathered
     # rows are the same on every replica, as weights are, and its gradient
     # comes back through the gather.
-    return penalties.mark_global(gathered), penalties.mark_offset(offset)
+    return penalties.mark_fixed(gathered), penalties.mark_offset(offset)

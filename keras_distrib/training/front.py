@@ -39,8 +39,8 @@ def fit(model, steps_for, request):
     request = _served_input(model, request)
     inputs.validate_fit(model, request)
     if on_parameter_server(model):
-        return parameter_server.fit(model, request, steps_per_call=steps_for("train").steps)
-    return loop.fit(model, steps_for("train"), request, evaluate_steps=steps_for("test"))
+        return parameter_server.fit(model, request, steps_per_call=steps_for("train").steps_per_call)
+    return loop.fit(model, steps_for("train"), request, test_function=steps_for("test"))
 
 
 def _served_input(model, request):
@@ -101,7 +101,7 @@ def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto
         )
     return loop.evaluate(
         model, steps_for("test"), x, y, batch_size=batch_size, verbose=verbose,
-        sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+        sample_weight=sample_weight, batches=steps, callbacks=callbacks,
         return_dict=return_dict,
     )
 
@@ -117,5 +117,5 @@ def predict(model, steps_for, x, *, batch_size=None, verbose="auto", steps=None,
         )
     return loop.predict(
         model, steps_for("predict"), x, batch_size=batch_size, verbose=verbose,
-        steps_count=steps, callbacks=callbacks,
+        batches=steps, callbacks=callbacks,
     )

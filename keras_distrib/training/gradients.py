@@ -130,7 +130,7 @@ def _summed(gradients):
             if kind is None and batch.shares:
                 kind = replica.SHARE  # no target classified (gradients of a share kd computed)
             if kind != replica.SHARE:
-                present = scaling.row_weighted(batch, present, kind)
+                present = scaling.row_weighted_gradients(batch, present, kind)
         present, _ = _sum_in_buckets(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
@@ -249,7 +249,7 @@ def classify_gradient_target(target):
     or refuses it naming the op (`coupling.inline`); one that mixes the
     replica's rows with per-replica random draws has no exact split and is
     refused, naming the op. A mean over rows, or a term of the weights,
-    is weighted by n_r / N (`scaling.row_weighted`).
+    is weighted by n_r / N (`scaling.row_weighted_gradients`).
     """
     batch = replica.current_batch()
     if batch is None or replica.replicas_in_sync() == 1 \

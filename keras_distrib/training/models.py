@@ -350,12 +350,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 batch.metric_variables = list(self.metrics_variables)
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
-                gradients = tape.gradient(loss, variables)
+                grads = tape.gradient(loss, variables)
                 # Sums the replicas' gradients first (gradients.all_reduce, the
                 # step's one all-reduce, with the scaling rule's correction:
                 # training/scaling.py), then Keras's optimizer updates as on
                 # one device: kd's pipeline, installed on it at compile.
-                self.optimizer.apply_gradients(zip(gradients, variables))
+                self.optimizer.apply_gradients(zip(grads, variables))
             else:
                 warnings.warn("The model does not have any trainable weights.")
             batch.metric_variables = None

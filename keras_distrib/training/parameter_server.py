@@ -352,7 +352,7 @@ def evaluate(model, x=None, y=None, *, batch_size=None, verbose="auto", sample_w
         )
     return loop.evaluate(
         model, model.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
-        sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+        sample_weight=sample_weight, batches=steps, callbacks=callbacks,
         return_dict=return_dict, strategy=_keras_compat.default_strategy(),
     )
 
@@ -444,7 +444,7 @@ def predict(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=
     """`Model.predict` under ParameterServerStrategy: every row once, in order."""
     return loop.predict(
         model, model.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
-        steps_count=steps, callbacks=callbacks, strategy=_keras_compat.default_strategy(),
+        batches=steps, callbacks=callbacks, strategy=_keras_compat.default_strategy(),
     )
 
 

@@ -306,7 +306,7 @@ class Step:
             raise ValueError(f"`steps`={steps!r}: expected a whole number >= 1.")
         self.model = model
         self.kind = kind
-        self.steps = steps
+        self.steps_per_call = steps
         self.strategy = model.distribute_strategy
         strategies.check_collective_keys(self.strategy)
         # Which of a step's outputs are metric results (path -> log key), learnt while tracing.
@@ -528,7 +528,7 @@ class Step:
             first_step.check(self.model, self.strategy, self._single_one_device(), result,
                              {**captured, "variables": self._capture["variables"]}, snapshot)
         self._check_due = False
-        count = self.steps if count is None else int(count)
+        count = self.steps_per_call if count is None else int(count)
         if count <= 1:
             return result
         try:
@@ -540,7 +540,7 @@ class Step:
         return replica_function(self.model, self.kind, one_device=True)
 
     def _call(self, iterator, count, logs, alone=False):
-        count = self.steps if count is None else int(count)
+        count = self.steps_per_call if count is None else int(count)
         functions = self._functions
         # Without logs (evaluation whose logs are read once, at its end:
         # `read_logs`) a call reads no metric and makes no collective for it.
@@ -548,7 +548,7 @@ class Step:
         try:
             # With more than one step per call, every call (a last, shorter
             # one too) runs the looped function: one trace, not two.
-            if alone or (count == 1 and self.steps == 1):
+            if alone or (count == 1 and self.steps_per_call == 1):
                 return self._logs_of(functions[quiet + "one"](iterator))
             if self._looping:
                 try:
