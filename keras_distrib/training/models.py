@@ -32,7 +32,6 @@ from keras_distrib.training import model_files
 from keras_distrib.training import refusals
 from keras_distrib.training import replica
 from keras_distrib.training import logs as logs_lib
-from keras_distrib.training import step as step_lib
 from keras_distrib import validation
 
 __all__ = [
@@ -396,20 +395,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return replica.mark_share(super().compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training))
 
-    def _ready_for(self, kind):
-        """Readies the model for its first `kind` step: the refusals, then the hooks its steps need."""
-        refusals.check_strategy(self, training=kind == "train")
-        refusals.check_exactness(self, training=kind == "train")
-        hooks.install_layer_hooks(self)
-        self._install_step_hooks()
-
-    def _install_step_hooks(self):
-        """What the model's steps need at the first step (`hooks.install_step_hooks`)."""
-        hooks.install_step_hooks(self, kd_compute_loss=DistributedModelMixin.compute_loss)
-
     def _own_steps(self):
-        """The model's own compiled steps (`step.ModelSteps`), kept in Keras's attributes."""
-        return step_lib.ModelSteps(self, ready=self._ready_for)
+        """The model's own compiled steps (`front.ModelSteps`), kept in Keras's attributes."""
+        return front.ModelSteps(self, kd_compute_loss=DistributedModelMixin.compute_loss)
 
     def make_train_function(self, force=False):
         """The compiled training `Step` (`steps_per_execution` steps per call)."""

@@ -30,7 +30,6 @@ from keras_distrib.cluster import strategies
 from keras_distrib import validation
 
 __all__ = [
-    "ModelSteps",
     "Step",
     "on_replica_device",
     "plan_for",
@@ -641,42 +640,6 @@ class Step:
             return logs_lib.metric_results(model)
 
         return run_on_worker
-
-
-class ModelSteps:
-    """A model's own steps: one `Step` per kind, built at its first use and kept.
-
-    `kd.Model.fit/evaluate/predict` hand this to `front` (which hands its
-    steps to the loop), and Keras's `make_train_function` and its siblings
-    read it too, so every path gets the same `Step`: `steps_per_execution`
-    steps per call, kept where Keras keeps it (`model.train_function`,
-    `test_function`, `predict_function`; `compile` clears them). A
-    `kd.TrainLoop` keeps its own steps (`steps_per_loop` per call).
-
-    Args:
-        model: A compiled kd model.
-        ready: Called with the kind before its `Step` is built: the model's
-            refusals and the hooks its steps need (`DistributedModelMixin._ready_for`).
-
-    Calling `steps(kind)` returns the kept `Step` of `kind` ("train",
-    "test", "predict"), built first if there is none (or `force=True`).
-    """
-
-    _KEPT_AS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
-
-    def __init__(self, model, ready):
-        self.model = model
-        self._ready = ready
-
-    def __call__(self, kind, *, force=False):
-        if kind not in self._KEPT_AS:
-            raise ValueError(f"`kind`={kind!r}: expected one of {list(KINDS)}.")
-        attribute = self._KEPT_AS[kind]
-        if getattr(self.model, attribute) is None or force:
-            self._ready(kind)
-            setattr(self.model, attribute,
-                    Step(self.model, kind, steps=int(self.model.steps_per_execution or 1)))
-        return getattr(self.model, attribute)
 
 
 def _warn_stepwise(model, count, why):

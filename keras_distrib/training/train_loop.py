@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib.training import callbacks as callbacks_lib
 from keras_distrib.training import front
+from keras_distrib.training import hooks
 from keras_distrib.training import inputs
 from keras_distrib.training import loop
 from keras_distrib.training import models
@@ -105,7 +106,7 @@ class TrainLoop:
             refusals.check_exactness(self.model, training=kind == "train")
             # As the model's own steps: a custom step's metrics, loss objects
             # and trackers give one device's logs.
-            self.model._install_step_hooks()
+            hooks.install_step_hooks(self.model, kd_compute_loss=models.DistributedModelMixin.compute_loss)
             self._steps[kind] = step_lib.Step(self.model, kind, steps=self.steps_per_loop)
         return self._steps[kind]
 
