@@ -495,7 +495,7 @@ class GlobalShareMean(keras.metrics.Mean):
         batch = current_batch()
         if batch is None:
             return super().update_state(values, sample_weight=sample_weight)
-        if self.weighting == "rows" and not getattr(batch, "tracking_loss", False):
+        if self.weighting == "rows" and not batch.tracking_loss:
             # A custom step feeding the model's tracker (`metric.update_state(loss)`
             # for the metric named "loss"): one device's Mean adds the value once.
             return _tracker_update(self, super().update_state)(values, sample_weight)

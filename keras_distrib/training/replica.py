@@ -127,6 +127,28 @@ class ReplicaBatch:
         recorded_gradients: None, or a list the gradient all-reduce appends
             `(variables, global gradients)` to at each optimizer's update
             (the first-step check reads them: `keras_distrib.training.first_step`).
+        moments_token: A zero that follows the forward pass's latest
+            collective, added to the next (`chain`, `after_collective`); None
+            before the first.
+        seed_draws: id of a SeedGenerator -> (its state read, draws so far)
+            in this step (`forward.counted_draws`).
+        shares: id -> tensor: the loss shares kd computed in this step (`mark_share`).
+        metric_results: id -> (tensor, log key): the metric results read in
+            this step (`hooks`' recorded `result`; the step's logs read them).
+        laid_out: > 0 inside a call kd already runs on the global batch
+            (`forward`: its layers leave their draws alone there).
+        occurrences: id of a call's owner -> its calls so far in this step
+            (`coupling.anchor`).
+        anchors: tensor ref -> anchor key (`coupling.anchor`).
+        leaves: The step's data leaves (leaf 0 holds the batch's rows); their
+            global row counts and this replica's offsets are all-reduced
+            together when first read (`leaf_rows`).
+        layouts: tensor ref -> the leaves its rows come from (`coupling.row_layout`).
+        padded: Inside forward passes fed one padded row: whether that row is
+            padding (innermost last; `model_call`).
+        tracking_loss: Whether kd's own step is updating the model's loss
+            tracker with its loss share (`losses.track_loss`), not a custom
+            step feeding it a value.
     """
 
     def __init__(self, local_rows, global_rows=None, plan=None, offset=None, static_rows=None):
@@ -163,6 +185,7 @@ class ReplicaBatch:
         # Inside forward passes fed one padded row: whether that row is padding (innermost last).
         self.padded = []
         self.recorded_gradients = None
+        self.tracking_loss = False
 
     @property
     def global_rows(self):
