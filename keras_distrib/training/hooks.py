@@ -16,6 +16,9 @@ its scope in `_keras_compat.replacements`):
   logs from every metric, and a `compute_loss` of the model's own run on
   the global batch where its rows meet.
 
+At compile, a metric made outside the strategy's scope is made again in it
+(`metric_in_scope`), so its states travel in the step's gradient all-reduce.
+
 Every installer is idempotent: the model calls them at compile, at the
 first step and when its layers are built.
 """
@@ -23,6 +26,7 @@ first step and when its layers are built.
 import inspect
 
 import keras
+import tensorflow as tf
 
 from keras_distrib import _keras_compat
 from keras_distrib.training import batch_norm
@@ -37,6 +41,7 @@ __all__ = [
     "install_replica_writes",
     "install_step_hooks",
     "is_kd_model",
+    "metric_in_scope",
 ]
 
 
@@ -175,3 +180,21 @@ def _compute_loss_on_global_batch(model, kd_compute_loss):
     compute_loss.__signature__ = inspect.signature(own)  # Keras reads its arguments
     compute_loss.__doc__ = own.__doc__
     object.__setattr__(model, "compute_loss", compute_loss)
+
+
+def metric_in_scope(metric):
+    """`metric`, made again in the current strategy's scope if it was made outside it.
+
+    A metric object made before the scope holds plain variables: each
+    replica updates the one copy, and its state cannot travel in the step's
+    gradient all-reduce with the other metrics' (it cost a collective of its
+    own per step). Its config makes the same metric, with per-replica states.
+    """
+    if not isinstance(metric, keras.metrics.Metric) or \
+            tf.distribute.get_strategy().num_replicas_in_sync == 1 or \
+            all(_keras_compat.sync_on_read_aggregation(v) is not None for v in metric.variables):
+        return metric
+    try:
+        return type(metric).from_config(metric.get_config())
+    except (TypeError, ValueError, NotImplementedError):
+        return metric  # a metric of one's own that cannot be made again: as it is

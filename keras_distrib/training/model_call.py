@@ -24,7 +24,7 @@ from keras_distrib.training import penalties
 from keras_distrib.training import replica
 from keras_distrib.training import step as step_lib
 
-__all__ = ["call"]
+__all__ = ["call", "losses"]
 
 
 def call(model, keras_call, args, kwargs):
@@ -116,3 +116,26 @@ def _xla_forward(model, args, kwargs):
     for value, kind in zip(losses, kinds["losses"]):
         penalties.mark_kind(value, kind)
     return outputs, losses
+
+
+def losses(model, keras_losses):
+    """`model.losses`: the `add_loss` terms of its forward pass in this replica, and the weight penalties.
+
+    Within a step, the terms this replica's forward pass recorded, and the
+    weight penalties (the same on every replica). After a forward pass that
+    opened its own batch (a hand-written loop), the terms that pass
+    recorded on this replica's thread: Keras's own list is shared by the
+    replicas' threads. Elsewhere `keras_losses()`, Keras's own list.
+    """
+    batch = replica.current_batch()
+    if batch is not None and batch.owner is model and batch.losses is not None:
+        recorded = batch.losses
+    else:
+        recorded = replica.kept_losses(model)
+        if recorded is None:
+            return keras_losses()
+    weight_penalties = [
+        v.regularizer(v) for v in model.trainable_weights
+        if getattr(v, "regularizer", None) is not None
+    ]
+    return list(recorded) + weight_penalties

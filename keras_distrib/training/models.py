@@ -1,13 +1,17 @@
-"""`kd.Model`, `kd.Sequential` and `DistributedModelMixin`.
+"""`kd.Model`, `kd.Sequential` and `DistributedModelMixin`: the interface a user overrides or calls.
 
-The steps below handle one replica's batch and nothing else; the distributed
-wrapping (`strategy.run`, reductions, several steps per call) is
-`keras_distrib.training.step`, and the epochs, callbacks and resume are
-`keras_distrib.training.loop`, both shared with `kd.TrainLoop` and parameter-server
-training. What the model's layers do on several replicas (padding, random
-draws, BatchNormalization moments, layer state) is
-`keras_distrib.training.forward`; what kd refuses to run is
-`keras_distrib.training.refusals`.
+As Keras's `Trainer`, this module holds what a user calls (`compile`,
+`fit`, `evaluate`, `predict`, `save`) and overrides (`train_step`,
+`test_step`, `predict_step`, `compute_loss`); each step handles one
+replica's batch and nothing else. The mechanics live below it: the
+distributed wrapping (`strategy.run`, reductions, several steps per call) is
+`keras_distrib.training.step`, the epochs, callbacks and resume are
+`keras_distrib.training.loop`, both shared with `kd.TrainLoop` and
+parameter-server training; the model's forward pass in a replica is
+`model_call`, what kd installs on its layers, optimizers and metrics is
+`hooks`, what its layers do on several replicas is `forward` and
+`batch_norm`, what kd refuses to run is `refusals`, and what `save` writes
+is `model_files`.
 """
 
 import contextlib
@@ -46,38 +50,6 @@ BATCH_NORM_MODES = ("global", "per_replica")
 # that differ).
 OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "gradient_buckets": "auto",
                         "first_step_check": True, "pss_evaluation_shards": 0}
-
-
-def _static_rows(x):
-    """Rows in a batch of arrays or eager tensors (its first input's), or None."""
-    for value in tree.flatten(x):
-        if value is None:
-            continue
-        if isinstance(value, tf.RaggedTensor):
-            return int(value.nrows())
-        shape = getattr(value, "shape", None)
-        if shape is None or len(shape) == 0 or shape[0] is None:
-            return None
-        return int(shape[0])
-    return None
-
-
-def _metric_in_scope(metric):
-    """`metric`, made again in the current strategy's scope if it was made outside it.
-
-    A metric object made before the scope holds plain variables: each
-    replica updates the one copy, and its state cannot travel in the step's
-    gradient all-reduce with the other metrics' (it cost a collective of its
-    own per step). Its config makes the same metric, with per-replica states.
-    """
-    if not isinstance(metric, keras.metrics.Metric) or \
-            tf.distribute.get_strategy().num_replicas_in_sync == 1 or \
-            all(_keras_compat.sync_on_read_aggregation(v) is not None for v in metric.variables):
-        return metric
-    try:
-        return type(metric).from_config(metric.get_config())
-    except (TypeError, ValueError, NotImplementedError):
-        return metric  # a metric of one's own that cannot be made again: as it is
 
 
 class DistributedModelMixin(_keras_compat.ModelHooks):
@@ -219,7 +191,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         with scope:
             for name in ("metrics", "weighted_metrics"):
                 if kwargs.get(name) is not None:
-                    kwargs[name] = tree.map_structure(_metric_in_scope, kwargs[name])
+                    kwargs[name] = tree.map_structure(hooks.metric_in_scope, kwargs[name])
             super().compile(*args, **kwargs)
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
@@ -294,22 +266,8 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     @property
     def losses(self):
         # Within a step, the add_loss terms this replica's forward pass
-        # recorded, and the weight penalties (the same on every replica).
-        # After a forward pass that opened its own batch (a hand-written
-        # loop), the terms that pass recorded on this replica's thread:
-        # Keras's own list is shared by the replicas' threads.
-        batch = replica.current_batch()
-        if batch is not None and batch.owner is self and batch.losses is not None:
-            recorded = batch.losses
-        else:
-            recorded = replica.kept_losses(self)
-            if recorded is None:
-                return super().losses
-        weight_penalties = [
-            v.regularizer(v) for v in self.trainable_weights
-            if getattr(v, "regularizer", None) is not None
-        ]
-        return list(recorded) + weight_penalties
+        # recorded, and the weight penalties (`model_call.losses`).
+        return model_call.losses(self, lambda: super(DistributedModelMixin, self).losses)
 
     # Called in users' `tf.function`s: it runs as written, as Keras's own call
     # does (see `kd.losses`), not rewritten by AutoGraph at every trace.
@@ -465,7 +423,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         splits a batch (plain Keras gives every replica the whole batch and
         returns each row once per replica).
         """
-        rows = _static_rows(x)
+        rows = inputs.static_rows(x)
         if rows is None:
             raise ValueError(
                 f"`x` ({type(x).__name__}) has no leading batch dimension to predict on; "
