@@ -7,9 +7,9 @@ rows, the global count), `scaling` (the global-batch scaling rule and its
 arithmetic: a replica's fraction, deferred scale, the gradients'
 correction), `coupling` (where the rows of a batch meet), `losses` (the
 replica's share of the global loss), `logs` (metric states and the step's
-logs), `batch_norm` (BatchNormalization's global moments), `forward` (the
-forward pass on several replicas as on one device: padding, random draws,
-layer state), `deferral`
+logs), `batch_norm` (BatchNormalization's global moments), `draws` (random
+draws for the global batch), `forward` (the forward pass on several
+replicas as on one device: padding, where rows meet, layer state), `deferral`
 (whether a step defers the scale), `buckets` (which gradients share an
 all-reduce), `gradients` (the all-reduce before the optimizer), `hooks` (what kd installs
 on a model's layers, optimizers and metrics),

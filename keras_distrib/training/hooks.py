@@ -4,8 +4,8 @@ A kd model's layers, optimizers and metrics stay Keras's objects; kd
 installs its per-replica behaviour on them (each replacement is listed with
 its scope in `_keras_compat.replacements`):
 
-- `install_layer_hooks`: on every layer, what `forward` and `batch_norm`
-  do on several replicas (add_loss terms recorded per replica,
+- `install_layer_hooks`: on every layer, what `forward`, `draws` and
+  `batch_norm` do on several replicas (add_loss terms recorded per replica,
   BatchNormalization's global moments, random layers drawing for the
   global batch, layers where rows meet computed on the global batch, a
   padded row for a plain Keras sub-model), the sum over replicas of a
@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib.training import batch_norm
 from keras_distrib.training import coupling
+from keras_distrib.training import draws
 from keras_distrib.training import forward
 from keras_distrib.training import gradients
 from keras_distrib.training import losses as kd_losses
@@ -69,7 +70,7 @@ def install_layer_hooks(model, variables=True):
         # Keras's layers by what they do with the rows (their class
         # exactly; a subclass may change that, and is read instead).
         if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS:
-            _keras_compat.replace_call(layer, forward.global_batch_call)
+            _keras_compat.replace_call(layer, draws.global_batch_call)
         elif type(layer) in forward.ROWS_MEET_LAYERS:
             _keras_compat.replace_call(layer, forward.rows_meet_call)
         elif type(layer) in forward.ROW_WISE_LAYERS:
@@ -95,11 +96,11 @@ def _track_random_states(model):
     # restored model would draw other masks than the run it continues.
     # A child holding their states puts them in every checkpoint of the
     # model (kd's backups and the user's tf.train.Checkpoint alike).
-    states = forward.random_states(model)
+    states = draws.random_states(model)
     current = getattr(model, "_kd_random_states", None)
-    if current is not None and current.keys == forward.state_keys(states):
+    if current is not None and current.keys == draws.state_keys(states):
         return
-    model._kd_random_states = forward.RandomStates(states)
+    model._kd_random_states = draws.RandomStates(states)
 
 
 def install_replica_writes(model):
@@ -116,7 +117,7 @@ def install_replica_writes(model):
             _keras_compat.write_from_first_replica(layer.non_trainable_variables)
         for generator in _keras_compat.owned_seed_generators(layer):
             _keras_compat.write_seed_state_from_last_replica(generator)
-            _keras_compat.replace_seed_next(generator, forward.counted_draws)
+            _keras_compat.replace_seed_next(generator, draws.counted_draws)
     object.__setattr__(model, "_kd_replica_writes", model.built)
 
 
@@ -133,7 +134,7 @@ def install_step_hooks(model, *, kd_compute_loss):
     # (_keras_compat.replacements lists every replacement and its scope).
     _keras_compat.install_for_process(
         loss_call=kd_losses.loss_object_call, before_gradient=gradients.classify_gradient_target,
-        random_draw=forward.global_batch_draw)
+        random_draw=draws.global_batch_draw)
     for optimizer in gradients.optimizers_of(model):
         gradients.install(optimizer)
     _compute_loss_on_global_batch(model, kd_compute_loss)

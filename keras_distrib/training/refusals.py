@@ -27,7 +27,7 @@ def _random_layer_problem(layer):
     rates = [getattr(layer, name, None) for name in ("dropout", "recurrent_dropout")]
     if not any(rates):
         # Its `keras.random` draws are laid out over the global batch
-        # (`forward.global_batch_draw`); an RNN cell without dropout never draws.
+        # (`draws.global_batch_draw`); an RNN cell without dropout never draws.
         return None
     return (
         f"layer {layer.name!r} ({type(layer).__name__}) draws random numbers in a way kd "

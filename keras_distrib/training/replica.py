@@ -48,7 +48,7 @@ _STATE = threading.local()
 SHARE = "share"
 
 # Said (and raised as a ValueError by kd's step) when a random draw's leading
-# dimension is not a multiple of the replica's rows (see forward._blocks_of).
+# dimension is not a multiple of the replica's rows (see draws._blocks_of).
 DRAW_REFUSAL = (
     "kd: a random draw in a step on several replicas has a leading dimension that is not a "
     "multiple of the rows of the replica, so kd cannot lay it out over the global batch as one "
@@ -131,7 +131,7 @@ class ReplicaBatch:
             collective, added to the next (`chain`, `after_collective`); None
             before the first.
         seed_draws: id of a SeedGenerator -> (its state read, draws so far)
-            in this step (`forward.counted_draws`).
+            in this step (`draws.counted_draws`).
         shares: id -> tensor: the loss shares kd computed in this step (`mark_share`).
         metric_results: id -> (tensor, log key): the metric results read in
             this step (`hooks`' recorded `result`; the step's logs read them).

@@ -153,7 +153,7 @@ def _created_before_the_batch(next_creator, **kwargs):
 # TensorFlow's stateful random ops (`tf.random.normal`, `tf.random.Generator`,
 # ...): each device keeps its own state, so replicas cannot draw what one
 # device draws for the global batch. Keras draws statelessly (kd lays those
-# draws out, see forward.global_batch_draw).
+# draws out, see draws.global_batch_draw).
 STATEFUL_DRAWS = frozenset({
     "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
     "ParameterizedTruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
