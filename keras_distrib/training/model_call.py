@@ -118,14 +118,14 @@ def _xla_forward(model, args, kwargs):
     return outputs, losses
 
 
-def losses(model, keras_losses):
+def losses(model):
     """`model.losses`: the `add_loss` terms of its forward pass in this replica, and the weight penalties.
 
     Within a step, the terms this replica's forward pass recorded, and the
     weight penalties (the same on every replica). After a forward pass that
     opened its own batch (a hand-written loop), the terms that pass
     recorded on this replica's thread: Keras's own list is shared by the
-    replicas' threads. Elsewhere `keras_losses()`, Keras's own list.
+    replicas' threads. Elsewhere None: Keras's own list is the model's.
     """
     batch = replica.current_batch()
     if batch is not None and batch.owner is model and batch.losses is not None:
@@ -133,7 +133,7 @@ def losses(model, keras_losses):
     else:
         recorded = replica.kept_losses(model)
         if recorded is None:
-            return keras_losses()
+            return None
     weight_penalties = [
         v.regularizer(v) for v in model.trainable_weights
         if getattr(v, "regularizer", None) is not None

@@ -266,8 +266,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
     @property
     def losses(self):
         # Within a step, the add_loss terms this replica's forward pass
-        # recorded, and the weight penalties (`model_call.losses`).
-        return model_call.losses(self, lambda: super(DistributedModelMixin, self).losses)
+        # recorded, and the weight penalties (`model_call.losses`); else Keras's own list.
+        in_replica = model_call.losses(self)
+        return super().losses if in_replica is None else in_replica
 
     # Called in users' `tf.function`s: it runs as written, as Keras's own call
     # does (see `kd.losses`), not rewritten by AutoGraph at every trace.
