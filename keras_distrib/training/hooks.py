@@ -125,6 +125,13 @@ def install_step_hooks(model, *, kd_compute_loss):
     """Installs what a step needs: the process-wide replacements, kd's gradient pipeline on
     every optimizer, one device's logs from every metric (idempotent).
 
+    The replaced `tf.GradientTape.gradient` (it reads what the target is to
+    the rows first: `gradients.classify_gradient_target`) and each
+    optimizer's `apply` (which all-reduces the gradients before Keras's
+    update: `gradients.exact_optimizer`) are what keep a user's own
+    `train_step` exact; kd's own `train_step` goes through the same two
+    calls.
+
     `kd_compute_loss`: kd's own `compute_loss` (`DistributedModelMixin`'s);
     a model's `compute_loss` of its own runs on the global batch where its
     rows meet (`_compute_loss_on_global_batch`).
