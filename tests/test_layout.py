@@ -165,8 +165,8 @@ def test_a_wrong_way_import_would_be_found():
 # Inside `training/`, bottom to top (training/__init__.py states the same
 # order): a module may import only the modules before it.
 TRAINING_ORDER = (
-    "penalties", "replica", "scaling", "coupling", "losses", "logs", "forward", "deferral", "buckets", "gradients",
-    "collectives", "first_step", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "models", "saving",
+    "penalties", "replica", "scaling", "coupling", "losses", "logs", "batch_norm", "draws", "forward", "deferral", "buckets", "gradients", "hooks",
+    "collectives", "first_step", "step", "refusals", "data", "served", "inputs", "loop", "parameter_server", "front", "model_call", "model_files", "models", "saving",
     "callbacks", "train_loop",
 )
 
@@ -232,10 +232,11 @@ def test_a_wrong_way_import_inside_training_would_be_found():
     }
     assert order_violations(modules) == [
         "keras_distrib.training.gradients -> keras_distrib.training.step (gradients may import "
-        "only: penalties, replica, scaling, coupling, losses, logs, forward, deferral, buckets)",
+        "only: penalties, replica, scaling, coupling, losses, logs, batch_norm, draws, forward, deferral, "
+        "buckets)",
         "keras_distrib.training.loop -> keras_distrib.training.models (loop may import only: "
-        "penalties, replica, scaling, coupling, losses, logs, forward, deferral, buckets, "
-        "gradients, collectives, first_step, step, refusals, data, served, inputs)",
+        "penalties, replica, scaling, coupling, losses, logs, batch_norm, draws, forward, deferral, buckets, "
+        "gradients, hooks, collectives, first_step, step, refusals, data, served, inputs)",
         "keras_distrib.training.replica -> keras_distrib.training.scaling (replica may import "
         "only: penalties)",
     ]

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib.training import forward as forward_lib
+from keras_distrib.training import draws as draws_lib
 from tests import _harness
 
 
@@ -258,7 +258,7 @@ def test_a_checkpoint_of_a_kd_model_holds_every_seed_state(tmp_path):
     assert not np.array_equal(fresh(x, training=True), outputs)  # the weights alone are not enough
     restored = _drawing_model(_OwnDraws, 1)
     tf.train.Checkpoint(model=restored).read(path).assert_existing_objects_matched()
-    names = sorted(forward_lib.random_states(restored))
+    names = sorted(draws_lib.random_states(restored))
     assert len(names) == 3 and "layer_0_seed_generator" in names, names
     np.testing.assert_array_equal(restored(x, training=True), outputs)
     assert float(keras.random.uniform((), seed=restored.seed_generator)) == draw

@@ -16,7 +16,7 @@ one of three scopes:
   variables, optimizer, metrics, compiled loss) or of kd's own epoch
   iterators. Other objects in the process are not touched. Installed when
   the model compiles and at its first step (`DistributedModelMixin.compile`,
-  `_install_layer_hooks`, `_install_step_hooks`), or by `kd.exact_optimizer` on
+  `training.hooks`), or by `kd.exact_optimizer` on
   the optimizer it is given.
 - `WHILE_SAVING`: an attribute of a Keras module for the length of a kd
   model's `save`, put back when it returns (`trainer.saved_config`).

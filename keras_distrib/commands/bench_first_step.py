@@ -87,7 +87,7 @@ PARTS = (
       "keras/src/backend/tensorflow/trainer.py:one_step_on_data")),
     ("    forward pass", ("keras/src/layers/layer.py:__call__",)),
     ("    BatchNormalization statistics (forward)",
-     ("keras_distrib/training/forward.py:global_moments",
+     ("keras_distrib/training/batch_norm.py:global_moments",
       "keras/src/layers/normalization/batch_normalization.py:_moments")),
     ("    tape.gradient", ("tensorflow/python/eager/backprop.py:gradient",)),
     ("    optimizer.apply", ("keras/src/optimizers/base_optimizer.py:apply_gradients",)),

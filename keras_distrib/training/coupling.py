@@ -128,14 +128,9 @@ def _decide(site, key, decision):
     _DECISIONS.setdefault(site, {})[key] = (decision, weakref.ref(graph))
 
 
-def _replicas():
-    context = tf.distribute.get_replica_context()
-    return context.num_replicas_in_sync if context is not None else 1
-
-
 def _active(batch):
     """Whether rows may meet across replicas in `batch`'s step (and kd handles them)."""
-    return batch is not None and not batch.global_region and _replicas() > 1 \
+    return batch is not None and not batch.global_region and replica.replicas_in_sync() > 1 \
         and batch.rows_meet == "global" and not tf.executing_eagerly()
 
 
@@ -178,7 +173,7 @@ def _row_aligned(values, what):
             if kind in (penalties.ROWS, penalties.ROW_BLOCKS):
                 positions.append(index)
             elif isinstance(kind, penalties.Unknown) and kind.on_global_batch:
-                raise ValueError(penalties.refusal(kind, what, _replicas()))
+                raise ValueError(penalties.refusal(kind, what, replica.replicas_in_sync()))
     return positions
 
 
@@ -307,7 +302,7 @@ def gather(values, batch, *, own_gradient):
     all-reduce of their row counts and come in replica order.
     """
     context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
+    replicas = replica.replicas_in_sync()
     if batch.plan.looped:
         raise GatherInLoop("the global batch cannot be gathered inside a compiled loop")
     values = [tf.convert_to_tensor(v) for v in values]
@@ -416,7 +411,7 @@ def _site_name(site):
 
 def _as_share(value, batch):
     if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
-        return replica.mark_share(value / tf.cast(_replicas(), value.dtype))
+        return replica.mark_share(value / tf.cast(replica.replicas_in_sync(), value.dtype))
     return value
 
 
@@ -591,7 +586,7 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics)
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0) or statistic:
             # A statistic of the global batch (or a scalar): the same on every
             # replica, its gradient all-reduced back through the gather.
-            return penalties.mark_global(value) if isinstance(value, tf.Tensor) else value
+            return penalties.mark_fixed(value) if isinstance(value, tf.Tensor) else value
         check = tf.debugging.assert_equal(tf.shape(value)[0], tf.shape(first)[0],
                                           message=ROWS_REFUSAL + f" Layer: {layer.name!r}.")
         with tf.control_dependencies([check]):
@@ -682,7 +677,7 @@ def inline(kind, batch, what, graph):
         return  # compiled to leave each replica its own rows
     if batch is not None and batch.retraceable and request_anchors(kind, graph, batch):
         raise RowsMeet(kind.why)
-    raise ValueError(penalties.refusal(kind, what, _replicas()))
+    raise ValueError(penalties.refusal(kind, what, replica.replicas_in_sync()))
 
 
 # ---------------------------------------------------------------------------
@@ -726,7 +721,7 @@ def global_batch(tensor):
     if tensor.shape.rank == 0:
         raise ValueError(f"`tensor` is a scalar ({tensor.dtype.name}); `global_batch` gathers "
                          "rows: pass a tensor whose first axis holds this replica's rows")
-    if _replicas() == 1 or tf.distribute.get_replica_context() is None:
+    if replica.replicas_in_sync() == 1 or tf.distribute.get_replica_context() is None:
         return tensor, tf.constant(0, tf.int32)
     batch = replica.current_batch()
     with (contextlib.nullcontext(batch) if batch is not None else
@@ -737,4 +732,4 @@ def global_batch(tensor):
     # (its queries against every key): to kd's loss arithmetic, the gathered
     # rows are the same on every replica, as weights are, and its gradient
     # comes back through the gather.
-    return penalties.mark_global(gathered), penalties.mark_offset(offset)
+    return penalties.mark_fixed(gathered), penalties.mark_offset(offset)

@@ -10,9 +10,11 @@ tracker and optimizer, once per traced step (`DistributedModelMixin.train_step`)
 import keras
 
 from keras_distrib import _keras_compat
+from keras_distrib.training import batch_norm
 from keras_distrib.training import coupling
 from keras_distrib.training import forward
 from keras_distrib.training import losses as kd_losses
+from keras_distrib.training import replica
 
 __all__ = ["defers_scaling"]
 
@@ -31,15 +33,15 @@ def defers_scaling(model, *, training, kd_compute_loss):
     with global statistics): a replica's gradient then holds parts of the
     other replicas' loss shares, which the correction by its own R * n_r
     would scale wrongly on uneven batches. N then travels in the layer's
-    own all-reduce (`forward.global_moments`), at no extra collective.
+    own all-reduce (`batch_norm.global_moments`), at no extra collective.
 
     `kd_compute_loss`: kd's own `compute_loss` (the model's must be it, not
     an override).
     """
-    if not forward.spreads_over_replicas():
+    if replica.replicas_in_sync() == 1:
         return False
     layers = _keras_compat.flatten_layers(model)
-    if training and any(forward.global_batch_norm(layer) and layer.trainable for layer in layers):
+    if training and any(batch_norm.global_batch_norm(layer) and layer.trainable for layer in layers):
         return False
     if training and any(type(layer) in forward.ROWS_MEET_LAYERS for layer in layers):
         return False  # MixUp, CutMix: computed on the global batch, their gradient crosses replicas

@@ -6,27 +6,18 @@ global batch:
 
 - an empty replica gets one padded row, dropped from the outputs
   (`pad_empty_batch`, `drop_padding`);
-- random layers and `keras.random` draws shaped by the batch draw for the
-  global batch, each replica keeping its rows (`global_batch_call`,
-  `global_batch_draw`), and seed generators advance as one device's
-  (`counted_draws`);
-- BatchNormalization normalizes with the global batch's moments
-  (`global_moments`);
 - a plain Keras sub-model or a layer where the rows of the batch may meet
   runs as `coupling` says (`sub_model_call`, `layer_call`);
 - a layer's state updated in `call` adds the sum over replicas
-  (`replica_state_updates`), and seed states are checkpointed with the
-  model (`random_states`, `RandomStates`);
+  (`replica_state_updates`);
 - a hand-written loop's forward pass opens its own batch
   (`opens_own_batch`, `loop_plan`, `check_loop_shape`).
+
+BatchNormalization's global moments are `batch_norm`; random draws, `draws`.
 
 `models.DistributedModelMixin` installs these on its layers; what kd
 refuses to run is `refusals`.
 """
-
-import functools
-import math
-import weakref
 
 import keras
 import tensorflow as tf
@@ -42,31 +33,21 @@ from keras_distrib.cluster import strategies
 __all__ = [
     "GLOBAL_BATCH_RANDOM_LAYERS",
     "KERAS_LAYER_LISTS",
-    "PER_REPLICA_BATCH_NORM",
     "ROWS_MEET_LAYERS",
     "ROW_WISE_LAYERS",
-    "RandomStates",
     "check_loop_shape",
-    "counted_draws",
     "drop_padding",
     "first_input",
-    "global_batch_call",
-    "global_batch_draw",
-    "global_batch_norm",
-    "global_moments",
     "layer_call",
     "layer_state",
     "loop_plan",
     "may_meet",
     "opens_own_batch",
     "pad_empty_batch",
-    "random_states",
     "record_loss",
     "replica_state_updates",
     "row_wise_call",
     "rows_meet_call",
-    "spreads_over_replicas",
-    "state_keys",
     "sub_model_call",
 ]
 
@@ -128,9 +109,6 @@ def _keras_classes(names):
 ROW_WISE_LAYERS = _keras_classes(_ROW_WISE)
 GLOBAL_BATCH_RANDOM_LAYERS = _keras_classes(_PER_ROW_RANDOM)
 ROWS_MEET_LAYERS = _keras_classes(_ROWS_MEET)
-# BatchNormalization layers (not synchronized) of models compiled with
-# batch_norm="per_replica": they keep Keras's per-replica statistics.
-PER_REPLICA_BATCH_NORM = weakref.WeakSet()
 
 
 def record_loss(loss):
@@ -197,232 +175,18 @@ def drop_padding(outputs, batch, first=None, owner=None):
 def _check_rows(value, owner):
     kind = penalties.kind_of_value(value)
     if kind in (penalties.ROWS, penalties.ROW_BLOCKS, penalties.GLOBAL) or \
-            not spreads_over_replicas():
+            replica.replicas_in_sync() == 1:
         return  # (GLOBAL: kept whole from a computation on the global batch)
     name = f"{owner.name!r} ({type(owner).__name__})" if owner is not None else "the model"
     if isinstance(kind, penalties.Unknown):
         raise ValueError(penalties.refusal(kind, f"the output `{value.op.name}` of {name}",
-                                           tf.distribute.get_replica_context().num_replicas_in_sync))
+                                           replica.replicas_in_sync()))
     raise ValueError(
         f"the output `{value.op.name}` of {name} is not one row per row of the batch (kd reads "
         f"it as {kind!r}), so kd cannot split it over the replicas' rows: a model's outputs must "
         "hold one row per input row. Return the statistic from a layer's `add_loss` or a metric "
         "instead, or compute it in the loss."
     )
-
-
-def spreads_over_replicas():
-    """Whether the calling code runs in a replica context of several replicas in sync."""
-    context = tf.distribute.get_replica_context()
-    return context is not None and context.num_replicas_in_sync > 1
-
-
-def _global_rows_of(rows, of, batch):
-    """Where a replica's `rows` of `of` lie in one device's tensor: (its rows, the indices of these).
-
-    `of` (a tensor, or the count of its rows) has its rows laid out as kd
-    reads them (`coupling.row_layout`: the batch's rows, several batches
-    concatenated); else as k stacked blocks of the batch's rows
-    (`_blocks_of`). A replica without rows of the step, fed one padded row,
-    draws for it as asked (its outputs are dropped).
-    """
-    rows = tf.cast(rows, tf.int32)
-    layout = coupling.row_layout(of, batch)
-    if not layout:
-        return _blocks_of(rows, batch)
-    indices, total, expected = coupling.global_indices(layout, batch)
-    padded = tf.logical_and(tf.equal(expected, 0), tf.equal(rows, 1))
-    check = tf.debugging.Assert(
-        tf.logical_or(padded, tf.equal(rows, expected)),
-        [replica.DRAW_REFUSAL, "rows drawn:", rows, "rows kd laid out:", expected],
-    )
-    with tf.control_dependencies([check]):
-        indices = tf.cond(padded, lambda: tf.range(rows), lambda: indices)
-    return tf.where(padded, rows, total), indices
-
-
-def _spread(value, indices, total):
-    """`value`'s rows at `indices` of a zero tensor of `total` rows."""
-    return tf.scatter_nd(indices[:, None], value, tf.concat([[total], tf.shape(value)[1:]], 0))
-
-
-def global_batch_call(layer, call):
-    """`call` of a random layer, drawing for the global batch.
-
-    Keras draws random numbers statelessly from the layer's seed state, the
-    same on every replica; one device draws them for every row of the
-    global batch. So each replica runs the layer on the global batch (its
-    own rows in place, zeros elsewhere) and keeps its rows: the same draws
-    one device makes for them, whatever the replica layout. Rows of several
-    batches concatenated (`concat([unlabeled, labeled])`) lie where one
-    device holds them (`coupling.row_layout`).
-    """
-
-    def laid_out(inputs, *args, **kwargs):
-        batch = replica.current_batch()
-        if batch is None or kwargs.get("training") in (None, False) or batch.global_region \
-                or not spreads_over_replicas():
-            return call(inputs, *args, **kwargs)
-        if not isinstance(inputs, tf.Tensor):
-            raise ValueError(
-                f"layer {layer.name!r} ({type(layer).__name__}) received "
-                f"{type(inputs).__name__} inputs in a step on several replicas: kd lays out its "
-                "random draws over the global batch only for a single tensor input. Pass a "
-                "tensor, or apply the layer in the input pipeline instead."
-            )
-        total, indices = _global_rows_of(tf.shape(inputs)[0], inputs, batch)
-        mask = kwargs.get("mask")
-        if isinstance(mask, tf.Tensor) and mask.shape.rank:
-            kwargs["mask"] = _spread(mask, indices, total)
-        batch.laid_out += 1  # its draws are already the global batch's
-        try:
-            outputs = call(_spread(inputs, indices, total), *args, **kwargs)
-        finally:
-            batch.laid_out -= 1
-        mine = tf.gather(outputs, indices)
-        mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
-        # Each row its own, as on one device, where the inputs' rows lie.
-        return coupling.mark_layout(_as_rows_of(mine, inputs), coupling.row_layout(inputs, batch), batch)
-
-    return laid_out
-
-
-def _blocks_of(rows, batch):
-    """Where a replica's `rows` lie in the global batch: k stacked blocks of its n_r rows.
-
-    A draw shaped by the batch has k * n_r rows on a replica (k = 1 for
-    `(batch_size, d)`; k = 2 for a GAN's labels, a `tf.concat` of two
-    batches): one device draws k * N, block j holding rows j*N..(j+1)*N-1.
-    Returns (k * N, the indices of this replica's rows in it). A leading
-    dimension that is not a multiple of n_r fails the step, naming the fix.
-    """
-    local = tf.cast(batch.local_rows, tf.int32)
-    rows = tf.cast(rows, tf.int32)
-    blocks = tf.math.floordiv(rows, tf.maximum(local, 1))
-    # A replica without rows draws what it is asked (a padded row, see
-    # StepPlan.pad_empty, whose outputs are dropped).
-    empty = tf.equal(local, 0)
-    check = tf.debugging.Assert(
-        tf.logical_or(empty, tf.equal(blocks * local, rows)),
-        [replica.DRAW_REFUSAL, "rows drawn:", rows, "replica rows:", local],
-    )
-    with tf.control_dependencies([check]):
-        total = tf.cast(batch.global_rows, tf.int32)
-        offset = tf.cast(batch.offset, tf.int32)
-        starts = tf.range(blocks) * total + offset
-        mine = tf.reshape(starts[:, None] + tf.range(local)[None, :], [-1])
-        indices = tf.cond(empty, lambda: tf.range(rows), lambda: mine)
-    return tf.where(empty, rows, blocks * total), indices
-
-
-def _lays_out_draws():
-    batch = replica.current_batch()
-    return batch is not None and not batch.laid_out and not batch.global_region \
-        and spreads_over_replicas()
-
-
-def _batch_shaped(rows):
-    """Whether a draw's leading dimension `rows` may follow the batch (unknown when traced)."""
-    return rows is not None and tf.get_static_value(rows) is None
-
-
-def global_batch_draw(name, shaped, draw):
-    """`keras.random.<name>`, drawing for the global batch in a kd step on several replicas.
-
-    As for Keras's random layers (`global_batch_call`): Keras draws
-    statelessly from the generator's state, the same on every replica, so
-    each replica draws what one device draws for the global batch and keeps
-    its own rows. Draws whose leading dimension is known when traced (a
-    `(latent_dim,)` vector) are not shaped by the batch and stay as they are.
-    """
-
-    first_name = "shape" if shaped else {"dropout": "inputs", "categorical": "logits",
-                                          "shuffle": "x"}[name]
-
-    @functools.wraps(draw)
-    def drawing(*args, **kwargs):
-        if not _lays_out_draws():
-            return draw(*args, **kwargs)
-        if name == "shuffle":
-            return _shuffle(draw, *args, **kwargs)
-        if first_name in kwargs:
-            first = kwargs.pop(first_name)
-        else:
-            first, args = args[0], args[1:]
-        batch = replica.current_batch()
-        if shaped:
-            _refuse_row_parameters(name, args, kwargs)
-            shape = tf.convert_to_tensor(first, tf.int32) if not isinstance(first, (list, tuple)) \
-                else tf.stack([tf.cast(d, tf.int32) for d in first])
-            if shape.shape.rank != 1 or shape.shape[0] in (None, 0) or not _batch_shaped(shape[0]):
-                return draw(first, *args, **kwargs)
-            leading = first[0] if isinstance(first, (list, tuple)) and tf.is_tensor(first[0]) else shape[0]
-            total, indices = _global_rows_of(shape[0], leading, batch)
-            drawn = draw(tf.concat([[total], shape[1:]], 0), *args, **kwargs)
-            # One device's draws for these rows (several batches' stacked, where
-            # the shape is of tensors concatenated along the rows).
-            layout = coupling.row_layout(leading, batch) if tf.is_tensor(leading) else None
-            kind = penalties.ROW_BLOCKS if layout and len(layout) > 1 else penalties.ROWS
-            return penalties.mark_kind(tf.gather(drawn, indices), kind)
-        inputs = tf.convert_to_tensor(first)
-        noise_shape = kwargs.get("noise_shape", args[1] if name == "dropout" and len(args) > 1 else None)
-        if noise_shape is not None and not isinstance(noise_shape, (list, tuple)):
-            return draw(first, *args, **kwargs)
-        if inputs.shape.rank in (None, 0) or (noise_shape is not None and noise_shape[0] is not None):
-            return draw(first, *args, **kwargs)
-        total, indices = _global_rows_of(tf.shape(inputs)[0], inputs, batch)
-        spread = _spread(inputs, indices, total)
-        mine = tf.gather(draw(spread, *args, **kwargs), indices)
-        if name == "dropout":
-            mine.set_shape(inputs.shape)
-        return _as_rows_of(mine, inputs)
-
-    return drawing
-
-
-def _as_rows_of(value, inputs):
-    """`value` marked as the replica's rows, or as its regrouped rows where `inputs` are those."""
-    if penalties.kind_of_value(inputs) == penalties.ROW_BLOCKS:
-        return penalties.mark_kind(value, penalties.ROW_BLOCKS)
-    return penalties.mark_rows(value)
-
-
-def _refuse_row_parameters(name, args, kwargs):
-    """Refuses a draw whose parameters (alpha, counts, ...) hold the replica's rows.
-
-    kd draws for the global batch's shape and keeps the replica's rows; a
-    parameter of the replica's rows alone cannot shape that draw.
-    """
-    for value in tree.flatten((args, kwargs)):
-        if tf.is_tensor(value) and value.shape.rank and \
-                penalties.kind_of_value(value) not in (penalties.FIXED, penalties.GLOBAL):
-            raise ValueError(
-                f"`keras.random.{name}` is given a parameter of shape {tuple(value.shape)} that "
-                "depends on the rows of the batch, in a step on "
-                f"{tf.distribute.get_replica_context().num_replicas_in_sync} replicas: kd draws "
-                "for the global batch, as one device does, only with parameters that are the "
-                "same for every row. Draw with scalar parameters (and scale the draws by the "
-                "rows' values), or draw in the input pipeline."
-            )
-
-
-def _shuffle(draw, x, axis=0, seed=None):
-    """`keras.random.shuffle` in a kd step: a permutation of the rows is where they meet.
-
-    Each replica would permute its own rows; one device permutes the global
-    batch's. A shuffle along the rows of what holds or counts the replica's
-    rows is marked as where the rows meet (`penalties.mark_meets`): a layer
-    or a loss holding it runs on the global batch, where the draw is one
-    device's, and elsewhere kd refuses it (`coupling.inline`).
-    """
-    shuffled = draw(x, axis=axis, seed=seed)
-    x = tf.convert_to_tensor(x)
-    rank = x.shape.rank
-    along_rows = rank is None or rank == 0 or int(axis) % rank == 0
-    if along_rows and penalties.kind_of_value(x) not in (penalties.FIXED, penalties.GLOBAL):
-        return penalties.mark_meets(shuffled, "(keras.random.shuffle) permutes the rows of the "
-                                              "batch: one device permutes the global batch's")
-    return shuffled
 
 
 def sub_model_call(layer, call):
@@ -486,7 +250,7 @@ def row_wise_call(layer, call):
         outputs = call(*args, **kwargs)
         batch = replica.current_batch()
         if batch is None or batch.global_region or tf.executing_eagerly() \
-                or not spreads_over_replicas():
+                or replica.replicas_in_sync() == 1:
             return outputs
         inputs = {penalties.kind_of_value(v) for v in tree.flatten((args, kwargs)) if _row_aligned(v)}
         if not inputs or not inputs <= {penalties.ROWS, penalties.ROW_BLOCKS, penalties.FIXED}:
@@ -504,33 +268,6 @@ def row_wise_call(layer, call):
 
 def _row_aligned(value):
     return isinstance(value, tf.Tensor) and bool(value.shape.rank) and value.dtype != tf.resource
-
-
-def counted_draws(generator, keras_next):
-    """`generator.next` that reads its state once per replica step.
-
-    Keras's `next()` reads the state and writes it plus [0, 1]. Under
-    CentralStorageStrategy the one stored state is written by the last
-    replica only (see `_keras_compat.write_seed_state_from_last_replica`),
-    so a second draw in the step would read, on the other replicas, a state
-    their own first draw did not advance. Here each replica reads the state
-    at its first draw and counts its draws: the i-th draw of the step gets
-    the state plus [0, i], as on one device, on every replica.
-    """
-
-    def next_seed(ordered=True):
-        batch = replica.current_batch()
-        if batch is None or not ordered or not spreads_over_replicas():
-            return keras_next(ordered)
-        start, count = batch.seed_draws.get(id(generator), (None, 0))
-        if start is None:
-            start = tf.convert_to_tensor(generator.state.value) * 1
-        step = tf.constant([0, 1], start.dtype)
-        generator.state.assign(start + step * (count + 1))
-        batch.seed_draws[id(generator)] = (start, count + 1)
-        return start + step * count
-
-    return next_seed
 
 
 def layer_state(model):
@@ -551,39 +288,6 @@ def layer_state(model):
     return [pair for key, pair in owners.items() if key not in skipped]
 
 
-def random_states(model):
-    """Every seed state of `model`'s random draws, by a name stable across processes.
-
-    Keras's `SeedGenerator`s held by the model and its layers (Dropout and
-    the other random layers, a generator a custom `train_step` draws from).
-    A name is the holder's position among the model's layers and the
-    attribute holding the generator, e.g. `"layer_3_seed_generator"`: the
-    same model built again (another process, another replica layout) gives
-    the same names, whatever names Keras's counters gave the variables.
-    """
-    states = {}
-    for index, layer in enumerate(_keras_compat.flatten_layers(model)):
-        for attribute, value in sorted(vars(layer).items()):
-            if isinstance(value, keras.random.SeedGenerator):
-                states[f"layer_{index}_{attribute}"] = value.state
-    return states
-
-
-class RandomStates(tf.Module):
-    """The seed states of a model's random draws, as checkpoint dependencies."""
-
-    def __init__(self, states):
-        super().__init__(name="kd_random_states")
-        self.keys = state_keys(states)
-        for name, variable in states.items():
-            setattr(self, name, variable)
-
-
-def state_keys(states):
-    """The identity of a model's seed states, to tell whether they changed."""
-    return tuple((name, id(variable)) for name, variable in states.items())
-
-
 def replica_state_updates(layer, variable):
     """Updates of a layer's variable that mean on many replicas what they mean on one.
 
@@ -598,7 +302,7 @@ def replica_state_updates(layer, variable):
     def make(current, keras_assign):
         def assign(value, *args, **kwargs):
             if _in_replica_step():
-                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                replicas = replica.replicas_in_sync()
                 raise ValueError(
                     f"layer {layer.name!r} ({type(layer).__name__}) assigns its variable "
                     f"{variable.path!r} with `assign` in a step on {replicas} replicas: each "
@@ -642,216 +346,7 @@ def replica_state_updates(layer, variable):
 
 
 def _in_replica_step():
-    return replica.current_batch() is not None and spreads_over_replicas()
-
-
-def global_moments(layer, inputs, mask, keras_moments):
-    """Mean and variance of a BatchNormalization over every replica.
-
-    Every BatchNormalization of a kd model on several replicas uses it
-    (unless compiled with `batch_norm="per_replica"`, and then still the
-    synchronized ones), so statistics are those of the global batch.
-
-    One all-reduce in the forward pass (and so one in the backward pass):
-    each replica computes its own row count n_i, mean m_i and sum of
-    squared deviations M2_i (two passes over its rows, as one device does),
-    and the all-reduce gathers every replica's triple (each in its own slot
-    of a zero-filled buffer). Every replica then merges them in the same
-    order, Chan et al.'s parallel formula: N = sum n_i, mean = sum n_i m_i / N,
-    M2 = sum M2_i + sum n_i (m_i - mean)^2, variance = M2 / N. No E[x^2] -
-    E[x]^2 cancellation: float64 stays within 1e-12 of one device. The
-    buffer holds R slots of 2C + 1 values (C channels), as PyTorch's
-    SyncBatchNorm gathers; Keras's `synchronized=True` takes three
-    all-reduces. A replica whose batch is empty (or padded, see StepPlan)
-    contributes n_i = 0. Masked inputs follow Keras's masked formula (mean
-    and variance over the weight sum plus epsilon).
-
-    Without a mask (and with the channels known when traced), the backward
-    pass is written out (`_unmasked_global_moments`): one device's gradient
-    of a row x is g_mean / N + g_var * 2 (x - mean) / N, with g_mean and
-    g_var the gradients of the global loss, the replicas' own summed in one
-    all-reduce of 2C values. Differentiating through the merge instead
-    would trace about three times the ops of Keras's per-replica
-    statistics, which TensorFlow then optimizes at the first step.
-    """
-    context = tf.distribute.get_replica_context()
-    batch = replica.current_batch()
-    if context is None or context.num_replicas_in_sync == 1 or batch is None or batch.global_region:
-        return keras_moments(inputs, mask)  # one replica, or the global batch already
-    if layer in PER_REPLICA_BATCH_NORM and not layer.synchronized:
-        # Per replica on request (batch_norm="per_replica"): not a place
-        # where kd gathers the rows that meet (`coupling`), which would see
-        # the replica's statistics fed back into its rows.
-        mean, variance = keras_moments(inputs, mask)
-        return penalties.mark_global(mean), penalties.mark_global(variance)
-    axes = _keras_compat.batch_norm_axes(layer)
-    if mask is None:
-        moments = _unmasked_global_moments(context, batch, inputs, axes)
-        if moments is not None:
-            return moments
-    dtype = inputs.dtype
-    live = tf.cast(batch.has_rows, dtype)
-    if mask is None:
-        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), dtype)
-        count = tf.reshape(count * live, [1])
-    else:
-        kept = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(inputs))
-        kept = tf.logical_and(kept, batch.has_rows)
-        count = tf.reshape(tf.reduce_sum(tf.cast(kept, dtype), axes), [-1])
-        inputs = tf.where(kept, inputs, tf.zeros_like(inputs))
-    channels = tf.shape(tf.reduce_sum(inputs, axes, keepdims=True))
-    local_sum = tf.reduce_sum(inputs, axes, keepdims=True) * live
-    local_mean = tf.math.divide_no_nan(local_sum, count if mask is None else tf.reshape(count, channels))
-    squares = tf.math.squared_difference(inputs, tf.stop_gradient(local_mean))
-    if mask is not None:
-        squares = tf.where(kept, squares, tf.zeros_like(squares))
-    local_m2 = tf.reduce_sum(squares, axes, keepdims=True) * live
-    own = [count, tf.reshape(local_mean, [-1]), tf.reshape(local_m2, [-1])]
-    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
-    if brings_rows:
-        own.insert(0, tf.reshape(tf.cast(batch.local_rows, dtype), [1]))
-    own = tf.concat(own, 0)
-    replicas = context.num_replicas_in_sync
-    slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
-    local = batch.chain(slots[:, None] * own[None, :])
-    gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    batch.after_collective(gathered)
-    if brings_rows:
-        batch.learn_global_rows(tf.reduce_sum(tf.stop_gradient(gathered[:, 0])))
-        gathered = gathered[:, 1:]
-    size = tf.size(local_mean)
-    counts, means, m2s = tf.split(gathered, [tf.size(count), size, size], axis=1)
-    total_count = tf.reduce_sum(counts, 0)
-    total = tf.reduce_sum(counts * means, 0)
-    mean = tf.math.divide_no_nan(total, total_count)
-    spread = tf.reduce_sum(m2s, 0) + tf.reduce_sum(
-        counts * tf.math.squared_difference(means, tf.stop_gradient(mean)), 0)
-    if mask is None:
-        variance = tf.math.divide_no_nan(spread, total_count)
-    else:
-        # Keras divides by the weight sum plus epsilon, and measures the
-        # squares about that (slightly shrunk) mean.
-        shrunk = total / (total_count + keras.backend.epsilon())
-        spread += total_count * tf.math.squared_difference(mean, shrunk)
-        mean = shrunk
-        variance = spread / (total_count + keras.backend.epsilon())
-    mean = tf.squeeze(tf.reshape(mean, channels), axes)
-    variance = tf.squeeze(tf.reshape(variance, channels), axes)
-    # The same on every replica: what reads the graph (kd.losses) may rely on it.
-    return penalties.mark_global(mean), penalties.mark_global(variance)
-
-
-def _unmasked_global_moments(context, batch, inputs, axes):
-    """`global_moments` of unmasked inputs, its gradient written out; None if shapes are unknown.
-
-    The same forward pass (one all-reduce of every replica's count, mean
-    and M2, merged by Chan et al.'s formula) with the shapes known when
-    traced taken as numbers, under a `tf.custom_gradient` whose backward
-    pass all-reduces the replicas' gradients of the mean and the variance
-    (2C values, the one collective the backward pass made before) and
-    applies one device's formula to the replica's rows. The token that
-    chains the step's collectives (`replica.ReplicaBatch.chain`) and N,
-    when it travels here, leave as outputs of the same function. Every op counts twice (traced, then
-    optimized at the first step) and once more per layer and replica:
-    what is known when traced is a number, not an op.
-    """
-    shape = inputs.shape
-    if shape.rank is None or 0 not in axes:
-        return None
-    reduced = [shape[d] for d in axes if d != 0]
-    channels = [shape[d] for d in range(shape.rank) if d not in axes]
-    if any(d is None for d in reduced + channels):
-        return None
-    size = math.prod(channels)
-    # Statistics broadcast over the rows as they are when the channels come last.
-    last = axes == list(range(shape.rank - len(channels)))
-    keep = [1 if d in axes else shape[d] for d in range(shape.rank)]
-    spread_out = (lambda value: value) if last and len(channels) == 1 else (
-        lambda value: tf.reshape(value, keep))
-    dtype = inputs.dtype
-    # A replica whose rows are known when traced needs no zeroing of a padded row.
-    live = None if batch.surely_has_rows else tf.cast(batch.has_rows, dtype)
-    live_times = (lambda value: value) if live is None else (lambda value: value * live)
-    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
-    if shape[0] is not None and live is None:
-        count = float(shape[0] * math.prod(reduced))
-        heads = tf.constant(([float(batch.static_rows)] if brings_rows else []) + [count], dtype)
-    else:
-        count = live_times(tf.cast(tf.shape(inputs)[0], dtype) * math.prod(reduced))
-        heads = tf.stack(([tf.cast(batch.local_rows, dtype)] if brings_rows else []) + [count])
-    replicas = context.num_replicas_in_sync
-    replica_id = tf.get_static_value(context.replica_id_in_sync_group)
-    token = [batch.moments_token] if batch.moments_token is not None else []
-    first = int(brings_rows)  # the row count's column, if it travels here
-
-    @tf.custom_gradient
-    def moments(x, *token):
-        local_mean = tf.math.divide_no_nan(live_times(tf.reduce_sum(x, axes)), count)
-        local_m2 = live_times(tf.reduce_sum(tf.math.squared_difference(x, spread_out(local_mean)), axes))
-        own = tf.concat([heads, tf.reshape(local_mean, [-1]) if len(channels) > 1 else local_mean,
-                         tf.reshape(local_m2, [-1]) if len(channels) > 1 else local_m2], 0)
-        # This replica's slot of a zero-filled [replicas, values] buffer.
-        if replica_id is not None:
-            local = tf.pad(tf.expand_dims(own, 0), [[int(replica_id), replicas - 1 - int(replica_id)], [0, 0]])
-        else:
-            slot = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
-            local = tf.expand_dims(slot, 1) * own
-        if token:
-            local += tf.cast(token[0], dtype)
-        gathered = _sum_without_gradient(context, local)
-        *rows, counts, means, m2s = tf.split(gathered, [1] * first + [1, size, size], axis=1)
-        total = tf.reduce_sum(counts)
-        mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
-        spread = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
-        variance = tf.math.divide_no_nan(spread, total)
-        outputs = (mean, variance, tf.math.multiply_no_nan(total, tf.zeros((), dtype)))
-        if rows:
-            outputs += (tf.reduce_sum(rows[0]),)
-
-        def gradient(d_mean, d_variance, *_):
-            # One device's gradient of the rows from the global loss's
-            # gradients of the statistics: every replica's, summed.
-            d_mean = tf.zeros_like(mean) if d_mean is None else d_mean
-            d_variance = tf.zeros_like(variance) if d_variance is None else d_variance
-            summed = _sum_without_gradient(context, tf.concat([d_mean, 2 * d_variance], 0))
-            of_mean, of_variance = tf.split(tf.math.divide_no_nan(summed, total), 2)
-            d_x = spread_out(of_mean) + spread_out(of_variance) * (x - spread_out(mean))
-            return (live_times(d_x),) + (None,) * len(token)
-
-        return outputs, gradient
-
-    mean, variance, batch.moments_token, *global_rows = moments(inputs, *token)
-    if brings_rows:
-        batch.learn_global_rows(tf.stop_gradient(global_rows[0]))
-    if len(channels) > 1:
-        mean, variance = tf.reshape(mean, channels), tf.reshape(variance, channels)
-    # The same on every replica: what reads the graph (kd.losses) may rely on it.
-    return penalties.mark_global(mean), penalties.mark_global(variance)
-
-
-def _sum_without_gradient(context, value):
-    """The sum of a dense `value` over the replicas, with no gradient of its own.
-
-    For the body and the backward pass of a `tf.custom_gradient`, whose
-    gradient kd writes: `ReplicaContext.all_reduce` wraps its collective in a
-    gradient function of its own (another `tf.custom_gradient`, traced per
-    call and replica), which nothing would use here. The same collective,
-    built where TensorFlow builds it (`merge_call`), without that wrapper
-    and without packing one tensor (`_keras_compat.sum_in_merge`); under
-    XLA, where TensorFlow does not merge, and on TPUs,
-    `ReplicaContext.all_reduce` itself.
-    """
-    if _keras_compat.in_xla_context() or tf.executing_eagerly() or isinstance(
-            context.strategy, tf.distribute.TPUStrategy):
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
-    return context.merge_call(_keras_compat.sum_in_merge, args=(value,))
-
-
-def global_batch_norm(layer):
-    """Whether `layer` is a BatchNormalization computing global statistics."""
-    return isinstance(layer, keras.layers.BatchNormalization) and (
-        _keras_compat.is_sync_batch_norm(layer) or layer not in PER_REPLICA_BATCH_NORM
-    )
+    return replica.current_batch() is not None and replica.replicas_in_sync() > 1
 
 
 def first_input(args, kwargs):
@@ -896,7 +391,7 @@ def check_loop_shape():
 
 def opens_own_batch(model, args, kwargs):
     """Whether `model` is called in a replica of several, with no kd step around it."""
-    if first_input(args, kwargs) is None or not spreads_over_replicas():
+    if first_input(args, kwargs) is None or replica.replicas_in_sync() == 1:
         return False
     if _keras_compat.in_symbolic_scope() or tf.executing_eagerly():
         return False

@@ -7,7 +7,7 @@ step runs), and the one place that decides between the local loop
 parameter-server training (`keras_distrib.training.parameter_server`). What differs
 between the two callers is only where the compiled steps come from:
 `steps_for(kind)` returns the `Step` of `kind` ("train", "test",
-"predict"), the model's own (`step.ModelSteps`: `steps_per_execution`
+"predict"), the model's own (`ModelSteps`: `steps_per_execution`
 steps per call) or the `TrainLoop`'s (`steps_per_loop`). Either way the
 steps come from `keras_distrib.training.step`; nothing here calls back
 into the model's class to build them.
@@ -15,15 +15,18 @@ into the model's class to build them.
 
 import dataclasses
 
+from keras_distrib.training import hooks
 from keras_distrib.training import loop
 from keras_distrib.training import parameter_server
+from keras_distrib.training import refusals
+from keras_distrib.training import step as step_lib
 from keras_distrib.cluster import strategies
 from keras_distrib.training import inputs
 from keras_distrib.training import served
 from keras_distrib.cluster import info as cluster
 from keras_distrib import validation
 
-__all__ = ["evaluate", "fit", "on_parameter_server", "predict"]
+__all__ = ["ModelSteps", "evaluate", "fit", "on_parameter_server", "predict"]
 
 
 def on_parameter_server(model):
@@ -39,8 +42,8 @@ def fit(model, steps_for, request):
     request = _served_input(model, request)
     inputs.validate_fit(model, request)
     if on_parameter_server(model):
-        return parameter_server.fit(model, request, steps_per_call=steps_for("train").steps)
-    return loop.fit(model, steps_for("train"), request, evaluate_steps=steps_for("test"))
+        return parameter_server.fit(model, request, steps_per_call=steps_for("train").steps_per_call)
+    return loop.fit(model, steps_for("train"), request, test_function=steps_for("test"))
 
 
 def _served_input(model, request):
@@ -101,7 +104,7 @@ def evaluate(model, steps_for, x=None, y=None, *, batch_size=None, verbose="auto
         )
     return loop.evaluate(
         model, steps_for("test"), x, y, batch_size=batch_size, verbose=verbose,
-        sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+        sample_weight=sample_weight, batches=steps, callbacks=callbacks,
         return_dict=return_dict,
     )
 
@@ -117,5 +120,52 @@ def predict(model, steps_for, x, *, batch_size=None, verbose="auto", steps=None,
         )
     return loop.predict(
         model, steps_for("predict"), x, batch_size=batch_size, verbose=verbose,
-        steps_count=steps, callbacks=callbacks,
+        batches=steps, callbacks=callbacks,
     )
+
+
+class ModelSteps:
+    """A model's own steps: one `Step` per kind, built at its first use and kept.
+
+    `kd.Model.fit/evaluate/predict` hand this to `front` (which hands its
+    steps to the loop), and Keras's `make_train_function` and its siblings
+    read it too, so every path gets the same `Step`: `steps_per_execution`
+    steps per call, kept where Keras keeps it (`model.train_function`,
+    `test_function`, `predict_function`; `compile` clears them). A
+    `kd.TrainLoop` keeps its own steps (`steps_per_loop` per call).
+
+    Before a `Step` is built, the model is readied for its first step of
+    that kind: refused where kd cannot make it exact (`refusals`), then
+    given the hooks its steps need (`hooks`).
+
+    Args:
+        model: A compiled kd model.
+        kd_compute_loss: kd's own `compute_loss` (`DistributedModelMixin`'s;
+            see `hooks.install_step_hooks`).
+
+    Calling `steps(kind)` returns the kept `Step` of `kind` ("train",
+    "test", "predict"), built first if there is none (or `force=True`).
+    """
+
+    _KEPT_AS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
+
+    def __init__(self, model, *, kd_compute_loss):
+        self.model = model
+        self._kd_compute_loss = kd_compute_loss
+
+    def __call__(self, kind, *, force=False):
+        if kind not in self._KEPT_AS:
+            raise ValueError(f"`kind`={kind!r}: expected one of {list(step_lib.KINDS)}.")
+        attribute = self._KEPT_AS[kind]
+        if getattr(self.model, attribute) is None or force:
+            self._ready(kind)
+            setattr(self.model, attribute,
+                    step_lib.Step(self.model, kind, steps=int(self.model.steps_per_execution or 1)))
+        return getattr(self.model, attribute)
+
+    def _ready(self, kind):
+        training = kind == "train"
+        refusals.check_strategy(self.model, training=training)
+        refusals.check_exactness(self.model, training=training)
+        hooks.install_layer_hooks(self.model)
+        hooks.install_step_hooks(self.model, kd_compute_loss=self._kd_compute_loss)

@@ -111,9 +111,9 @@ def all_reduce(gradients, variables=None):
 
 
 def _summed(gradients):
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if replica.replicas_in_sync() == 1:
         return gradients
+    context = tf.distribute.get_replica_context()
     present = [g for g in gradients if g is not None]
     if not present:
         return gradients
@@ -130,7 +130,7 @@ def _summed(gradients):
             if kind is None and batch.shares:
                 kind = replica.SHARE  # no target classified (gradients of a share kd computed)
             if kind != replica.SHARE:
-                present = scaling.row_weighted(batch, present, kind)
+                present = scaling.row_weighted_gradients(batch, present, kind)
         present, _ = _sum_in_buckets(context, batch, present)
     summed = iter(present)
     return [None if g is None else next(summed) for g in gradients]
@@ -249,11 +249,10 @@ def classify_gradient_target(target):
     or refuses it naming the op (`coupling.inline`); one that mixes the
     replica's rows with per-replica random draws has no exact split and is
     refused, naming the op. A mean over rows, or a term of the weights,
-    is weighted by n_r / N (`scaling.row_weighted`).
+    is weighted by n_r / N (`scaling.row_weighted_gradients`).
     """
     batch = replica.current_batch()
-    context = tf.distribute.get_replica_context()
-    if batch is None or context is None or context.num_replicas_in_sync == 1 \
+    if batch is None or replica.replicas_in_sync() == 1 \
             or tf.executing_eagerly() or not isinstance(target, tf.Tensor):
         return
     if replica.is_share(target):
@@ -272,7 +271,7 @@ def classify_gradient_target(target):
         if kind.mixing and not kind.meets:
             raise ValueError(
                 f"The loss whose gradient the step takes is not one kd can split over "
-                f"{context.num_replicas_in_sync} replicas: {kind.mixing}. One device computes it "
+                f"{replica.replicas_in_sync()} replicas: {kind.mixing}. One device computes it "
                 "from the whole batch; each replica would compute it from its own rows. Compute "
                 "the loss with self.compute_loss(...), a Keras loss object, "
                 "kd.losses.global_mean(per_example_loss), or tf.reduce_mean / tf.reduce_sum of "

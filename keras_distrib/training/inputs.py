@@ -25,6 +25,7 @@ from keras_distrib.validation import is_whole
 __all__ = [
     "FitRequest",
     "check_fit_arguments",
+    "static_rows",
     "validate_fit",
     "validate_inputs",
 ]
@@ -494,3 +495,17 @@ def validate_inputs(model, x, y=None, sample_weight=None, *, method="fit", valid
             )
     if problems:
         raise InputError(f"Invalid `{method}` arguments:\n  - " + "\n  - ".join(problems))
+
+
+def static_rows(x):
+    """Rows in a batch of arrays or eager tensors (its first input's), or None."""
+    for value in tree.flatten(x):
+        if value is None:
+            continue
+        if isinstance(value, tf.RaggedTensor):
+            return int(value.nrows())
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] is None:
+            return None
+        return int(shape[0])
+    return None

@@ -75,7 +75,7 @@ def sum_with_metric_states(context, tensors, variables):
     tensors = list(tensors)
     states = [tf.convert_to_tensor(v.value, v.dtype) for v in variables]
     summed = replica.sum_packed(context, tensors + states)
-    replicas = context.num_replicas_in_sync
+    replicas = replica.replicas_in_sync()
     values = [
         value / tf.cast(replicas, value.dtype)
         if _keras_compat.sync_on_read_aggregation(variable) == tf.VariableAggregation.MEAN
@@ -184,8 +184,7 @@ def replica_logs(outputs, sources):
     batch = replica.current_batch()
     if batch is None:
         return outputs
-    context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync if context is not None else 1
+    replicas = replica.replicas_in_sync()
     leaves = []
     for path, value in tree.flatten_with_path(outputs):
         record = batch.metric_results.get(id(value))

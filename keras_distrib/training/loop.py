@@ -35,6 +35,7 @@ from keras_distrib.cluster import info as cluster
 from keras_distrib.training import data as data_lib
 from keras_distrib.training import served
 from keras_distrib.training import gradients
+from keras_distrib.training import hooks
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.cluster import strategies
 from keras_distrib.cluster import watchdog
@@ -592,7 +593,7 @@ def build_model(model, data_batch):
         if optimizer is not None and not optimizer.built:
             optimizer.build(_keras_compat.optimizer_variables(model))
     # Per-replica bookkeeping on the layers and variables just created.
-    model._install_layer_hooks()
+    hooks.install_layer_hooks(model)
 
 
 def _first_replica_spec(spec):
@@ -608,11 +609,11 @@ def _first_replica_spec(spec):
     return spec
 
 
-def fit(model, steps, request, *, evaluate_steps=None):
+def fit(model, train_function, request, *, test_function=None):
     """`Model.fit` over the loop, as `request` (an `inputs.FitRequest`) asks.
 
-    `steps` (a train `Step`) runs the chunks, `evaluate_steps` (a test
-    `Step`) the validation.
+    `train_function` (a train `Step`) runs the chunks of steps,
+    `test_function` (a test `Step`) the validation.
     """
     x, y, sample_weight = request.x, request.y, request.sample_weight
     epochs, validation_data = request.epochs, request.validation_data
@@ -626,7 +627,7 @@ def fit(model, steps, request, *, evaluate_steps=None):
     source = epoch_source(
         model, x=x, y=y, sample_weight=sample_weight, batch_size=request.batch_size,
         steps=request.steps_per_epoch, shuffle=request.shuffle, class_weight=request.class_weight,
-        steps_per_call=steps.steps,
+        steps_per_call=train_function.steps_per_call,
     )
     build(model, source)
     source.reset()
@@ -648,42 +649,42 @@ def fit(model, steps, request, *, evaluate_steps=None):
                 cached.append(epoch_source(
                     model, x=val_x, y=val_y, sample_weight=val_weight,
                     batch_size=request.validation_batch_size or request.batch_size,
-                    steps=request.validation_steps, steps_per_call=evaluate_steps.steps,
+                    steps=request.validation_steps, steps_per_call=test_function.steps_per_call,
                 ))
             cached[0].reset()
             return evaluate_pass(
-                model, cached[0], LocalRunner(model, evaluate_steps),
+                model, cached[0], LocalRunner(model, test_function),
                 callbacks=callbacks, return_dict=True,
             )
 
     return fit_epochs(
-        model, source, LocalRunner(model, steps), epochs=epochs,
+        model, source, LocalRunner(model, train_function), epochs=epochs,
         initial_epoch=request.initial_epoch, callbacks=callbacks, validate=validate,
     )
 
 
-def evaluate(model, steps, x=None, y=None, *, batch_size=None, verbose="auto",
-             sample_weight=None, steps_count=None, callbacks=None, return_dict=False,
+def evaluate(model, test_function, x=None, y=None, *, batch_size=None, verbose="auto",
+             sample_weight=None, batches=None, callbacks=None, return_dict=False,
              strategy=None):
-    """`Model.evaluate` over the loop (`steps`: a test `Step`)."""
+    """`Model.evaluate` over the loop (`test_function`: a test `Step`; `batches`: Keras's `steps`)."""
     source = epoch_source(
         model, x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-        steps=steps_count, steps_per_call=steps.steps, strategy=strategy,
+        steps=batches, steps_per_call=test_function.steps_per_call, strategy=strategy,
     )
     build(model, source)
     source.reset()
     callbacks = callback_list(callbacks, model, verbose=verbose, epochs=1, steps=source.num_batches)
     return evaluate_pass(
-        model, source, LocalRunner(model, steps), callbacks=callbacks, return_dict=return_dict
+        model, source, LocalRunner(model, test_function), callbacks=callbacks, return_dict=return_dict
     )
 
 
-def predict(model, steps, x, *, batch_size=None, verbose="auto", steps_count=None,
+def predict(model, predict_function, x, *, batch_size=None, verbose="auto", batches=None,
             callbacks=None, strategy=None):
-    """`Model.predict` over the loop (`steps`: a predict `Step`)."""
+    """`Model.predict` over the loop (`predict_function`: a predict `Step`; `batches`: Keras's `steps`)."""
     source = epoch_source(
-        model, x=x, batch_size=batch_size, steps=steps_count, steps_per_call=steps.steps,
+        model, x=x, batch_size=batch_size, steps=batches, steps_per_call=predict_function.steps_per_call,
         strategy=strategy,
     )
     callbacks = callback_list(callbacks, model, verbose=verbose, epochs=1, steps=source.num_batches)
-    return predict_pass(model, source, LocalRunner(model, steps), callbacks=callbacks)
+    return predict_pass(model, source, LocalRunner(model, predict_function), callbacks=callbacks)

@@ -44,8 +44,10 @@ from keras_distrib.training.replica import current_batch
 from keras_distrib.training.replica import is_share
 from keras_distrib.training.replica import mark_share
 from keras_distrib.training.replica import replica_sum
+from keras_distrib.training.replica import replicas_in_sync
 
 __all__ = [
+    "add_loss_share",
     "global_batch",
     "global_mean",
     "global_share",
@@ -165,19 +167,14 @@ _LAYOUT_FIX = (
 )
 
 
-def _replicas_in_sync():
-    context = tf.distribute.get_replica_context()
-    return context.num_replicas_in_sync if context is not None else 1
-
-
 def _refuse_row_mixing(values):
-    if _replicas_in_sync() == 1 or current_batch() is not None:
+    if replicas_in_sync() == 1 or current_batch() is not None:
         return
     kind = penalties.kind_of_value(values)
     if isinstance(kind, penalties.Unknown) and kind.meets:
         raise ValueError(
             f"`per_example_loss` depends on the rows of the batch together: {kind.mixing}. On "
-            f"{_replicas_in_sync()} replicas each computes that from its own rows, not from the "
+            f"{replicas_in_sync()} replicas each computes that from its own rows, not from the "
             f"global batch one device sees. {_LAYOUT_FIX}; kd's models compute any layer whose "
             "rows meet on the global batch. For a loss of your own, gather the tensors the rows "
             "meet in with `kd.losses.global_batch(tensor)` (every replica's rows, the gradient "
@@ -188,11 +185,11 @@ def _refuse_row_mixing(values):
     if mixing:
         raise ValueError(
             f"`per_example_loss` depends on this replica's rows together: {mixing}. On "
-            f"{_replicas_in_sync()} replicas each computes that from its own rows, not from the "
+            f"{replicas_in_sync()} replicas each computes that from its own rows, not from the "
             f"global batch one device sees. {_LAYOUT_FIX}."
         )
     if isinstance(kind, penalties.Unknown) and kind.unread:
-        raise ValueError(penalties.refusal(kind, "`per_example_loss`", _replicas_in_sync()))
+        raise ValueError(penalties.refusal(kind, "`per_example_loss`", replicas_in_sync()))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -251,7 +248,7 @@ def scale_regularization(losses, *, local_rows=None):
     dtype = terms[0][1].dtype
     terms = [(name, tf.cast(term, dtype)) for name, term in terms]
     total = tf.add_n([tf.reduce_sum(term) for _, term in terms])
-    replicas = _replicas_in_sync()
+    replicas = replicas_in_sync()
     if replicas == 1:
         return mark_share(total)
     _refuse_other_replicas_terms(terms)
@@ -382,7 +379,7 @@ class GlobalReductionLoss(keras.losses.Loss):
                 if whole:
                     return value  # inside a computation on the global batch: its value
                 # The same on every replica: each replica's share is 1/R of it.
-                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                replicas = replicas_in_sync()
                 return mark_share(value / tf.cast(replicas, value.dtype))
             if reduction == "sum":
                 return numerator if batch is None else scaling.in_step_scale(batch, numerator)
@@ -391,7 +388,7 @@ class GlobalReductionLoss(keras.losses.Loss):
                 if batch is not None and batch.deferred and _counts_rows(values):
                     # The global element count is N times the elements per
                     # row: in deferred scale, R * n_r stands for N.
-                    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                    replicas = replicas_in_sync()
                     return tf.math.divide_no_nan(numerator, denominator * replicas)
                 if batch is not None and batch.knows_global_rows and _counts_rows(values) \
                         and getattr(self, "rows_are_the_batch", True):
@@ -498,11 +495,11 @@ class GlobalShareMean(keras.metrics.Mean):
         batch = current_batch()
         if batch is None:
             return super().update_state(values, sample_weight=sample_weight)
-        if self.weighting == "rows" and not getattr(batch, "tracking_loss", False):
+        if self.weighting == "rows" and not batch.tracking_loss:
             # A custom step feeding the model's tracker (`metric.update_state(loss)`
             # for the metric named "loss"): one device's Mean adds the value once.
             return _tracker_update(self, super().update_state)(values, sample_weight)
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        replicas = replicas_in_sync()
         share = tf.cast(values, self.dtype) / replicas
         if share.shape.rank != 0:
             return self._update_per_example(share, batch)
@@ -647,6 +644,33 @@ def row_weighted(value):
     return replica_part(value)
 
 
+def add_loss_share(loss):
+    """This replica's share of an `add_loss` or regularization term (`Model.additional_loss_share`).
+
+    What the term is to the rows is read from its graph
+    (`penalties.kind_of`), and `scaling.replica_share` gives the share:
+    a sum over rows whole, a mean over rows or a term of the weights by
+    n_r / N, a term computed on the global batch 1/R of it; a term kd
+    cannot split is refused, naming the op.
+    """
+    if not loss.dtype.is_floating:
+        loss = tf.cast(loss, keras.backend.floatx())
+    batch = current_batch()
+    if batch is None:
+        # Keras's own rule outside kd's step: 1/R of the term, R the strategy's.
+        return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
+    total = tf.reduce_sum(loss)
+    kind = penalties.kind_of(loss) if replicas_in_sync() > 1 else penalties.ROW_MEAN
+    if isinstance(kind, penalties.Unknown) and batch.rows_meet != "global":
+        kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
+    weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
+    return scaling.replica_share(
+        kind, total, fraction=tf.cast(scaling.fraction(batch), total.dtype) if weighs else None,
+        has_rows=batch.has_rows, replicas=replicas_in_sync(),
+        what=f"the `add_loss` term `{loss.name if hasattr(loss, 'op') else loss}`",
+        row_sum=lambda value: scaling.in_step_scale(batch, value))
+
+
 def replica_part(value, what=None):
     """`row_weighted(value)`; `what` names the value where kd cannot split it.
 
@@ -655,8 +679,7 @@ def replica_part(value, what=None):
     (`coupling.inline`). The share is `scaling.replica_share`'s.
     """
     batch = current_batch()
-    context = tf.distribute.get_replica_context()
-    if batch is None or context is None or context.num_replicas_in_sync == 1 or is_share(value):
+    if batch is None or replicas_in_sync() == 1 or is_share(value):
         return value
     value = tf.convert_to_tensor(value)
     kind = penalties.kind_of(value)
@@ -669,7 +692,7 @@ def replica_part(value, what=None):
     weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
     return scaling.replica_share(
         kind, value, fraction=tf.cast(scaling.fraction(batch), value.dtype) if weighs else None,
-        has_rows=batch.has_rows, replicas=context.num_replicas_in_sync, what=what)
+        has_rows=batch.has_rows, replicas=replicas_in_sync(), what=what)
 
 
 def _tracker_update(metric, keras_update):
@@ -688,14 +711,14 @@ def _tracker_update(metric, keras_update):
 
     def update_state(values, sample_weight=None):
         batch = current_batch()
-        context = tf.distribute.get_replica_context()
-        if batch is None or context is None or context.num_replicas_in_sync == 1 \
+        if batch is None or replicas_in_sync() == 1 \
                 or sample_weight is not None or getattr(values, "shape", None) is None \
                 or values.shape.rank != 0:
             return other_values(values, sample_weight=sample_weight)
         part = replica_part(values, what=f"the value the tracker {metric.name!r} is updated with")
         total.assign_add(tf.cast(part, total.dtype))
-        count.assign_add(tf.cast(tf.equal(context.replica_id_in_sync_group, 0), count.dtype))
+        replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+        count.assign_add(tf.cast(tf.equal(replica_id, 0), count.dtype))
 
     return update_state
 
@@ -721,7 +744,7 @@ def _metric_update(metric, keras_update):
 
     def update_state(*args, **kwargs):
         batch = current_batch()
-        if batch is None or _replicas_in_sync() == 1 or batch.global_region:
+        if batch is None or replicas_in_sync() == 1 or batch.global_region:
             return keras_update(*args, **kwargs)
         tensors = [v for v in tree.flatten((args, kwargs)) if isinstance(v, tf.Tensor)]
         kinds = [penalties.kind_of_value(v) for v in tensors]

@@ -1,22 +1,22 @@
-"""`kd.Model`, `kd.Sequential` and `DistributedModelMixin`.
+"""`kd.Model`, `kd.Sequential` and `DistributedModelMixin`: the interface a user overrides or calls.
 
-The steps below handle one replica's batch and nothing else; the distributed
-wrapping (`strategy.run`, reductions, several steps per call) is
-`keras_distrib.training.step`, and the epochs, callbacks and resume are
-`keras_distrib.training.loop`, both shared with `kd.TrainLoop` and parameter-server
-training. What the model's layers do on several replicas (padding, random
-draws, BatchNormalization moments, layer state) is
-`keras_distrib.training.forward`; what kd refuses to run is
-`keras_distrib.training.refusals`.
+As Keras's `Trainer`, this module holds what a user calls (`compile`,
+`fit`, `evaluate`, `predict`, `save`) and overrides (`train_step`,
+`test_step`, `predict_step`, `compute_loss`); each step handles one
+replica's batch and nothing else. The mechanics live below it: the
+distributed wrapping (`strategy.run`, reductions, several steps per call) is
+`keras_distrib.training.step`, the epochs, callbacks and resume are
+`keras_distrib.training.loop`, both shared with `kd.TrainLoop` and
+parameter-server training; the model's forward pass in a replica is
+`model_call`, what kd installs on its layers, optimizers and metrics is
+`hooks`, what its layers do on several replicas is `forward` and
+`batch_norm`, what kd refuses to run is `refusals`, and what `save` writes
+is `model_files`.
 """
 
 import contextlib
-import inspect
-import json
-import os
 import warnings
 
-import h5py
 import keras
 import tensorflow as tf
 from keras import tree
@@ -25,18 +25,17 @@ from keras_distrib import _keras_compat
 from keras_distrib.training import buckets
 from keras_distrib.training import coupling
 from keras_distrib.training import deferral
-from keras_distrib.training import forward
 from keras_distrib.training import front
+from keras_distrib.training import hooks
 from keras_distrib.training import gradients
 from keras_distrib.training import inputs
 from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import loop
-from keras_distrib.training import penalties
+from keras_distrib.training import model_call
+from keras_distrib.training import model_files
 from keras_distrib.training import refusals
 from keras_distrib.training import replica
-from keras_distrib.training import scaling
 from keras_distrib.training import logs as logs_lib
-from keras_distrib.training import step as step_lib
 from keras_distrib import validation
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "FunctionalModel",
     "Model",
     "Sequential",
-    "unregistered_class_warning",
 ]
 
 BATCH_NORM_MODES = ("global", "per_replica")
@@ -52,151 +50,6 @@ BATCH_NORM_MODES = ("global", "per_replica")
 # that differ).
 OWN_COMPILE_DEFAULTS = {"batch_norm": "global", "rows_meet": "global", "gradient_buckets": "auto",
                         "first_step_check": True, "pss_evaluation_shards": 0}
-# A `.keras` file's config entry (beside "compile_config") that keeps kd's own
-# compile arguments out of what plain Keras compiles with.
-OWN_COMPILE_ENTRY = "keras_distrib_compile"
-
-
-def _static_rows(x):
-    """Rows in a batch of arrays or eager tensors (its first input's), or None."""
-    for value in tree.flatten(x):
-        if value is None:
-            continue
-        if isinstance(value, tf.RaggedTensor):
-            return int(value.nrows())
-        shape = getattr(value, "shape", None)
-        if shape is None or len(shape) == 0 or shape[0] is None:
-            return None
-        return int(shape[0])
-    return None
-
-
-def _file_stamp(path):
-    try:
-        status = os.stat(path)
-    except (OSError, TypeError, ValueError):
-        return None
-    return status.st_mtime_ns, status.st_size, status.st_ino
-
-
-def _record_registered_class(path, cls):
-    """Names `cls` by its registered name in a legacy `.h5` file's model config."""
-    name = keras.saving.get_registered_name(cls)
-    if name == cls.__name__:  # not registered: Keras's bare name is all there is
-        return
-    with h5py.File(path, "r+") as file:
-        config = file.attrs.get("model_config")
-        if config is None:
-            return
-        if isinstance(config, bytes):
-            config = config.decode("utf-8")
-        config = json.loads(config)
-        if config.get("class_name") != cls.__name__:
-            return
-        config["class_name"] = name
-        file.attrs["model_config"] = json.dumps(config).encode("utf-8")
-
-
-def _metric_in_scope(metric):
-    """`metric`, made again in the current strategy's scope if it was made outside it.
-
-    A metric object made before the scope holds plain variables: each
-    replica updates the one copy, and its state cannot travel in the step's
-    gradient all-reduce with the other metrics' (it cost a collective of its
-    own per step). Its config makes the same metric, with per-replica states.
-    """
-    if not isinstance(metric, keras.metrics.Metric) or \
-            tf.distribute.get_strategy().num_replicas_in_sync == 1 or \
-            all(_keras_compat.sync_on_read_aggregation(v) is not None for v in metric.variables):
-        return metric
-    try:
-        return type(metric).from_config(metric.get_config())
-    except (TypeError, ValueError, NotImplementedError):
-        return metric  # a metric of one's own that cannot be made again: as it is
-
-
-def _recorded_result(metric, result):
-    """`metric.result` that tells kd's step which logs are this metric's (see step.py)."""
-
-    def recorded():
-        value = result()
-        batch = replica.current_batch()
-        if batch is not None:
-            if isinstance(value, dict):
-                for key, leaf in value.items():
-                    batch.metric_results[id(leaf)] = (leaf, key)
-            else:
-                batch.metric_results[id(value)] = (value, metric.name)
-        return value
-
-    return recorded
-
-
-def unregistered_class_warning(model):
-    """Warns when `keras.saving.load_model` will not find `model`'s class.
-
-    A `.keras` file names the model's class; a subclass such as
-    `class MyTask(kd.DistributedModelMixin, keras_hub.models.BertTextClassifier)`
-    reloads only if Keras can look its name up: registered with
-    `@keras.saving.register_keras_serializable()`, or passed to
-    `load_model(..., custom_objects={"MyTask": MyTask})`. Said when saving,
-    while the class is at hand, rather than when loading fails.
-
-    Returns:
-        True if it warned.
-    """
-    cls = type(model)
-    if keras.saving.get_registered_object(keras.saving.get_registered_name(cls)) is cls:
-        return False
-    warnings.warn(
-        f"{cls.__name__} is not registered with Keras, so keras.saving.load_model will not "
-        f"find it in this file (\"Could not locate class '{cls.__name__}'\"). Decorate the class "
-        "with @keras.saving.register_keras_serializable(), or load with "
-        f"keras.saving.load_model(path, custom_objects={{'{cls.__name__}': {cls.__name__}}}).",
-        stacklevel=3,
-    )
-    return True
-
-
-def _as_keras_classes(config):
-    """A serialized model config naming kd's functional and Sequential classes as Keras's.
-
-    Each such node keeps kd's registered name (`keras_distrib>FunctionalModel`),
-    which Keras looks up first: where kd's model classes are loaded it finds
-    kd's class; where kd is not installed it falls back to the module and
-    class, now Keras's `Functional` or `Sequential`, whose layers and
-    weights are the same. kd's own compile arguments move out of
-    "compile_config" (plain Keras's `compile` refuses them) to an entry of
-    their own (`OWN_COMPILE_ENTRY`), which `kd.load_model` applies again.
-    A subclass of the user's own keeps its class, as in plain Keras.
-    """
-    keras_classes = {keras.saving.get_registered_name(FunctionalModel): _keras_compat.Functional,
-                     keras.saving.get_registered_name(Sequential): keras.Sequential}
-
-    def visit(node):
-        if isinstance(node, dict):
-            keras_class = keras_classes.get(node.get("registered_name"))
-            if keras_class is not None:
-                node["module"], node["class_name"] = keras_class.__module__, keras_class.__name__
-                compile_config = node.get("compile_config") or {}
-                own = {name: compile_config.pop(name) for name in OWN_COMPILE_DEFAULTS
-                       if name in compile_config}
-                if own:
-                    node[OWN_COMPILE_ENTRY] = own
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(config)
-    return config
-
-
-def _strategy_name(strategy):
-    if strategy is None or strategy is _keras_compat.default_strategy():
-        return "no strategy"
-    return type(strategy).__name__
 
 
 class DistributedModelMixin(_keras_compat.ModelHooks):
@@ -338,12 +191,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         with scope:
             for name in ("metrics", "weighted_metrics"):
                 if kwargs.get(name) is not None:
-                    kwargs[name] = tree.map_structure(_metric_in_scope, kwargs[name])
+                    kwargs[name] = tree.map_structure(hooks.metric_in_scope, kwargs[name])
             super().compile(*args, **kwargs)
             kd_losses.install_global_losses(self)
             gradients.install(self.optimizer)
             # Not the metrics yet: a subclass's compile may create them after this returns.
-            self._install_layer_hooks(variables=False)
+            hooks.install_layer_hooks(self, variables=False)
 
     def get_compile_config(self):
         """The arguments `compile` was called with, serialized (saved in `.keras` files).
@@ -381,71 +234,11 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             with self.distribute_strategy.scope():
                 self.optimizer.build(_keras_compat.optimizer_variables(self))
 
-    def _install_layer_hooks(self, variables=True):
-        """Installs kd's per-replica hooks on every layer and variable (idempotent).
-
-        `variables`: also the model's, metrics' and optimizer's variables;
-        not in `compile`, where a subclass's own `compile` creates metrics
-        after calling `super().compile()` (SimCLR's order).
-        """
-        per_replica = getattr(self, "batch_norm", "global") == "per_replica"
-        for layer in _keras_compat.flatten_layers(self):
-            _keras_compat.record_add_loss(layer, forward.record_loss)
-            if isinstance(layer, keras.layers.BatchNormalization):
-                _keras_compat.replace_batch_norm_moments(layer, forward.global_moments)
-                if per_replica:
-                    forward.PER_REPLICA_BATCH_NORM.add(layer)
-                else:
-                    forward.PER_REPLICA_BATCH_NORM.discard(layer)
-            # Keras's layers by what they do with the rows (their class
-            # exactly; a subclass may change that, and is read instead).
-            if type(layer) in forward.GLOBAL_BATCH_RANDOM_LAYERS:
-                _keras_compat.replace_call(layer, forward.global_batch_call)
-            elif type(layer) in forward.ROWS_MEET_LAYERS:
-                _keras_compat.replace_call(layer, forward.rows_meet_call)
-            elif type(layer) in forward.ROW_WISE_LAYERS:
-                _keras_compat.replace_call(layer, forward.row_wise_call)
-            elif isinstance(layer, keras.Model) and layer is not self \
-                    and not isinstance(layer, DistributedModelMixin):
-                # A plain Keras model inside: padded for an empty replica, a
-                # place where rows may meet, and its outputs where a custom
-                # step's own computations start (coupling.anchor).
-                _keras_compat.replace_call(layer, forward.sub_model_call)
-            elif layer is not self and forward.may_meet(layer):
-                _keras_compat.replace_call(layer, forward.layer_call)
-        for layer, variable in forward.layer_state(self):
-            _keras_compat.replace_variable_updates(variable, forward.replica_state_updates(layer, variable))
-        self._install_replica_writes()
-        self._track_random_states()
-        if variables:
-            _keras_compat.fix_variables(_keras_compat.model_variables(self))
-
-    def _track_random_states(self):
-        # Keras's seed generators (random layers, a `SeedGenerator` of the
-        # model's own) are not checkpoint dependencies of the model: a
-        # restored model would draw other masks than the run it continues.
-        # A child holding their states puts them in every checkpoint of the
-        # model (kd's backups and the user's tf.train.Checkpoint alike).
-        states = forward.random_states(self)
-        current = getattr(self, "_kd_random_states", None)
-        if current is not None and current.keys == forward.state_keys(states):
-            return
-        self._kd_random_states = forward.RandomStates(states)
-
-    def _install_replica_writes(self):
-        # Under central storage, BatchNormalization's moving statistics are
-        # written by replica 0 (see _keras_compat.write_from_first_replica).
-        # Random layers' seed states are written by the last replica, after
-        # every replica has read them.
-        for layer in _keras_compat.flatten_layers(self):
-            if isinstance(layer, keras.layers.BatchNormalization):
-                _keras_compat.write_from_first_replica(layer.non_trainable_variables)
-            for generator in _keras_compat.owned_seed_generators(layer):
-                _keras_compat.write_seed_state_from_last_replica(generator)
-                _keras_compat.replace_seed_next(generator, forward.counted_draws)
-        object.__setattr__(self, "_kd_replica_writes", self.built)
-
+    # Whether the replica writes (`hooks.install_replica_writes`) are installed on built layers
+    # (read by `model_call`).
     _kd_replica_writes = False
+    # The forward pass compiled with XLA and what its outputs are to the rows (`model_call`).
+    _kd_xla_function = None
 
     def replica_batch(self, x):
         """Context for one replica's batch (row counts for loss scaling).
@@ -459,7 +252,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """This replica's share of an `add_loss` or regularization term.
 
         Keras divides these terms by R. kd reads what the term is from its
-        graph and takes `scaling.replica_share` of it: a sum over the
+        graph and takes `scaling.replica_share` of it (`losses.add_loss_share`): a sum over the
         batch's rows (`add_loss(c * tf.reduce_sum(x))`) whole, since the
         replicas' sums add up to one device's; a mean over rows (activity
         regularizers) and a term of the weights alone by n_r / N, exact on
@@ -468,128 +261,22 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         outside a layer kd computes on the global batch) is refused, naming
         the op. Replicas without rows contribute nothing.
         """
-        if not loss.dtype.is_floating:
-            loss = tf.cast(loss, keras.backend.floatx())
-        batch = replica.current_batch()
-        if batch is None:
-            return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
-        total = tf.reduce_sum(loss)
-        kind = penalties.kind_of(loss) if forward.spreads_over_replicas() else penalties.ROW_MEAN
-        if isinstance(kind, penalties.Unknown) and batch.rows_meet != "global":
-            kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
-        weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
-        return scaling.replica_share(
-            kind, total, fraction=tf.cast(scaling.fraction(batch), total.dtype) if weighs else None,
-            has_rows=batch.has_rows,
-            replicas=tf.distribute.get_strategy().num_replicas_in_sync,
-            what=f"the `add_loss` term `{loss.name if hasattr(loss, 'op') else loss}`",
-            row_sum=lambda value: scaling.in_step_scale(batch, value))
+        return kd_losses.add_loss_share(loss)
 
     @property
     def losses(self):
         # Within a step, the add_loss terms this replica's forward pass
-        # recorded, and the weight penalties (the same on every replica).
-        # After a forward pass that opened its own batch (a hand-written
-        # loop), the terms that pass recorded on this replica's thread:
-        # Keras's own list is shared by the replicas' threads.
-        batch = replica.current_batch()
-        if batch is not None and batch.owner is self and batch.losses is not None:
-            recorded = batch.losses
-        else:
-            recorded = replica.kept_losses(self)
-            if recorded is None:
-                return super().losses
-        weight_penalties = [
-            v.regularizer(v) for v in self.trainable_weights
-            if getattr(v, "regularizer", None) is not None
-        ]
-        return list(recorded) + weight_penalties
+        # recorded, and the weight penalties (`model_call.losses`); else Keras's own list.
+        in_replica = model_call.losses(self)
+        return super().losses if in_replica is None else in_replica
 
     # Called in users' `tf.function`s: it runs as written, as Keras's own call
     # does (see `kd.losses`), not rewritten by AutoGraph at every trace.
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
-        if not self._kd_replica_writes and tf.distribute.has_strategy() \
-                and not tf.distribute.in_cross_replica_context():
-            # A hand-written loop may call the model in a replica without
-            # compiling it: its BatchNormalization updates need kd's
-            # central-storage writes all the same.
-            self._install_replica_writes()
-        batch = replica.current_batch()
-        if batch is None and forward.opens_own_batch(self, args, kwargs):
-            # A hand-written loop calls the model in `strategy.run` without
-            # kd's step: the forward pass opens the replica's batch itself,
-            # so BatchNormalization statistics and random layers are laid
-            # out over the global batch as in `fit`.
-            self._install_layer_hooks()
-            forward.check_loop_shape()
-            with replica.replica_batch(replica.batch_rows(forward.first_input(args, kwargs)),
-                                       forward.loop_plan(self)) as batch:
-                batch.rows_meet = getattr(self, "rows_meet", "global")
-                batch.leaves = [t for t in tree.flatten(forward.first_input(args, kwargs))
-                                if isinstance(t, tf.Tensor) and t.shape.rank][:1]
-                outputs = self.__call__(*args, **kwargs)
-                replica.keep_losses(self, batch.losses)
-            return outputs
-        if batch is None or batch.in_forward:
-            return super().__call__(*args, **kwargs)
-        plan = batch.plan
-        padding = bool(args) and plan.pad_empty and not batch.global_region
-        if padding:
-            args = (forward.pad_empty_batch(args[0], batch),) + args[1:]
-            batch.padded.append(tf.logical_not(batch.has_rows))
-        batch.losses, batch.owner, batch.in_forward = [], self, True
-        try:
-            if plan.xla_forward:
-                if any(_keras_compat.owned_seed_generators(layer)
-                       for layer in _keras_compat.flatten_layers(self)):
-                    batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
-                outputs, batch.losses = self._xla_forward(*args, **kwargs)
-            elif forward.may_meet(self):
-                # The model's own `call` (a subclass's, a functional model's
-                # own ops) may make rows meet: see coupling.layer_call.
-                own_call = coupling.layer_call(self, super().__call__, pad=False)
-                outputs = own_call(*args, **kwargs)
-            else:
-                outputs = super().__call__(*args, **kwargs)
-        finally:
-            batch.in_forward = False
-            if padding:
-                batch.padded.pop()
-        if plan.pad_empty and not batch.global_region:
-            outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs), self)
-        return coupling.anchor(outputs, self, batch)
-
-    def _xla_forward(self, *args, **kwargs):
-        # The forward pass (and its gradient) compiled on the replica's
-        # device; the all-reduces stay outside (see StepPlan.xla_forward).
-        # What the outputs and `add_loss` terms are to the rows is read in the
-        # compiled function's own graph (the call op hides them) and marked
-        # on what it returns.
-        forward, kinds = self._kd_xla_function or (None, {})
-        if forward is None:
-            def forward_pass(*args, **kwargs):
-                batch = replica.current_batch()
-                batch.losses = []
-                outputs = self(*args, **kwargs)  # in_forward: Keras's own call
-                kinds["outputs"] = [penalties.kind_of_value(v) if isinstance(v, tf.Tensor) else None
-                                    for v in tree.flatten(outputs)]
-                kinds["losses"] = [penalties.kind_of(term) for term in batch.losses]
-                return outputs, list(batch.losses)
-
-            forward = step_lib.on_replica_device(
-                tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
-            )
-            object.__setattr__(self, "_kd_xla_function", (forward, kinds))
-        outputs, losses = forward(*args, **kwargs)
-        for value, kind in zip(tree.flatten(outputs), kinds["outputs"]):
-            if kind is not None:
-                penalties.mark_kind(value, kind)
-        for value, kind in zip(losses, kinds["losses"]):
-            penalties.mark_kind(value, kind)
-        return outputs, losses
-
-    _kd_xla_function = None
+        # In a replica, the forward pass as one device computes it for the
+        # global batch (`model_call`); elsewhere Keras's own call.
+        return model_call.call(self, super().__call__, args, kwargs)
 
     def _call_model(self, x, training):
         if _keras_compat.call_has_training_arg(self):
@@ -621,12 +308,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 batch.metric_variables = list(self.metrics_variables)
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
-                gradients = tape.gradient(loss, variables)
+                grads = tape.gradient(loss, variables)
                 # Sums the replicas' gradients first (gradients.all_reduce, the
                 # step's one all-reduce, with the scaling rule's correction:
                 # training/scaling.py), then Keras's optimizer updates as on
                 # one device: kd's pipeline, installed on it at compile.
-                self.optimizer.apply_gradients(zip(gradients, variables))
+                self.optimizer.apply_gradients(zip(grads, variables))
             else:
                 warnings.warn("The model does not have any trainable weights.")
             batch.metric_variables = None
@@ -653,56 +340,6 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._call_model(x, training=False)
 
-    def _check_strategy(self, training=False):
-        """Refuses to run under a strategy the model (or its parts) was not created in."""
-        if not tf.distribute.has_strategy():
-            return
-        active = tf.distribute.get_strategy()
-        scope = f"`{type(active).__name__}.scope()`"
-        created = _keras_compat.created_strategy(self)
-        if created is not active:
-            built_in = type(created).__name__ if created is not None else "no strategy"
-            raise ValueError(
-                f"This model was created under {built_in}, but is used inside "
-                f"{scope}. Its variables are not "
-                "distributed, so training would silently ignore the strategy. "
-                "Create (and compile) the model inside `with strategy.scope():`."
-            )
-        if isinstance(active, (tf.distribute.MirroredStrategy,
-                               tf.distribute.MultiWorkerMirroredStrategy)):
-            stray = [v.path for v in self.weights
-                     if not active.extended.variable_created_in_scope(v.value)]
-            if stray:
-                shown = ", ".join(f"`{p}`" for p in stray[:4]) + (" ..." if len(stray) > 4 else "")
-                raise ValueError(
-                    f"The model was created inside {scope}, but {len(stray)} of its "
-                    f"variables were not ({shown}): a layer was built before the scope was "
-                    "entered, so its weights are not mirrored and each replica would train "
-                    "its own copy. Create the layers (and the model) inside "
-                    "`with strategy.scope():`."
-                )
-        optimizer = getattr(self, "optimizer", None)
-        if training and optimizer is not None:
-            optimizer_strategy = _keras_compat.optimizer_strategy(optimizer, active)
-            if optimizer_strategy is not active:
-                raise ValueError(
-                    f"The optimizer `{optimizer.name}` ({type(optimizer).__name__}) was created "
-                    f"under {_strategy_name(optimizer_strategy)}, but the model trains inside "
-                    f"{scope}: its step count and slots would not be distributed. Create the "
-                    "optimizer inside `with strategy.scope():` (e.g. "
-                    "`model.compile(optimizer=keras.optimizers.Adam(...))` there)."
-                )
-
-    def _check_exactness(self, training):
-        """Refuses settings kd cannot make exact here, naming each one."""
-        problems = refusals.unsupported_settings(self, training=training)
-        if problems:
-            strategy = type(self.distribute_strategy).__name__
-            raise ValueError(
-                f"kd cannot make this model exact under {strategy}:\n  - "
-                + "\n  - ".join(problems)
-            )
-
     # The compiled steps (Keras's names; each is a `keras_distrib.training.step.Step`).
 
     @tf.autograph.experimental.do_not_convert
@@ -717,58 +354,9 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         return replica.mark_share(super().compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training))
 
-    def _optimizers(self):
-        """Every Keras optimizer the model holds as an attribute (a GAN's two, say)."""
-        return gradients.optimizers_of(self)
-
-    def _install_step_hooks(self):
-        """Installs what a step needs: the process-wide replacements, kd's gradient pipeline on
-        every optimizer, one device's logs from every metric (idempotent)."""
-        # For the whole process, at the first step (not on import); each is
-        # Keras's or TensorFlow's own outside a kd replica step
-        # (_keras_compat.replacements lists every replacement and its scope).
-        _keras_compat.install_for_process(
-            loss_call=kd_losses.loss_object_call, before_gradient=gradients.classify_gradient_target,
-            random_draw=forward.global_batch_draw)
-        for optimizer in self._optimizers():
-            gradients.install(optimizer)
-        self._own_compute_loss_on_global_batch()
-        metrics = list(self.metrics)
-        kd_losses.exact_trackers(metrics)
-        kd_losses.exact_metric_updates(metrics)
-        for metric in metrics:
-            _keras_compat.replace_metric_result(metric, _recorded_result)
-
-    def _own_compute_loss_on_global_batch(self):
-        """A `compute_loss` of the subclass's own runs on the global batch where its rows meet.
-
-        (An in-batch contrastive loss: `coupling.call_on_global_batch`.) Its
-        scalar result is then this replica's share, as kd's own `compute_loss`
-        returns; a per-row result is the global batch's (GLOBAL).
-        """
-        if type(self).compute_loss is DistributedModelMixin.compute_loss or "compute_loss" in vars(self):
-            return
-        own = type(self).compute_loss.__get__(self)
-
-        def compute_loss(*args, **kwargs):
-            result, _ = coupling.call_on_global_batch(
-                self, lambda a, k: own(*a, **k), (args, kwargs), share_scalars=True)
-            return result
-
-        compute_loss.__signature__ = inspect.signature(own)  # Keras reads its arguments
-        compute_loss.__doc__ = own.__doc__
-        object.__setattr__(self, "compute_loss", compute_loss)
-
-    def _ready_for(self, kind):
-        """Readies the model for its first `kind` step: the refusals, then the hooks its steps need."""
-        self._check_strategy(training=kind == "train")
-        self._check_exactness(training=kind == "train")
-        self._install_layer_hooks()
-        self._install_step_hooks()
-
     def _own_steps(self):
-        """The model's own compiled steps (`step.ModelSteps`), kept in Keras's attributes."""
-        return step_lib.ModelSteps(self, ready=self._ready_for)
+        """The model's own compiled steps (`front.ModelSteps`), kept in Keras's attributes."""
+        return front.ModelSteps(self, kd_compute_loss=DistributedModelMixin.compute_loss)
 
     def make_train_function(self, force=False):
         """The compiled training `Step` (`steps_per_execution` steps per call)."""
@@ -791,7 +379,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             validation_batch_size=None, validation_freq=1):
         """`keras.Model.fit`, exact under any strategy (kd's loop, shared with `kd.TrainLoop`)."""
         _keras_compat.assert_compiled(self, "fit")
-        self._check_strategy(training=True)
+        refusals.check_strategy(self, training=True)
         return front.fit(self, self._own_steps(), inputs.FitRequest(
             x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
@@ -804,7 +392,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                  steps=None, callbacks=None, return_dict=False, **kwargs):
         """`keras.Model.evaluate`, exact under any strategy."""
         _keras_compat.assert_compiled(self, "evaluate")
-        self._check_strategy()
+        refusals.check_strategy(self)
         kwargs.pop("_use_cached_eval_dataset", None)
         shards = kwargs.pop("shards", None)
         if kwargs:
@@ -825,7 +413,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
 
         Works on a model that was never compiled (inference), as Keras's.
         """
-        self._check_strategy()
+        refusals.check_strategy(self)
         return front.predict(self, self._own_steps(), x, batch_size=batch_size, verbose=verbose,
                              steps=steps, callbacks=callbacks)
 
@@ -836,7 +424,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         splits a batch (plain Keras gives every replica the whole batch and
         returns each row once per replica).
         """
-        rows = _static_rows(x)
+        rows = inputs.static_rows(x)
         if rows is None:
             raise ValueError(
                 f"`x` ({type(x).__name__}) has no leading batch dimension to predict on; "
@@ -864,15 +452,13 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         A subclass of your own (or of a KerasHub task) reloads only if
         registered (`@keras.saving.register_keras_serializable()`) or passed
         as `custom_objects`; saving one that is neither warns
-        (`unregistered_class_warning`).
+        (`model_files.unregistered_class_warning`).
         """
-        unregistered_class_warning(self)
-        before = _file_stamp(filepath)
-        with _keras_compat.saved_config(_as_keras_classes):
-            result = super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
-        if str(filepath).endswith((".h5", ".hdf5")) and _file_stamp(filepath) != before:
-            _record_registered_class(filepath, type(self))
-        return result
+        keras_classes = {keras.saving.get_registered_name(FunctionalModel): _keras_compat.Functional,
+                         keras.saving.get_registered_name(Sequential): keras.Sequential}
+        return model_files.save(self, super().save, filepath, overwrite=overwrite, zipped=zipped,
+                                keras_classes=keras_classes, own_compile_names=tuple(OWN_COMPILE_DEFAULTS),
+                                **kwargs)
 
     def build_from_data(self, iterator=None, data_batch=None):
         """Builds every variable from an epoch iterator's spec, or a batch.

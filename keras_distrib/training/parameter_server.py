@@ -27,6 +27,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import loop
 from keras_distrib.training import logs as logs_lib
+from keras_distrib.training import refusals
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
 
@@ -274,7 +275,7 @@ def fit(model, request, *, steps_per_call=1):
             "ParameterServerStrategy (workers read repeated per-worker datasets); pass "
             "`validation_data`."
         )
-    model._check_exactness(training=True)
+    refusals.check_exactness(model, training=True)
     coordinator = coordinator_for(strategy)
     data = WorkerData(strategy, request.x, request.y, request.sample_weight, request.batch_size,
                       request.shuffle, request.class_weight)
@@ -348,7 +349,7 @@ def evaluate(model, x=None, y=None, *, batch_size=None, verbose="auto", sample_w
         )
     return loop.evaluate(
         model, model.make_test_function(), x, y, batch_size=batch_size, verbose=verbose,
-        sample_weight=sample_weight, steps_count=steps, callbacks=callbacks,
+        sample_weight=sample_weight, batches=steps, callbacks=callbacks,
         return_dict=return_dict, strategy=_keras_compat.default_strategy(),
     )
 
@@ -440,7 +441,7 @@ def predict(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=
     """`Model.predict` under ParameterServerStrategy: every row once, in order."""
     return loop.predict(
         model, model.make_predict_function(), x, batch_size=batch_size, verbose=verbose,
-        steps_count=steps, callbacks=callbacks, strategy=_keras_compat.default_strategy(),
+        batches=steps, callbacks=callbacks, strategy=_keras_compat.default_strategy(),
     )
 
 

@@ -29,7 +29,7 @@ in the table, or given inputs its rule does not cover, is `Unknown`
 the global batch where kd can, else refused at the first trace
 (`refusal`, naming the op and the fix).
 
-kd's own layers mark what they compute (`mark_global`, `mark_rows`,
+kd's own layers mark what they compute (`mark_fixed`, `mark_rows`,
 `mark_meets`): global BatchNormalization statistics are the same on every
 replica, a random layer laid out over the global batch keeps the
 replica's rows, a shuffle of the rows makes them meet.
@@ -68,8 +68,8 @@ __all__ = [
     "kind_of",
     "kind_of_value",
     "layout_of_op",
+    "mark_fixed",
     "mark_gathered",
-    "mark_global",
     "mark_kind",
     "mark_meets",
     "mark_offset",
@@ -186,8 +186,8 @@ def _mark(tensor, kind):
 
 
 @tf.autograph.experimental.do_not_convert
-def mark_global(tensor):
-    """Marks `tensor` as the same on every replica (e.g. global batch statistics)."""
+def mark_fixed(tensor):
+    """Marks `tensor` as `FIXED`: the same on every replica (e.g. global batch statistics)."""
     return _mark(tensor, FIXED)
 
 

@@ -48,7 +48,7 @@ _STATE = threading.local()
 SHARE = "share"
 
 # Said (and raised as a ValueError by kd's step) when a random draw's leading
-# dimension is not a multiple of the replica's rows (see forward._blocks_of).
+# dimension is not a multiple of the replica's rows (see draws._blocks_of).
 DRAW_REFUSAL = (
     "kd: a random draw in a step on several replicas has a leading dimension that is not a "
     "multiple of the rows of the replica, so kd cannot lay it out over the global batch as one "
@@ -127,6 +127,28 @@ class ReplicaBatch:
         recorded_gradients: None, or a list the gradient all-reduce appends
             `(variables, global gradients)` to at each optimizer's update
             (the first-step check reads them: `keras_distrib.training.first_step`).
+        moments_token: A zero that follows the forward pass's latest
+            collective, added to the next (`chain`, `after_collective`); None
+            before the first.
+        seed_draws: id of a SeedGenerator -> (its state read, draws so far)
+            in this step (`draws.counted_draws`).
+        shares: id -> tensor: the loss shares kd computed in this step (`mark_share`).
+        metric_results: id -> (tensor, log key): the metric results read in
+            this step (`hooks`' recorded `result`; the step's logs read them).
+        laid_out: > 0 inside a call kd already runs on the global batch
+            (`forward`: its layers leave their draws alone there).
+        occurrences: id of a call's owner -> its calls so far in this step
+            (`coupling.anchor`).
+        anchors: tensor ref -> anchor key (`coupling.anchor`).
+        leaves: The step's data leaves (leaf 0 holds the batch's rows); their
+            global row counts and this replica's offsets are all-reduced
+            together when first read (`leaf_rows`).
+        layouts: tensor ref -> the leaves its rows come from (`coupling.row_layout`).
+        padded: Inside forward passes fed one padded row: whether that row is
+            padding (innermost last; `model_call`).
+        tracking_loss: Whether kd's own step is updating the model's loss
+            tracker with its loss share (`losses.track_loss`), not a custom
+            step feeding it a value.
     """
 
     def __init__(self, local_rows, global_rows=None, plan=None, offset=None, static_rows=None):
@@ -163,6 +185,7 @@ class ReplicaBatch:
         # Inside forward passes fed one padded row: whether that row is padding (innermost last).
         self.padded = []
         self.recorded_gradients = None
+        self.tracking_loss = False
 
     @property
     def global_rows(self):
@@ -202,7 +225,7 @@ class ReplicaBatch:
 
     def global_sum(self, value):
         """`value` summed over the replicas, in the all-reduce that also brings N if unknown."""
-        if self._global_rows is not None or not _spreads():
+        if self._global_rows is not None or replicas_in_sync() == 1:
             return replica_sum(value)
         value = tf.convert_to_tensor(value)
         rows = tf.cast(self.local_rows, value.dtype)
@@ -326,7 +349,7 @@ def replica_sum(value):
             "`strategy.run(...)` or a model's train_step/test_step, not "
             "directly under `strategy.scope()`."
         )
-    if context.num_replicas_in_sync == 1:
+    if replicas_in_sync() == 1:
         return value
     if isinstance(value, (list, tuple)):
         return sum_packed(context, value)
@@ -375,13 +398,16 @@ def _size(tensor):
 
 
 def replicas_in_sync():
-    """R: the replicas of the current replica context (1 outside one)."""
+    """R: the replicas in sync of the current replica context (1 outside one).
+
+    The one answer to "how many replicas" in the step machinery (a replica's
+    step, its forward pass, losses, logs and gradients). Outside a replica
+    context (cross-replica context, under `strategy.scope()`), 1: nothing
+    there is one replica's share. What a strategy holds, asked before the
+    step, is `strategy.num_replicas_in_sync`.
+    """
     context = tf.distribute.get_replica_context()
     return context.num_replicas_in_sync if context is not None else 1
-
-
-def _spreads():
-    return replicas_in_sync() > 1
 
 
 def _in_symbolic_build():
@@ -403,7 +429,7 @@ def piece_order(replicas, workers):
 
 def _order_before(context):
     """before[me][other] = 1.0 where replica `other`'s piece of a global batch comes before `me`'s."""
-    replicas = context.num_replicas_in_sync
+    replicas = replicas_in_sync()
     devices = getattr(tf.distribute.get_strategy().extended, "worker_devices", None) or ()
     workers = max(replicas // max(len(devices), 1), 1)
     if replicas % workers:
@@ -428,9 +454,9 @@ def rows_and_offsets(local_counts):
         `(totals, offsets)`, float32 vectors like `local_counts`.
     """
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    replicas = replicas_in_sync()
+    if replicas == 1:
         return replica_sum(local_counts), tf.zeros_like(local_counts)
-    replicas = context.num_replicas_in_sync
     replica_id = context.replica_id_in_sync_group
     counts = context.all_reduce(
         tf.distribute.ReduceOp.SUM, tf.one_hot(replica_id, replicas)[:, None] * local_counts[None, :]
@@ -453,7 +479,7 @@ def replica_batch(local_rows, plan=None):
     static_rows = local_rows if isinstance(local_rows, int) else None
     local_rows = tf.cast(local_rows, tf.float32)
     batch = ReplicaBatch(local_rows, plan=plan, static_rows=static_rows)
-    if not _spreads():
+    if replicas_in_sync() == 1:
         batch._global_rows, batch._offset = local_rows, tf.zeros_like(local_rows)
     _STATE.batch = batch
     try:

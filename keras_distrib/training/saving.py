@@ -4,7 +4,7 @@ A functional or Sequential kd model saved with `model.save("m.keras")`
 names Keras's classes (`Functional`, `Sequential`) with kd's registered
 name beside them: plain Keras loads it where kd is not installed, and
 where kd's model classes are loaded Keras finds kd's class by that name
-(`models._as_keras_classes`). `save_for_keras` writes a file without kd's
+(`model_files`). `save_for_keras` writes a file without kd's
 names at all, which `keras.saving.load_model` loads as Keras's classes
 even beside kd. (`model.export(path)` writes a SavedModel for serving; it
 needs neither kd nor Keras to load.)
@@ -15,7 +15,7 @@ state, to train on exactly where it stopped. What kd adds to `compile`
 (`batch_norm`, `rows_meet`, `gradient_buckets`, `pss_evaluation_shards`) is not Keras's: `save_for_keras`
 keeps it in an entry of its own in the file (`keras_distrib.json`, which
 Keras does not read), `model.save` in an entry of the config beside
-"compile_config" (`models.OWN_COMPILE_ENTRY`, which Keras ignores), and
+"compile_config" (`model_files.OWN_COMPILE_ENTRY`, which Keras ignores), and
 `load_model` compiles with it again.
 """
 
@@ -31,6 +31,7 @@ import keras
 from keras_distrib import _keras_compat
 from keras_distrib import files
 from keras_distrib.cluster import info as cluster_lib
+from keras_distrib.training import model_files
 from keras_distrib.training import models
 
 __all__ = [
@@ -113,18 +114,10 @@ def _plain_config(model):
             "`model.export(path)` (a SavedModel needs neither kd nor Keras).")
     config = keras.saving.serialize_keras_object(model)
 
-    def rename(node):
-        if isinstance(node, dict):
-            triple = _triple(node)
-            if triple in renames:
-                node["module"], node["class_name"], node["registered_name"] = renames[triple]
-            for value in node.values():
-                rename(value)
-        elif isinstance(node, list):
-            for value in node:
-                rename(value)
-
-    rename(config)
+    for node in model_files.config_dicts(config):
+        triple = _triple(node)
+        if triple in renames:
+            node["module"], node["class_name"], node["registered_name"] = renames[triple]
     compile_config = config.get("compile_config") or {}
     keras_arguments = set(inspect.signature(keras.Model.compile).parameters)
     own = {name: value for name, value in compile_config.items() if name not in keras_arguments}
@@ -307,7 +300,7 @@ def load_model(filepath, *, custom_objects=None, compile=True, safe_mode=True):
     kd_config = _kd_config(config, entry, custom_objects)
     # kd's own compile arguments: save_for_keras keeps them in an entry of
     # the file, model.save in one of the config.
-    own = {**(entry or {}).get("compile", {}), **config.get(models.OWN_COMPILE_ENTRY, {})}
+    own = {**(entry or {}).get("compile", {}), **config.get(model_files.OWN_COMPILE_ENTRY, {})}
     if compile and own and kd_config.get("compile_config"):
         kd_config = dict(kd_config, compile_config={**kd_config["compile_config"], **own})
     if kd_config == config:

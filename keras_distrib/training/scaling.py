@@ -25,7 +25,7 @@ N, whether the step defers the scale):
   weights alone, n_r / N of it; a sum over rows as it is; a value computed
   on the global batch 1/R of it; one kd cannot read is refused;
 - a loss kd did not compute (plain ops on the replica's rows): its
-  gradients weighted by `replica_share` of the loss's kind (`row_weighted`).
+  gradients weighted by `replica_share` of the loss's kind (`row_weighted_gradients`).
 
 The shares themselves are computed by `losses` (`GlobalReductionLoss`,
 `global_mean`, and Keras's loss objects in a kd step) and by the model's
@@ -47,7 +47,7 @@ __all__ = [
     "own_scale",
     "per_dtype",
     "replica_share",
-    "row_weighted",
+    "row_weighted_gradients",
     "to_own_scale",
 ]
 
@@ -127,7 +127,7 @@ def replica_share(kind, value, *, fraction, has_rows, replicas, what, row_sum=No
     return share if has_rows is None else tf.where(has_rows, share, tf.zeros_like(share))
 
 
-def row_weighted(batch, gradients, kind=None):
+def row_weighted_gradients(batch, gradients, kind=None):
     """Gradients of a loss kd did not compute, weighted by the replica's rows.
 
     No loss share was computed in this step (no `compute_loss`, Keras loss

@@ -30,7 +30,6 @@ from keras_distrib.cluster import strategies
 from keras_distrib import validation
 
 __all__ = [
-    "ModelSteps",
     "Step",
     "on_replica_device",
     "plan_for",
@@ -154,7 +153,7 @@ def _created_before_the_batch(next_creator, **kwargs):
 # TensorFlow's stateful random ops (`tf.random.normal`, `tf.random.Generator`,
 # ...): each device keeps its own state, so replicas cannot draw what one
 # device draws for the global batch. Keras draws statelessly (kd lays those
-# draws out, see forward.global_batch_draw).
+# draws out, see draws.global_batch_draw).
 STATEFUL_DRAWS = frozenset({
     "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
     "ParameterizedTruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
@@ -189,14 +188,13 @@ def _stateful_draws(operations):
 
 def refuse_stateful_draws(operations, owner):
     """Refuses TensorFlow's stateful random ops in `owner`'s step on several replicas."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if replica.replicas_in_sync() == 1:
         return
     found = _stateful_draws(operations)
     if found:
         raise ValueError(
             f"{owner} draws random numbers with TensorFlow's stateful ops: {', '.join(found)}. "
-            f"On {context.num_replicas_in_sync} replicas each device draws from its own state, "
+            f"On {replica.replicas_in_sync()} replicas each device draws from its own state, "
             "not the numbers one device draws for the global batch, so training would differ "
             "from one device. Draw with Keras's random functions and a seed generator "
             "(keras.random.normal(shape, seed=self.seed_generator), the generator a "
@@ -307,7 +305,7 @@ class Step:
             raise ValueError(f"`steps`={steps!r}: expected a whole number >= 1.")
         self.model = model
         self.kind = kind
-        self.steps = steps
+        self.steps_per_call = steps
         self.strategy = model.distribute_strategy
         strategies.check_collective_keys(self.strategy)
         # Which of a step's outputs are metric results (path -> log key), learnt while tracing.
@@ -529,7 +527,7 @@ class Step:
             first_step.check(self.model, self.strategy, self._single_one_device(), result,
                              {**captured, "variables": self._capture["variables"]}, snapshot)
         self._check_due = False
-        count = self.steps if count is None else int(count)
+        count = self.steps_per_call if count is None else int(count)
         if count <= 1:
             return result
         try:
@@ -541,7 +539,7 @@ class Step:
         return replica_function(self.model, self.kind, one_device=True)
 
     def _call(self, iterator, count, logs, alone=False):
-        count = self.steps if count is None else int(count)
+        count = self.steps_per_call if count is None else int(count)
         functions = self._functions
         # Without logs (evaluation whose logs are read once, at its end:
         # `read_logs`) a call reads no metric and makes no collective for it.
@@ -549,7 +547,7 @@ class Step:
         try:
             # With more than one step per call, every call (a last, shorter
             # one too) runs the looped function: one trace, not two.
-            if alone or (count == 1 and self.steps == 1):
+            if alone or (count == 1 and self.steps_per_call == 1):
                 return self._logs_of(functions[quiet + "one"](iterator))
             if self._looping:
                 try:
@@ -642,42 +640,6 @@ class Step:
             return logs_lib.metric_results(model)
 
         return run_on_worker
-
-
-class ModelSteps:
-    """A model's own steps: one `Step` per kind, built at its first use and kept.
-
-    `kd.Model.fit/evaluate/predict` hand this to `front` (which hands its
-    steps to the loop), and Keras's `make_train_function` and its siblings
-    read it too, so every path gets the same `Step`: `steps_per_execution`
-    steps per call, kept where Keras keeps it (`model.train_function`,
-    `test_function`, `predict_function`; `compile` clears them). A
-    `kd.TrainLoop` keeps its own steps (`steps_per_loop` per call).
-
-    Args:
-        model: A compiled kd model.
-        ready: Called with the kind before its `Step` is built: the model's
-            refusals and the hooks its steps need (`DistributedModelMixin._ready_for`).
-
-    Calling `steps(kind)` returns the kept `Step` of `kind` ("train",
-    "test", "predict"), built first if there is none (or `force=True`).
-    """
-
-    _KEPT_AS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
-
-    def __init__(self, model, ready):
-        self.model = model
-        self._ready = ready
-
-    def __call__(self, kind, *, force=False):
-        if kind not in self._KEPT_AS:
-            raise ValueError(f"`kind`={kind!r}: expected one of {list(KINDS)}.")
-        attribute = self._KEPT_AS[kind]
-        if getattr(self.model, attribute) is None or force:
-            self._ready(kind)
-            setattr(self.model, attribute,
-                    Step(self.model, kind, steps=int(self.model.steps_per_execution or 1)))
-        return getattr(self.model, attribute)
 
 
 def _warn_stepwise(model, count, why):

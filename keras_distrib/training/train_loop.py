@@ -11,9 +11,11 @@ import tensorflow as tf
 from keras_distrib import _keras_compat
 from keras_distrib.training import callbacks as callbacks_lib
 from keras_distrib.training import front
+from keras_distrib.training import hooks
 from keras_distrib.training import inputs
 from keras_distrib.training import loop
 from keras_distrib.training import models
+from keras_distrib.training import refusals
 from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import step as step_lib
 from keras_distrib import validation
@@ -101,10 +103,10 @@ class TrainLoop:
     def _step(self, kind):
         """The compiled `Step` of `kind`, `steps_per_loop` steps per call."""
         if kind not in self._steps:
-            self.model._check_exactness(training=kind == "train")
+            refusals.check_exactness(self.model, training=kind == "train")
             # As the model's own steps: a custom step's metrics, loss objects
             # and trackers give one device's logs.
-            self.model._install_step_hooks()
+            hooks.install_step_hooks(self.model, kd_compute_loss=models.DistributedModelMixin.compute_loss)
             self._steps[kind] = step_lib.Step(self.model, kind, steps=self.steps_per_loop)
         return self._steps[kind]
 
