@@ -34,6 +34,7 @@ processes; this module owns the models, the worker's loop and the report.
 
 import gc
 import math
+import resource
 import statistics
 import time
 
@@ -291,7 +292,8 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
     benchmark process to set it), every variant, each going first in turn.
     Steps/s count from the end of an epoch's first step to its last's.
     Then, at the last rate, one epoch of each kd variant runs under the
-    first worker's profiler (`trace_overlap`), kept under `"trace"`.
+    first worker's profiler (`trace_overlap`), kept under `"trace"`. The
+    worker's peak resident memory (MB, all sizes) is under `"peak_rss_mb"`.
     """
     step_ends = []
     timings = {"trace": {}}
@@ -317,6 +319,9 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
             for name in ("kd_fit", "kd_fit_one")}
         del built
         gc.collect()
+    # Every variant of a size lives at once (they take turns): what a worker
+    # needs grows with the gradient, and a machine should hold workers x this.
+    timings["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return timings
 
 
@@ -328,6 +333,7 @@ def summarize(timings, throughputs):
     speeds, overlap, ratios = {}, {}, {}
     timings = dict(timings)
     traces = timings.pop("trace", {})
+    peak_rss_mb = timings.pop("peak_rss_mb", None)
     for size, by_rate in timings.items():
         for rate, runs in by_rate.items():
             key = f"{size} MB @ {rate} Gbit/s"
@@ -353,7 +359,8 @@ def summarize(timings, throughputs):
                     point["kd_fit_hidden_of_buckets"] = (
                         (compute + buckets_ms - ms["kd_fit"]) / min(compute, buckets_ms))
             overlap[key] = point
-    return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios, "trace": traces}
+    return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios, "trace": traces,
+            "first_worker_peak_rss_mb": peak_rss_mb}
 
 
 def print_table(report, print_fn):
@@ -382,6 +389,10 @@ def print_table(report, print_fn):
                 value = part["ratios"][key].get(name)
                 row += f" {'-' if value is None else format(value, '.2f'):>22s}"
             print_fn(row)
+    for count, part in report["bandwidth"].items():
+        if part.get("first_worker_peak_rss_mb"):
+            print_fn(f"{count:>7s} workers: the first worker's peak memory {part['first_worker_peak_rss_mb']:.0f} MB "
+                     "(every variant of a size lives at once)")
     print_fn("all-reduce starts, ms from the end of the backward pass (median over a profiled epoch; "
              "negative: while it ran)")
     for count, part in report["bandwidth"].items():
