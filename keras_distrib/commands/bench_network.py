@@ -590,13 +590,13 @@ def _one_cluster(workers, *, link, delays, steps, repeats, deadline, print_fn, m
             )
             print_fn(f"{PREFIX}: {workers} workers started in namespaces {testbed.names[0]}.."
                      f"{testbed.names[-1]} (link: {link})")
-            return _serve(testbed, deadline)
+            return _serve(testbed, deadline, print_fn)
     finally:
         testbed.close()
 
 
-def _serve(testbed, deadline):
-    """Answers the first worker's delay requests until it prints its timings."""
+def _serve(testbed, deadline, print_fn):
+    """Answers the first worker's delay requests until it prints its timings; shows its progress lines."""
     chief = testbed.processes[0]
     lines = queue.Queue()
 
@@ -639,6 +639,8 @@ def _serve(testbed, deadline):
             throughputs.setdefault(f"{rate:g}", []).append(testbed.throughput_gbit())
             chief.stdin.write("OK\n")
             chief.stdin.flush()
+        elif line.startswith(bench_bandwidth.PROGRESS + " "):
+            print_fn(f"{PREFIX}: {line[len(bench_bandwidth.PROGRESS) + 1:].rstrip()}")
         elif line.startswith("TIMINGS "):
             timings = json.loads(line[len("TIMINGS "):])
             for process in testbed.processes:
@@ -707,6 +709,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         "--rates", ",".join(f"{r:g}" for r in rates), "--gradient-mb", ",".join(f"{m:g}" for m in gradient_mb),
         "--batch", str(batch or bench_bandwidth.GLOBAL_BATCH))
     found, resolved, note = problems(link, delays)
+    if rates:
+        found += filter(None, [bench_bandwidth.memory_problem(gradient_mb, workers)])
     if found:
         raise NetworkBenchError("keras-distrib bench --network cannot run here:\n  - " + "\n  - ".join(found))
     if note:
