@@ -217,7 +217,7 @@ def gradient_bytes(gradient_mb):
 
 
 def memory_needed(gradient_mb, workers):
-    """Bytes of memory a sweep of `workers` workers on this machine needs at `gradient_mb` MB.
+    """About the bytes of memory a sweep of `workers` workers needs at `gradient_mb` MB.
 
     Every variant of a size lives at once in each worker (five models, the
     all-reduce buffers, a step's transient gradients and TensorFlow's
@@ -343,6 +343,7 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
         # its timeout still says what it had measured.
         if first:
             print(f"{PROGRESS} {text}", flush=True)
+
     for size in sizes:
         built = _runners(size, steps, strategy, workers, lambda: step_ends.append(time.perf_counter()), batch)
         names = [name for name in VARIANTS if name in built]
