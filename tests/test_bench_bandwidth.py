@@ -17,6 +17,16 @@ def test_the_models_hold_the_gradient_bytes_asked_for():
         assert abs(bench_bandwidth.gradient_bytes(megabytes) / 1e6 - megabytes) / megabytes < 0.01
 
 
+def test_a_sweep_the_memory_cannot_hold_is_refused_naming_the_fix():
+    # 400 MB of gradient: a worker held 7.0 GB (docs/benchmarks/2026-11-29-bandwidth.md).
+    per_worker = bench_bandwidth.memory_needed(400, 1)
+    assert 6.5e9 < per_worker < 8e9
+    problem = bench_bandwidth.memory_problem([4, 400], [2, 4], available=20e9)
+    assert problem.startswith("4 workers at `--gradient-mb` 400 need about 29.")
+    assert "but 20.0 GB is available: pass fewer `--workers` or a smaller `--gradient-mb`" in problem
+    assert bench_bandwidth.memory_problem([4, 400], [2], available=20e9) is None
+
+
 def test_the_report_puts_compute_comm_and_the_hidden_share_on_one_page():
     # compute 100 ms, one all-reduce 80 ms: serial 180, limit 100; kd 120 ms
     # hides (180 - 120) / 80 = 0.75 of the smaller one; a loop at 180 ms hides nothing.
@@ -76,3 +86,6 @@ def test_a_short_sweep_shapes_the_link_and_measures_every_variant():
     assert trace["starts_ms"] and all(len(starts) == 2 and 0 <= starts[0] < starts[1]
                                       for starts in trace["starts_ms"]), trace
     assert any("hidden" in line for line in lines)
+    # Each timed epoch is shown as it ends (a run stopped by its timeout still shows them).
+    assert any(line.startswith("kdbench: 0.5 MB @ 0.2 Gbit/s, repeat 1: kd_fit ") and line.endswith(" ms/step")
+               for line in lines), lines

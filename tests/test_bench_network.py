@@ -16,7 +16,9 @@ import time
 
 import pytest
 
+from keras_distrib.commands import bench
 from keras_distrib.commands import bench_network
+from keras_distrib.training import buckets
 from keras_distrib.commands import cli
 
 
@@ -75,6 +77,17 @@ def test_bad_arguments_are_refused_by_the_cli(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--network", "--workers", "1"])
     assert "expected numbers >= 2, got '1'" in capsys.readouterr().err
+
+
+def test_every_model_times_variants_the_bench_builds():
+    for model in bench_network.MODELS:
+        variants, ratios = bench_network._variants(model)
+        assert set(variants.values()) <= set(bench.VARIANTS), model
+        assert {name for pair in ratios.values() for name in pair} <= set(variants), model
+    # --model mlp_buckets forces the MLP (784x128, 128, 128x10, 10 float32) into
+    # 2 buckets: the head's kernel and bias, then the hidden layer's.
+    sizes = [4 * 784 * 128, 4 * 128, 4 * 128 * 10, 4 * 10]
+    assert buckets.split(sizes, bench.SMALL_BUCKET_BYTES) == [[3, 2], [1, 0]]
 
 
 def test_every_option_is_on_the_command_line_reference(capsys):

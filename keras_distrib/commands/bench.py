@@ -31,6 +31,8 @@ VARIANTS = (
     "tf_keras_fit_mirrored",
     "kd_fit_mirrored",
     "kd_fit_mirrored_spe50",
+    "kd_fit_mirrored_one_all_reduce",
+    "kd_fit_mirrored_buckets",
     "tutorial_loop_per_step",
     "kd_loop_1",
     "kd_loop_50",
@@ -47,6 +49,8 @@ RATIOS = {
     "kd_fit / tf-keras fit (mirrored)": ("kd_fit_mirrored", "tf_keras_fit_mirrored"),
     "kd_fit_spe50 / kd_fit (mirrored)": ("kd_fit_mirrored_spe50", "kd_fit_mirrored"),
     "kd_fit_spe50 / Keras 3 fit (mirrored)": ("kd_fit_mirrored_spe50", "plain_fit_mirrored"),
+    "kd_fit / kd_fit one all-reduce": ("kd_fit_mirrored", "kd_fit_mirrored_one_all_reduce"),
+    "kd_fit small buckets / one all-reduce": ("kd_fit_mirrored_buckets", "kd_fit_mirrored_one_all_reduce"),
     "kd_loop_50 / tutorial_loop": ("kd_loop_50", "tutorial_loop_per_step"),
     "kd_loop_1 / tutorial_loop": ("kd_loop_1", "tutorial_loop_per_step"),
     "plain_fit_mirrored / plain_fit_one_device": ("plain_fit_mirrored", "plain_fit_one_device"),
@@ -63,6 +67,13 @@ RATIOS = {
     # which compares each replica's rows only (not the same model).
     "kd_fit / hand-gathered loop (contrastive)": ("kd_fit_mirrored", "gathered_loop"),
 }
+# Built only when asked for by name (`only`, `--variants`): kd `fit` with
+# `gradient_buckets="one"`, and with buckets forced small (`SMALL_BUCKET_BYTES`),
+# against the latency benchmark's kd `fit` ("auto").
+ON_REQUEST = ("kd_fit_mirrored_one_all_reduce", "kd_fit_mirrored_buckets")
+# Splits the MLP's gradient in 2 buckets (the head's kernel and bias; the hidden
+# layer's): a gradient is never cut, so a bucket holds whole variables.
+SMALL_BUCKET_BYTES = 4096
 TARGETS = {  # name -> (comparison, bound)
     "kd_fit / Keras 3 fit (mirrored)": (">=", 0.99),
     "kd_fit / tf-keras fit (mirrored)": (">=", 1.0),
@@ -215,9 +226,10 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
             `gathered_loop` also trains).
         steps: Global batches (of `GLOBAL_BATCH` rows) in the epoch.
         strategy: The strategy every distributed variant trains under.
-        only: Names from `VARIANTS` to build; all by default. Building a
-            model under a multi-worker strategy talks to every worker, so
-            `keras-distrib bench --network` builds only the three it times.
+        only: Names from `VARIANTS` to build; all but `ON_REQUEST` by
+            default. Building a model under a multi-worker strategy talks to
+            every worker, so `keras-distrib bench --network` builds only
+            those it times.
         on_step_end: Called with no argument after each training step of the
             `fit` variants (a callback) and of the tutorial loop, so that a
             caller can time steps without `fit`'s set-up and epoch end.
@@ -243,7 +255,12 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
                 _model(kind, model_class, synchronized)
             _compile(model, steps_per_execution, **kd_options)
         callbacks = step_clock(keras.callbacks.Callback, on_step_end)
-        return lambda: model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
+
+        def run():
+            model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
+
+        run.model = model  # its traced step's collectives can be counted (`collectives.traced`)
+        return run
 
     def loop_runner(steps_per_loop):
         with strategy.scope():
@@ -399,6 +416,11 @@ def runners(kind, steps, strategy, only=None, on_step_end=None):
         "kd_resume_skip": lambda: resume_runner(before_distribution=True),
         "kd_resume_skip_pulled": lambda: resume_runner(before_distribution=False),
     }
+    if only is not None:
+        builders["kd_fit_mirrored_one_all_reduce"] = lambda: fit_runner(
+            kd.Model, strategy.scope(), gradient_buckets="one")
+        builders["kd_fit_mirrored_buckets"] = lambda: fit_runner(
+            kd.Model, strategy.scope(), gradient_buckets=SMALL_BUCKET_BYTES)
     if kind == "cnn_bn":
         builders["kd_fit_mirrored_bn_per_replica"] = lambda: fit_runner(
             kd.Model, strategy.scope(), batch_norm="per_replica")
@@ -517,8 +539,9 @@ def run(model="cnn", replicas=2, steps=100, repeats=3, json_path=None, print_fn=
     print_fn(f"model={model} replicas={replicas} global_batch={GLOBAL_BATCH} steps={steps} repeats={repeats}")
     print_fn(f"{'variant':28s} {'steps/s (median)':>17s}")
     for name in VARIANTS:
-        if name not in medians and (name == "kd_fit_mirrored_bn_per_replica" or variants):
-            continue  # --model cnn_bn only, or not chosen
+        if name not in medians and (name == "kd_fit_mirrored_bn_per_replica" or name in ON_REQUEST
+                                    or variants):
+            continue  # --model cnn_bn only, asked for by name only, or not chosen
         shown = f"{medians[name]:17.1f}" if name in medians else f"{'(not installed)':>17s}"
         print_fn(f"{name:28s} {shown}")
     print_fn(f"{'ratio':44s} {'value':>7s} {'target':>9s}")

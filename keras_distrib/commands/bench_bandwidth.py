@@ -34,6 +34,7 @@ processes; this module owns the models, the worker's loop and the report.
 
 import gc
 import math
+import resource
 import statistics
 import time
 
@@ -44,6 +45,8 @@ from keras_distrib.training import buckets
 __all__ = [
     "RATIOS",
     "VARIANTS",
+    "memory_needed",
+    "memory_problem",
     "print_table",
     "summarize",
     "width_for",
@@ -58,6 +61,10 @@ RATIOS = {
     "kd_fit / kd_fit_one": ("kd_fit", "kd_fit_one"),
 }
 GLOBAL_BATCH = 64
+# A worker's peak memory (`memory_needed`).
+WORKER_BASE_BYTES = 900 * 10**6
+WORKER_BYTES_PER_GRADIENT_BYTE = 16
+PROGRESS = "PROGRESS"  # the first worker's lines the benchmark process prints as they come
 DEPTH = 3  # hidden Dense layers of `width_for(mb)` units
 CLASSES = 10
 
@@ -192,6 +199,39 @@ def gradient_bytes(gradient_mb):
     return 4 * sum(math.prod(shape) for shape in _shapes(width_for(gradient_mb)))
 
 
+def memory_needed(gradient_mb, workers):
+    """About the bytes of memory a sweep of `workers` workers needs at `gradient_mb` MB.
+
+    Every variant of a size lives at once in each worker (five models, the
+    all-reduce buffers, a step's transient gradients and TensorFlow's
+    copies): `WORKER_BASE_BYTES` + `WORKER_BYTES_PER_GRADIENT_BYTE` x the
+    gradient's bytes, a line through a worker's resident memory measured at
+    4 and 400 MB (docs/benchmarks/2026-11-29-bandwidth.md).
+    """
+    return workers * (WORKER_BASE_BYTES + WORKER_BYTES_PER_GRADIENT_BYTE * gradient_bytes(gradient_mb))
+
+
+def memory_problem(gradient_mbs, worker_counts, available=None):
+    """Why the machine's memory cannot hold the sweep (a sentence naming the fix), or None.
+
+    `available`: bytes; by default /proc/meminfo's MemAvailable.
+    """
+    if available is None:
+        try:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None  # not Linux, or no figure: nothing to check against
+    workers, size = max(worker_counts), max(gradient_mbs)
+    needed = memory_needed(size, workers)
+    if needed <= available:
+        return None
+    return (f"{workers} workers at `--gradient-mb` {size:g} need about {needed / 1e9:.1f} GB of memory "
+            f"(each worker holds every variant at once: about {memory_needed(size, 1) / 1e9:.1f} GB), "
+            f"but {available / 1e9:.1f} GB is available: pass fewer `--workers` or a smaller "
+            "`--gradient-mb`, or run on a machine with more memory.")
+
+
 def trace_overlap(run, profile):
     """Where each all-reduce of a step starts, against the end of that step's backward pass.
 
@@ -272,18 +312,28 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
     link's full rate (trace, compile, warm-up); then, `repeats` times, each
     rate in turn (`ask_for_rate(rate)`: the first worker asks the
     benchmark process to set it), every variant, each going first in turn.
-    Steps/s count from the end of an epoch's first step to its last's.
+    Steps/s count from the end of an epoch's first step to its last's;
+    the first worker prints each epoch's step time (a `PROGRESS` line).
     Then, at the last rate, one epoch of each kd variant runs under the
-    first worker's profiler (`trace_overlap`), kept under `"trace"`.
+    first worker's profiler (`trace_overlap`), kept under `"trace"`. The
+    worker's peak resident memory (MB, all sizes) is under `"peak_rss_mb"`.
     """
     step_ends = []
     timings = {"trace": {}}
+
+    def progress(text):
+        # The benchmark process shows these as they come: a run stopped by
+        # its timeout still says what it had measured.
+        if first:
+            print(f"{PROGRESS} {text}", flush=True)
+
     for size in sizes:
         built = _runners(size, steps, strategy, workers, lambda: step_ends.append(time.perf_counter()), batch)
         names = [name for name in VARIANTS if name in built]
         ask_for_rate(0)
         for name in names:
             built[name]()
+        progress(f"{size:g} MB: {len(names)} variants built and warmed up")
         by_rate = {f"{rate:g}": {name: [] for name in names} for rate in rates}
         for repeat in range(repeats):
             for rate in rates:
@@ -293,6 +343,8 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
                     built[name]()
                     speed = (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
                     by_rate[f"{rate:g}"][name].append(speed)
+                    progress(f"{size:g} MB @ {rate:g} Gbit/s, repeat {repeat + 1}: {name} "
+                             f"{1000 / speed:.0f} ms/step")
         timings[f"{size:g}"] = by_rate
         timings["trace"][f"{size:g}"] = {
             name: {**(trace_overlap(built[name], first) or {}),
@@ -300,6 +352,9 @@ def worker_loop(*, sizes, rates, steps, repeats, strategy, workers, ask_for_rate
             for name in ("kd_fit", "kd_fit_one")}
         del built
         gc.collect()
+    # Every variant of a size lives at once (they take turns): what a worker
+    # needs grows with the gradient, and a machine should hold workers x this.
+    timings["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return timings
 
 
@@ -311,6 +366,7 @@ def summarize(timings, throughputs):
     speeds, overlap, ratios = {}, {}, {}
     timings = dict(timings)
     traces = timings.pop("trace", {})
+    peak_rss_mb = timings.pop("peak_rss_mb", None)
     for size, by_rate in timings.items():
         for rate, runs in by_rate.items():
             key = f"{size} MB @ {rate} Gbit/s"
@@ -336,7 +392,8 @@ def summarize(timings, throughputs):
                     point["kd_fit_hidden_of_buckets"] = (
                         (compute + buckets_ms - ms["kd_fit"]) / min(compute, buckets_ms))
             overlap[key] = point
-    return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios, "trace": traces}
+    return {"steps_per_second": speeds, "overlap": overlap, "ratios": ratios, "trace": traces,
+            "first_worker_peak_rss_mb": peak_rss_mb}
 
 
 def print_table(report, print_fn):
@@ -365,6 +422,10 @@ def print_table(report, print_fn):
                 value = part["ratios"][key].get(name)
                 row += f" {'-' if value is None else format(value, '.2f'):>22s}"
             print_fn(row)
+    for count, part in report["bandwidth"].items():
+        if part.get("first_worker_peak_rss_mb"):
+            print_fn(f"{count:>7s} workers: the first worker's peak memory {part['first_worker_peak_rss_mb']:.0f} MB "
+                     "(every variant of a size lives at once)")
     print_fn("all-reduce starts, ms from the end of the backward pass (median over a profiled epoch; "
              "negative: while it ran)")
     for count, part in report["bandwidth"].items():

@@ -61,6 +61,7 @@ import tempfile
 import threading
 import time
 
+from keras_distrib import collectives
 from keras_distrib.commands import bench
 from keras_distrib.commands import bench_bandwidth
 from keras_distrib.cluster import _guard
@@ -90,7 +91,7 @@ RATIOS = {
     "kd_fit / tf_keras_fit": ("kd_fit", "tf_keras_fit"),
     "kd_fit / tutorial_loop": ("kd_fit", "tutorial_loop"),
 }
-MODELS = ("mlp", "cnn_bn", "contrastive")
+MODELS = ("mlp", "cnn_bn", "contrastive", "mlp_buckets")
 # --model cnn_bn: what BatchNormalization's statistics cost per step.
 BN_VARIANTS = {
     "kd_fit": "kd_fit_mirrored",
@@ -117,10 +118,27 @@ CONTRASTIVE_RATIOS = {
 }
 
 
+# --model mlp_buckets: the latency benchmark's MLP with kd's gradient buckets
+# chosen ("auto": one all-reduce for this model), asked for as one all-reduce
+# (kd before buckets), and forced into small buckets (2 collectives instead of 1).
+BUCKETS_VARIANTS = {
+    "kd_fit": "kd_fit_mirrored",
+    "kd_fit_one": "kd_fit_mirrored_one_all_reduce",
+    "kd_fit_buckets": "kd_fit_mirrored_buckets",
+    "tutorial_loop": "tutorial_loop_per_step",
+}
+BUCKETS_RATIOS = {
+    "kd_fit / kd_fit_one": ("kd_fit", "kd_fit_one"),
+    "kd_fit_buckets / kd_fit_one": ("kd_fit_buckets", "kd_fit_one"),
+    "kd_fit / tutorial_loop": ("kd_fit", "tutorial_loop"),
+}
+
+
 def _variants(model):
     """The report's variants and ratios for `model`."""
     return {"cnn_bn": (BN_VARIANTS, BN_RATIOS),
-            "contrastive": (CONTRASTIVE_VARIANTS, CONTRASTIVE_RATIOS)}.get(model, (VARIANTS, RATIOS))
+            "contrastive": (CONTRASTIVE_VARIANTS, CONTRASTIVE_RATIOS),
+            "mlp_buckets": (BUCKETS_VARIANTS, BUCKETS_RATIOS)}.get(model, (VARIANTS, RATIOS))
 # The relay's MTU: large, so a gradient all-reduce is a few packets.
 RELAY_MTU = 65000
 _TUNSETIFF = 0x400454CA
@@ -571,13 +589,13 @@ def _one_cluster(workers, *, link, delays, steps, repeats, deadline, print_fn, m
             )
             print_fn(f"{PREFIX}: {workers} workers started in namespaces {testbed.names[0]}.."
                      f"{testbed.names[-1]} (link: {link})")
-            return _serve(testbed, deadline)
+            return _serve(testbed, deadline, print_fn)
     finally:
         testbed.close()
 
 
-def _serve(testbed, deadline):
-    """Answers the first worker's delay requests until it prints its timings."""
+def _serve(testbed, deadline, print_fn):
+    """Answers the first worker's delay requests until it prints its timings; shows its progress lines."""
     chief = testbed.processes[0]
     lines = queue.Queue()
 
@@ -620,6 +638,8 @@ def _serve(testbed, deadline):
             throughputs.setdefault(f"{rate:g}", []).append(testbed.throughput_gbit())
             chief.stdin.write("OK\n")
             chief.stdin.flush()
+        elif line.startswith(bench_bandwidth.PROGRESS + " "):
+            print_fn(f"{PREFIX}: {line[len(bench_bandwidth.PROGRESS) + 1:].rstrip()}")
         elif line.startswith("TIMINGS "):
             timings = json.loads(line[len("TIMINGS "):])
             for process in testbed.processes:
@@ -644,9 +664,12 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         timeout: Seconds for the whole run; then everything is stopped.
         json_path: Also write the report here.
         print_fn: Where the table goes.
-        model: `"mlp"` (kd, tf-keras, the tutorial loop) or `"cnn_bn"`
+        model: `"mlp"` (kd, tf-keras, the tutorial loop), `"cnn_bn"`
             (BatchNormalization: kd global and per-replica, Keras 3
-            SyncBN, tf-keras).
+            SyncBN, tf-keras), `"contrastive"` (in-batch negatives: kd, and
+            a loop gathering them by hand) or `"mlp_buckets"` (the mlp: kd
+            `fit` with `gradient_buckets` "auto", "one" and
+            `bench.SMALL_BUCKET_BYTES`, and the tutorial loop).
         rates: Link rates in Gbit/s (0: no limit): the bandwidth sweep
             (`bench_bandwidth`) instead of `model`, at the one delay given.
         gradient_mb: The sweep's gradient sizes in MB (an MLP of each size).
@@ -658,7 +681,9 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         `median`, `min`, `max` and `runs`; `ratios[workers][delay]` the
         ratios of medians; `round_trip_ms[workers][delay]` the TCP round
         trip between two workers' namespaces, measured at each change of
-        delay (`median`, `min`, `max`, `runs`).
+        delay (`median`, `min`, `max`, `runs`); `collectives[workers][variant]`
+        the collective ops per step in each kd variant's traced training
+        step (`collectives.traced`).
         With `rates`: `bandwidth[workers]` holds the sweep's
         `steps_per_second`, `overlap` (compute alone, one all-reduce alone,
         each variant's step time and the share of min(compute, comm) it
@@ -683,6 +708,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
         "--rates", ",".join(f"{r:g}" for r in rates), "--gradient-mb", ",".join(f"{m:g}" for m in gradient_mb),
         "--batch", str(batch or bench_bandwidth.GLOBAL_BATCH))
     found, resolved, note = problems(link, delays)
+    if rates:
+        found += filter(None, [bench_bandwidth.memory_problem(gradient_mb, workers)])
     if found:
         raise NetworkBenchError("keras-distrib bench --network cannot run here:\n  - " + "\n  - ".join(found))
     if note:
@@ -712,6 +739,8 @@ def run(*, workers=(2, 4), delays=(0, 1, 5), steps=40, repeats=5, link="auto", t
                 report["bandwidth"][str(count)]["measured_gbit"] = throughputs
                 report["round_trip_ms"][str(count)] = round_trips
             else:
+                report.setdefault("collectives", {})[str(count)] = {
+                    name: traced for name, traced in timings.pop("collectives", {}).items() if traced}
                 _summarize(report, count, delays, timings, round_trips)
     if rates:
         bench_bandwidth.print_table(report, print_fn)
@@ -767,6 +796,10 @@ def _print_table(report, print_fn):
                 value = report["ratios"][count][delay].get(name)
                 row += f" {'-' if value is None else format(value, '.2f'):>24s}"
             print_fn(row)
+    for count, by_name in report.get("collectives", {}).items():
+        for name, traced in by_name.items():
+            print_fn(f"{count:>7s} workers, {name}: collective ops per step in the traced graph: "
+                     f"{traced['step']} {traced['ops']}")
 
 
 def _worker_main(options):
@@ -779,7 +812,8 @@ def _worker_main(options):
         return _sweep_worker(options, strategy, first)
     step_ends = []
     variants, _ = _variants(options.model)
-    built = bench.runners(options.model, options.steps, strategy, only=set(variants.values()),
+    kind = "mlp" if options.model == "mlp_buckets" else options.model
+    built = bench.runners(kind, options.steps, strategy, only=set(variants.values()),
                           on_step_end=lambda: step_ends.append(time.perf_counter()))
     names = [name for name, variant in variants.items() if variant in built]
 
@@ -804,6 +838,9 @@ def _worker_main(options):
                 built[variants[name]]()
                 speed = (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
                 timings[name][f"{delay:g}"].append(speed)
+    # Collective ops per step in each kd variant's traced training step.
+    timings["collectives"] = {name: collectives.traced(built[variants[name]].model).get("train")
+                              for name in names if hasattr(built[variants[name]], "model")}
     if first:
         print("TIMINGS " + json.dumps(timings), flush=True)
     return 0
@@ -869,9 +906,10 @@ def build_parser():
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run (default 1800)")
     parser.add_argument("--model", choices=MODELS, default="mlp",
                         help="mlp (kd, tf-keras, the tutorial loop; default), cnn_bn (a CNN with "
-                        "BatchNormalization: kd global and per-replica statistics, Keras 3 SyncBN, tf-keras) "
-                        "or contrastive (a dual encoder with in-batch negatives: kd, and a loop gathering "
-                        "the global batch by hand)")
+                        "BatchNormalization: kd global and per-replica statistics, Keras 3 SyncBN, tf-keras), "
+                        "contrastive (a dual encoder with in-batch negatives: kd, and a loop gathering "
+                        "the global batch by hand) or mlp_buckets (the mlp: kd's gradient_buckets \"auto\", "
+                        "\"one\" and forced into 2 small buckets, and the tutorial loop)")
     parser.add_argument("--rates", type=_numbers(float, 0), default=(),
                         help="link rates in Gbit/s, comma-separated (0: no limit): the bandwidth sweep "
                         "instead of --model (kd with and without gradient buckets, Keras 3 in the tutorial "
