@@ -49,7 +49,8 @@ def test_first_step_check_on_mirrored_replicas():
     code, output = _harness.run_script("first_step.py", "mirrored2", timeout=600)
     assert code == 0, output[-4000:]
     _check_results(_harness.results_of(output),
-                   {("exact", True), ("exact", False), ("exact_spe2", True), ("blinded", True)})
+                   {("exact", True), ("exact", False), ("exact_spe2", True), ("exact_summed", True),
+                    ("blinded", True)})
 
 
 @pytest.mark.cluster

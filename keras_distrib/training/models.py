@@ -122,11 +122,8 @@ def _recorded_result(metric, result):
         value = result()
         batch = replica.current_batch()
         if batch is not None:
-            if isinstance(value, dict):
-                for key, leaf in value.items():
-                    batch.metric_results[id(leaf)] = (leaf, key)
-            else:
-                batch.metric_results[id(value)] = (value, metric.name)
+            for key, leaf in logs_lib.result_leaves(metric.name, value):
+                batch.metric_results[id(leaf)] = (leaf, key)
         return value
 
     return recorded
