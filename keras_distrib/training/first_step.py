@@ -110,7 +110,11 @@ def _state_variables(model):
 
 
 class Snapshot:
-    """Every variable a step may write, copied; `restore` writes the copies back.
+    """Variables a step may write, copied; `restore` writes the copies back.
+
+    Args:
+        model: The model whose variables are copied: every variable a step
+            may write (`trainable_only=False`), or its trainable weights.
 
     Attributes:
         variables: The Keras variables copied.
@@ -118,17 +122,32 @@ class Snapshot:
             (each replica's copy of a distributed variable).
     """
 
-    def __init__(self, model):
-        self.variables = _state_variables(model)
+    def __init__(self, model, *, trainable_only=False):
+        self.variables = (list(model.trainable_variables) if trainable_only
+                          else _state_variables(model))
         # (A read is the value at that moment: a later write does not change it.)
         self.copies = [[c.read_value() for c in _keras_compat.variable_copies(v)]
                        for v in self.variables]
 
+    def one_device_value(self, index):
+        """What one device reads of variable `index`: a metric state summed (or averaged) over replicas."""
+        copies = self.copies[index]
+        aggregation = _keras_compat.sync_on_read_aggregation(self.variables[index])
+        if aggregation == tf.VariableAggregation.SUM:
+            return tf.add_n(copies)
+        if aggregation == tf.VariableAggregation.MEAN:
+            return tf.add_n(copies) / tf.cast(len(copies), copies[0].dtype)
+        return copies[0]
+
     def restore(self):
         """Writes every copy back into its variable."""
-        for variable, copies in zip(self.variables, self.copies):
-            for holder, value in zip(_keras_compat.variable_copies(variable), copies):
-                holder.assign(value)
+        _write(self.variables, self.copies)
+
+
+def _write(variables, copies):
+    for variable, values in zip(variables, copies):
+        for holder, value in zip(_keras_compat.variable_copies(variable), values):
+            holder.assign(value)
 
 
 def _piece_order(strategy):
@@ -243,22 +262,29 @@ class _RecordedUpdates:
                 object.__setattr__(optimizer, "apply", kept)
 
 
-def _one_device(model, step, data, after):
-    """One device's step on `data` from the variables' current values, writing none of them.
+def _one_device(model, step, data, before, after):
+    """One device's step on `data` from the variables as they were before the step, writing none.
 
-    Returns `(outputs, metric states, recorded gradients)`. `after`: the
-    `Snapshot` of the distributed step's result, whose weights the step
-    reads after its update.
+    Returns `(outputs, metric states, recorded gradients)`. `before`: the
+    `Snapshot` of every variable before the step; the trainable weights
+    hold these values again (the tape watches them), every other variable
+    is read from it. `after`: the `Snapshot` of the distributed step's
+    trainable weights, which the step reads after its update.
     """
+    trainable = {id(v) for v in model.trainable_variables}
+    # Every variable but the weights is read from the copies: nothing to write back.
+    mapping = [(v, before.one_device_value(i)) for i, v in enumerate(before.variables)
+               if id(v) not in trainable]
     # A weight's copies are alike on every replica: the first is its value.
-    updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies) if v.trainable}
+    updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies)}
     result = {}
 
     def run():
         try:
-            # Reads see the variables (the tape watches them); every write
+            # Reads see the weights (the tape watches them); every write
             # stays in the scope.
-            with keras.StatelessScope() as scope, _RecordedUpdates(model, scope, updated):
+            with keras.StatelessScope(state_mapping=mapping) as scope, \
+                    _RecordedUpdates(model, scope, updated):
                 result["value"] = step(data)
         except Exception as error:  # handed to the caller's thread
             result["error"] = error
@@ -335,12 +361,14 @@ def check(model, strategy, step, logs, captured, snapshot):
         (variables, [None if g is None else strategy.experimental_local_results(g)[0] for g in values])
         for variables, values in zip(captured["variables"], captured["gradients"])
     ]
-    # One device starts from the variables as they were before the step.
-    after = Snapshot(model)
-    snapshot.restore()
+    # One device starts from the weights as they were before the step.
+    after = Snapshot(model, trainable_only=True)
+    position = {id(v): i for i, v in enumerate(snapshot.variables)}
+    _write(after.variables, [snapshot.copies[position[id(v)]] for v in after.variables])
     try:
-        outputs, _, recorded = _one_device(model, step, data, after)
+        outputs, _, recorded = _one_device(model, step, data, snapshot, after)
     except Exception as error:
+        snapshot.restore()
         raise FirstStepMismatch(
             f"kd's first-step check could not run one device's step of {type(model).__name__} "
             f"to compare the first distributed step with ({type(error).__name__}: {error}). "
@@ -352,6 +380,7 @@ def check(model, strategy, step, logs, captured, snapshot):
     if not found:
         after.restore()
         return
+    snapshot.restore()
     what, distance, tolerance = found[0]
     layers = list(dict.fromkeys(where.split("(layer ")[1].rstrip(")") for where, _, _ in found
                                 if "(layer " in where))
