@@ -66,15 +66,17 @@ __all__ = [
 # Round-off one device and several replicas may differ by, relative to a
 # value's largest magnitude, by the dtype it is computed in: for the logs,
 # the bounds of docs/concepts/exactness.md. A gradient is the derivative of
-# the whole network: below float64, TensorFlow's own kernels give gradients
-# that far apart for one device's step computed twice (eager and compiled,
-# float32: 1.8e-2 of the largest value on a ResNet with 21
-# BatchNormalization layers, where float64 agrees to 5e-15). Below float64
-# the gradients are held to what such round-off cannot reach (a gradient of
-# the wrong scale, a term missing or doubled); the loss and metrics to the
-# dtype's round-off.
+# the whole network, and its round-off grows with depth: one device's step
+# computed eagerly and the replicas' compiled step (TensorFlow's fused
+# kernels) give gradients apart by up to a few thousandths of the largest
+# in float32 on a ResNet with 39 BatchNormalization layers, by a tenth in
+# float16, where float64 agrees to 1e-15 (the measured margins:
+# docs/benchmarks/2026-11-29-first-step-margins.md). Below float64 the
+# gradients are held to a bound above what such round-off reaches on those
+# models, which still catches a gradient of the wrong scale or a term
+# missing or doubled; the loss and metrics to the dtype's round-off.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
-GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 0.1, "float16": 0.25, "bfloat16": 0.5}
+GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 2e-2, "float16": 0.25, "bfloat16": 0.5}
 
 
 class FirstStepMismatch(ValueError):
