@@ -30,8 +30,11 @@ How, without tracing the step twice:
    magnitude of its value (`difference`), against round-off of its dtype
    (`TOLERANCE`). Within it, the step's result is written back and training
    goes on. Beyond it, every variable stays as it was before the step and a
-   ValueError names the first log or layer that differs, by how much, and
-   the likely cause.
+   ValueError names the first log or gradient that differs, by how much,
+   and the likely cause: the first layer whose outputs on each replica's
+   rows apart differ from its outputs on the whole batch
+   (`first_layer_apart`, a functional model on one worker), where there is
+   one.
 
 Random layers draw the same numbers in both: kd lays the replicas' draws out
 over the global batch from the seed state one device starts from.
@@ -60,6 +63,7 @@ __all__ = [
     "applies",
     "check",
     "difference",
+    "first_layer_apart",
     "global_batch",
 ]
 
@@ -340,6 +344,72 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
     return found
 
 
+def _in_own_thread(function):
+    """`function()` in a thread outside the strategy (one device), every write kept in a scope."""
+    result = {}
+
+    def run():
+        try:
+            with keras.StatelessScope():
+                result["value"] = function()
+        except Exception as error:  # handed to the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name="kd-first-step-check")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def first_layer_apart(model, strategy, captured_data, tolerance):
+    """The first layer whose outputs on the global batch differ from its outputs on each replica's rows.
+
+    Returns `(layer name, layer class, difference)`, or None: no layer
+    differs, the model is not a functional graph of layers, or the
+    replicas span several workers. One device runs the model's layers in
+    inference mode (no random draw, BatchNormalization's moving
+    statistics) on the global batch, then on each replica's rows apart; a
+    layer whose outputs differ reads other rows of the batch than its own
+    (its rows meet), so a replica computing it alone computes something
+    else. Run only when the check refuses a step: it costs one forward
+    pass per replica.
+    """
+    if strategies.traits(strategy).is_multi_worker or not getattr(model, "_run_through_graph", None) \
+            or not getattr(model, "inputs", None):
+        return None
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    try:
+        probe = keras.Model(model.inputs, [layer.output for layer in layers])
+    except (AttributeError, ValueError, TypeError):  # a layer called twice, a nested output
+        return None
+    parts = [x for x, _, _ in (keras.utils.unpack_x_y_sample_weight(d) for d in
+                               strategy.experimental_local_results(captured_data))]
+    pieces = [piece for _, piece in sorted(zip(_piece_order(strategy), parts), key=lambda p: p[0])]
+
+    def outputs_of(x):
+        return [tree.flatten(o) for o in probe(x, training=False)]
+
+    def forward():
+        whole = outputs_of(tree.map_structure(lambda *p: tf.concat(p, axis=0), *pieces))
+        apart = [outputs_of(piece) for piece in pieces if
+                 int(tf.shape(tree.flatten(piece)[0])[0]) > 0]
+        return whole, apart
+
+    whole, apart = _in_own_thread(forward)
+    for layer, outputs, *per_piece in zip(layers, whole, *apart):
+        for index, value in enumerate(outputs):
+            pieces_of = [flat[index] for flat in per_piece]
+            if value.shape.rank == 0 or any(p.shape.rank == 0 for p in pieces_of):
+                continue
+            joined = tf.concat(pieces_of, axis=0)
+            distance = difference(joined, value)
+            if not distance <= tolerance:
+                return layer.name, type(layer).__name__, distance
+    return None
+
+
 def check(model, strategy, step, logs, captured, snapshot):
     """Compares the first distributed step with one device's; refuses it beyond round-off.
 
@@ -390,14 +460,26 @@ def check(model, strategy, step, logs, captured, snapshot):
     if layers:
         shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
         more = f"; the gradients of {len(layers)} layers differ too, from the first: {shown}"
+    try:
+        apart = first_layer_apart(model, strategy, captured["data"], _tolerance(model))
+    except Exception:  # a diagnosis only: the refusal stands without it
+        apart = None
+    if apart is not None:
+        name, kind, gap = apart
+        cause = (f"the first layer whose outputs differ is {name!r} ({kind}): on each replica's "
+                 f"rows apart its outputs are off by {gap:.3g} from the whole batch's, so its rows "
+                 "meet (each row's output reads the batch's other rows) in an op kd could not "
+                 "read, and each replica computed it from its own rows")
+    else:
+        cause = ("the rows of the batch meet in an op kd could not read (a loss or layer reading "
+                 "the whole batch through an op kd does not know, e.g. a tf.while_loop over "
+                 "rows), so each replica computed it from its own rows")
     raise FirstStepMismatch(
         f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
         f"replicas differs from one device's on the same global batch: {what} is off by "
         f"{distance:.3g} relative to its largest value (round-off allows {tolerance:.0e}){more}. "
-        "Nothing was trained: every variable is as it was before the step. Likely cause: the "
-        "rows of the batch meet in an op kd could not read (a loss or layer reading the whole "
-        "batch through an op kd does not know, e.g. a tf.while_loop over rows), so each "
-        "replica computed it from its own rows. Gather the rows yourself with "
+        f"Nothing was trained: every variable is as it was before the step. Likely cause: {cause}. "
+        "Gather the rows yourself with "
         "kd.losses.global_batch(tensor), or compile with rows_meet=\"per_replica\" and "
         "first_step_check=False to keep Keras's per-replica behaviour knowingly."
     )
