@@ -5,7 +5,8 @@ device (Keras's own `keras.Model`, no kd step) from the same initial
 weights: an exact model with BatchNormalization and Dropout, with the check
 on and off, and a model whose rows meet in a layer kd is blinded to
 (`penalties._kind_of_op_output` patched to read it as rows), which the check must refuse
-before anything is trained, naming that layer. A metric of the user's own
+before anything is trained, naming that layer. The same on a sub-batch,
+as for a global batch too big for one device. A metric of the user's own
 with `aggregation="sum"` state and a dict result logs one device's values
 (the check passes). One process per strategy layout runs every case.
 """
@@ -56,9 +57,18 @@ def _check_results(results, expected_cases, names_layer=True):
 def test_first_step_check_on_mirrored_replicas():
     code, output = _harness.run_script("first_step.py", "mirrored2", timeout=600)
     assert code == 0, output[-4000:]
-    _check_results(_harness.results_of(output),
-                   {("exact", True), ("exact", False), ("exact_spe2", True), ("exact_summed", True),
-                    ("blinded", True)})
+    results = _harness.results_of(output)
+    _check_results(results, {("exact", True), ("exact", False), ("exact_spe2", True),
+                             ("exact_summed", True), ("blinded", True), ("exact_sub", True),
+                             ("blinded_sub", True)})
+    # A global batch too big for one device (the bound forced to 0 bytes):
+    # the check compares the step on a sub-batch, refuses the blinded model
+    # there with nothing trained, and leaves the exact one trained as without it.
+    sub = {r["case"]: r for r in results}["blinded_sub"]
+    assert "differs from one device's on the same sub-batch (4 rows of each replica's): the " \
+        "logged 'loss' is off by" in sub.get("refusal", ""), sub
+    assert "the first layer whose outputs differ is 'centre' (Lambda)" in sub["refusal"], sub
+    assert sub["restored"] is True, sub
 
 
 @pytest.mark.cluster

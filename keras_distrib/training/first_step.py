@@ -58,13 +58,16 @@ from keras_distrib.cluster import strategies
 __all__ = [
     "FirstStepMismatch",
     "GRADIENT_TOLERANCE",
+    "SUB_BATCH_ROWS",
     "Snapshot",
     "TOLERANCE",
+    "WHOLE_BATCH_BYTES",
     "applies",
     "check",
     "difference",
     "first_layer_apart",
     "global_batch",
+    "sub_batch",
 ]
 
 # Round-off one device and several replicas may differ by, relative to a
@@ -81,6 +84,15 @@ __all__ = [
 # missing or doubled; the loss and metrics to the dtype's round-off.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
 GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 2e-2, "float16": 0.25, "bfloat16": 0.5}
+
+
+# One device's step on the whole global batch needs memory for the whole
+# batch's activations, the replicas' together. Where the global batch's data
+# (inputs, targets, weights) exceeds this many bytes, the check runs the
+# distributed step once more, and one device's, on a sub-batch of
+# `SUB_BATCH_ROWS` rows of each replica's (one worker's replicas).
+WHOLE_BATCH_BYTES = 64 * 2**20
+SUB_BATCH_ROWS = 4
 
 
 class FirstStepMismatch(ValueError):
@@ -410,7 +422,39 @@ def first_layer_apart(model, strategy, captured_data, tolerance):
     return None
 
 
-def check(model, strategy, step, logs, captured, snapshot):
+def _data_bytes(strategy, data):
+    return sum(int(np.prod(t.shape.as_list() or [1])) * t.dtype.size
+               for value in tree.flatten(data) for t in strategy.experimental_local_results(value)
+               if isinstance(t, tf.Tensor) and t.shape.is_fully_defined())
+
+
+def sub_batch(strategy, data, rows=None):
+    """A dataset of one global batch: `rows` (`SUB_BATCH_ROWS`) rows of each replica's `data`.
+
+    `data`: the per-replica values a step function returned. None where
+    the replicas span several workers (each worker's rows would have to
+    reach the others' datasets) or a leaf holds no rows to cut.
+    """
+    rows = SUB_BATCH_ROWS if rows is None else rows
+    if strategies.traits(strategy).is_multi_worker:
+        return None
+    order = _piece_order(strategy)
+    flat = [strategy.experimental_local_results(v) for v in tree.flatten(data)]
+    if not all(isinstance(parts[0], tf.Tensor) and parts[0].shape.rank for parts in flat):
+        return None
+    leaves = []
+    for parts in flat:
+        pieces = sorted(zip(order, parts), key=lambda pair: pair[0])
+        cut = [part[:rows] for _, part in pieces]
+        # Each replica takes `rows` rows of the split: an empty replica stays empty only
+        # where every replica is cut to the same number.
+        if len({int(c.shape[0]) for c in cut}) != 1:
+            return None
+        leaves.append(tf.concat(cut, axis=0))
+    return tf.data.Dataset.from_tensors(tree.pack_sequence_as(data, leaves))
+
+
+def check(model, strategy, step, logs, captured, snapshot, rerun=None):
     """Compares the first distributed step with one device's; refuses it beyond round-off.
 
     Args:
@@ -423,11 +467,31 @@ def check(model, strategy, step, logs, captured, snapshot):
             `{"data": per-replica batch, "gradients": per-replica global
             gradients, "variables": their variables}`.
         snapshot: The `Snapshot` taken before the step.
+        rerun: Where the global batch's data exceeds `WHOLE_BATCH_BYTES`:
+            a function that runs the distributed step once on the first
+            batch of a distributed iterator it is given and returns
+            `(logs, captured)` as above. The check then compares the two
+            on a sub-batch (`sub_batch`) and leaves every variable as the
+            real step left it.
 
     Raises:
         FirstStepMismatch: a log or gradient differs beyond round-off; every
             variable is back as it was before the step.
     """
+    where, result = "global batch", None
+    dataset = sub_batch(strategy, captured["data"]) if rerun is not None and \
+        _data_bytes(strategy, captured["data"]) > WHOLE_BATCH_BYTES else None
+    if dataset is not None:
+        # The real step's result is kept; the step runs again, from the
+        # variables before it, on a few rows of each replica's.
+        result = Snapshot(model)
+        snapshot.restore()
+        try:
+            logs, captured = rerun(iter(strategy.experimental_distribute_dataset(dataset)))
+        except Exception:
+            snapshot.restore()
+            raise
+        where = f"sub-batch ({SUB_BATCH_ROWS} rows of each replica's)"
     data = global_batch(strategy, captured["data"])
     distributed = [
         (variables, [None if g is None else strategy.experimental_local_results(g)[0] for g in values])
@@ -450,7 +514,7 @@ def check(model, strategy, step, logs, captured, snapshot):
     if len(recorded) != len(distributed):
         found.append(("the number of optimizer updates", np.inf, 0.0))
     if not found:
-        after.restore()
+        (after if result is None else result).restore()
         return
     snapshot.restore()
     what, distance, tolerance = found[0]
@@ -476,7 +540,7 @@ def check(model, strategy, step, logs, captured, snapshot):
                  "rows), so each replica computed it from its own rows")
     raise FirstStepMismatch(
         f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
-        f"replicas differs from one device's on the same global batch: {what} is off by "
+        f"replicas differs from one device's on the same {where}: {what} is off by "
         f"{distance:.3g} relative to its largest value (round-off allows {tolerance:.0e}){more}. "
         f"Nothing was trained: every variable is as it was before the step. Likely cause: {cause}. "
         "Gather the rows yourself with "
