@@ -280,6 +280,25 @@ class _RecordedUpdates:
                 object.__setattr__(optimizer, "apply", kept)
 
 
+def _in_own_thread(function):
+    """`function()`, run in a thread of its own: outside the strategy (one device's replica
+    context), where a `keras.StatelessScope` is its own (Keras keeps it per thread)."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = function()
+        except Exception as error:  # handed to the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name="kd-first-step-check")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def _one_device(model, step, data, before, after):
     """One device's step on `data` from the variables as they were before the step, writing none.
 
@@ -295,26 +314,14 @@ def _one_device(model, step, data, before, after):
                if id(v) not in trainable]
     # A weight's copies are alike on every replica: the first is its value.
     updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies)}
-    result = {}
 
     def run():
-        try:
-            # Reads see the weights (the tape watches them); every write
-            # stays in the scope.
-            with keras.StatelessScope(state_mapping=mapping) as scope, \
-                    _RecordedUpdates(model, scope, updated):
-                result["value"] = step(data)
-        except Exception as error:  # handed to the caller's thread
-            result["error"] = error
+        # Reads see the weights (the tape watches them); every write stays in the scope.
+        with keras.StatelessScope(state_mapping=mapping) as scope, \
+                _RecordedUpdates(model, scope, updated):
+            return step(data)
 
-    # A thread of its own: outside the strategy (one device's replica
-    # context), and with a stateless scope of its own (Keras keeps it per thread).
-    thread = threading.Thread(target=run, name="kd-first-step-check")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    return _in_own_thread(run)
 
 
 def _layer_of(variable, model):
@@ -356,25 +363,6 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
     return found
 
 
-def _in_own_thread(function):
-    """`function()` in a thread outside the strategy (one device), every write kept in a scope."""
-    result = {}
-
-    def run():
-        try:
-            with keras.StatelessScope():
-                result["value"] = function()
-        except Exception as error:  # handed to the caller's thread
-            result["error"] = error
-
-    thread = threading.Thread(target=run, name="kd-first-step-check")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
 def first_layer_apart(model, strategy, captured_data, tolerance):
     """The first layer whose outputs on the global batch differ from its outputs on each replica's rows.
 
@@ -404,10 +392,11 @@ def first_layer_apart(model, strategy, captured_data, tolerance):
         return [tree.flatten(o) for o in probe(x, training=False)]
 
     def forward():
-        whole = outputs_of(tree.map_structure(lambda *p: tf.concat(p, axis=0), *pieces))
-        apart = [outputs_of(piece) for piece in pieces if
-                 int(tf.shape(tree.flatten(piece)[0])[0]) > 0]
-        return whole, apart
+        with keras.StatelessScope():  # inference writes nothing; nothing is kept if it did
+            whole = outputs_of(tree.map_structure(lambda *p: tf.concat(p, axis=0), *pieces))
+            apart = [outputs_of(piece) for piece in pieces
+                     if int(tf.shape(tree.flatten(piece)[0])[0]) > 0]
+            return whole, apart
 
     whole, apart = _in_own_thread(forward)
     for layer, outputs, *per_piece in zip(layers, whole, *apart):
