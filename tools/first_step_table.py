@@ -65,7 +65,10 @@ def _results(command, timeout):
 def _verdict(result):
     error = result.get("refusal") or result.get("error")
     if error:
-        return "refused: " + error.split(". ")[0].replace("|", "/")
+        # A refusal raised inside a traced function comes after TensorFlow's
+        # "in user code" trace: its own message is the last line naming the error.
+        lines = [line.strip() for line in error.splitlines() if "Error: " in line or "Mismatch: " in line]
+        return "refused: " + (lines[-1] if lines else error).split(". ")[0].replace("|", "/")
     if "weights_off" in result:  # first_step.py's blinded case, check off
         return "refused (see above)"
     return f"exact: weights {result['weights']:.1e}, logs {result['logs']:.1e}"
