@@ -130,6 +130,8 @@ def _state_variables(model):
 class Snapshot:
     """Variables a step may write, copied; `restore` writes the copies back.
 
+    Made in cross-replica context (the strategy's scope, outside a step).
+
     Args:
         model: The model whose variables are copied: every variable a step
             may write (`trainable_only=False`), or its trainable weights.
@@ -146,16 +148,18 @@ class Snapshot:
         # (A read is the value at that moment: a later write does not change it.)
         self.copies = [[c.read_value() for c in _keras_compat.variable_copies(v)]
                        for v in self.variables]
+        # A metric state, read in cross-replica context: summed (or averaged)
+        # over every replica of every worker, as one device holds it.
+        self._aggregated = {
+            i: tf.convert_to_tensor(v.value) for i, v in enumerate(self.variables)
+            if _keras_compat.sync_on_read_aggregation(v) is not None
+        }
 
     def one_device_value(self, index):
-        """What one device reads of variable `index`: a metric state summed (or averaged) over replicas."""
-        copies = self.copies[index]
-        aggregation = _keras_compat.sync_on_read_aggregation(self.variables[index])
-        if aggregation == tf.VariableAggregation.SUM:
-            return tf.add_n(copies)
-        if aggregation == tf.VariableAggregation.MEAN:
-            return tf.add_n(copies) / tf.cast(len(copies), copies[0].dtype)
-        return copies[0]
+        """What one device reads of variable `index` (taken in cross-replica context)."""
+        if index in self._aggregated:
+            return self._aggregated[index]
+        return self.copies[index][0]
 
     def restore(self):
         """Writes every copy back into its variable."""
