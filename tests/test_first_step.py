@@ -5,7 +5,10 @@ device (Keras's own `keras.Model`, no kd step) from the same initial
 weights: an exact model with BatchNormalization and Dropout, with the check
 on and off, and a model whose rows meet in a layer kd is blinded to
 (`penalties._kind_of_op_output` patched to read it as rows), which the check must refuse
-before anything is trained. One process per strategy layout runs every case.
+before anything is trained, naming that layer. The same on a sub-batch,
+as for a global batch too big for one device. A metric of the user's own
+with `aggregation="sum"` state and a dict result logs one device's values
+(the check passes). One process per strategy layout runs every case.
 """
 
 import numpy as np
@@ -17,7 +20,7 @@ from tests import _harness
 TOLERANCE = {True: 1e-9, False: 2e-5}
 
 
-def _check_results(results, expected_cases):
+def _check_results(results, expected_cases, names_layer=True):
     by_case = {(r["case"], r["float64"]): r for r in results}
     assert set(by_case) == expected_cases, sorted(by_case)
     errors = [r for r in results if "error" in r]
@@ -38,7 +41,13 @@ def _check_results(results, expected_cases):
     assert refusal.startswith("FirstStepMismatch: The first training step of FunctionalModel"), blinded
     assert "differs from one device's on the same global batch: the logged 'loss' is off by" in refusal
     assert "the gradients of 3 layers differ too, from the first: 'embed', 'mix', 'head'" in refusal, refusal
-    assert "rows of the batch meet" in refusal and "first_step_check=False" in refusal, refusal
+    assert "first_step_check=False" in refusal, refusal
+    if names_layer:
+        # ... the first layer whose outputs differ, found from the forward outputs ...
+        assert "Likely cause: the first layer whose outputs differ is 'centre' (Lambda): on each " \
+            "replica's rows apart its outputs are off by" in refusal, refusal
+    else:
+        assert "Likely cause: the rows of the batch meet in an op kd could not read" in refusal, refusal
     assert blinded["restored"] is True, blinded
     # ... while without the check the same model trains off one device's result.
     assert blinded["weights_off"] > 1e-3 and blinded["logs_off"] > 1e-3, blinded
@@ -48,8 +57,18 @@ def _check_results(results, expected_cases):
 def test_first_step_check_on_mirrored_replicas():
     code, output = _harness.run_script("first_step.py", "mirrored2", timeout=600)
     assert code == 0, output[-4000:]
-    _check_results(_harness.results_of(output),
-                   {("exact", True), ("exact", False), ("exact_spe2", True), ("blinded", True)})
+    results = _harness.results_of(output)
+    _check_results(results, {("exact", True), ("exact", False), ("exact_spe2", True),
+                             ("exact_summed", True), ("blinded", True), ("exact_sub", True),
+                             ("blinded_sub", True)})
+    # A global batch too big for one device (the bound forced to 0 bytes):
+    # the check compares the step on a sub-batch, refuses the blinded model
+    # there with nothing trained, and leaves the exact one trained as without it.
+    sub = {r["case"]: r for r in results}["blinded_sub"]
+    assert "differs from one device's on the same sub-batch (4 rows of each replica's): the " \
+        "logged 'loss' is off by" in sub.get("refusal", ""), sub
+    assert "the first layer whose outputs differ is 'centre' (Lambda)" in sub["refusal"], sub
+    assert sub["restored"] is True, sub
 
 
 @pytest.mark.cluster
@@ -59,7 +78,8 @@ def test_first_step_check_on_two_worker_processes():
     by_task = _harness.results_by_task(output)
     assert sorted(by_task) == ["worker 0", "worker 1"], output[-4000:]
     for results in by_task.values():
-        _check_results(results, {("exact", True), ("blinded", True)})
+        # (Between workers the check names no layer: the rows are in other processes.)
+        _check_results(results, {("exact", True), ("blinded", True)}, names_layer=False)
 
 
 def test_difference_is_relative_to_the_largest_magnitude():

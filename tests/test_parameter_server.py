@@ -19,6 +19,9 @@ def _check(result):
     assert result["checkpoints"] == [f"ps-{e}.weights.h5" for e in range(1, 5)]
     # The partitioner split the wide kernel over both parameter servers.
     assert result["kernel_devices"] == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
+    # A worker's step is one device's step on its batch (one replica in
+    # sync): the first-step check, on by default, has nothing to compare.
+    assert result["replicas_in_sync"] == 1 and result["first_step_checked"] is False, result
 
 
 @pytest.mark.cluster

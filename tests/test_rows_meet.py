@@ -134,13 +134,14 @@ def test_every_keras_layer_has_a_verdict_on_its_rows():
 
 
 POLICY_PATTERNS = ["mixup", "mixup_static", "cutmix", "cutmix_static", "while_loss", "unread_loss",
-                   "mixup_plain", "unread_by_hand"]
+                   "draws", "mixup_plain", "unread_by_hand"]
 
 
 @pytest.mark.cluster
 def test_what_kd_cannot_read_is_exact_or_refused():
     # MixUp and CutMix inside the model (dynamic and static batch shapes, a
-    # replica without rows in the last batch), and losses through ops kd's
+    # replica without rows in the last batch), a layer of the user's own
+    # drawing gamma, beta, binomial and shuffle, and losses through ops kd's
     # table does not read: exact against one device, on 2 mirrored replicas.
     code, output = _harness.run_script("rows_policy.py", ",".join(POLICY_PATTERNS),
                                        "float64,float32", timeout=600)

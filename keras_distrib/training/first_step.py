@@ -30,8 +30,11 @@ How, without tracing the step twice:
    magnitude of its value (`difference`), against round-off of its dtype
    (`TOLERANCE`). Within it, the step's result is written back and training
    goes on. Beyond it, every variable stays as it was before the step and a
-   ValueError names the first log or layer that differs, by how much, and
-   the likely cause.
+   ValueError names the first log or gradient that differs, by how much,
+   and the likely cause: the first layer whose outputs on each replica's
+   rows apart differ from its outputs on the whole batch
+   (`first_layer_apart`, a functional model on one worker), where there is
+   one.
 
 Random layers draw the same numbers in both: kd lays the replicas' draws out
 over the global batch from the seed state one device starts from.
@@ -55,26 +58,41 @@ from keras_distrib.cluster import strategies
 __all__ = [
     "FirstStepMismatch",
     "GRADIENT_TOLERANCE",
+    "SUB_BATCH_ROWS",
     "Snapshot",
     "TOLERANCE",
+    "WHOLE_BATCH_BYTES",
     "applies",
     "check",
     "difference",
+    "first_layer_apart",
     "global_batch",
+    "sub_batch",
 ]
 
 # Round-off one device and several replicas may differ by, relative to a
 # value's largest magnitude, by the dtype it is computed in: for the logs,
 # the bounds of docs/concepts/exactness.md. A gradient is the derivative of
-# the whole network: below float64, TensorFlow's own kernels give gradients
-# that far apart for one device's step computed twice (eager and compiled,
-# float32: 1.8e-2 of the largest value on a ResNet with 21
-# BatchNormalization layers, where float64 agrees to 5e-15). Below float64
-# the gradients are held to what such round-off cannot reach (a gradient of
-# the wrong scale, a term missing or doubled); the loss and metrics to the
-# dtype's round-off.
+# the whole network, and its round-off grows with depth: one device's step
+# computed eagerly and the replicas' compiled step (TensorFlow's fused
+# kernels) give gradients apart by up to a few thousandths of the largest
+# in float32 on a ResNet with 39 BatchNormalization layers, by a tenth in
+# float16, where float64 agrees to 1e-15 (the measured margins:
+# docs/benchmarks/2026-11-29-first-step-margins.md). Below float64 the
+# gradients are held to a bound above what such round-off reaches on those
+# models, which still catches a gradient of the wrong scale or a term
+# missing or doubled; the loss and metrics to the dtype's round-off.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-5, "float16": 5e-3, "bfloat16": 2e-2}
-GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 0.1, "float16": 0.25, "bfloat16": 0.5}
+GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 2e-2, "float16": 0.25, "bfloat16": 0.5}
+
+
+# One device's step on the whole global batch needs memory for the whole
+# batch's activations, the replicas' together. Where the global batch's data
+# (inputs, targets, weights) exceeds this many bytes, the check runs the
+# distributed step once more, and one device's, on a sub-batch of
+# `SUB_BATCH_ROWS` rows of each replica's (one worker's replicas).
+WHOLE_BATCH_BYTES = 64 * 2**20
+SUB_BATCH_ROWS = 4
 
 
 class FirstStepMismatch(ValueError):
@@ -110,7 +128,13 @@ def _state_variables(model):
 
 
 class Snapshot:
-    """Every variable a step may write, copied; `restore` writes the copies back.
+    """Variables a step may write, copied; `restore` writes the copies back.
+
+    Made in cross-replica context (the strategy's scope, outside a step).
+
+    Args:
+        model: The model whose variables are copied: every variable a step
+            may write (`trainable_only=False`), or its trainable weights.
 
     Attributes:
         variables: The Keras variables copied.
@@ -118,17 +142,34 @@ class Snapshot:
             (each replica's copy of a distributed variable).
     """
 
-    def __init__(self, model):
-        self.variables = _state_variables(model)
+    def __init__(self, model, *, trainable_only=False):
+        self.variables = (list(model.trainable_variables) if trainable_only
+                          else _state_variables(model))
         # (A read is the value at that moment: a later write does not change it.)
         self.copies = [[c.read_value() for c in _keras_compat.variable_copies(v)]
                        for v in self.variables]
+        # A metric state, read in cross-replica context: summed (or averaged)
+        # over every replica of every worker, as one device holds it.
+        self._aggregated = {
+            i: tf.convert_to_tensor(v.value) for i, v in enumerate(self.variables)
+            if _keras_compat.sync_on_read_aggregation(v) is not None
+        }
+
+    def one_device_value(self, index):
+        """What one device reads of variable `index` (taken in cross-replica context)."""
+        if index in self._aggregated:
+            return self._aggregated[index]
+        return self.copies[index][0]
 
     def restore(self):
         """Writes every copy back into its variable."""
-        for variable, copies in zip(self.variables, self.copies):
-            for holder, value in zip(_keras_compat.variable_copies(variable), copies):
-                holder.assign(value)
+        _write(self.variables, self.copies)
+
+
+def _write(variables, copies):
+    for variable, values in zip(variables, copies):
+        for holder, value in zip(_keras_compat.variable_copies(variable), values):
+            holder.assign(value)
 
 
 def _piece_order(strategy):
@@ -243,34 +284,48 @@ class _RecordedUpdates:
                 object.__setattr__(optimizer, "apply", kept)
 
 
-def _one_device(model, step, data, after):
-    """One device's step on `data` from the variables' current values, writing none of them.
-
-    Returns `(outputs, metric states, recorded gradients)`. `after`: the
-    `Snapshot` of the distributed step's result, whose weights the step
-    reads after its update.
-    """
-    # A weight's copies are alike on every replica: the first is its value.
-    updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies) if v.trainable}
+def _in_own_thread(function):
+    """`function()`, run in a thread of its own: outside the strategy (one device's replica
+    context), where a `keras.StatelessScope` is its own (Keras keeps it per thread)."""
     result = {}
 
     def run():
         try:
-            # Reads see the variables (the tape watches them); every write
-            # stays in the scope.
-            with keras.StatelessScope() as scope, _RecordedUpdates(model, scope, updated):
-                result["value"] = step(data)
+            result["value"] = function()
         except Exception as error:  # handed to the caller's thread
             result["error"] = error
 
-    # A thread of its own: outside the strategy (one device's replica
-    # context), and with a stateless scope of its own (Keras keeps it per thread).
     thread = threading.Thread(target=run, name="kd-first-step-check")
     thread.start()
     thread.join()
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def _one_device(model, step, data, before, after):
+    """One device's step on `data` from the variables as they were before the step, writing none.
+
+    Returns `(outputs, metric states, recorded gradients)`. `before`: the
+    `Snapshot` of every variable before the step; the trainable weights
+    hold these values again (the tape watches them), every other variable
+    is read from it. `after`: the `Snapshot` of the distributed step's
+    trainable weights, which the step reads after its update.
+    """
+    trainable = {id(v) for v in model.trainable_variables}
+    # Every variable but the weights is read from the copies: nothing to write back.
+    mapping = [(v, before.one_device_value(i)) for i, v in enumerate(before.variables)
+               if id(v) not in trainable]
+    # A weight's copies are alike on every replica: the first is its value.
+    updated = {id(v): copies[0] for v, copies in zip(after.variables, after.copies)}
+
+    def run():
+        # Reads see the weights (the tape watches them); every write stays in the scope.
+        with keras.StatelessScope(state_mapping=mapping) as scope, \
+                _RecordedUpdates(model, scope, updated):
+            return step(data)
+
+    return _in_own_thread(run)
 
 
 def _layer_of(variable, model):
@@ -312,7 +367,87 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
     return found
 
 
-def check(model, strategy, step, logs, captured, snapshot):
+def first_layer_apart(model, strategy, captured_data, tolerance):
+    """The first layer whose outputs on the global batch differ from its outputs on each replica's rows.
+
+    Returns `(layer name, layer class, difference)`, or None: no layer
+    differs, the model is not a functional graph of layers, or the
+    replicas span several workers. One device runs the model's layers in
+    inference mode (no random draw, BatchNormalization's moving
+    statistics) on the global batch, then on each replica's rows apart; a
+    layer whose outputs differ reads other rows of the batch than its own
+    (its rows meet), so a replica computing it alone computes something
+    else. Run only when the check refuses a step: it costs one forward
+    pass per replica.
+    """
+    if strategies.traits(strategy).is_multi_worker or not getattr(model, "_run_through_graph", None) \
+            or not getattr(model, "inputs", None):
+        return None
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    try:
+        probe = keras.Model(model.inputs, [layer.output for layer in layers])
+    except (AttributeError, ValueError, TypeError):  # a layer called twice, a nested output
+        return None
+    parts = [x for x, _, _ in (keras.utils.unpack_x_y_sample_weight(d) for d in
+                               strategy.experimental_local_results(captured_data))]
+    pieces = [piece for _, piece in sorted(zip(_piece_order(strategy), parts), key=lambda p: p[0])]
+
+    def outputs_of(x):
+        return [tree.flatten(o) for o in probe(x, training=False)]
+
+    def forward():
+        with keras.StatelessScope():  # inference writes nothing; nothing is kept if it did
+            whole = outputs_of(tree.map_structure(lambda *p: tf.concat(p, axis=0), *pieces))
+            apart = [outputs_of(piece) for piece in pieces
+                     if int(tf.shape(tree.flatten(piece)[0])[0]) > 0]
+            return whole, apart
+
+    whole, apart = _in_own_thread(forward)
+    for layer, outputs, *per_piece in zip(layers, whole, *apart):
+        for index, value in enumerate(outputs):
+            pieces_of = [flat[index] for flat in per_piece]
+            if value.shape.rank == 0 or any(p.shape.rank == 0 for p in pieces_of):
+                continue
+            joined = tf.concat(pieces_of, axis=0)
+            distance = difference(joined, value)
+            if not distance <= tolerance:
+                return layer.name, type(layer).__name__, distance
+    return None
+
+
+def _data_bytes(strategy, data):
+    return sum(int(np.prod(t.shape.as_list() or [1])) * t.dtype.size
+               for value in tree.flatten(data) for t in strategy.experimental_local_results(value)
+               if isinstance(t, tf.Tensor) and t.shape.is_fully_defined())
+
+
+def sub_batch(strategy, data, rows=None):
+    """A dataset of one global batch: `rows` (`SUB_BATCH_ROWS`) rows of each replica's `data`.
+
+    `data`: the per-replica values a step function returned. None where
+    the replicas span several workers (each worker's rows would have to
+    reach the others' datasets) or a leaf holds no rows to cut.
+    """
+    rows = SUB_BATCH_ROWS if rows is None else rows
+    if strategies.traits(strategy).is_multi_worker:
+        return None
+    order = _piece_order(strategy)
+    flat = [strategy.experimental_local_results(v) for v in tree.flatten(data)]
+    if not all(isinstance(parts[0], tf.Tensor) and parts[0].shape.rank for parts in flat):
+        return None
+    leaves = []
+    for parts in flat:
+        pieces = sorted(zip(order, parts), key=lambda pair: pair[0])
+        cut = [part[:rows] for _, part in pieces]
+        # Each replica takes `rows` rows of the split: an empty replica stays empty only
+        # where every replica is cut to the same number.
+        if len({int(c.shape[0]) for c in cut}) != 1:
+            return None
+        leaves.append(tf.concat(cut, axis=0))
+    return tf.data.Dataset.from_tensors(tree.pack_sequence_as(data, leaves))
+
+
+def check(model, strategy, step, logs, captured, snapshot, rerun=None):
     """Compares the first distributed step with one device's; refuses it beyond round-off.
 
     Args:
@@ -325,22 +460,44 @@ def check(model, strategy, step, logs, captured, snapshot):
             `{"data": per-replica batch, "gradients": per-replica global
             gradients, "variables": their variables}`.
         snapshot: The `Snapshot` taken before the step.
+        rerun: Where the global batch's data exceeds `WHOLE_BATCH_BYTES`:
+            a function that runs the distributed step once on the first
+            batch of a distributed iterator it is given and returns
+            `(logs, captured)` as above. The check then compares the two
+            on a sub-batch (`sub_batch`) and leaves every variable as the
+            real step left it.
 
     Raises:
         FirstStepMismatch: a log or gradient differs beyond round-off; every
             variable is back as it was before the step.
     """
+    where, result = "global batch", None
+    dataset = sub_batch(strategy, captured["data"]) if rerun is not None and \
+        _data_bytes(strategy, captured["data"]) > WHOLE_BATCH_BYTES else None
+    if dataset is not None:
+        # The real step's result is kept; the step runs again, from the
+        # variables before it, on a few rows of each replica's.
+        result = Snapshot(model)
+        snapshot.restore()
+        try:
+            logs, captured = rerun(iter(strategy.experimental_distribute_dataset(dataset)))
+        except Exception:
+            snapshot.restore()
+            raise
+        where = f"sub-batch ({SUB_BATCH_ROWS} rows of each replica's)"
     data = global_batch(strategy, captured["data"])
     distributed = [
         (variables, [None if g is None else strategy.experimental_local_results(g)[0] for g in values])
         for variables, values in zip(captured["variables"], captured["gradients"])
     ]
-    # One device starts from the variables as they were before the step.
-    after = Snapshot(model)
-    snapshot.restore()
+    # One device starts from the weights as they were before the step.
+    after = Snapshot(model, trainable_only=True)
+    position = {id(v): i for i, v in enumerate(snapshot.variables)}
+    _write(after.variables, [snapshot.copies[position[id(v)]] for v in after.variables])
     try:
-        outputs, _, recorded = _one_device(model, step, data, after)
+        outputs, _, recorded = _one_device(model, step, data, snapshot, after)
     except Exception as error:
+        snapshot.restore()
         raise FirstStepMismatch(
             f"kd's first-step check could not run one device's step of {type(model).__name__} "
             f"to compare the first distributed step with ({type(error).__name__}: {error}). "
@@ -350,8 +507,9 @@ def check(model, strategy, step, logs, captured, snapshot):
     if len(recorded) != len(distributed):
         found.append(("the number of optimizer updates", np.inf, 0.0))
     if not found:
-        after.restore()
+        (after if result is None else result).restore()
         return
+    snapshot.restore()
     what, distance, tolerance = found[0]
     layers = list(dict.fromkeys(where.split("(layer ")[1].rstrip(")") for where, _, _ in found
                                 if "(layer " in where))
@@ -359,14 +517,26 @@ def check(model, strategy, step, logs, captured, snapshot):
     if layers:
         shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
         more = f"; the gradients of {len(layers)} layers differ too, from the first: {shown}"
+    try:
+        apart = first_layer_apart(model, strategy, captured["data"], _tolerance(model))
+    except Exception:  # a diagnosis only: the refusal stands without it
+        apart = None
+    if apart is not None:
+        name, kind, gap = apart
+        cause = (f"the first layer whose outputs differ is {name!r} ({kind}): on each replica's "
+                 f"rows apart its outputs are off by {gap:.3g} from the whole batch's, so its rows "
+                 "meet (each row's output reads the batch's other rows) in an op kd could not "
+                 "read, and each replica computed it from its own rows")
+    else:
+        cause = ("the rows of the batch meet in an op kd could not read (a loss or layer reading "
+                 "the whole batch through an op kd does not know, e.g. a tf.while_loop over "
+                 "rows), so each replica computed it from its own rows")
     raise FirstStepMismatch(
         f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
-        f"replicas differs from one device's on the same global batch: {what} is off by "
+        f"replicas differs from one device's on the same {where}: {what} is off by "
         f"{distance:.3g} relative to its largest value (round-off allows {tolerance:.0e}){more}. "
-        "Nothing was trained: every variable is as it was before the step. Likely cause: the "
-        "rows of the batch meet in an op kd could not read (a loss or layer reading the whole "
-        "batch through an op kd does not know, e.g. a tf.while_loop over rows), so each "
-        "replica computed it from its own rows. Gather the rows yourself with "
+        f"Nothing was trained: every variable is as it was before the step. Likely cause: {cause}. "
+        "Gather the rows yourself with "
         "kd.losses.global_batch(tensor), or compile with rows_meet=\"per_replica\" and "
         "first_step_check=False to keep Keras's per-replica behaviour knowingly."
     )

@@ -34,6 +34,7 @@ from keras_distrib.training import coupling
 from keras_distrib.training import draws
 from keras_distrib.training import forward
 from keras_distrib.training import gradients
+from keras_distrib.training import logs as logs_lib
 from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import replica
 
@@ -159,11 +160,8 @@ def _recorded_result(metric, result):
         value = result()
         batch = replica.current_batch()
         if batch is not None:
-            if isinstance(value, dict):
-                for key, leaf in value.items():
-                    batch.metric_results[id(leaf)] = (leaf, key)
-            else:
-                batch.metric_results[id(value)] = (value, metric.name)
+            for key, leaf in logs_lib.result_leaves(metric.name, value):
+                batch.metric_results[id(leaf)] = (leaf, key)
         return value
 
     return recorded

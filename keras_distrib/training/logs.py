@@ -31,6 +31,7 @@ __all__ = [
     "reduce_mean",
     "replica_logs",
     "reports_only_metrics",
+    "result_leaves",
     "step_logs",
     "sum_with_metric_states",
 ]
@@ -122,15 +123,21 @@ def global_states_of(strategy, states):
     return [strategy.experimental_local_results(value)[0] for value in states]
 
 
+def result_leaves(name, value):
+    """`[(log key, tensor)]` of a metric's `result()`, keyed as Keras's logs key them.
+
+    A dict result is keyed by its own keys, a nested dict's (Keras's
+    `compile_metrics` holding a metric whose result is a dict) by the inner
+    keys, as Keras's `pythonify_logs` flattens them; anything else by
+    `name`, the metric's.
+    """
+    if not isinstance(value, dict):
+        return [(name, value)]
+    return [pair for key, leaf in value.items() for pair in result_leaves(key, leaf)]
+
+
 def _read_results(model):
-    results = {}
-    for metric in model.metrics:
-        value = metric.result()
-        if isinstance(value, dict):
-            results.update(value)
-        else:
-            results[metric.name] = value
-    return results
+    return dict(pair for metric in model.metrics for pair in result_leaves(metric.name, metric.result()))
 
 
 def metric_names(model):

@@ -525,7 +525,8 @@ class Step:
         captured, self._captured = self._captured, None
         with self.strategy.scope():
             first_step.check(self.model, self.strategy, self._single_one_device(), result,
-                             {**captured, "variables": self._capture["variables"]}, snapshot)
+                             {**captured, "variables": self._capture["variables"]}, snapshot,
+                             rerun=lambda batches: self._rerun(batches, logs))
         self._check_due = False
         count = self.steps_per_call if count is None else int(count)
         if count <= 1:
@@ -534,6 +535,12 @@ class Step:
             return self._call(iterator, count - 1, logs)
         except StopIteration:
             return result
+
+    def _rerun(self, iterator, logs):
+        """The first step again on `iterator`'s batch (the check's sub-batch): its logs and capture."""
+        result = self._call(iterator, 1, logs, alone=True)
+        captured, self._captured = self._captured, None
+        return result, {**captured, "variables": self._capture["variables"]}
 
     def _single_one_device(self):
         return replica_function(self.model, self.kind, one_device=True)

@@ -15,6 +15,10 @@ initial weights, on 72 rows in global batches of 32 (the last batch holds
   and whether every variable (weights, moving statistics, optimizer slots,
   metric states, seed states) is bitwise the same with the check on and off
   (`same_on_and_off`). With steps_per_execution=2 too (`exact_spe2`).
+- `exact_summed` (float64): the same with a metric of the user's own besides
+  accuracy, whose state has `aggregation="sum"` and whose `result()` is a
+  dict (a count of every row seen): its logs must be one device's (the
+  whole batch's count, not one replica's), so the check passes.
 - `blinded` (float64): a layer that centres its input on the batch mean (the
   rows meet), with kd's classifier blinded (`penalties._kind_of_op_output`
   reads what it cannot place as rows, so kd computes the layer on each
@@ -22,6 +26,10 @@ initial weights, on 72 rows in global batches of 32 (the last batch holds
   the error `fit` raises and whether every variable is bitwise as before
   `fit` (`restored`); with it off, the weights' and logs' difference from one
   device (the contrast: kd then trains another model without a word).
+- `exact_sub`, `blinded_sub` (float64): `exact` and `blinded` with the global
+  batch counted as too big for one device (`first_step.WHOLE_BATCH_BYTES`
+  = 0): the check compares the step on a sub-batch of a few rows of each
+  replica's.
 """
 
 import json
@@ -59,13 +67,35 @@ def build(case, base):
     return base(inputs, keras.layers.Dense(3, name="head")(hidden))
 
 
-def _compile(model, check=True, spe=1):
+def _seen_rows():
+    """A metric of the user's own: rows seen per class, state summed over replicas, a dict result."""
+    import keras
+    from keras import ops
+
+    class SeenRows(keras.metrics.Metric):
+        def __init__(self, name="seen", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.counts = self.add_variable(shape=(3,), initializer="zeros", name="counts",
+                                            aggregation="sum")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            hot = ops.one_hot(ops.cast(ops.reshape(y_true, [-1]), "int32"), 3, dtype=self.counts.dtype)
+            self.counts.assign_add(ops.sum(hot, axis=0))
+
+        def result(self):
+            return {"seen_rows": ops.sum(self.counts), "seen_most": ops.max(self.counts)}
+
+    return SeenRows()
+
+
+def _compile(model, check=True, spe=1, summed=False):
     import keras
 
     options = {} if not hasattr(model, "replica_batch") else {"first_step_check": check}
     model.compile(optimizer=keras.optimizers.Adam(0.02),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], steps_per_execution=spe, **options)
+                  metrics=["accuracy"] + ([_seen_rows()] if summed else []),
+                  steps_per_execution=spe, **options)
 
 
 def _state(model):
@@ -85,13 +115,11 @@ def relative(reference, candidate):
     return float(np.max(np.abs(a - b) / (1.0 + np.abs(a)), initial=0.0))
 
 
-def _train(case, base, strategy, dtype, start, check=True, spe=1):
-    import keras
-
+def _train(case, base, strategy, dtype, start, check=True, spe=1, summed=False):
     x, y = _data(dtype)
     with strategy.scope():
         model = build(case, base)
-        _compile(model, check=check, spe=spe)
+        _compile(model, check=check, spe=spe, summed=summed)
     model.set_weights(start)
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     return model, history
@@ -110,14 +138,24 @@ def report(case, dtype, strategy):
 
     keras.config.set_floatx(dtype)
     keras.config.set_dtype_policy(dtype)
+    from keras_distrib.training import first_step
+
     item = dict(case=case, float64=dtype == "float64", task=kd.cluster_info().label)
+    # `_sub`: the global batch counts as too big for one device, so the
+    # check compares the step on a sub-batch of a few rows of each replica's.
+    whole_batch_bytes = first_step.WHOLE_BATCH_BYTES
+    if case.endswith("_sub"):
+        first_step.WHOLE_BATCH_BYTES = 0
     try:
+        summed = case == "exact_summed"
         start = build(case.split("_")[0], keras.Model).get_weights()
-        reference = _train(case.split("_")[0], keras.Model, tf.distribute.get_strategy(), dtype, start)
+        reference = _train(case.split("_")[0], keras.Model, tf.distribute.get_strategy(), dtype, start,
+                           summed=summed)
         if case.startswith("exact"):
             spe = 2 if case == "exact_spe2" else 1
-            on, on_history = _train("exact", kd.Model, strategy, dtype, start, spe=spe)
-            off, _ = _train("exact", kd.Model, strategy, dtype, start, check=False, spe=spe)
+            on, on_history = _train("exact", kd.Model, strategy, dtype, start, spe=spe, summed=summed)
+            off, _ = _train("exact", kd.Model, strategy, dtype, start, check=False, spe=spe,
+                            summed=summed)
             item["weights"], item["logs"] = _differences(reference, on, on_history)
             item["same_on_and_off"] = _same(_state(on), _state(off))
         else:
@@ -153,6 +191,8 @@ def report(case, dtype, strategy):
     except Exception as error:  # reported; the test decides
         item["error"] = f"{type(error).__name__}: {error}"[:3000]
         item["trace"] = traceback.format_exc()[-6000:]
+    finally:
+        first_step.WHOLE_BATCH_BYTES = whole_batch_bytes
     print("RESULT " + json.dumps(item), flush=True)
 
 
@@ -161,7 +201,8 @@ def main(config):
         kd.virtual_devices(2)
         strategy = kd.make_strategy("mirrored")
         cases = [("exact", "float64"), ("exact", "float32"), ("exact_spe2", "float64"),
-                 ("blinded", "float64")]
+                 ("exact_summed", "float64"), ("blinded", "float64"), ("exact_sub", "float64"),
+                 ("blinded_sub", "float64")]
     else:
         strategy = kd.make_strategy("multi_worker")
         cases = [("exact", "float64"), ("blinded", "float64")]

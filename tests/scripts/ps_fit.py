@@ -37,6 +37,8 @@ def build(cls):
     return cls(inputs, keras.layers.Dense(1)(hidden))
 
 
+from keras_distrib.training import first_step  # noqa: E402
+
 with strategy.scope():
     model = build(kd.Model)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
@@ -80,4 +82,8 @@ print("RESULT " + json.dumps({
     "predict_rows": len(predictions),
     "kernel_devices": sorted(s.device.split("/device")[0] for s in shards),
     "checkpoints": sorted(__import__("os").listdir(checkpoints)),
+    # Each worker's step is one replica's, on its own batch: one device's
+    # step, which the first-step check has nothing to compare with.
+    "replicas_in_sync": strategy.num_replicas_in_sync,
+    "first_step_checked": first_step.applies(model, strategy),
 }), flush=True)

@@ -20,7 +20,10 @@ dataset batched with `drop_remainder=True` (static batch shapes) for the
   (Keras reads the cross-entropy from its logits, which the global batch
   must keep);
 - `unread_by_hand`: the same loss in a hand-written loop
-  (`strategy.run`, `kd.losses.global_mean`), where kd cannot gather: refused.
+  (`strategy.run`, `kd.losses.global_mean`), where kd cannot gather: refused;
+- `draws`: a layer of the user's own drawing `keras.random.gamma`, `beta`,
+  `binomial` for each row and `shuffle` over the rows in training (the
+  draws of TensorFlow's backend that are no uniform or normal draw).
 
 The contrast and the refusal run in the first dtype only. Prints one
 'RESULT {json}' line per pattern and dtype: the largest relative
@@ -83,8 +86,29 @@ def build(pattern, base):
         cross_entropy = keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
         return cross_entropy + 0.1 * tf.reduce_mean(tf.math.lgamma(2.0 + y_pred), axis=-1)
 
+    class Draws(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.seed = keras.random.SeedGenerator(11)
+
+        def call(self, x, training=False):
+            if not training:
+                return x
+            rows = (keras.ops.shape(x)[0], 1)
+            scale = (0.1 * keras.random.gamma(rows, alpha=2.0, dtype=x.dtype, seed=self.seed)
+                     + 0.2 * keras.random.beta(rows, 2.0, 3.0, dtype=x.dtype, seed=self.seed)
+                     + 0.1 * keras.random.binomial(rows, 3, 0.5, dtype=x.dtype, seed=self.seed))
+            return x * (0.5 + scale) + 0.3 * keras.random.shuffle(x, axis=0, seed=self.seed)
+
     inputs = keras.Input((4, 4, 2))
     hidden = keras.layers.Dense(4, activation="tanh")(keras.layers.Flatten()(inputs))
+    if pattern == "draws":
+        outputs = keras.layers.Dense(3)(Draws()(hidden))
+        model = base(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model, "labels"
     if pattern == "unread_loss":
         outputs = keras.layers.Dense(3, activation="softmax", kernel_initializer=keras.initializers.RandomNormal(stddev=5.0))(hidden)
         model = base(inputs, outputs)

@@ -154,11 +154,7 @@ ids = np.arange(ROWS, dtype=np.float64).reshape(ROWS, 1)
 with strategy.scope():
     counter = kd.Sequential(layers())
     seen_ids = SeenIds()
-    # The first-step check is off here: it finds this metric's logged value
-    # (state variables with aggregation="sum") 1 where one device logs 4 on
-    # 4 replicas, an open question of the check's (issue 64), not of the
-    # service; the id counts this test reads come from the variables.
-    counter.compile(keras.optimizers.SGD(0.01), "mse", metrics=[seen_ids], first_step_check=False)
+    counter.compile(keras.optimizers.SGD(0.01), "mse", metrics=[seen_ids])
     served = kd.data.serve((rng.normal(size=(ROWS, 3)), ids), global_batch_size=4,
                            mode="exactly_once", preprocess=slow, stall_timeout=10)
 killer = KillDataWorker()
