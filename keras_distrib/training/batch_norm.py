@@ -60,7 +60,7 @@ def global_moments(layer, inputs, mask, keras_moments):
     """
     context = tf.distribute.get_replica_context()
     batch = replica.current_batch()
-    if replica.replicas_in_sync() == 1 or batch is None or batch.global_region:
+    if replica.replicas_in_sync() == 1 or batch is None or batch.coupling.global_region:
         return keras_moments(inputs, mask)  # one replica, or the global batch already
     if layer in PER_REPLICA_BATCH_NORM and not layer.synchronized:
         # Per replica on request (batch_norm="per_replica"): not a place
@@ -74,13 +74,13 @@ def global_moments(layer, inputs, mask, keras_moments):
         if moments is not None:
             return moments
     dtype = inputs.dtype
-    live = tf.cast(batch.has_rows, dtype)
+    live = tf.cast(batch.rows.has_rows, dtype)
     if mask is None:
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), dtype)
         count = tf.reshape(count * live, [1])
     else:
         kept = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(inputs))
-        kept = tf.logical_and(kept, batch.has_rows)
+        kept = tf.logical_and(kept, batch.rows.has_rows)
         count = tf.reshape(tf.reduce_sum(tf.cast(kept, dtype), axes), [-1])
         inputs = tf.where(kept, inputs, tf.zeros_like(inputs))
     channels = tf.shape(tf.reduce_sum(inputs, axes, keepdims=True))
@@ -91,17 +91,17 @@ def global_moments(layer, inputs, mask, keras_moments):
         squares = tf.where(kept, squares, tf.zeros_like(squares))
     local_m2 = tf.reduce_sum(squares, axes, keepdims=True) * live
     own = [count, tf.reshape(local_mean, [-1]), tf.reshape(local_m2, [-1])]
-    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
+    brings_rows = not batch.rows.knows_global_rows  # N travels along, for the loss that follows
     if brings_rows:
-        own.insert(0, tf.reshape(tf.cast(batch.local_rows, dtype), [1]))
+        own.insert(0, tf.reshape(tf.cast(batch.rows.local_rows, dtype), [1]))
     own = tf.concat(own, 0)
     replicas = replica.replicas_in_sync()
     slots = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=dtype)
-    local = batch.chain(slots[:, None] * own[None, :])
+    local = batch.collectives.chain(slots[:, None] * own[None, :])
     gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    batch.after_collective(gathered)
+    batch.collectives.after_collective(gathered)
     if brings_rows:
-        batch.learn_global_rows(tf.reduce_sum(tf.stop_gradient(gathered[:, 0])))
+        batch.rows.learn_global_rows(tf.reduce_sum(tf.stop_gradient(gathered[:, 0])))
         gathered = gathered[:, 1:]
     size = tf.size(local_mean)
     counts, means, m2s = tf.split(gathered, [tf.size(count), size, size], axis=1)
@@ -134,7 +134,7 @@ def _unmasked_global_moments(context, batch, inputs, axes):
     pass all-reduces the replicas' gradients of the mean and the variance
     (2C values, the one collective the backward pass made before) and
     applies one device's formula to the replica's rows. The token that
-    chains the step's collectives (`replica.ReplicaBatch.chain`) and N,
+    chains the step's collectives (`replica.CollectiveOrder.chain`) and N,
     when it travels here, leave as outputs of the same function. Every op counts twice (traced, then
     optimized at the first step) and once more per layer and replica:
     what is known when traced is a number, not an op.
@@ -154,18 +154,18 @@ def _unmasked_global_moments(context, batch, inputs, axes):
         lambda value: tf.reshape(value, keep))
     dtype = inputs.dtype
     # A replica whose rows are known when traced needs no zeroing of a padded row.
-    live = None if batch.surely_has_rows else tf.cast(batch.has_rows, dtype)
+    live = None if batch.rows.surely_has_rows else tf.cast(batch.rows.has_rows, dtype)
     live_times = (lambda value: value) if live is None else (lambda value: value * live)
-    brings_rows = not batch.knows_global_rows  # N travels along, for the loss that follows
+    brings_rows = not batch.rows.knows_global_rows  # N travels along, for the loss that follows
     if shape[0] is not None and live is None:
         count = float(shape[0] * math.prod(reduced))
-        heads = tf.constant(([float(batch.static_rows)] if brings_rows else []) + [count], dtype)
+        heads = tf.constant(([float(batch.rows.static_rows)] if brings_rows else []) + [count], dtype)
     else:
         count = live_times(tf.cast(tf.shape(inputs)[0], dtype) * math.prod(reduced))
-        heads = tf.stack(([tf.cast(batch.local_rows, dtype)] if brings_rows else []) + [count])
+        heads = tf.stack(([tf.cast(batch.rows.local_rows, dtype)] if brings_rows else []) + [count])
     replicas = replica.replicas_in_sync()
     replica_id = tf.get_static_value(context.replica_id_in_sync_group)
-    token = [batch.moments_token] if batch.moments_token is not None else []
+    token = [batch.collectives.moments_token] if batch.collectives.moments_token is not None else []
     first = int(brings_rows)  # the row count's column, if it travels here
 
     @tf.custom_gradient
@@ -204,9 +204,9 @@ def _unmasked_global_moments(context, batch, inputs, axes):
 
         return outputs, gradient
 
-    mean, variance, batch.moments_token, *global_rows = moments(inputs, *token)
+    mean, variance, batch.collectives.moments_token, *global_rows = moments(inputs, *token)
     if brings_rows:
-        batch.learn_global_rows(tf.stop_gradient(global_rows[0]))
+        batch.rows.learn_global_rows(tf.stop_gradient(global_rows[0]))
     if len(channels) > 1:
         mean, variance = tf.reshape(mean, channels), tf.reshape(variance, channels)
     # The same on every replica: what reads the graph (kd.losses) may rely on it.

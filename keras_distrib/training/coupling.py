@@ -130,8 +130,8 @@ def _decide(site, key, decision):
 
 def _active(batch):
     """Whether rows may meet across replicas in `batch`'s step (and kd handles them)."""
-    return batch is not None and not batch.global_region and replica.replicas_in_sync() > 1 \
-        and batch.rows_meet == "global" and not tf.executing_eagerly()
+    return batch is not None and not batch.coupling.global_region and replica.replicas_in_sync() > 1 \
+        and batch.step.rows_meet == "global" and not tf.executing_eagerly()
 
 
 def meets(values, statistics=False):
@@ -192,7 +192,7 @@ def mark_layout(tensor, layout, batch=None):
     """Records that `tensor`'s rows have `layout` (kd's own outputs: padded, laid out, drawn)."""
     batch = batch if batch is not None else replica.current_batch()
     if batch is not None and isinstance(tensor, tf.Tensor) and layout is not None:
-        batch.layouts[tensor.ref()] = layout
+        batch.coupling.layouts[tensor.ref()] = layout
     return tensor
 
 
@@ -208,8 +208,8 @@ def row_layout(tensor, batch):
     tensor kd made (a padded batch, a random layer's output) has its layout
     recorded. A row count (`tf.shape(x)[0]`) has the layout of `x`.
     """
-    memo = batch.layouts
-    leaves = {leaf.ref(): (index,) for index, leaf in enumerate(batch.leaves)}
+    memo = batch.coupling.layouts
+    leaves = {leaf.ref(): (index,) for index, leaf in enumerate(batch.rows.leaves)}
     stack = [(tensor, False)]
     while stack:
         value, ready = stack.pop()
@@ -239,7 +239,7 @@ def global_indices(layout, batch):
     Returns `(indices, total, rows)`: int32 indices of this replica's rows in
     the global tensor, the global tensor's row count, and this replica's.
     """
-    local, totals, offsets = batch.leaf_rows()
+    local, totals, offsets = batch.rows.leaf_rows()
     indices, base = [], tf.constant(0, tf.int32)
     for leaf in layout:
         indices.append(base + offsets[leaf] + tf.range(local[leaf]))
@@ -269,7 +269,7 @@ def _counted_layouts(values, batch):
     several batches, say).
     """
     # Inside a forward pass on one padded row (a replica without rows), none are real.
-    live = 1 - tf.cast(batch.padded[-1], tf.int32) if batch.padded else 1
+    live = 1 - tf.cast(batch.forward.padded[-1], tf.int32) if batch.forward.padded else 1
     local = tf.cast(tf.stack([tf.shape(v)[0] * live for v in values]), tf.float32)
     totals, offsets = replica.rows_and_offsets(local)
     totals, offsets, local = (tf.cast(t, tf.int32) for t in (totals, offsets, local))
@@ -323,10 +323,10 @@ def gather(values, batch, *, own_gradient):
         placed.append(buffer)
         back.append(restore)
     if not own_gradient:
-        placed = [batch.chain(p) for p in placed]
+        placed = [batch.collectives.chain(p) for p in placed]
     summed = replica.sum_packed(context, placed)
     if not own_gradient:
-        batch.after_collective(summed[0])
+        batch.collectives.after_collective(summed[0])
     gathered = []
     for index, (value, total) in enumerate(zip(placed, summed)):
         if own_gradient and values[index].dtype.is_floating:
@@ -344,17 +344,17 @@ def gather(values, batch, *, own_gradient):
 
 @contextlib.contextmanager
 def _global_region(batch):
-    batch.global_region += 1
+    batch.coupling.global_region += 1
     try:
         yield
     finally:
-        batch.global_region -= 1
+        batch.coupling.global_region -= 1
 
 
 def _retrace_or_go_on(batch, site, key, where, decision=_GLOBAL):
     """Records that rows meet at `site`; raises RowsMeet where kd's step can trace again."""
     _decide(site, key, decision)
-    if batch.retraceable:
+    if batch.step.retraceable:
         raise RowsMeet(where.why)
 
 
@@ -459,10 +459,10 @@ def layer_call(layer, call, *, pad, meets=False):
             # this layer's doing. The layer or loss that reads those inputs'
             # ops decides (or kd refuses there, see `_row_aligned`).
             return _padded(call, inputs, args, kwargs, batch, pad)
-        losses = len(batch.losses) if batch.losses is not None else None
-        draws = dict(batch.seed_draws)
+        losses = len(batch.forward.losses) if batch.forward.losses is not None else None
+        draws = dict(batch.draws.seed_draws)
         outputs = _padded(call, inputs, args, kwargs, batch, pad, inspect=True)
-        added = batch.losses[losses:] if losses is not None else []
+        added = batch.forward.losses[losses:] if losses is not None else []
         where = outputs.where or _added_meet(added)
         if where is None:
             _decide(layer, key, _CLEAN)
@@ -470,8 +470,8 @@ def layer_call(layer, call, *, pad, meets=False):
         decision = (_GLOBAL, outputs.statistics)
         _retrace_or_go_on(batch, layer, key, where, decision)
         if losses is not None:  # the first run's terms and draws are not the step's
-            del batch.losses[losses:]
-        batch.seed_draws = draws
+            del batch.forward.losses[losses:]
+        batch.draws.seed_draws = draws
         return _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, outputs.statistics)
 
     return called
@@ -509,8 +509,8 @@ class _Inspected:
 def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
     """`call`, an empty replica batch fed as one row of zeros when `pad` (see `layer_call`)."""
     # A batch whose rows are known when traced (and not 0) is never empty: no padding.
-    if not (pad and batch is not None and not batch.in_forward and batch.plan.pad_empty
-            and not batch.global_region and isinstance(inputs, tf.Tensor)
+    if not (pad and batch is not None and not batch.forward.in_forward and batch.plan.pad_empty
+            and not batch.coupling.global_region and isinstance(inputs, tf.Tensor)
             and inputs.shape.rank not in (None, 0) and not (inputs.shape[0] or 0) > 0):
         outputs = call(inputs, *args, **kwargs)
         return _Inspected(outputs, meets(outputs, statistics=True), outputs) if inspect else outputs
@@ -520,11 +520,11 @@ def _padded(call, inputs, args, kwargs, batch, pad, inspect=False):
     filler = lambda: tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
     layout = row_layout(inputs, batch)
     padded = mark_layout(penalties.mark_rows(tf.cond(has_rows, lambda: inputs, filler)), layout, batch)
-    batch.padded.append(tf.logical_not(has_rows))
+    batch.forward.padded.append(tf.logical_not(has_rows))
     try:
         outputs = call(padded, *args, **kwargs)
     finally:
-        batch.padded.pop()
+        batch.forward.padded.pop()
     where = meets(outputs, statistics=True) if inspect else None
 
     def cut_rows(value):
@@ -551,7 +551,7 @@ def _layer_on_global_batch(layer, call, inputs, args, kwargs, batch, statistics)
     `statistics`: for each output (flat), whether it is a statistic of the
     rows (kept whole: the global batch's, the same on every replica).
     """
-    if batch.plan.xla_forward and batch.in_forward:
+    if batch.plan.xla_forward and batch.forward.in_forward:
         raise ValueError(
             f"layer {layer.name!r} ({type(layer).__name__}) makes the rows of the batch meet, "
             "which kd computes on the global batch gathered from every replica: "
@@ -611,13 +611,13 @@ def anchor(values, owner, batch=None):
     the step makes their rows meet (`request_anchors`).
     """
     batch = batch if batch is not None else replica.current_batch()
-    if not _active(batch) or batch.model is None:
+    if not _active(batch) or batch.step.model is None:
         return values
-    count = batch.occurrences.get(id(owner), 0)
-    batch.occurrences[id(owner)] = count + 1
-    key = (batch.step_kind, _owner_key(owner, batch), count)
+    count = batch.coupling.occurrences.get(id(owner), 0)
+    batch.coupling.occurrences[id(owner)] = count + 1
+    key = (batch.step.kind, _owner_key(owner, batch), count)
     flat = tree.flatten(values)
-    if key in _ANCHORS.get(batch.model, ()):
+    if key in _ANCHORS.get(batch.step.model, ()):
         positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor) and v.shape.rank]
         gathered, _ = gather([flat[i] for i in positions], batch, own_gradient=True)
         for position, value in zip(positions, gathered):
@@ -625,7 +625,7 @@ def anchor(values, owner, batch=None):
         return tree.pack_sequence_as(values, flat)
     for value in flat:
         if isinstance(value, tf.Tensor):
-            batch.anchors[value.ref()] = key
+            batch.coupling.anchors[value.ref()] = key
     return values
 
 
@@ -637,7 +637,7 @@ def _owner_key(owner, batch):
 
 def planned_data(data, batch):
     """The step's data, its leaves gathered where a previous trace asked (see `anchor`)."""
-    if not _active(batch) or batch.model is None:
+    if not _active(batch) or batch.step.model is None:
         return data
     flat = tree.flatten(data)
     for index, value in enumerate(flat):
@@ -654,12 +654,12 @@ def request_anchors(kind, graph, batch):
     replica's own rows. Returns False if a path reaches none (kd did not
     see where that tensor came from).
     """
-    if batch.model is None:
+    if batch.step.model is None:
         return False
-    found, complete = penalties.row_sources(kind.op, graph, lambda t: batch.anchors.get(t.ref()))
+    found, complete = penalties.row_sources(kind.op, graph, lambda t: batch.coupling.anchors.get(t.ref()))
     if not found or not complete:
         return False
-    _ANCHORS.setdefault(batch.model, set()).update(found)
+    _ANCHORS.setdefault(batch.step.model, set()).update(found)
     return True
 
 
@@ -673,9 +673,9 @@ def inline(kind, batch, what, graph):
     op and the fix (`penalties.refusal`). Nothing happens in a model
     compiled with `rows_meet="per_replica"`.
     """
-    if batch is not None and batch.rows_meet != "global":
+    if batch is not None and batch.step.rows_meet != "global":
         return  # compiled to leave each replica its own rows
-    if batch is not None and batch.retraceable and request_anchors(kind, graph, batch):
+    if batch is not None and batch.step.retraceable and request_anchors(kind, graph, batch):
         raise RowsMeet(kind.why)
     raise ValueError(penalties.refusal(kind, what, replica.replicas_in_sync()))
 

@@ -72,7 +72,7 @@ def global_batch_call(layer, call):
 
     def laid_out(inputs, *args, **kwargs):
         batch = replica.current_batch()
-        if batch is None or kwargs.get("training") in (None, False) or batch.global_region \
+        if batch is None or kwargs.get("training") in (None, False) or batch.coupling.global_region \
                 or replica.replicas_in_sync() == 1:
             return call(inputs, *args, **kwargs)
         if not isinstance(inputs, tf.Tensor):
@@ -86,11 +86,11 @@ def global_batch_call(layer, call):
         mask = kwargs.get("mask")
         if isinstance(mask, tf.Tensor) and mask.shape.rank:
             kwargs["mask"] = _spread(mask, indices, total)
-        batch.laid_out += 1  # its draws are already the global batch's
+        batch.draws.laid_out += 1  # its draws are already the global batch's
         try:
             outputs = call(_spread(inputs, indices, total), *args, **kwargs)
         finally:
-            batch.laid_out -= 1
+            batch.draws.laid_out -= 1
         mine = tf.gather(outputs, indices)
         mine.set_shape(inputs.shape[:1].concatenate(outputs.shape[1:]))
         # Each row its own, as on one device, where the inputs' rows lie.
@@ -108,7 +108,7 @@ def _blocks_of(rows, batch):
     Returns (k * N, the indices of this replica's rows in it). A leading
     dimension that is not a multiple of n_r fails the step, naming the fix.
     """
-    local = tf.cast(batch.local_rows, tf.int32)
+    local = tf.cast(batch.rows.local_rows, tf.int32)
     rows = tf.cast(rows, tf.int32)
     blocks = tf.math.floordiv(rows, tf.maximum(local, 1))
     # A replica without rows draws what it is asked (a padded row, see
@@ -119,8 +119,8 @@ def _blocks_of(rows, batch):
         [replica.DRAW_REFUSAL, "rows drawn:", rows, "replica rows:", local],
     )
     with tf.control_dependencies([check]):
-        total = tf.cast(batch.global_rows, tf.int32)
-        offset = tf.cast(batch.offset, tf.int32)
+        total = tf.cast(batch.rows.global_rows, tf.int32)
+        offset = tf.cast(batch.rows.offset, tf.int32)
         starts = tf.range(blocks) * total + offset
         mine = tf.reshape(starts[:, None] + tf.range(local)[None, :], [-1])
         indices = tf.cond(empty, lambda: tf.range(rows), lambda: mine)
@@ -129,7 +129,7 @@ def _blocks_of(rows, batch):
 
 def _lays_out_draws():
     batch = replica.current_batch()
-    return batch is not None and not batch.laid_out and not batch.global_region \
+    return batch is not None and not batch.draws.laid_out and not batch.coupling.global_region \
         and replica.replicas_in_sync() > 1
 
 
@@ -253,12 +253,12 @@ def counted_draws(generator, keras_next):
         batch = replica.current_batch()
         if batch is None or not ordered or replica.replicas_in_sync() == 1:
             return keras_next(ordered)
-        start, count = batch.seed_draws.get(id(generator), (None, 0))
+        start, count = batch.draws.seed_draws.get(id(generator), (None, 0))
         if start is None:
             start = tf.convert_to_tensor(generator.state.value) * 1
         step = tf.constant([0, 1], start.dtype)
         generator.state.assign(start + step * (count + 1))
-        batch.seed_draws[id(generator)] = (start, count + 1)
+        batch.draws.seed_draws[id(generator)] = (start, count + 1)
         return start + step * count
 
     return next_seed

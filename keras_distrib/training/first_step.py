@@ -16,7 +16,7 @@ How, without tracing the step twice:
    each replica's copy.
 2. The real first step runs. Its compiled function also returns the batch
    each replica took and the global gradients its all-reduce produced
-   (`ReplicaBatch.recorded_gradients`), tensors the step holds anyway.
+   (`ReducedState.recorded_gradients`), tensors the step holds anyway.
 3. The step's result is copied too, and the copies from before the step are
    written back. One device's step then runs eagerly on that global batch
    (the replicas' rows in the order of TensorFlow's split,

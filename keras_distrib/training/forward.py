@@ -115,19 +115,19 @@ def record_loss(loss):
     """Records an `add_loss` term on the calling replica's batch (see `_keras_compat.record_add_loss`)."""
     batch = replica.current_batch()
     if batch is not None:
-        batch.record_loss(loss)
+        batch.forward.record_loss(loss)
 
 
 def pad_empty_batch(x, batch):
     """`x` with one row of zeros in place of an empty batch (see StepPlan)."""
-    if batch.surely_has_rows:
+    if batch.rows.surely_has_rows:
         return x
 
     def pad(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
         filler = lambda: tf.zeros(tf.concat([[1], tf.shape(value)[1:]], 0), value.dtype)
-        padded = penalties.mark_rows(tf.cond(batch.has_rows, lambda: value, filler))
+        padded = penalties.mark_rows(tf.cond(batch.rows.has_rows, lambda: value, filler))
         return coupling.mark_layout(padded, coupling.row_layout(value, batch), batch)
 
     return tree.map_structure(pad, x)
@@ -141,13 +141,13 @@ def drop_padding(outputs, batch, first=None, owner=None):
     the batch. One that does not (a statistic of the batch, rows mixed by
     an op kd cannot read) is refused, naming it.
     """
-    if batch.surely_has_rows:
+    if batch.rows.surely_has_rows:
         return outputs
 
     def cut(value):
         if not isinstance(value, tf.Tensor) or value.shape.rank in (None, 0):
             return value
-        if batch.rows_meet == "global":
+        if batch.step.rows_meet == "global":
             _check_rows(value, owner)
         mask = _keras_compat.get_keras_mask(value)
         # Keeps Keras's cross-entropy on the logits of a softmax/sigmoid
@@ -157,11 +157,11 @@ def drop_padding(outputs, batch, first=None, owner=None):
         # count would hide them from the walk.)
         result = _keras_compat.keep_keras_logits(
             value, lambda v: coupling.mark_layout(penalties.mark_rows(
-                tf.cond(batch.has_rows, lambda: v, lambda: v[:0])), layout, batch)
+                tf.cond(batch.rows.has_rows, lambda: v, lambda: v[:0])), layout, batch)
         )
         if mask is not None:
             # (The cut's `cond` on the row count hides the mask's rows from the walk.)
-            cut_mask = tf.cond(batch.has_rows, lambda: mask, lambda: mask[:0])
+            cut_mask = tf.cond(batch.rows.has_rows, lambda: mask, lambda: mask[:0])
             _keras_compat.set_keras_mask(
                 result, coupling.mark_layout(penalties.mark_rows(cut_mask), layout, batch))
         # The model's rows, each its own, as its first input's (checked above).
@@ -249,7 +249,7 @@ def row_wise_call(layer, call):
     def called(*args, **kwargs):
         outputs = call(*args, **kwargs)
         batch = replica.current_batch()
-        if batch is None or batch.global_region or tf.executing_eagerly() \
+        if batch is None or batch.coupling.global_region or tf.executing_eagerly() \
                 or replica.replicas_in_sync() == 1:
             return outputs
         inputs = {penalties.kind_of_value(v) for v in tree.flatten((args, kwargs)) if _row_aligned(v)}
@@ -320,12 +320,12 @@ def replica_state_updates(layer, variable):
                     return current[name](value, *args, **kwargs)
                 value = tf.convert_to_tensor(value, variable.dtype)
                 batch = replica.current_batch()
-                if batch.global_region:
+                if batch.coupling.global_region:
                     # Computed from the global batch, the same on every replica: added once.
                     first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
                     return keras_assign(variable.value + sign * value * tf.cast(first, value.dtype))
                 if tf.get_static_value(value) is None:
-                    if batch.plan.xla_forward and batch.in_forward:
+                    if batch.plan.xla_forward and batch.forward.in_forward:
                         raise ValueError(
                             f"layer {layer.name!r} ({type(layer).__name__}) updates its variable "
                             f"{variable.path!r} with `{name}` in the forward pass, which kd sums "
@@ -334,7 +334,7 @@ def replica_state_updates(layer, variable):
                             "because TensorFlow cannot synchronize replicas inside XLA here. Use "
                             "jit_compile=False (or GPUs, where XLA compiles the whole step)."
                         )
-                    value = replica.replica_sum(value * tf.cast(batch.has_rows, value.dtype))
+                    value = replica.replica_sum(value * tf.cast(batch.rows.has_rows, value.dtype))
                 return keras_assign(variable.value + sign * value)
 
             return update

@@ -90,7 +90,7 @@ def all_reduce(gradients, variables=None):
             `tf.IndexedSlices` or `None`).
         variables: The variables they are the gradients of, in the same
             order (optional). A step whose batch records its global
-            gradients (`ReplicaBatch.recorded_gradients`, the first-step
+            gradients (`ReducedState.recorded_gradients`, the first-step
             check) records them with their variables.
 
     Returns:
@@ -105,8 +105,8 @@ def all_reduce(gradients, variables=None):
     """
     summed = _summed(list(gradients))
     batch = replica.current_batch()
-    if batch is not None and batch.recorded_gradients is not None and variables is not None:
-        batch.recorded_gradients.append((list(variables), summed))
+    if batch is not None and batch.reduced.recorded_gradients is not None and variables is not None:
+        batch.reduced.recorded_gradients.append((list(variables), summed))
     return summed
 
 
@@ -122,12 +122,12 @@ def _summed(gradients):
         isinstance(g, tf.IndexedSlices) for g in present
     ):
         return _all_reduce_in_loop(context, batch, gradients)
-    if batch is not None and batch.deferred:
+    if batch is not None and batch.own_step.deferred:
         present = _all_reduce_deferred(context, batch, present)
     else:
         if batch is not None:
-            kind, batch.gradient_kind = batch.gradient_kind, None
-            if kind is None and batch.shares:
+            kind, batch.reduced.gradient_kind = batch.reduced.gradient_kind, None
+            if kind is None and batch.loss.shares:
                 kind = replica.SHARE  # no target classified (gradients of a share kd computed)
             if kind != replica.SHARE:
                 present = scaling.row_weighted_gradients(batch, present, kind)
@@ -146,8 +146,8 @@ def _all_reduce_deferred(context, batch, gradients):
     """
     dtype = next((g.dtype for g in gradients if g.dtype.is_floating), tf.float32)
     scaled = scaling.to_own_scale(batch, gradients)
-    summed, (global_rows,) = _sum_in_buckets(context, batch, scaled, [tf.cast(batch.local_rows, dtype)])
-    batch.learn_global_rows(global_rows)
+    summed, (global_rows,) = _sum_in_buckets(context, batch, scaled, [tf.cast(batch.rows.local_rows, dtype)])
+    batch.rows.learn_global_rows(global_rows)
     return scaling.divided(summed, global_rows)
 
 
@@ -199,7 +199,7 @@ def _sum_in_buckets(context, batch, gradients, extra=()):
     """
     gradients, extra = list(gradients), list(extra)
     sizes = [_bytes(g) for g in gradients]
-    plan = bucket_plan(batch.model if batch is not None else None, sum(sizes))
+    plan = bucket_plan(batch.step.model if batch is not None else None, sum(sizes))
     groups = buckets.split(sizes, plan.bucket_bytes) or [[]]
     results = [None] * len(gradients)
     summed_extra = []
@@ -218,25 +218,25 @@ def _sum_with_metric_states(context, batch, tensors):
     """Sums `tensors` over the replicas, with the metric states kd's step packed in.
 
     kd's own `train_step` updates its metrics before the update and leaves
-    their variables on the replica's batch (`ReplicaBatch.metric_variables`):
+    their variables on the replica's batch (`OwnStep.metric_variables`):
     each replica's local state rides in the same all-reduce, and the global
     state (what a read in cross-replica context sums) is kept on the batch
-    for the step's logs (`ReplicaBatch.global_metric_states`). The logs then
+    for the step's logs (`ReducedState.global_metric_states`). The logs then
     cost no collective of their own.
     """
-    variables = batch.metric_variables if batch is not None else None
+    variables = batch.own_step.metric_variables if batch is not None else None
     # Updates waiting for N (a per-output loss tracker in deferred scale) add
     # to the states after this all-reduce: the logs are read after the step then.
-    if not variables or batch.waits_for_global_rows or not logs_lib.packs_metric_states(variables):
+    if not variables or batch.rows.waits_for_global_rows or not logs_lib.packs_metric_states(variables):
         return replica.sum_packed(context, tensors)
-    summed, batch.global_metric_states = logs_lib.sum_with_metric_states(context, tensors, variables)
+    summed, batch.reduced.global_metric_states = logs_lib.sum_with_metric_states(context, tensors, variables)
     return summed
 
 
 def classify_gradient_target(target):
     """Classifies how `tape.gradient`'s `target` adds up over replicas, in a kd step (or refuses it).
 
-    Records the kind on the replica's batch (`ReplicaBatch.gradient_kind`),
+    Records the kind on the replica's batch (`ReducedState.gradient_kind`),
     which `all_reduce` reads.
 
     A loss share kd computed is summed over replicas as it is. Any other
@@ -256,17 +256,17 @@ def classify_gradient_target(target):
             or tf.executing_eagerly() or not isinstance(target, tf.Tensor):
         return
     if replica.is_share(target):
-        batch.gradient_kind = replica.SHARE
+        batch.reduced.gradient_kind = replica.SHARE
         return
     kind = penalties.kind_of(target)
     if kind == penalties.SHARE:  # shares kd computed, scaled by constants or summed
-        batch.gradient_kind = replica.SHARE
+        batch.reduced.gradient_kind = replica.SHARE
         return
     if isinstance(kind, penalties.Unknown):
-        if batch.rows_meet != "global":
+        if batch.step.rows_meet != "global":
             # Compiled to keep Keras's per-replica rows: shares summed as
             # they are, anything else taken as a mean of the replica's rows.
-            batch.gradient_kind = replica.SHARE if batch.shares else None
+            batch.reduced.gradient_kind = replica.SHARE if batch.loss.shares else None
             return
         if kind.mixing and not kind.meets:
             raise ValueError(
@@ -281,11 +281,11 @@ def classify_gradient_target(target):
         # are gathered at the next trace, or it is refused.
         coupling.inline(kind, batch, "the loss whose gradient the step takes", target.graph)
     if kind in (penalties.ROW_SUM, penalties.GLOBAL):
-        batch.gradient_kind = kind
-    elif batch.shares:
-        batch.gradient_kind = replica.SHARE
+        batch.reduced.gradient_kind = kind
+    elif batch.loss.shares:
+        batch.reduced.gradient_kind = replica.SHARE
     else:
-        batch.gradient_kind = None
+        batch.reduced.gradient_kind = None
 
 
 def _all_reduce_in_loop(context, batch, gradients):
@@ -307,14 +307,14 @@ def _all_reduce_in_loop(context, batch, gradients):
         raise SparseGradientInLoop("sparse gradients cannot be gathered inside a compiled loop")
     sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
     dense = [g for g in gradients if g is not None and not isinstance(g, tf.IndexedSlices)]
-    if batch.deferred:
+    if batch.own_step.deferred:
         sparse = [scaling.map_values(g, lambda v: v * scaling.own_scale(batch, v.dtype)) for g in sparse]
         dense = _all_reduce_deferred(context, batch, dense)
     elif dense:
         dense, _ = _sum_in_buckets(context, batch, dense)
     gathered = context.merge_call(_concat_slices, args=tuple(sparse))
-    if batch.deferred:
-        gathered = scaling.divided(gathered, batch.global_rows)  # N learnt in the dense all-reduce
+    if batch.own_step.deferred:
+        gathered = scaling.divided(gathered, batch.rows.global_rows)  # N learnt in the dense all-reduce
     summed, gathered = iter(dense), iter(gathered)
     return [
         None if g is None else next(gathered) if isinstance(g, tf.IndexedSlices) else next(summed)

@@ -161,7 +161,7 @@ def _recorded_result(metric, result):
         batch = replica.current_batch()
         if batch is not None:
             for key, leaf in logs_lib.result_leaves(metric.name, value):
-                batch.metric_results[id(leaf)] = (leaf, key)
+                batch.metrics.results[id(leaf)] = (leaf, key)
         return value
 
     return recorded

@@ -194,7 +194,7 @@ def replica_logs(outputs, sources):
     replicas = replica.replicas_in_sync()
     leaves = []
     for path, value in tree.flatten_with_path(outputs):
-        record = batch.metric_results.get(id(value))
+        record = batch.metrics.results.get(id(value))
         if record is not None and record[0] is value:
             sources[path] = record[1]
         elif replicas > 1 and tf.is_tensor(value) and value.dtype.is_floating \

@@ -371,7 +371,7 @@ class GlobalReductionLoss(keras.losses.Loss):
                 self.inner, self._terms, (y_true, y_pred, sample_weight, in_mask))
             if reduction in (None, "none"):
                 return values
-            whole = batch is not None and batch.global_region
+            whole = batch is not None and batch.coupling.global_region
             if global_batch or whole:
                 if denominator is None:
                     denominator = tf.cast(tf.size(values), dtype)
@@ -385,21 +385,21 @@ class GlobalReductionLoss(keras.losses.Loss):
                 return numerator if batch is None else scaling.in_step_scale(batch, numerator)
             if denominator is None:  # an element count: one entry per row
                 denominator = tf.cast(tf.size(values), dtype)
-                if batch is not None and batch.deferred and _counts_rows(values):
+                if batch is not None and batch.own_step.deferred and _counts_rows(values):
                     # The global element count is N times the elements per
                     # row: in deferred scale, R * n_r stands for N.
                     replicas = replicas_in_sync()
                     return tf.math.divide_no_nan(numerator, denominator * replicas)
-                if batch is not None and batch.knows_global_rows and _counts_rows(values) \
+                if batch is not None and batch.rows.knows_global_rows and _counts_rows(values) \
                         and getattr(self, "rows_are_the_batch", True):
                     # N already known (a global BatchNormalization's
                     # all-reduce brought it): N rows of equal size, no
                     # all-reduce of the element count.
                     per_row = values.shape[1:].num_elements()
-                    return tf.math.divide_no_nan(numerator, tf.cast(batch.global_rows, dtype) * per_row)
+                    return tf.math.divide_no_nan(numerator, tf.cast(batch.rows.global_rows, dtype) * per_row)
             if batch is None:
                 return global_share(numerator, denominator)
-            share = tf.math.divide_no_nan(numerator, batch.global_sum(denominator))
+            share = tf.math.divide_no_nan(numerator, batch.rows.global_sum(denominator))
             return scaling.in_step_scale(batch, share)
 
     def _terms(self, y_true, y_pred, sample_weight, in_mask):
@@ -495,7 +495,7 @@ class GlobalShareMean(keras.metrics.Mean):
         batch = current_batch()
         if batch is None:
             return super().update_state(values, sample_weight=sample_weight)
-        if self.weighting == "rows" and not batch.tracking_loss:
+        if self.weighting == "rows" and not batch.loss.tracking_loss:
             # A custom step feeding the model's tracker (`metric.update_state(loss)`
             # for the metric named "loss"): one device's Mean adds the value once.
             return _tracker_update(self, super().update_state)(values, sample_weight)
@@ -505,17 +505,17 @@ class GlobalShareMean(keras.metrics.Mean):
             return self._update_per_example(share, batch)
         if self.weighting == "rows":
             # share * N; in deferred scale share * R * n_r (the same number).
-            rows = scaling.own_scale(batch, self.dtype) if batch.deferred else batch.global_rows
+            rows = scaling.own_scale(batch, self.dtype) if batch.own_step.deferred else batch.rows.global_rows
             self.total.assign_add(share * tf.cast(rows, self.dtype))
-            self.count.assign_add(tf.cast(batch.local_rows, self.dtype))
+            self.count.assign_add(tf.cast(batch.rows.local_rows, self.dtype))
         else:
             self.count.assign_add(tf.constant(1.0 / replicas, self.dtype))
-            if not batch.deferred:
+            if not batch.own_step.deferred:
                 return self.total.assign_add(share)
             # The share itself is share' * R * n_r / N: added once N is known
             # (the gradient all-reduce brings it in a training step).
             scaled = share * scaling.own_scale(batch, self.dtype)
-            batch.when_global_rows(lambda global_rows: self.total.assign_add(
+            batch.rows.when_global_rows(lambda global_rows: self.total.assign_add(
                 tf.math.divide_no_nan(scaled, tf.cast(global_rows, self.dtype))))
 
 
@@ -526,7 +526,7 @@ class GlobalShareMean(keras.metrics.Mean):
         # (the model's loss), or adds sum(values) and counts the leading
         # dimension (a per-output loss); each replica adds its own part.
         if self.weighting == "rows":
-            rows = tf.cast(batch.local_rows, self.dtype)
+            rows = tf.cast(batch.rows.local_rows, self.dtype)
             mean = tf.math.divide_no_nan(tf.reduce_sum(values), tf.cast(tf.size(values), self.dtype))
             self.total.assign_add(mean * rows)
             self.count.assign_add(rows)
@@ -571,12 +571,12 @@ def track_loss(model, share):
         return
     batch = current_batch()
     if batch is not None:
-        batch.tracking_loss = True
+        batch.loss.tracking_loss = True
     try:
         tracker.update_state(_keras_compat.unscale_for_tracker(share))
     finally:
         if batch is not None:
-            batch.tracking_loss = False
+            batch.loss.tracking_loss = False
 
 
 # ---------------------------------------------------------------------------
@@ -601,7 +601,7 @@ def loss_object_call(keras_call):
 
     def call(loss, y_true, y_pred, sample_weight=None):
         batch = current_batch()
-        if batch is None or batch.in_forward or loss.reduction in (None, "none"):
+        if batch is None or batch.forward.in_forward or loss.reduction in (None, "none"):
             return keras_call(loss, y_true, y_pred, sample_weight)
         # A loss object of the user's may see other rows than the batch's (a
         # GAN's concatenated real and generated images): its element count is
@@ -661,12 +661,12 @@ def add_loss_share(loss):
         return tf.reduce_sum(loss) / tf.distribute.get_strategy().num_replicas_in_sync
     total = tf.reduce_sum(loss)
     kind = penalties.kind_of(loss) if replicas_in_sync() > 1 else penalties.ROW_MEAN
-    if isinstance(kind, penalties.Unknown) and batch.rows_meet != "global":
+    if isinstance(kind, penalties.Unknown) and batch.step.rows_meet != "global":
         kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
     weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
     return scaling.replica_share(
         kind, total, fraction=tf.cast(scaling.fraction(batch), total.dtype) if weighs else None,
-        has_rows=batch.has_rows, replicas=replicas_in_sync(),
+        has_rows=batch.rows.has_rows, replicas=replicas_in_sync(),
         what=f"the `add_loss` term `{loss.name if hasattr(loss, 'op') else loss}`",
         row_sum=lambda value: scaling.in_step_scale(batch, value))
 
@@ -685,14 +685,14 @@ def replica_part(value, what=None):
     kind = penalties.kind_of(value)
     what = what or "the value given to `kd.losses.row_weighted`"
     if isinstance(kind, penalties.Unknown):
-        if batch.rows_meet != "global":
+        if batch.step.rows_meet != "global":
             kind = penalties.ROW_MEAN  # compiled to keep Keras's per-replica rows
         else:
             coupling.inline(kind, batch, what, value.graph)  # gathered at the next trace, or refused
     weighs = kind in (penalties.ROW_MEAN, penalties.FIXED)  # (n_r / N may cost an all-reduce)
     return scaling.replica_share(
         kind, value, fraction=tf.cast(scaling.fraction(batch), value.dtype) if weighs else None,
-        has_rows=batch.has_rows, replicas=replicas_in_sync(), what=what)
+        has_rows=batch.rows.has_rows, replicas=replicas_in_sync(), what=what)
 
 
 def _tracker_update(metric, keras_update):
@@ -744,7 +744,7 @@ def _metric_update(metric, keras_update):
 
     def update_state(*args, **kwargs):
         batch = current_batch()
-        if batch is None or replicas_in_sync() == 1 or batch.global_region:
+        if batch is None or replicas_in_sync() == 1 or batch.coupling.global_region:
             return keras_update(*args, **kwargs)
         tensors = [v for v in tree.flatten((args, kwargs)) if isinstance(v, tf.Tensor)]
         kinds = [penalties.kind_of_value(v) for v in tensors]

@@ -42,20 +42,20 @@ def call(model, keras_call, args, kwargs):
     batch = replica.current_batch()
     if batch is None and forward.opens_own_batch(model, args, kwargs):
         return _call_opening_batch(model, args, kwargs)
-    if batch is None or batch.in_forward:
+    if batch is None or batch.forward.in_forward:
         return keras_call(*args, **kwargs)
     plan = batch.plan
-    padding = bool(args) and plan.pad_empty and not batch.global_region
+    padding = bool(args) and plan.pad_empty and not batch.coupling.global_region
     if padding:
         args = (forward.pad_empty_batch(args[0], batch),) + args[1:]
-        batch.padded.append(tf.logical_not(batch.has_rows))
-    batch.losses, batch.owner, batch.in_forward = [], model, True
+        batch.forward.padded.append(tf.logical_not(batch.rows.has_rows))
+    batch.forward.losses, batch.forward.owner, batch.forward.in_forward = [], model, True
     try:
         if plan.xla_forward:
             if any(_keras_compat.owned_seed_generators(layer)
                    for layer in _keras_compat.flatten_layers(model)):
-                batch.offset  # all-reduced here: XLA's forward pass cannot synchronize
-            outputs, batch.losses = _xla_forward(model, args, kwargs)
+                batch.rows.offset  # all-reduced here: XLA's forward pass cannot synchronize
+            outputs, batch.forward.losses = _xla_forward(model, args, kwargs)
         elif forward.may_meet(model):
             # The model's own `call` (a subclass's, a functional model's
             # own ops) may make rows meet: see coupling.layer_call.
@@ -64,10 +64,10 @@ def call(model, keras_call, args, kwargs):
         else:
             outputs = keras_call(*args, **kwargs)
     finally:
-        batch.in_forward = False
+        batch.forward.in_forward = False
         if padding:
-            batch.padded.pop()
-    if plan.pad_empty and not batch.global_region:
+            batch.forward.padded.pop()
+    if plan.pad_empty and not batch.coupling.global_region:
         outputs = forward.drop_padding(outputs, batch, forward.first_input(args, kwargs), model)
     return coupling.anchor(outputs, model, batch)
 
@@ -81,10 +81,10 @@ def _call_opening_batch(model, args, kwargs):
     forward.check_loop_shape()
     first = forward.first_input(args, kwargs)
     with replica.replica_batch(replica.batch_rows(first), forward.loop_plan(model)) as batch:
-        batch.rows_meet = getattr(model, "rows_meet", "global")
-        batch.leaves = [t for t in tree.flatten(first) if isinstance(t, tf.Tensor) and t.shape.rank][:1]
+        batch.step = replica.StepIdentity(rows_meet=getattr(model, "rows_meet", "global"))
+        batch.rows.leaves = [t for t in tree.flatten(first) if isinstance(t, tf.Tensor) and t.shape.rank][:1]
         outputs = model(*args, **kwargs)
-        replica.keep_losses(model, batch.losses)
+        replica.keep_losses(model, batch.forward.losses)
     return outputs
 
 
@@ -98,12 +98,12 @@ def _xla_forward(model, args, kwargs):
     if compiled is None:
         def forward_pass(*args, **kwargs):
             batch = replica.current_batch()
-            batch.losses = []
+            batch.forward.losses = []
             outputs = model(*args, **kwargs)  # in_forward: Keras's own call
             kinds["outputs"] = [penalties.kind_of_value(v) if isinstance(v, tf.Tensor) else None
                                 for v in tree.flatten(outputs)]
-            kinds["losses"] = [penalties.kind_of(term) for term in batch.losses]
-            return outputs, list(batch.losses)
+            kinds["losses"] = [penalties.kind_of(term) for term in batch.forward.losses]
+            return outputs, list(batch.forward.losses)
 
         compiled = step_lib.on_replica_device(
             tf.function(forward_pass, jit_compile=True, reduce_retracing=True)
@@ -128,8 +128,8 @@ def losses(model):
     replicas' threads. Elsewhere None: Keras's own list is the model's.
     """
     batch = replica.current_batch()
-    if batch is not None and batch.owner is model and batch.losses is not None:
-        recorded = batch.losses
+    if batch is not None and batch.forward.owner is model and batch.forward.losses is not None:
+        recorded = batch.forward.losses
     else:
         recorded = replica.kept_losses(model)
         if recorded is None:

@@ -289,7 +289,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's training step: forward, loss share, gradients, update, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = deferral.defers_scaling(
+            batch.own_step.deferred = deferral.defers_scaling(
                 self, training=True, kd_compute_loss=DistributedModelMixin.compute_loss)
             with tf.GradientTape() as tape:
                 y_pred = self._call_model(x, training=True)
@@ -305,7 +305,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             # an override that may update metrics after this returns.
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             if logs_lib.reports_only_metrics(self, "train"):
-                batch.metric_variables = list(self.metrics_variables)
+                batch.own_step.metric_variables = list(self.metrics_variables)
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
                 grads = tape.gradient(loss, variables)
@@ -316,7 +316,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
                 self.optimizer.apply_gradients(zip(grads, variables))
             else:
                 warnings.warn("The model does not have any trainable weights.")
-            batch.metric_variables = None
+            batch.own_step.metric_variables = None
             return logs
 
     @logs_lib.metrics_only
@@ -325,7 +325,7 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
         """One replica's evaluation step: forward, loss share, metrics."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with self.replica_batch(x) as batch:
-            batch.deferred = deferral.defers_scaling(
+            batch.own_step.deferred = deferral.defers_scaling(
                 self, training=False, kd_compute_loss=DistributedModelMixin.compute_loss)
             y_pred = self._call_model(x, training=False)
             loss = _keras_compat.compute_loss(

@@ -1,16 +1,18 @@
 """What one replica knows about the batch it processes in a step.
 
 kd's step opens a `ReplicaBatch` around every replica step (`replica_batch`).
-It holds the replica's row count n_r, the step's `StepPlan` and, when
-something needs it, the global count N. Losses, metric trackers,
+It holds typed parts, each written by one module (see `ReplicaBatch`):
+the replica's row count n_r and, when something needs it, the global count
+N (`BatchRows`), the step's `StepPlan` and identity, the forward pass's
+state, the step's draws, the gradient all-reduce's state. Losses, metric trackers,
 regularization, the forward pass and synchronized batch normalization read
 it instead of all-reducing again. It is thread-local: under
 MirroredStrategy each replica traces on its own thread.
 
 N costs an all-reduce, a barrier across every replica and worker, so it is
-computed only when first read (`ReplicaBatch.global_rows`). kd's own
+computed only when first read (`BatchRows.global_rows`). kd's own
 training step does without it: with `deferred` scaling (see
-`ReplicaBatch.deferred` and `keras_distrib.training.scaling`) each replica scales its loss by what it knows
+`OwnStep.deferred` and `keras_distrib.training.scaling`) each replica scales its loss by what it knows
 (R * n_r instead of N), and the gradient all-reduce carries n_r along to
 correct the scale afterwards: one collective per step.
 """
@@ -25,8 +27,18 @@ from keras import tree
 from keras_distrib.training import penalties
 
 __all__ = [
+    "BatchRows",
+    "CollectiveOrder",
+    "CouplingState",
+    "DrawState",
+    "ForwardState",
+    "LossState",
+    "MetricResults",
+    "OwnStep",
+    "ReducedState",
     "ReplicaBatch",
     "SHARE",
+    "StepIdentity",
     "StepPlan",
     "batch_rows",
     "current_batch",
@@ -44,7 +56,7 @@ __all__ = [
 
 _STATE = threading.local()
 
-# `ReplicaBatch.gradient_kind` of a target that is a loss share kd computed.
+# `ReducedState.gradient_kind` of a target that is a loss share kd computed.
 SHARE = "share"
 
 # Said (and raised as a ValueError by kd's step) when a random draw's leading
@@ -85,107 +97,65 @@ class StepPlan:
                 raise TypeError(f"`{field.name}`={getattr(self, field.name)!r}: expected True or False.")
 
 
-class ReplicaBatch:
-    """What kd knows about the batch one replica processes in a step.
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class StepIdentity:
+    """Whose step a batch belongs to. Frozen: set whole, once, by the batch's opener.
+
+    Written by `step` (kd's `Step`: every field) or by `model_call` (a
+    model called outside a step: `rows_meet` only); the default is a
+    hand-written loop's. Read by `coupling`, `forward`, `gradients`,
+    `losses`, `model_call` and `step`.
+
+    Attributes:
+        model: The kd model whose step this is (None in a hand-written loop).
+        kind: `"train"`, `"test"` or `"predict"` (None in a hand-written loop).
+        retraceable: Whether kd's `Step` traces this step and can trace it
+            again (`coupling.RowsMeet`).
+        rows_meet: `"global"` (kd gathers the global batch where rows meet)
+            or `"per_replica"` (the model was compiled to leave them).
+    """
+
+    model: object = None
+    kind: str = None
+    retraceable: bool = False
+    rows_meet: str = "global"
+
+
+class BatchRows:
+    """The batch's row counts: this replica's n_r, the global N and the offset.
+
+    Written by `replica` (`replica_batch` opens it; N and the offsets are
+    learnt through its methods, called by `batch_norm`, `gradients` and
+    `losses`), except `leaves`, which the batch's opener (`step`,
+    `model_call`) sets once. Read by `batch_norm`, `coupling`, `draws`,
+    `forward`, `gradients`, `losses`, `model_call` and `scaling`.
 
     Attributes:
         local_rows: Rows on this replica, n_r (a float32 scalar tensor).
+        static_rows: n_r as a number when the batch's shape says it when
+            traced (every batch the traced function takes has that many
+            rows), else None.
         global_rows: Rows over all replicas, N = sum(n_r); all-reduced when
             first read, unless the gradient all-reduce has brought it.
         offset: Where this replica's rows start in the global batch (a
             float32 scalar tensor): the rows of the replicas whose pieces
             come before its own in TensorFlow's split (see `piece_order`).
             All-reduced with `global_rows` when first read.
-        plan: The `StepPlan` of the step.
-        deferred: Whether loss shares are in deferred scale: each replica's
-            share times N / (R * n_r), so that no replica needs N before
-            its gradient (see `scaling.defer`). Off unless kd's own step turns it on.
-        losses: The `add_loss` terms of this replica's latest forward pass
-            (recorded per replica; `None` before the first one).
-        owner: The model whose forward pass recorded `losses`.
-        in_forward: Whether a kd model's forward pass is running.
-        metric_variables: The metric variables whose states travel in the
-            gradient all-reduce (kd's own `train_step` updates its metrics
-            first and sets them; None otherwise).
-        global_metric_states: Their global values (summed over every
-            replica, as a read in cross-replica context), once the gradient
-            all-reduce has brought them; None otherwise.
-        global_region: > 0 while a computation runs on the global batch
-            kd gathered (`coupling`): kd's own sites leave it alone there.
-        rows_meet: `"global"` (kd gathers the global batch where rows meet)
-            or `"per_replica"` (the model was compiled to leave them).
-        model: The kd model whose step this is (None in a hand-written loop).
-        step_kind: `"train"`, `"test"` or `"predict"` (None in a hand-written loop).
-        retraceable: Whether kd's `Step` traces this step and can trace it
-            again (`coupling.RowsMeet`).
-        gradient_kind: How the next gradients' target adds up over replicas
-            (`gradients.classify_gradient_target`): `SHARE`, `penalties.ROW_SUM`,
-            `penalties.GLOBAL`, or None for a mean over rows.
-        static_rows: n_r as a number when the batch's shape says it when
-            traced (every batch the traced function takes has that many
-            rows), else None.
-        recorded_gradients: None, or a list the gradient all-reduce appends
-            `(variables, global gradients)` to at each optimizer's update
-            (the first-step check reads them: `keras_distrib.training.first_step`).
-        moments_token: A zero that follows the forward pass's latest
-            collective, added to the next (`chain`, `after_collective`); None
-            before the first.
-        seed_draws: id of a SeedGenerator -> (its state read, draws so far)
-            in this step (`draws.counted_draws`).
-        shares: id -> tensor: the loss shares kd computed in this step (`mark_share`).
-        metric_results: id -> (tensor, log key): the metric results read in
-            this step (`hooks`' recorded `result`; the step's logs read them).
-        laid_out: > 0 inside a call kd already runs on the global batch
-            (`forward`: its layers leave their draws alone there).
-        occurrences: id of a call's owner -> its calls so far in this step
-            (`coupling.anchor`).
-        anchors: tensor ref -> anchor key (`coupling.anchor`).
         leaves: The step's data leaves (leaf 0 holds the batch's rows); their
             global row counts and this replica's offsets are all-reduced
             together when first read (`leaf_rows`).
-        layouts: tensor ref -> the leaves its rows come from (`coupling.row_layout`).
-        padded: Inside forward passes fed one padded row: whether that row is
-            padding (innermost last; `model_call`).
-        tracking_loss: Whether kd's own step is updating the model's loss
-            tracker with its loss share (`losses.track_loss`), not a custom
-            step feeding it a value.
     """
 
-    def __init__(self, local_rows, global_rows=None, plan=None, offset=None, static_rows=None):
+    __slots__ = ("local_rows", "static_rows", "leaves", "_global_rows", "_offset", "_leaf_rows", "_pending")
+
+    def __init__(self, *, local_rows, static_rows=None, global_rows=None, offset=None):
         self.local_rows = local_rows
         self.static_rows = static_rows
+        self.leaves = []
         self._global_rows = global_rows
         self._offset = offset
-        self.plan = plan or StepPlan()
-        self.deferred = False
+        self._leaf_rows = None  # (local, totals, offsets) of the leaves, once all-reduced
         self._pending = []  # (function of N) run once N is known: see `when_global_rows`
-        self.losses = None
-        self.owner = None
-        self.in_forward = False
-        self.moments_token = None
-        self.metric_variables = None
-        self.global_metric_states = None
-        self.seed_draws = {}  # id of a SeedGenerator -> (its state read, draws) in this step
-        self.shares = {}  # id -> tensor: loss shares kd computed in this step (`mark_share`)
-        self.gradient_kind = None
-        self.metric_results = {}  # id -> (tensor, log key): metric results read in this step
-        self.laid_out = 0  # > 0 inside a call kd already runs on the global batch
-        self.global_region = 0
-        self.rows_meet = "global"
-        self.model = None
-        self.step_kind = None
-        self.retraceable = False
-        self.occurrences = {}  # id of a call's owner -> calls so far in this step (coupling.anchor)
-        self.anchors = {}  # tensor ref -> anchor key (coupling.anchor)
-        # The step's data leaves (leaf 0 holds the batch's rows) and, once
-        # all-reduced, their global row counts and this replica's offsets.
-        self.leaves = []
-        self._leaf_rows = None
-        self.layouts = {}  # tensor ref -> the leaves its rows come from (coupling.row_layout)
-        # Inside forward passes fed one padded row: whether that row is padding (innermost last).
-        self.padded = []
-        self.recorded_gradients = None
-        self.tracking_loss = False
 
     @property
     def global_rows(self):
@@ -237,27 +207,6 @@ class ReplicaBatch:
         """Keeps N, all-reduced along with something else (the gradients)."""
         self._global_rows = tf.cast(global_rows, self.local_rows.dtype)
 
-    def chain(self, value):
-        """`value` plus a zero that follows the previous forward-pass collective (see `after_collective`)."""
-        if self.moments_token is None:
-            return value
-        return value + tf.cast(self.moments_token, value.dtype)
-
-    def after_collective(self, value):
-        """Makes the next `chain`ed collective follow the one that gave `value`.
-
-        A zero that carries a gradient path from `value`, added to the next
-        all-reduced sum: it orders the backward pass. The tape processes
-        independent branches (two BatchNormalizations on one input) in an
-        order that can differ between replicas, and collectives pair up by
-        the order in which each replica creates them. With every all-reduce
-        of the forward pass chained, their gradients are created in one
-        order on every replica.
-        """
-        dtype = value.dtype if value.dtype.is_floating else tf.float32
-        self.moments_token = tf.math.multiply_no_nan(
-            tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
-
     def when_global_rows(self, function):
         """Runs `function(N)` now if N is known, else after the gradient all-reduce brings it."""
         if self._global_rows is not None:
@@ -291,10 +240,240 @@ class ReplicaBatch:
         """
         return self.static_rows is not None and self.static_rows > 0
 
+
+class ForwardState:
+    """The state of the replica's forward passes in this step.
+
+    Written by `model_call` (a kd model's forward pass), and by `coupling`
+    when it runs a layer a second time on the global batch (it drops the
+    first run's `losses` and pushes a `padded` row of its own). Read by
+    `coupling`, `forward`, `losses` and `model_call`.
+
+    Attributes:
+        losses: The `add_loss` terms of this replica's latest forward pass
+            (recorded per replica; `None` before the first one).
+        owner: The model whose forward pass recorded `losses`.
+        in_forward: Whether a kd model's forward pass is running.
+        padded: Inside forward passes fed one padded row: whether that row is
+            padding (innermost last; `model_call`).
+    """
+
+    __slots__ = ("losses", "owner", "in_forward", "padded")
+
+    def __init__(self):
+        self.losses = None
+        self.owner = None
+        self.in_forward = False
+        self.padded = []
+
     def record_loss(self, loss):
         """Keeps an `add_loss` term of the current forward pass."""
         if self.in_forward and self.losses is not None:
             self.losses.extend(tree.flatten(loss))
+
+
+class CollectiveOrder:
+    """The order of the forward pass's collectives, the same on every replica.
+
+    Written through `after_collective`, by `batch_norm` and `coupling`
+    (each forward-pass all-reduce); read through `chain` by the same two.
+
+    Attributes:
+        moments_token: A zero that follows the forward pass's latest
+            collective, added to the next (`chain`, `after_collective`); None
+            before the first.
+    """
+
+    __slots__ = ("moments_token",)
+
+    def __init__(self):
+        self.moments_token = None
+
+    def chain(self, value):
+        """`value` plus a zero that follows the previous forward-pass collective (see `after_collective`)."""
+        if self.moments_token is None:
+            return value
+        return value + tf.cast(self.moments_token, value.dtype)
+
+    def after_collective(self, value):
+        """Makes the next `chain`ed collective follow the one that gave `value`.
+
+        A zero that carries a gradient path from `value`, added to the next
+        all-reduced sum: it orders the backward pass. The tape processes
+        independent branches (two BatchNormalizations on one input) in an
+        order that can differ between replicas, and collectives pair up by
+        the order in which each replica creates them. With every all-reduce
+        of the forward pass chained, their gradients are created in one
+        order on every replica.
+        """
+        dtype = value.dtype if value.dtype.is_floating else tf.float32
+        self.moments_token = tf.math.multiply_no_nan(
+            tf.cast(tf.reduce_sum(value), dtype), tf.zeros((), dtype))
+
+
+class CouplingState:
+    """Where rows meet in this step: written by `coupling` only.
+
+    Read by `coupling`, and `global_region` also by `batch_norm`, `draws`,
+    `forward`, `losses`, `model_call` and `replica` (`mark_share`).
+
+    Attributes:
+        global_region: > 0 while a computation runs on the global batch
+            kd gathered (`coupling`): kd's own sites leave it alone there.
+        occurrences: id of a call's owner -> its calls so far in this step
+            (`coupling.anchor`).
+        anchors: tensor ref -> anchor key (`coupling.anchor`).
+        layouts: tensor ref -> the leaves its rows come from (`coupling.row_layout`).
+    """
+
+    __slots__ = ("global_region", "occurrences", "anchors", "layouts")
+
+    def __init__(self):
+        self.global_region = 0
+        self.occurrences = {}
+        self.anchors = {}
+        self.layouts = {}
+
+
+class DrawState:
+    """The step's random draws: written by `draws`.
+
+    `coupling` also restores `seed_draws` after a layer's first run whose
+    draws are not the step's. Read by `draws` and `coupling`.
+
+    Attributes:
+        seed_draws: id of a SeedGenerator -> (its state read, draws so far)
+            in this step (`draws.counted_draws`).
+        laid_out: > 0 inside a call kd already runs on the global batch
+            (`forward`: its layers leave their draws alone there).
+    """
+
+    __slots__ = ("seed_draws", "laid_out")
+
+    def __init__(self):
+        self.seed_draws = {}
+        self.laid_out = 0
+
+
+class OwnStep:
+    """What kd's own `train_step` / `test_step` decided: written by `models`.
+
+    Read by `gradients`, `losses` and `scaling`.
+
+    Attributes:
+        deferred: Whether loss shares are in deferred scale: each replica's
+            share times N / (R * n_r), so that no replica needs N before
+            its gradient (see `scaling.defer`). Off unless kd's own step turns it on.
+        metric_variables: The metric variables whose states travel in the
+            gradient all-reduce (kd's own `train_step` updates its metrics
+            first and sets them; None otherwise).
+    """
+
+    __slots__ = ("deferred", "metric_variables")
+
+    def __init__(self):
+        self.deferred = False
+        self.metric_variables = None
+
+
+class LossState:
+    """The loss shares kd computed in this step.
+
+    `shares` is written by `replica` (`mark_share`), `tracking_loss` by
+    `losses` (`track_loss`). Read by `gradients` and `losses`
+    (`is_share`).
+
+    Attributes:
+        shares: id -> tensor: the loss shares kd computed in this step (`mark_share`).
+        tracking_loss: Whether kd's own step is updating the model's loss
+            tracker with its loss share (`losses.track_loss`), not a custom
+            step feeding it a value.
+    """
+
+    __slots__ = ("shares", "tracking_loss")
+
+    def __init__(self):
+        self.shares = {}
+        self.tracking_loss = False
+
+
+class ReducedState:
+    """The gradient all-reduce's state: written by `gradients`.
+
+    `step` opens `recorded_gradients` (an empty list) when the first-step
+    check asks for it. Read by `gradients`, `step` and `first_step`.
+
+    Attributes:
+        gradient_kind: How the next gradients' target adds up over replicas
+            (`gradients.classify_gradient_target`): `SHARE`, `penalties.ROW_SUM`,
+            `penalties.GLOBAL`, or None for a mean over rows.
+        global_metric_states: The global values of `OwnStep.metric_variables`
+            (summed over every replica, as a read in cross-replica context),
+            once the gradient all-reduce has brought them; None otherwise.
+        recorded_gradients: None, or a list the gradient all-reduce appends
+            `(variables, global gradients)` to at each optimizer's update
+            (the first-step check reads them: `keras_distrib.training.first_step`).
+    """
+
+    __slots__ = ("gradient_kind", "global_metric_states", "recorded_gradients")
+
+    def __init__(self):
+        self.gradient_kind = None
+        self.global_metric_states = None
+        self.recorded_gradients = None
+
+
+class MetricResults:
+    """The metric results read in this step: written by `hooks`, read by `logs`.
+
+    Attributes:
+        results: id -> (tensor, log key): the metric results read in this
+            step (`hooks`' recorded `result`; the step's logs read them).
+    """
+
+    __slots__ = ("results",)
+
+    def __init__(self):
+        self.results = {}
+
+
+class ReplicaBatch:
+    """What kd knows about the batch one replica processes in a step, in typed parts.
+
+    Each part is written by one module (see each part's docstring); the
+    batch itself holds nothing else.
+
+    Attributes:
+        rows: `BatchRows`: n_r, N, the offset and the data's leaves (`replica`).
+        plan: The `StepPlan` of the step (frozen; the step's opener).
+        step: `StepIdentity`: the model, kind and rows-meet policy (frozen;
+            the step's opener: `step` or `model_call`).
+        forward: `ForwardState`: the forward passes' losses and padding (`model_call`).
+        collectives: `CollectiveOrder`: the order of the forward pass's
+            all-reduces (`batch_norm`, `coupling`, through its methods).
+        coupling: `CouplingState`: where rows meet (`coupling`).
+        draws: `DrawState`: the step's random draws (`draws`).
+        own_step: `OwnStep`: kd's own `train_step`'s scaling and metrics (`models`).
+        loss: `LossState`: the loss shares kd computed (`replica`, `losses`).
+        reduced: `ReducedState`: the gradient all-reduce's state (`gradients`).
+        metrics: `MetricResults`: the metric results read in the step (`hooks`).
+    """
+
+    __slots__ = ("rows", "plan", "step", "forward", "collectives", "coupling", "draws", "own_step",
+                 "loss", "reduced", "metrics")
+
+    def __init__(self, *, rows, plan=None):
+        self.rows = rows
+        self.plan = plan or StepPlan()
+        self.step = StepIdentity()
+        self.forward = ForwardState()
+        self.collectives = CollectiveOrder()
+        self.coupling = CouplingState()
+        self.draws = DrawState()
+        self.own_step = OwnStep()
+        self.loss = LossState()
+        self.reduced = ReducedState()
+        self.metrics = MetricResults()
 
 
 def mark_share(value):
@@ -302,11 +481,11 @@ def mark_share(value):
 
     Trackers, logs and the gradient all-reduce tell shares from values kd
     did not compute (see `is_share`). Returns `value`. On the global batch
-    (`ReplicaBatch.global_region`) a value is the whole batch's, not a share.
+    (`CouplingState.global_region`) a value is the whole batch's, not a share.
     """
     batch = current_batch()
-    if batch is not None and tf.is_tensor(value) and not batch.global_region:
-        batch.shares[id(value)] = value
+    if batch is not None and tf.is_tensor(value) and not batch.coupling.global_region:
+        batch.loss.shares[id(value)] = value
         penalties.mark_share(value)
     return value
 
@@ -314,7 +493,7 @@ def mark_share(value):
 def is_share(value):
     """Whether `value` is a loss share recorded in the current step by `mark_share`."""
     batch = current_batch()
-    return batch is not None and batch.shares.get(id(value)) is value
+    return batch is not None and batch.loss.shares.get(id(value)) is value
 
 
 def batch_rows(x):
@@ -478,13 +657,16 @@ def replica_batch(local_rows, plan=None):
         return
     static_rows = local_rows if isinstance(local_rows, int) else None
     local_rows = tf.cast(local_rows, tf.float32)
-    batch = ReplicaBatch(local_rows, plan=plan, static_rows=static_rows)
     if replicas_in_sync() == 1:
-        batch._global_rows, batch._offset = local_rows, tf.zeros_like(local_rows)
+        rows = BatchRows(local_rows=local_rows, static_rows=static_rows,
+                         global_rows=local_rows, offset=tf.zeros_like(local_rows))
+    else:
+        rows = BatchRows(local_rows=local_rows, static_rows=static_rows)
+    batch = ReplicaBatch(rows=rows, plan=plan)
     _STATE.batch = batch
     try:
         yield batch
-        batch.finish()
+        batch.rows.finish()
     finally:
         _STATE.batch = None
 

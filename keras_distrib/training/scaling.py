@@ -8,8 +8,8 @@ sum_r S_r = L and the sum of the replicas' gradients is one device's
 gradient: the all-reduce before the optimizer is a SUM
 (`gradients.all_reduce`).
 
-Here, as functions of the replica's batch (`replica.ReplicaBatch`: n_r,
-N, whether the step defers the scale):
+Here, as functions of the replica's batch (`replica.ReplicaBatch`: n_r and
+N in its `rows`, whether the step defers the scale in its `own_step`):
 
 - a replica's part of the global batch, `fraction` = n_r / N;
 - deferred scale: N costs an all-reduce before the loss; where kd computes
@@ -57,14 +57,14 @@ def fraction(batch):
 
     In deferred scale, n_r / (R * n_r): 1/R, 0 if empty (no N needed).
     """
-    if batch.deferred:
-        return tf.math.divide_no_nan(batch.local_rows, own_scale(batch, batch.local_rows.dtype))
-    return tf.math.divide_no_nan(batch.local_rows, batch.global_rows)
+    if batch.own_step.deferred:
+        return tf.math.divide_no_nan(batch.rows.local_rows, own_scale(batch, batch.rows.local_rows.dtype))
+    return tf.math.divide_no_nan(batch.rows.local_rows, batch.rows.global_rows)
 
 
 def own_scale(batch, dtype):
     """R * n_r: the replica's stand-in for N in deferred scale, as `dtype`."""
-    return tf.cast(batch.local_rows, dtype) * tf.cast(replica.replicas_in_sync(), dtype)
+    return tf.cast(batch.rows.local_rows, dtype) * tf.cast(replica.replicas_in_sync(), dtype)
 
 
 def defer(batch, share):
@@ -76,13 +76,13 @@ def defer(batch, share):
     and divides the sum by N (`divided`), giving back the gradient of
     `share`. Needs N (an all-reduce when not yet known).
     """
-    global_rows = tf.cast(batch.global_rows, share.dtype)
+    global_rows = tf.cast(batch.rows.global_rows, share.dtype)
     return tf.math.divide_no_nan(share * global_rows, own_scale(batch, share.dtype))
 
 
 def in_step_scale(batch, share):
     """`share` in the scale of `batch`'s step: deferred (`defer`) where the step defers, else as it is."""
-    return defer(batch, share) if batch.deferred else share
+    return defer(batch, share) if batch.own_step.deferred else share
 
 
 def replica_share(kind, value, *, fraction, has_rows, replicas, what, row_sum=None):
@@ -150,7 +150,7 @@ def row_weighted_gradients(batch, gradients, kind=None):
     # (n_r / N only where it weighs: N may cost an all-reduce.)
     fractions = per_dtype(gradients, lambda dtype: tf.cast(fraction(batch), dtype)) \
         if kind in (penalties.ROW_MEAN, penalties.FIXED) else {}
-    has_rows = None if batch.surely_has_rows else batch.has_rows
+    has_rows = None if batch.rows.surely_has_rows else batch.rows.has_rows
     return [map_values(g, lambda v: replica_share(
         kind, v, fraction=fractions.get(v.dtype), has_rows=has_rows, replicas=replicas,
         what="the loss whose gradient the step takes")) for g in gradients]

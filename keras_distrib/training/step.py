@@ -246,14 +246,14 @@ def replica_function(model, kind, *, looped=False, sources=None, capture=None, o
         with tf.control_dependencies(arrived), \
                 replica.replica_batch(replica.batch_rows(x), plan) as batch, \
                 tf.variable_creator_scope(_created_before_the_batch):
-            batch.model, batch.step_kind, batch.retraceable = model, kind, True
-            batch.rows_meet = getattr(model, "rows_meet", "global")
+            batch.step = replica.StepIdentity(model=model, kind=kind, retraceable=True,
+                                              rows_meet=getattr(model, "rows_meet", "global"))
             # The data's leaves, the batch's first (kd lays out rows of each, coupling.row_layout).
             leaves = [t for t in tree.flatten(x) + tree.flatten(data)
                       if isinstance(t, tf.Tensor) and t.shape.rank]
-            batch.leaves = list({t.ref(): t for t in leaves}.values())
+            batch.rows.leaves = list({t.ref(): t for t in leaves}.values())
             if records:
-                batch.recorded_gradients = []
+                batch.reduced.recorded_gradients = []
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations()) if not tf.executing_eagerly() else None
             # Leaves of the data a previous trace found rows meeting in are
@@ -264,12 +264,12 @@ def replica_function(model, kind, *, looped=False, sources=None, capture=None, o
                                       f"{type(model).__name__}.{kind}_step")
             outputs = outputs if kind == "predict" else logs_lib.replica_logs(outputs, sources)
             if one_device:
-                return outputs, batch.global_metric_states, batch.recorded_gradients
+                return outputs, batch.reduced.global_metric_states, batch.reduced.recorded_gradients
             if capture is not None:
-                capture["variables"] = [variables for variables, _ in batch.recorded_gradients]
-                return outputs, batch.global_metric_states, {
-                    "data": data, "gradients": [values for _, values in batch.recorded_gradients]}
-            return outputs, batch.global_metric_states
+                capture["variables"] = [variables for variables, _ in batch.reduced.recorded_gradients]
+                return outputs, batch.reduced.global_metric_states, {
+                    "data": data, "gradients": [values for _, values in batch.reduced.recorded_gradients]}
+            return outputs, batch.reduced.global_metric_states
 
     if one_device or not model.jit_compile or model.run_eagerly or plan.xla_forward:
         return replica_step
