@@ -8,13 +8,11 @@ and predict arguments. The same feature is trained with plain Keras on one
 device (the reference) and with kd under each path of the matrix.
 """
 
-import fcntl
-import os
-import pickle
-
 import keras
 import numpy as np
 import tensorflow as tf
+
+import reference_cache
 
 GLOBAL_BATCH = 16
 ROWS = 2 * GLOBAL_BATCH + 1
@@ -665,25 +663,11 @@ def relative_difference(reference, candidate):
 
 def reference(name):
     """Plain Keras on one device; cached in $KD_REFERENCE_DIR across processes."""
-    folder = os.environ.get("KD_REFERENCE_DIR")
-    if not folder:
+    def compute():
         with tf.device("/CPU:0"):
             return train(keras.Model, name)
-    path = os.path.join(folder, f"feature-{name}.pkl")
-    # Paths that start together need the same references: one process trains
-    # each, the others wait for it rather than train it again.
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                return pickle.load(f)
-        with tf.device("/CPU:0"):
-            result = train(keras.Model, name)
-        temp = f"{path}.{os.getpid()}.tmp"
-        with open(temp, "wb") as f:
-            pickle.dump(result, f)
-        os.replace(temp, path)
-    return result
+
+    return reference_cache.cached(f"feature-{name}", compute)
 
 
 def error_summary(error):
