@@ -119,12 +119,13 @@ def test_collective_ops_in_the_step_graphs_of_two_workers():
     # tf-keras pay it: +1 per step); kd skips it where every worker's batch
     # count is known to be the same: from arrays (TensorFlow splits each global
     # batch into one per replica) and from a `dataset_fn` (loop.join_workers).
-    # Predictions are gathered to every worker (4 gathers).
-    result, output = _harness.run_cluster("collectives_cluster.py", "0,1,3", "1,3",
+    # Predictions are gathered to every worker (4 gathers). No metric and three
+    # (one a RootMeanSquaredError): the counts do not grow with the metrics.
+    result, output = _harness.run_cluster("collectives_cluster.py", "0,3", "1,3",
                                           workers=2, timeout=600)
     assert result.returncode == 0, output[-4000:]
     counted = _harness.task_results(output)
-    assert len(counted) == 2 * 3 * 2 * 2
+    assert len(counted) == 2 * 2 * 2 * 2
     for item in counted:
         figures = {kind: (item[kind]["step"], item[kind]["call"], item[kind]["read"])
                    for kind in ("train", "test")}

@@ -29,6 +29,10 @@ ALL = [
 # once the gradients are reduced (clipnorm, masks, a CNN, a second BatchNormalization).
 CORE = ["base", "accumulation", "nonfinite_on_one_replica", "sync_batch_norm",
         "custom_train_step", "dropout_bn_noise", "row_statistics"]
+# parameter_server evaluates and predicts on the reference's weights: the features
+# whose model, data, loss and metrics are base's (features.TRAINING_ONLY) repeat base there.
+PS_REPEATS = ["clipnorm", "global_clipnorm", "clipvalue", "accumulation", "accumulation_clip",
+              "loss_scale_factor", "ema", "adamw_schedule", "reshuffled_dataset"]
 MATRIX = {
     "one_device": ALL,
     "mirrored1": ["base", "clipnorm", "accumulation", "mixed_float16", "ema", "custom_train_step",
@@ -50,16 +54,20 @@ MATRIX = {
     "jit_one_device": ["base", "global_clipnorm", "accumulation", "sync_batch_norm", "lstm_auc",
                        "masks", "cnn", "custom_train_step"],
     "multi_worker1": ["base", "clipnorm", "weights"],
-    "parameter_server": ALL,
+    "parameter_server": [f for f in ALL if f not in PS_REPEATS],
 }
-MULTI_WORKER = CORE + ["clipnorm", "mixed_float16", "reshuffled_dataset"]
+# Between worker processes: CORE, and the data sharded and reshuffled per worker.
+MULTI_WORKER = CORE + ["reshuffled_dataset"]
 # The rest of the cross product (docs/concepts/exactness.md's matrix; `python -m pytest -m full`):
 # features whose code is the same on these paths as under mirrored2.
 FULL_EXTRA = {
     "mirrored4": ["clipnorm", "cnn", "resnet_bn", "two_sync_bn"],
     "loop_mirrored2": ["clipnorm", "cnn", "resnet_bn", "two_sync_bn"],
     "spe3_mirrored2": ["clipnorm", "masks", "cnn"],
-    "multi_worker": ["cnn", "masks", "resnet_bn", "two_sync_bn"],
+    # clipnorm: the code after the reduction; mixed_float16: the loss scale agreed over
+    # the workers, as nonfinite_on_one_replica checks where one replica overflows.
+    "multi_worker": ["clipnorm", "mixed_float16", "cnn", "masks", "resnet_bn", "two_sync_bn"],
+    "parameter_server": PS_REPEATS,
 }
 LOOP_MULTI_WORKER = ["base", "accumulation", "masks", "dropout_bn_noise"]
 

@@ -11,8 +11,9 @@ hardest triplets, a hand-written loop gathering the global batch with
 strategy, from the same initial weights, on 225 rows in global batches of 32
 (the last batch has 1 row, one replica none). Weights and every logged value
 (History, evaluate, predict) are compared, float64 within 1e-9 and float32
-within 2e-5 (float64 only between worker processes). One process per
-strategy layout runs every pattern in both.
+within 2e-5 (float64 only under central storage and between worker processes).
+One process per strategy layout runs every pattern; the one-device runs are
+shared by the processes of the test run.
 
 What kd cannot read (tests/scripts/rows_policy.py): Keras's MixUp and
 CutMix inside a model, and compiled losses through ops kd's op table does
@@ -88,7 +89,9 @@ def test_rows_that_meet_match_one_device_on_mirrored_replicas():
 @pytest.mark.cluster
 @pytest.mark.long
 def test_rows_that_meet_match_one_device_under_central_storage():
-    configs, dtypes = ["central_storage2"], ["float64", "float32"]
+    # (float64 only: float32's round-off is measured on mirrored replicas above;
+    # here what differs is where the variables live and how updates reach them.)
+    configs, dtypes = ["central_storage2"], ["float64"]
     code, output = _harness.run_script("rows_meet.py", ",".join(configs), ",".join(PATTERNS),
                                        ",".join(dtypes), timeout=600)
     assert code == 0, output[-4000:]

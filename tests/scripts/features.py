@@ -8,14 +8,13 @@ and predict arguments. The same feature is trained with plain Keras on one
 device (the reference) and with kd under each path of the matrix.
 """
 
-import fcntl
-import os
-import pickle
 import traceback
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+import reference_cache
 
 GLOBAL_BATCH = 16
 ROWS = 2 * GLOBAL_BATCH + 1
@@ -542,6 +541,14 @@ def running_mean():
                                build=lambda cls: _stateful_mlp(cls, RunningMean))
 
 
+# Features whose model, data and compiled loss and metrics are base's: only the
+# optimizer, or how fit takes the data, differs. Their evaluate and predict
+# would repeat base's on the same path, so they compare the weights and the
+# history (a path running one runs base too; parameter_server, which only
+# evaluates, runs them with `-m full`).
+TRAINING_ONLY = ("clipnorm", "global_clipnorm", "clipvalue", "accumulation", "accumulation_clip",
+                 "loss_scale_factor", "ema", "adamw_schedule", "reshuffled_dataset")
+
 FEATURES = {
     "base": base,
     "clipnorm": clipnorm,
@@ -578,12 +585,16 @@ FEATURES = {
 
 
 def train(model_class, name, *, strategy=None, compile_extra=None, steps_per_loop=None,
-          weights=None):
+          weights=None, evaluate=None):
     """Builds, compiles and trains feature `name`; returns the comparable results.
 
     With `steps_per_loop`, trains and evaluates through `kd.TrainLoop`. With
     `weights`, does not train: loads them, then evaluates and predicts.
+    `evaluate`: whether a trained model evaluates and predicts; `None`:
+    unless the feature is `TRAINING_ONLY`.
     """
+    if evaluate is None:
+        evaluate = name not in TRAINING_ONLY
     spec = FEATURES[name]()
     if steps_per_loop is None and model_class is not keras.Model:
         steps_per_loop = spec.get("steps_per_loop")  # the reference trains with fit
@@ -611,12 +622,17 @@ def train(model_class, name, *, strategy=None, compile_extra=None, steps_per_loo
 
             runner = kd.TrainLoop(model, steps_per_loop=steps_per_loop)
             history = runner.fit(**fit_args, epochs=EPOCHS, verbose=0)
-            logs = runner.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0)
-            predictions = runner.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+            logs = predictions = None
+            if evaluate:
+                logs = runner.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0)
+                predictions = runner.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
         else:
             history = model.fit(**fit_args, epochs=EPOCHS, verbose=0)
-            logs = model.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
-            predictions = model.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
+            logs = predictions = None
+            if evaluate:
+                logs = model.evaluate(**spec["evaluate"], batch_size=GLOBAL_BATCH, verbose=0,
+                                      return_dict=True)
+                predictions = model.predict(**spec["predict"], batch_size=GLOBAL_BATCH, verbose=0)
     finally:
         keras.config.set_dtype_policy(previous)
     return dict(
@@ -679,26 +695,15 @@ def failure(error):
 
 
 def reference(name):
-    """Plain Keras on one device; cached in $KD_REFERENCE_DIR across processes."""
-    folder = os.environ.get("KD_REFERENCE_DIR")
-    if not folder:
+    """Plain Keras on one device; cached in $KD_REFERENCE_DIR across processes.
+
+    It evaluates and predicts for every feature: `parameter_server` compares those alone.
+    """
+    def compute():
         with tf.device("/CPU:0"):
-            return train(keras.Model, name)
-    path = os.path.join(folder, f"feature-{name}.pkl")
-    # Paths that start together need the same references: one process trains
-    # each, the others wait for it rather than train it again.
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                return pickle.load(f)
-        with tf.device("/CPU:0"):
-            result = train(keras.Model, name)
-        temp = f"{path}.{os.getpid()}.tmp"
-        with open(temp, "wb") as f:
-            pickle.dump(result, f)
-        os.replace(temp, path)
-    return result
+            return train(keras.Model, name, evaluate=True)
+
+    return reference_cache.cached(f"feature-{name}", compute)
 
 
 def error_summary(error):
@@ -725,7 +730,8 @@ def compare(name, model_class, *, evaluate_only=False, **kwargs):
     except Exception as error:  # reported, and the test decides
         return dict(feature=name, error=f"{type(error).__name__}: {error_summary(error)}")
     result = dict(feature=name, tolerance=tolerance(name))
-    keys = ("evaluate", "predict") if evaluate_only else ("weights", "history", "evaluate", "predict")
+    keys = ("evaluate", "predict") if evaluate_only else \
+        ("weights", "history") if name in TRAINING_ONLY else ("weights", "history", "evaluate", "predict")
     for key in keys:
         result[key] = relative_difference(expected[key], actual[key])
     result["iterations"] = [expected["iterations"], actual["iterations"]]

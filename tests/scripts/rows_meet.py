@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_distrib as kd
+import reference_cache
 from features import differences
 from features import failure
 
@@ -344,7 +345,6 @@ def main(configs, patterns, dtypes):
     if devices > 1:
         kd.virtual_devices(devices)
     import keras
-    import tensorflow as tf
 
     strategy = kd.make_strategy(kind)
     for config in configs:
@@ -363,9 +363,6 @@ def main(configs, patterns, dtypes):
                 report(config, pattern, dtype, strategy)
 
 
-_REFERENCES = {}  # (pattern, dtype) -> one device's run, shared by the configs of this process
-
-
 def report(config, pattern, dtype, strategy):
     import keras
     import tensorflow as tf
@@ -377,9 +374,10 @@ def report(config, pattern, dtype, strategy):
                 replicas=strategy.num_replicas_in_sync, task=kd.cluster_info().label)
     began = time.process_time()
     try:
-        if (pattern, dtype) not in _REFERENCES:
-            _REFERENCES[pattern, dtype] = train(pattern, keras.Model, tf.distribute.get_strategy())
-        start, expected = _REFERENCES[pattern, dtype]
+        # One device's run: shared by the configs of this process and by the
+        # test run's other processes (their layouts and strategies differ).
+        start, expected = reference_cache.cached(
+            f"rows_meet-{pattern}-{dtype}", lambda: train(pattern, keras.Model, tf.distribute.get_strategy()))
         _, actual = train(pattern, base, strategy, initial=start, per_replica=per_replica,
                           steps_per_execution=steps_per_execution)
         item["collectives"] = actual.pop("collectives", None)
