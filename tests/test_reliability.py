@@ -1478,6 +1478,7 @@ def test_keras_distrib_test_shows_a_failures_whole_reason_wrapped(capsys, monkey
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
                     reason="needs root (it switches to the unprivileged user `nobody`), `unshare` and "
                     "`setpriv`: run the tests as root, with util-linux installed")
