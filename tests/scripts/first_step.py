@@ -382,6 +382,12 @@ def report_example(case, dtype, strategy, base=None):
         try:
             model, history = _train_example(case, base or kd.Model, strategy, dtype, start)
             item["weights"], item["logs"] = _differences(reference, model, history)
+            # The weights beyond float round-off, each with its difference.
+            bound = 1e-9 if dtype == "float64" else 2e-5
+            item["beyond"] = {w.path: off for w, a, b in zip(reference[0].weights,
+                                                             reference[0].get_weights(),
+                                                             model.get_weights())
+                              if (off := relative(a, b)) > bound}
         except ValueError as error:
             item["refusal"] = f"{type(error).__name__}: {error}"
         finally:
