@@ -61,7 +61,8 @@ for case in first_step.EXAMPLES:
 # tests/scripts/first_step.py's keras-io examples, as the table names them.
 _EXAMPLES = {
     "simclr": "keras-io SimCLR: NT-Xent over both views stacked (2N rows), own train_step",
-    "barlow_twins": "keras-io Barlow Twins: cross-correlation of the batch, BatchNormalization, own train_step",
+    "barlow_twins": ("keras-io Barlow Twins: cross-correlation of the batch, BatchNormalization, "
+                     "own train_step"),
     "vicreg": "VICReg: batch variance and covariance, BatchNormalization, own train_step",
     "mixup_own": "MixUp as one's own layer in the model (keras.random shuffle and beta)",
     "mixup_tf": "keras-io MixUp moved into the model (tf.random.gamma, tf.random.shuffle)",
