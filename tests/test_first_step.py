@@ -59,8 +59,15 @@ def test_first_step_check_on_mirrored_replicas():
     assert code == 0, output[-4000:]
     results = _harness.results_of(output)
     _check_results(results, {("exact", True), ("exact", False), ("exact_spe2", True),
-                             ("exact_summed", True), ("blinded", True), ("exact_sub", True),
-                             ("blinded_sub", True)})
+                             ("exact_summed", True), ("blinded", True), ("subclassed", True),
+                             ("exact_sub", True), ("blinded_sub", True)})
+    # A subclassed model: the layer is named from the outputs its call records.
+    subclassed = {r["case"]: r for r in results}["subclassed"]
+    assert subclassed.get("refusal", "").startswith(
+        "FirstStepMismatch: The first training step of Centred on 2 replicas"), subclassed
+    assert "Likely cause: the first layer whose outputs differ is 'centre' (Lambda)" \
+        in subclassed["refusal"], subclassed
+    assert subclassed["restored"] is True, subclassed
     # A global batch too big for one device (the bound forced to 0 bytes):
     # the check compares the step on a sub-batch, refuses the blinded model
     # there with nothing trained, and leaves the exact one trained as without it.

@@ -33,8 +33,7 @@ How, without tracing the step twice:
    ValueError names the first log or gradient that differs, by how much,
    and the likely cause: the first layer whose outputs on each replica's
    rows apart differ from its outputs on the whole batch
-   (`first_layer_apart`, a functional model on one worker), where there is
-   one.
+   (`first_layer_apart`, on one worker), where there is one.
 
 Random layers draw the same numbers in both: kd lays the replicas' draws out
 over the global batch from the seed state one device starts from.
@@ -371,29 +370,43 @@ def first_layer_apart(model, strategy, captured_data, tolerance):
     """The first layer whose outputs on the global batch differ from its outputs on each replica's rows.
 
     Returns `(layer name, layer class, difference)`, or None: no layer
-    differs, the model is not a functional graph of layers, or the
-    replicas span several workers. One device runs the model's layers in
-    inference mode (no random draw, BatchNormalization's moving
-    statistics) on the global batch, then on each replica's rows apart; a
+    differs, the replicas span several workers (the rows are in other
+    processes), or the replicas' rows took other calls of the layers than
+    the whole batch's. One device runs the model in inference mode (no
+    random draw, BatchNormalization's moving statistics) on the global
+    batch, then on each replica's rows apart: a functional model through a
+    model of its layers' outputs, any other model (a subclassed one)
+    through its own `call` on the batch's inputs, each layer's outputs
+    recorded as its calls return (`_RecordedCalls`; inner layers first). A
+    layer computed only in a custom `train_step`, outside the model's
+    `call`, is not seen. A
     layer whose outputs differ reads other rows of the batch than its own
     (its rows meet), so a replica computing it alone computes something
     else. Run only when the check refuses a step: it costs one forward
     pass per replica.
     """
-    if strategies.traits(strategy).is_multi_worker or not getattr(model, "_run_through_graph", None) \
-            or not getattr(model, "inputs", None):
-        return None
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-    try:
-        probe = keras.Model(model.inputs, [layer.output for layer in layers])
-    except (AttributeError, ValueError, TypeError):  # a layer called twice, a nested output
+    if strategies.traits(strategy).is_multi_worker:
         return None
     parts = [x for x, _, _ in (keras.utils.unpack_x_y_sample_weight(d) for d in
                                strategy.experimental_local_results(captured_data))]
     pieces = [piece for _, piece in sorted(zip(_piece_order(strategy), parts), key=lambda p: p[0])]
-
-    def outputs_of(x):
-        return [tree.flatten(o) for o in probe(x, training=False)]
+    probe = None
+    if getattr(model, "_run_through_graph", None) and getattr(model, "inputs", None):
+        layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+        try:
+            probe = keras.Model(model.inputs, [layer.output for layer in layers])
+        except (AttributeError, ValueError, TypeError):  # a layer called twice, a nested output
+            probe = None
+    if probe is not None:
+        def outputs_of(x):
+            return layers, [tree.flatten(o) for o in probe(x, training=False)]
+    else:
+        # A subclassed model (or a graph the probe cannot cut): every layer's
+        # outputs as its calls return, inner layers before the ones holding them.
+        def outputs_of(x):
+            with _RecordedCalls(model) as recorded:
+                model(x, training=False)
+            return [layer for layer, _ in recorded.calls], [o for _, o in recorded.calls]
 
     def forward():
         with keras.StatelessScope():  # inference writes nothing; nothing is kept if it did
@@ -402,17 +415,57 @@ def first_layer_apart(model, strategy, captured_data, tolerance):
                      if int(tf.shape(tree.flatten(piece)[0])[0]) > 0]
             return whole, apart
 
-    whole, apart = _in_own_thread(forward)
+    (layers, whole), apart = _in_own_thread(forward)
+    # Calls matched in order: where the replicas' rows took other calls, nothing is named.
+    if any(len(called) != len(layers) or any(a is not b for a, b in zip(called, layers))
+           for called, _ in apart):
+        return None
+    apart = [outputs for _, outputs in apart]
     for layer, outputs, *per_piece in zip(layers, whole, *apart):
         for index, value in enumerate(outputs):
             pieces_of = [flat[index] for flat in per_piece]
-            if value.shape.rank == 0 or any(p.shape.rank == 0 for p in pieces_of):
+            if not tf.is_tensor(value) or value.shape.rank == 0 \
+                    or any(not tf.is_tensor(p) or p.shape.rank == 0 for p in pieces_of):
                 continue
             joined = tf.concat(pieces_of, axis=0)
             distance = difference(joined, value)
             if not distance <= tolerance:
                 return layer.name, type(layer).__name__, distance
     return None
+
+
+class _RecordedCalls:
+    """Within it, each call of a layer of `model` (the model itself aside) records its outputs.
+
+    `calls`: `[(layer, flat outputs)]`, in the order the calls return. The
+    layers' own `call` attribute (kd's hooks where installed) is kept and
+    put back.
+    """
+
+    def __init__(self, model):
+        self._layers = [layer for layer in _keras_compat.flatten_layers(model) if layer is not model]
+        self.calls = []
+
+    def __enter__(self):
+        self._kept = [vars(layer).get("call") for layer in self._layers]
+        for layer in self._layers:
+            object.__setattr__(layer, "call", self._recording(layer, layer.call))
+        return self
+
+    def _recording(self, layer, call):
+        def recorded(*args, **kwargs):
+            outputs = call(*args, **kwargs)
+            self.calls.append((layer, tree.flatten(outputs)))
+            return outputs
+
+        return recorded
+
+    def __exit__(self, *exc):
+        for layer, kept in zip(self._layers, self._kept):
+            if kept is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", kept)
 
 
 def _data_bytes(strategy, data):
