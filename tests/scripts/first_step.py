@@ -232,6 +232,19 @@ def _views(dtype):
         (x * rng.uniform(0.8, 1.2, size=x.shape)).astype(dtype)
 
 
+def _classifier_around(mixup, base):
+    """A small classifier with `mixup` between its input and its first layer (keras-io's MixUp examples)."""
+    import keras
+
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="embed")(mixup(inputs))
+    model = base(inputs, keras.layers.Dense(3, name="head")(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.02),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
 def build_example(case, base):
     import keras
     import tensorflow as tf
@@ -296,13 +309,7 @@ def build_example(case, base):
                 weight = gamma_1 / (gamma_1 + gamma_2)
                 return weight * x + (1 - weight) * tf.gather(x, tf.random.shuffle(tf.range(n)))
 
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(8, activation="tanh", name="embed")(MixUp(name="mixup")(inputs))
-        model = base(inputs, keras.layers.Dense(3, name="head")(hidden))
-        model.compile(optimizer=keras.optimizers.Adam(0.02),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
+        return _classifier_around(MixUp(name="mixup"), base)
 
     if case == "mixup_own":
         # MixUp written as one's own layer inside the model: a permutation of
@@ -320,13 +327,7 @@ def build_example(case, base):
                 weight = keras.random.beta((n, 1), 0.2, 0.2, seed=self.seed, dtype=x.dtype)
                 return weight * x + (1 - weight) * ops.take(x, order, axis=0)
 
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(8, activation="tanh", name="embed")(MixUp(name="mixup")(inputs))
-        model = base(inputs, keras.layers.Dense(3, name="head")(hidden))
-        model.compile(optimizer=keras.optimizers.Adam(0.02),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
+        return _classifier_around(MixUp(name="mixup"), base)
 
     loss_of = {"simclr": nt_xent, "barlow_twins": barlow, "vicreg": vicreg}[case]
 
