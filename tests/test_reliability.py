@@ -1621,7 +1621,9 @@ def _unprivileged_run(place, tmp_path):
 @pytest.mark.cluster
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv")
                     or not shutil.which("nsenter"),
-                    reason="switches to an unprivileged user (root, unshare, setpriv, nsenter)")
+                    reason="needs root (it switches to the unprivileged user `nobody` and opens "
+                    "/dev/net/tun to it in a mount namespace), `unshare`, `setpriv` and `nsenter`: run "
+                    "the tests as root, with util-linux installed")
 def test_an_unprivileged_user_with_dev_net_tun_gets_a_route_out_through_slirp4netns_or_pasta():
     """Where /dev/net/tun is open to it (mode 0666, as distributions ship it; here a node of
     this test's own, over the 0600 one, in a mount namespace of its own), uid 65534 gets a route
