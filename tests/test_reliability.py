@@ -516,6 +516,26 @@ def test_a_watchdog_shorter_than_a_second_is_refused(value):
     assert watchdog.from_environment(environ={"KD_WATCHDOG": "1"}).seconds == 1.0
 
 
+def test_the_watchdog_gives_the_first_step_longer_than_the_others():
+    # The first step traces and compiles (and, on a loaded machine, waits for
+    # a slower worker's trace): a 1 s watchdog that names a stall 1 s after a
+    # step must stay quiet for 1.6 s before the first one.
+    from keras_distrib.cluster import watchdog
+
+    reports = []
+    watch = watchdog.Watchdog(1, exit_on_stall=False, sink=reports.append)
+    with watch:
+        time.sleep(1.6)
+        quiet_before_the_first_step = list(reports)
+        watch.step(epoch=0, batch=0)
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert quiet_before_the_first_step == []
+    assert len(reports) == 1 and "has made no progress for 1s; its last finished step: epoch 0, batch 0" \
+        in reports[0], reports
+
+
 # Resuming: the backup's position must mean the same examples.
 
 

@@ -62,7 +62,7 @@ def test_watchdog_names_a_worker_stuck_between_steps():
     # happy) but never starts step 10: without the watchdog this hangs forever.
     result, output, seconds, _ = _launch(2, 0, None, None, args=("worker-1", 10), watchdog_seconds=5)
     assert not result.timed_out and result.returncode == watchdog.STALL_EXIT_CODE, output[-4000:]
-    assert "HANGING worker-1 before step 10" in output
+    assert "HANGING worker-1 before step 10" in output, output[-4000:]
     assert "[worker 0]   worker 1 is missing at step 11: its process is alive but still at epoch 2, " \
            "batch 1 (step 10)" in output, output[-4000:]
     assert "What to do: Restart the job: keras-distrib launch --max-restarts K" in output

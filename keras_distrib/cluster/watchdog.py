@@ -13,6 +13,11 @@ it prints which worker is missing at which step, then exits with
 `STALL_EXIT_CODE` so that the launcher stops the job (and restarts it with
 `--max-restarts`; training resumes from the backup).
 
+The first step traces, compiles and waits for every worker to do the same
+(one loaded machine's worker can lag the others by far more than a step),
+so until this process's first step has finished, the limit is
+`FIRST_STEP_FACTOR` times `seconds`.
+
 A process that runs alone (one device, or a parameter-server coordinator,
 whose workers and ps tasks run no Python) reports that no step finished
 within `seconds`, with the tasks it was waiting on.
@@ -39,6 +44,7 @@ from keras_distrib.cluster.lost import service_task
 __all__ = [
     "ADVICE",
     "ENV",
+    "FIRST_STEP_FACTOR",
     "STALL_EXIT_CODE",
     "Watchdog",
     "batch_signature",
@@ -51,6 +57,9 @@ __all__ = [
 ENV = "KD_WATCHDOG"
 # The shortest stall `KD_WATCHDOG` may name: the first step traces and compiles.
 MIN_SECONDS = 1.0
+# Until the first step has finished (tracing, compiling, every worker
+# arriving), a stall is named after this many times `KD_WATCHDOG`.
+FIRST_STEP_FACTOR = 10
 # EX_TEMPFAIL: a temporary failure, worth a restart.
 STALL_EXIT_CODE = 75
 _GENERATIONS = itertools.count()
@@ -117,7 +126,9 @@ class Watchdog:
     """Reports (and ends the process) when training stops making progress.
 
     Args:
-        seconds: How long this process's step may stay the same.
+        seconds: How long this process's step may stay the same
+            (`FIRST_STEP_FACTOR` times as long before the first step
+            has finished).
         strategy: The training strategy; a multi-worker one shares
             heartbeats through its coordination service.
         exit_on_stall: After the report, end the process with
@@ -250,7 +261,8 @@ class Watchdog:
                         seen[task] = state + ((now if changed else old[5]),)
                 except Exception:  # noqa: BLE001 - the coordination service is gone: the job is ending
                     return
-            if now - my_since < self.seconds:
+            limit = self.seconds if my_count else FIRST_STEP_FACTOR * self.seconds
+            if now - my_since < limit:
                 continue
             self.sink(self._describe(now - my_since, count, entered, epoch, batch, seen, now))
             if self.exit_on_stall:
