@@ -5,8 +5,9 @@ device (Keras's own `keras.Model`, no kd step) from the same initial
 weights: an exact model with BatchNormalization and Dropout, with the check
 on and off, and a model whose rows meet in a layer kd is blinded to
 (`penalties._kind_of_op_output` patched to read it as rows), which the check must refuse
-before anything is trained, naming that layer. The same on a sub-batch,
-as for a global batch too big for one device. A metric of the user's own
+before anything is trained, naming that layer (called in the model's call,
+or only in its own `train_step`). The same on a sub-batch,
+as for a global batch too big for one device, and on two worker processes. A metric of the user's own
 with `aggregation="sum"` state and a dict result logs one device's values
 (the check passes). One process per strategy layout runs every case.
 """
@@ -20,7 +21,7 @@ from tests import _harness
 TOLERANCE = {True: 1e-9, False: 2e-5}
 
 
-def _check_results(results, expected_cases, names_layer=True):
+def _check_results(results, expected_cases):
     by_case = {(r["case"], r["float64"]): r for r in results}
     assert set(by_case) == expected_cases, sorted(by_case)
     errors = [r for r in results if "error" in r]
@@ -42,12 +43,9 @@ def _check_results(results, expected_cases, names_layer=True):
     assert "differs from one device's on the same global batch: the logged 'loss' is off by" in refusal
     assert "the gradients of 3 layers differ too, from the first: 'embed', 'mix', 'head'" in refusal, refusal
     assert "first_step_check=False" in refusal, refusal
-    if names_layer:
-        # ... the first layer whose outputs differ, found from the forward outputs ...
-        assert "Likely cause: the first layer whose outputs differ is 'centre' (Lambda): on each " \
-            "replica's rows apart its outputs are off by" in refusal, refusal
-    else:
-        assert "Likely cause: the rows of the batch meet in an op kd could not read" in refusal, refusal
+    # ... the first layer whose outputs differ, found from the forward outputs ...
+    assert "Likely cause: the first layer whose outputs differ is 'centre' (Lambda): on each " \
+        "replica's rows apart its outputs are off by" in refusal, refusal
     assert blinded["restored"] is True, blinded
     # ... while without the check the same model trains off one device's result.
     assert blinded["weights_off"] > 1e-3 and blinded["logs_off"] > 1e-3, blinded
@@ -60,7 +58,7 @@ def test_first_step_check_on_mirrored_replicas():
     results = _harness.results_of(output)
     _check_results(results, {("exact", True), ("exact", False), ("exact_spe2", True),
                              ("exact_summed", True), ("blinded", True), ("subclassed", True),
-                             ("exact_sub", True), ("blinded_sub", True)})
+                             ("ownstep", True), ("exact_sub", True), ("blinded_sub", True)})
     # A subclassed model: the layer is named from the outputs its call records.
     subclassed = {r["case"]: r for r in results}["subclassed"]
     assert subclassed.get("refusal", "").startswith(
@@ -68,9 +66,23 @@ def test_first_step_check_on_mirrored_replicas():
     assert "Likely cause: the first layer whose outputs differ is 'centre' (Lambda)" \
         in subclassed["refusal"], subclassed
     assert subclassed["restored"] is True, subclassed
+    # The layer called only in the model's own train_step: named from the
+    # step's own calls, its input run on each replica's rows apart.
+    own = {r["case"]: r for r in results}["ownstep"]
+    assert own.get("refusal", "").startswith(
+        "FirstStepMismatch: The first training step of OwnStep on 2 replicas"), own
+    assert "Likely cause: the first layer whose outputs differ is 'centre' (Lambda) (called in the " \
+        "model's own train_step, outside its call)" in own["refusal"], own
+    assert own["restored"] is True, own
+    _check_sub_batch(results)
+
+
+def _check_sub_batch(results):
     # A global batch too big for one device (the bound forced to 0 bytes):
     # the check compares the step on a sub-batch, refuses the blinded model
-    # there with nothing trained, and leaves the exact one trained as without it.
+    # there with nothing trained, naming the layer, and leaves the exact one
+    # trained as without it (`_check_results`: one device's weights, every
+    # variable bitwise as with the check off).
     sub = {r["case"]: r for r in results}["blinded_sub"]
     assert "differs from one device's on the same sub-batch (4 rows of each replica's): the " \
         "logged 'loss' is off by" in sub.get("refusal", ""), sub
@@ -85,8 +97,11 @@ def test_first_step_check_on_two_worker_processes():
     by_task = _harness.results_by_task(output)
     assert sorted(by_task) == ["worker 0", "worker 1"], output[-4000:]
     for results in by_task.values():
-        # (Between workers the check names no layer: the rows are in other processes.)
-        _check_results(results, {("exact", True), ("blinded", True)}, names_layer=False)
+        # Every worker gathers every replica's rows: each names the layer as one worker does.
+        _check_results(results, {("exact", True), ("blinded", True), ("exact_sub", True),
+                                 ("blinded_sub", True)})
+        # Each worker cut its own replicas' rows for the sub-batch.
+        _check_sub_batch(results)
 
 
 def test_difference_is_relative_to_the_largest_magnitude():

@@ -33,7 +33,16 @@ How, without tracing the step twice:
    ValueError names the first log or gradient that differs, by how much,
    and the likely cause: the first layer whose outputs on each replica's
    rows apart differ from its outputs on the whole batch
-   (`first_layer_apart`, on one worker), where there is one.
+   (`first_layer_apart`, on the batch every worker gathered), where there
+   is one, or the layers it could not run apart (called only in a custom
+   `train_step`).
+
+Where the global batch's data exceeds `WHOLE_BATCH_BYTES`, steps 3 and 4
+compare a sub-batch instead (`sub_batch`): each worker cuts the first
+`SUB_BATCH_ROWS` rows of each of its replicas' batches, the distributed
+step runs again on them from the variables before the step, only that
+sub-batch is gathered for one device's step, and the real step's result is
+written back when the two agree.
 
 Random layers draw the same numbers in both: kd lays the replicas' draws out
 over the global batch from the seed state one device starts from.
@@ -66,6 +75,7 @@ __all__ = [
     "difference",
     "first_layer_apart",
     "global_batch",
+    "replica_batches",
     "sub_batch",
 ]
 
@@ -89,7 +99,7 @@ GRADIENT_TOLERANCE = {"float64": 1e-9, "float32": 2e-2, "float16": 0.25, "bfloat
 # batch's activations, the replicas' together. Where the global batch's data
 # (inputs, targets, weights) exceeds this many bytes, the check runs the
 # distributed step once more, and one device's, on a sub-batch of
-# `SUB_BATCH_ROWS` rows of each replica's (one worker's replicas).
+# `SUB_BATCH_ROWS` rows of each replica's (on every worker, its own replicas').
 WHOLE_BATCH_BYTES = 64 * 2**20
 SUB_BATCH_ROWS = 4
 
@@ -178,6 +188,76 @@ def _piece_order(strategy):
     return replica.piece_order(replicas, workers if replicas % workers == 0 else 1)
 
 
+def _has_rows(value):
+    return isinstance(value, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) \
+        and value.shape.rank != 0
+
+
+def _row_count(value):
+    if isinstance(value, tf.RaggedTensor):
+        return value.nrows(out_type=tf.int64)
+    if isinstance(value, tf.SparseTensor):
+        return value.dense_shape[0]
+    return tf.shape(value, out_type=tf.int64)[0]
+
+
+def _counts(strategy, data):
+    """Each replica's data bytes and rows of each leaf (-1: a leaf without rows), by replica id.
+
+    A `[replicas, 1 + leaves]` array, the same on every worker: across
+    workers one gather brings every replica's. Bytes count dense tensors.
+    """
+    flat = tree.flatten(data)
+
+    def count(*values):
+        size = sum((tf.size(v, out_type=tf.int64) * v.dtype.size for v in values
+                    if isinstance(v, tf.Tensor)), tf.constant(0, tf.int64))
+        rows = [_row_count(v) if _has_rows(v) else tf.constant(-1, tf.int64) for v in values]
+        return tf.stack([size, *rows])[None]
+
+    if strategies.traits(strategy).is_multi_worker:
+        return np.asarray(strategy.gather(strategy.run(count, args=tuple(flat)), axis=0))
+    local = [strategy.experimental_local_results(v) for v in flat]
+    return np.concatenate([np.asarray(count(*values)) for values in zip(*local)], axis=0)
+
+
+def replica_batches(strategy, data, counts=None):
+    """Each replica's batch, in the order one device takes them (TensorFlow's split).
+
+    `data`: the per-replica values a step function returned (this process's
+    replicas). Returns one structure like `data` per replica, ordered by
+    `replica.piece_order`: across workers, each leaf with rows is gathered
+    from every worker (one gather), so every worker holds every replica's
+    rows. A leaf without rows is replica 0's in each. `counts`: `_counts`
+    of `data`, where already known.
+    """
+    flat = tree.flatten(data)
+    local = [strategy.experimental_local_results(v) for v in flat]
+    replicas = strategy.num_replicas_in_sync
+    if strategies.traits(strategy).is_multi_worker:
+        counts = _counts(strategy, data) if counts is None else counts
+        leaves = []
+        for index, (value, parts) in enumerate(zip(flat, local)):
+            if not _has_rows(parts[0]):
+                leaves.append([parts[0]] * replicas)
+                continue
+            gathered = strategy.gather(value, axis=0)
+            leaves.append(tf.split(gathered, [int(r) for r in counts[:, 1 + index]], axis=0))
+    else:
+        leaves = [list(parts) if _has_rows(parts[0]) else [parts[0]] * len(parts) for parts in local]
+    order = _piece_order(strategy)
+    return [tree.pack_sequence_as(data, [leaf[r] for leaf in leaves])
+            for r in sorted(range(len(order)), key=order.__getitem__)]
+
+
+def _joined(pieces):
+    """The pieces' rows in one batch; a leaf without rows is the first piece's."""
+    def whole(*parts):
+        return tf.concat(parts, axis=0) if _has_rows(parts[0]) else parts[0]
+
+    return tree.map_structure(whole, *pieces)
+
+
 def global_batch(strategy, data):
     """The global batch the replicas of one step took, as one device takes it.
 
@@ -187,24 +267,7 @@ def global_batch(strategy, data):
     order of TensorFlow's split (`replica.piece_order`); a leaf without rows
     is replica 0's.
     """
-    multi_worker = strategies.traits(strategy).is_multi_worker
-    order = _piece_order(strategy)
-
-    def whole(value):
-        parts = strategy.experimental_local_results(value)
-        first = parts[0]
-        if not isinstance(first, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) \
-                or first.shape.rank == 0:
-            return first
-        if multi_worker:
-            rows = strategy.gather(strategy.run(lambda v: tf.shape(v, out_type=tf.int64)[:1],
-                                                args=(value,)), axis=0)
-            gathered = strategy.gather(value, axis=0)
-            parts = tf.split(gathered, [int(r) for r in np.asarray(rows)], axis=0)
-        pieces = sorted(zip(order, parts), key=lambda pair: pair[0])
-        return tf.concat([part for _, part in pieces], axis=0)
-
-    return tree.map_structure(whole, data)
+    return _joined(replica_batches(strategy, data))
 
 
 def _dense(value):
@@ -333,7 +396,10 @@ def _layer_of(variable, model):
 
 
 def _differences(model, logs, reference_logs, gradients, reference_gradients):
-    """`[(what, difference, tolerance)]` beyond tolerance, logs first, then layers in model order."""
+    """`[(what, difference, tolerance, variable or None)]` beyond tolerance.
+
+    The logs first, then the gradients, by layer in model order.
+    """
     found = []
     flat_logs = dict(tree.flatten_with_path(logs)) if logs else {}
     # The losses first: what the step optimizes, where a difference starts.
@@ -345,7 +411,7 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
         distance = difference(flat_logs[path], value)
         tolerance = _tolerance(model, value.dtype)
         if not distance <= tolerance:
-            found.append((f"the logged {logs_lib.path_key(path)!r}", distance, tolerance))
+            found.append((f"the logged {logs_lib.path_key(path)!r}", distance, tolerance, None))
     order = {id(v): i for i, v in enumerate(model.trainable_variables)}
     pairs = []
     for (variables, values), (_, references) in zip(gradients, reference_gradients):
@@ -361,35 +427,36 @@ def _differences(model, logs, reference_logs, gradients, reference_gradients):
             if not distance <= tolerance:
                 pairs.append((variable, distance, tolerance))
     pairs.sort(key=lambda item: order.get(id(item[0]), len(order)))
-    found += [(f"the gradient of {v.path!r} (layer {_layer_of(v, model)!r})", d, t)
+    found += [(f"the gradient of {v.path!r} (layer {_layer_of(v, model)!r})", d, t, v)
               for v, d, t in pairs]
     return found
 
 
-def first_layer_apart(model, strategy, captured_data, tolerance):
+def first_layer_apart(model, pieces, tolerance):
     """The first layer whose outputs on the global batch differ from its outputs on each replica's rows.
 
     Returns `(layer name, layer class, difference)`, or None: no layer
-    differs, the replicas span several workers (the rows are in other
-    processes), or the replicas' rows took other calls of the layers than
-    the whole batch's. One device runs the model in inference mode (no
-    random draw, BatchNormalization's moving statistics) on the global
-    batch, then on each replica's rows apart: a functional model through a
-    model of its layers' outputs, any other model (a subclassed one)
-    through its own `call` on the batch's inputs, each layer's outputs
-    recorded as its calls return (`_RecordedCalls`; inner layers first). A
-    layer computed only in a custom `train_step`, outside the model's
-    `call`, is not seen. A
-    layer whose outputs differ reads other rows of the batch than its own
-    (its rows meet), so a replica computing it alone computes something
-    else. Run only when the check refuses a step: it costs one forward
-    pass per replica.
+    differs, or the replicas' rows took other calls of the layers than the
+    whole batch's. `pieces`: each replica's batch, in the order one device
+    takes them (`replica_batches`: on every worker, every worker's
+    replicas). One device runs the model in inference mode (no random
+    draw, BatchNormalization's moving statistics) on the global batch,
+    then on each replica's rows apart: a functional model through a model
+    of its layers' outputs, any other model (a subclassed one) through its
+    own `call` on the batch's inputs, each layer's outputs recorded as its
+    calls return (`_RecordedCalls`; inner layers first). A layer computed
+    only in a custom `train_step`, outside the model's `call`, is not seen
+    (`_layers_apart` says which layers were). A layer whose outputs differ
+    reads other rows of the batch than its own (its rows meet), so a
+    replica computing it alone computes something else. Run only when the
+    check refuses a step: it costs one forward pass per replica.
     """
-    if strategies.traits(strategy).is_multi_worker:
-        return None
-    parts = [x for x, _, _ in (keras.utils.unpack_x_y_sample_weight(d) for d in
-                               strategy.experimental_local_results(captured_data))]
-    pieces = [piece for _, piece in sorted(zip(_piece_order(strategy), parts), key=lambda p: p[0])]
+    return _layers_apart(model, pieces, tolerance)[0]
+
+
+def _layers_apart(model, pieces, tolerance):
+    """`(first_layer_apart's answer, the layers the forward ran, nested ones included)`."""
+    inputs = [keras.utils.unpack_x_y_sample_weight(piece)[0] for piece in pieces]
     probe = None
     if getattr(model, "_run_through_graph", None) and getattr(model, "inputs", None):
         layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
@@ -410,16 +477,16 @@ def first_layer_apart(model, strategy, captured_data, tolerance):
 
     def forward():
         with keras.StatelessScope():  # inference writes nothing; nothing is kept if it did
-            whole = outputs_of(tree.map_structure(lambda *p: tf.concat(p, axis=0), *pieces))
-            apart = [outputs_of(piece) for piece in pieces
-                     if int(tf.shape(tree.flatten(piece)[0])[0]) > 0]
+            whole = outputs_of(tree.map_structure(lambda *p: tf.concat(p, axis=0), *inputs))
+            apart = [outputs_of(x) for x in inputs if int(tf.shape(tree.flatten(x)[0])[0]) > 0]
             return whole, apart
 
     (layers, whole), apart = _in_own_thread(forward)
+    seen = {id(inner): inner for layer in layers for inner in _keras_compat.flatten_layers(layer)}
     # Calls matched in order: where the replicas' rows took other calls, nothing is named.
     if any(len(called) != len(layers) or any(a is not b for a, b in zip(called, layers))
            for called, _ in apart):
-        return None
+        return None, seen
     apart = [outputs for _, outputs in apart]
     for layer, outputs, *per_piece in zip(layers, whole, *apart):
         for index, value in enumerate(outputs):
@@ -430,21 +497,65 @@ def first_layer_apart(model, strategy, captured_data, tolerance):
             joined = tf.concat(pieces_of, axis=0)
             distance = difference(joined, value)
             if not distance <= tolerance:
-                return layer.name, type(layer).__name__, distance
-    return None
+                return (layer.name, type(layer).__name__, distance), seen
+    return None, seen
+
+
+def _step_layer_apart(model, step, data, pieces, before, after, seen, tolerance):
+    """A layer the step calls outside the model's `call` whose rows meet, or the ones not compared.
+
+    Returns `(first_layer_apart's answer or None, names of the layers not
+    compared)`. One device's step runs again on the global batch `data`
+    (from the variables `before`, writing none), recording each call of a
+    layer `seen` does not hold (called only in a custom `train_step`) with
+    its input. A layer whose input has the global batch's rows is run in
+    inference mode on that input and on each replica's rows of it apart
+    (`pieces`' row counts), compared as `first_layer_apart` does. One whose
+    input has other rows (two views stacked, say) cannot be split by
+    replica: it is returned as not compared.
+    """
+    with _RecordedCalls(model) as recorded:
+        _one_device(model, step, data, before, after)
+    counts = [int(tf.shape(tree.flatten(keras.utils.unpack_x_y_sample_weight(p)[0])[0])[0])
+              for p in pieces]
+    outside = [(layer, x) for (layer, _), x in zip(recorded.calls, recorded.inputs)
+               if id(layer) not in seen]
+    not_compared = []
+
+    def compare():
+        with keras.StatelessScope():
+            for layer, x in outside:
+                if not (isinstance(x, tf.Tensor) and x.shape.rank and x.shape[0] == sum(counts)):
+                    not_compared.append(layer.name)
+                    continue
+                whole = tree.flatten(layer(x, training=False))
+                parts = [tree.flatten(layer(part, training=False))
+                         for part in tf.split(x, counts, axis=0) if int(part.shape[0]) > 0]
+                for index, value in enumerate(whole):
+                    if not tf.is_tensor(value) or value.shape.rank == 0:
+                        continue
+                    distance = difference(tf.concat([p[index] for p in parts], axis=0), value)
+                    if not distance <= tolerance:
+                        return layer.name, type(layer).__name__, distance
+        return None
+
+    found = _in_own_thread(compare)
+    return found, list(dict.fromkeys(not_compared))
 
 
 class _RecordedCalls:
     """Within it, each call of a layer of `model` (the model itself aside) records its outputs.
 
-    `calls`: `[(layer, flat outputs)]`, in the order the calls return. The
-    layers' own `call` attribute (kd's hooks where installed) is kept and
-    put back.
+    `calls`: `[(layer, flat outputs)]`, in the order the calls return;
+    `inputs`: each call's first positional argument (None without one).
+    The layers' own `call` attribute (kd's hooks where installed) is kept
+    and put back.
     """
 
     def __init__(self, model):
         self._layers = [layer for layer in _keras_compat.flatten_layers(model) if layer is not model]
         self.calls = []
+        self.inputs = []
 
     def __enter__(self):
         self._kept = [vars(layer).get("call") for layer in self._layers]
@@ -456,6 +567,7 @@ class _RecordedCalls:
         def recorded(*args, **kwargs):
             outputs = call(*args, **kwargs)
             self.calls.append((layer, tree.flatten(outputs)))
+            self.inputs.append(args[0] if args else None)
             return outputs
 
         return recorded
@@ -474,30 +586,30 @@ def _data_bytes(strategy, data):
                if isinstance(t, tf.Tensor) and t.shape.is_fully_defined())
 
 
-def sub_batch(strategy, data, rows=None):
-    """A dataset of one global batch: `rows` (`SUB_BATCH_ROWS`) rows of each replica's `data`.
+def sub_batch(strategy, data, rows=None, counts=None):
+    """A distributed dataset of one global batch: `rows` (`SUB_BATCH_ROWS`) rows of each replica's `data`.
 
-    `data`: the per-replica values a step function returned. None where
-    the replicas span several workers (each worker's rows would have to
-    reach the others' datasets) or a leaf holds no rows to cut.
+    `data`: the per-replica values a step function returned. Each worker's
+    dataset holds its own replicas' first rows, one element per local
+    replica in their order (`strategy.distribute_datasets_from_function`),
+    so each replica takes its own rows again, where TensorFlow's split put
+    its piece (`replica.piece_order`): no rows cross workers. None where a
+    leaf holds no rows to cut, or the replicas would not all be cut to the
+    same number of rows (an empty replica stays empty only where every
+    replica is), the same answer on every worker. `counts`: `_counts` of
+    `data`, where already known.
     """
     rows = SUB_BATCH_ROWS if rows is None else rows
-    if strategies.traits(strategy).is_multi_worker:
+    local = [strategy.experimental_local_results(v) for v in tree.flatten(data)]
+    if not all(isinstance(parts[0], tf.Tensor) and parts[0].shape.rank for parts in local):
         return None
-    order = _piece_order(strategy)
-    flat = [strategy.experimental_local_results(v) for v in tree.flatten(data)]
-    if not all(isinstance(parts[0], tf.Tensor) and parts[0].shape.rank for parts in flat):
+    counts = _counts(strategy, data) if counts is None else counts
+    cut = np.minimum(counts[:, 1:], rows)
+    if np.any(cut != cut[:1]):
         return None
-    leaves = []
-    for parts in flat:
-        pieces = sorted(zip(order, parts), key=lambda pair: pair[0])
-        cut = [part[:rows] for _, part in pieces]
-        # Each replica takes `rows` rows of the split: an empty replica stays empty only
-        # where every replica is cut to the same number.
-        if len({int(c.shape[0]) for c in cut}) != 1:
-            return None
-        leaves.append(tf.concat(cut, axis=0))
-    return tf.data.Dataset.from_tensors(tree.pack_sequence_as(data, leaves))
+    element = tree.pack_sequence_as(data, [tf.stack([part[:rows] for part in parts]) for parts in local])
+    return strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices(element))
 
 
 def check(model, strategy, step, logs, captured, snapshot, rerun=None):
@@ -525,20 +637,27 @@ def check(model, strategy, step, logs, captured, snapshot, rerun=None):
             variable is back as it was before the step.
     """
     where, result = "global batch", None
-    dataset = sub_batch(strategy, captured["data"]) if rerun is not None and \
-        _data_bytes(strategy, captured["data"]) > WHOLE_BATCH_BYTES else None
+    multi_worker = strategies.traits(strategy).is_multi_worker
+    # Across workers every replica's counts, one gather: the same decisions on every worker.
+    counts = _counts(strategy, captured["data"]) if multi_worker else None
+    dataset = None
+    if rerun is not None:
+        size = int(np.sum(counts[:, 0])) if multi_worker else _data_bytes(strategy, captured["data"])
+        if size > WHOLE_BATCH_BYTES:
+            dataset = sub_batch(strategy, captured["data"], counts=counts)
     if dataset is not None:
         # The real step's result is kept; the step runs again, from the
         # variables before it, on a few rows of each replica's.
         result = Snapshot(model)
         snapshot.restore()
         try:
-            logs, captured = rerun(iter(strategy.experimental_distribute_dataset(dataset)))
+            logs, captured = rerun(iter(dataset))
         except Exception:
             snapshot.restore()
             raise
-        where = f"sub-batch ({SUB_BATCH_ROWS} rows of each replica's)"
-    data = global_batch(strategy, captured["data"])
+        where, counts = f"sub-batch ({SUB_BATCH_ROWS} rows of each replica's)", None
+    pieces = replica_batches(strategy, captured["data"], counts)
+    data = _joined(pieces)
     distributed = [
         (variables, [None if g is None else strategy.experimental_local_results(g)[0] for g in values])
         for variables, values in zip(captured["variables"], captured["gradients"])
@@ -558,38 +677,57 @@ def check(model, strategy, step, logs, captured, snapshot, rerun=None):
         ) from error
     found = _differences(model, logs, outputs, distributed, recorded)
     if len(recorded) != len(distributed):
-        found.append(("the number of optimizer updates", np.inf, 0.0))
+        found.append(("the number of optimizer updates", np.inf, 0.0, None))
     if not found:
         (after if result is None else result).restore()
         return
     snapshot.restore()
-    what, distance, tolerance = found[0]
-    layers = list(dict.fromkeys(where.split("(layer ")[1].rstrip(")") for where, _, _ in found
-                                if "(layer " in where))
+    what, distance, tolerance, _ = found[0]
+    differing = [variable for *_, variable in found if variable is not None]
+    layers = list(dict.fromkeys(_layer_of(v, model) for v in differing))
     more = ""
     if layers:
-        shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
+        shown = ", ".join(repr(name) for name in layers[:4]) + (", ..." if len(layers) > 4 else "")
         more = f"; the gradients of {len(layers)} layers differ too, from the first: {shown}"
+    apart, step_only, not_compared = None, False, []
     try:
-        apart = first_layer_apart(model, strategy, captured["data"], _tolerance(model))
+        apart, seen = _layers_apart(model, pieces, _tolerance(model))
+        if apart is None:
+            apart, not_compared = _step_layer_apart(model, step, data, pieces, snapshot, after,
+                                                    seen, _tolerance(model))
+            step_only = apart is not None
     except Exception:  # a diagnosis only: the refusal stands without it
-        apart = None
-    if apart is not None:
-        name, kind, gap = apart
-        cause = (f"the first layer whose outputs differ is {name!r} ({kind}): on each replica's "
-                 f"rows apart its outputs are off by {gap:.3g} from the whole batch's, so its rows "
-                 "meet (each row's output reads the batch's other rows) in an op kd could not "
-                 "read, and each replica computed it from its own rows")
-    else:
-        cause = ("the rows of the batch meet in an op kd could not read (a loss or layer reading "
-                 "the whole batch through an op kd does not know, e.g. a tf.while_loop over "
-                 "rows), so each replica computed it from its own rows")
+        pass
+    finally:
+        snapshot.restore()
     raise FirstStepMismatch(
         f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
         f"replicas differs from one device's on the same {where}: {what} is off by "
         f"{distance:.3g} relative to its largest value (round-off allows {tolerance:.0e}){more}. "
-        f"Nothing was trained: every variable is as it was before the step. Likely cause: {cause}. "
-        "Gather the rows yourself with "
+        f"Nothing was trained: every variable is as it was before the step. Likely cause: "
+        f"{_cause(apart, step_only, not_compared)}. Gather the rows yourself with "
         "kd.losses.global_batch(tensor), or compile with rows_meet=\"per_replica\" and "
         "first_step_check=False to keep Keras's per-replica behaviour knowingly."
     )
+
+
+def _cause(apart, step_only, not_compared):
+    """The refusal's likely cause: the layer named (`step_only`: called only in a custom
+    `train_step`), or what the diagnosis could not compare."""
+    if apart is not None:
+        name, kind, gap = apart
+        where = " (called in the model's own train_step, outside its call)" if step_only else ""
+        return (f"the first layer whose outputs differ is {name!r} ({kind}){where}: on each "
+                f"replica's rows apart its outputs are off by {gap:.3g} from the whole batch's, so "
+                "its rows meet (each row's output reads the batch's other rows) in an op kd could "
+                "not read, and each replica computed it from its own rows")
+    cause = ("the rows of the batch meet in an op kd could not read (a loss or layer reading "
+             "the whole batch through an op kd does not know, e.g. a tf.while_loop over "
+             "rows), so each replica computed it from its own rows")
+    if not not_compared:
+        return cause
+    shown = ", ".join(repr(name) for name in not_compared[:4]) + (", ..." if len(not_compared) > 4 else "")
+    return (f"{cause}. No layer kd could run on each replica's rows apart reads other rows; the "
+            f"model's own train_step also calls {shown} on tensors whose rows are not the batch's "
+            "(views stacked, say), which kd cannot split by replica to compare: the rows may meet "
+            "there, or in the loss")

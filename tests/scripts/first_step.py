@@ -29,10 +29,14 @@ initial weights, on 72 rows in global batches of 32 (the last batch holds
 - `subclassed` (float64): the blinded model written as a subclass of the
   model class (its layers in `__init__`, chained in `call`): the refusal and
   `restored`, as for `blinded`.
+- `ownstep` (float64): the blinded centring layer called only in the
+  model's own `train_step`, outside its `call`: the refusal and `restored`.
 - `exact_sub`, `blinded_sub` (float64): `exact` and `blinded` with the global
   batch counted as too big for one device (`first_step.WHOLE_BATCH_BYTES`
   = 0): the check compares the step on a sub-batch of a few rows of each
-  replica's.
+  replica's (across workers, each worker cuts its own replicas' rows). The
+  reference and the run with the check off are `exact`'s (trained once);
+  `blinded_sub` has no contrast run (`blinded`'s stands for it).
 """
 
 import json
@@ -74,6 +78,41 @@ def build(case, base):
                 return self.head(self.mix(self.centre(self.embed(x))))
 
         model = Centred()
+        model(np.zeros((1, 6), keras.config.floatx()))
+        return model
+    if case == "ownstep":
+        # The centring layer called only in the model's own train_step,
+        # outside its call (which the diagnosis's forward runs).
+        import tensorflow as tf
+
+        class OwnStep(base):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.embed = keras.layers.Dense(8, activation="tanh", name="embed")
+                self.centre = keras.layers.Lambda(lambda h: h - ops.mean(h, axis=0, keepdims=True),
+                                                  name="centre")
+                self.head = keras.layers.Dense(3, name="head")
+                self.loss_tracker = keras.metrics.Mean(name="loss")
+
+            @property
+            def metrics(self):
+                return [self.loss_tracker]
+
+            def call(self, x, training=False):
+                return self.head(self.embed(x))
+
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    logits = self.head(self.centre(self.embed(x)))
+                    loss = ops.mean(keras.losses.sparse_categorical_crossentropy(
+                        y, logits, from_logits=True))
+                grads = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+                self.loss_tracker.update_state(loss)
+                return {"loss": self.loss_tracker.result()}
+
+        model = OwnStep()
         model(np.zeros((1, 6), keras.config.floatx()))
         return model
     inputs = keras.Input((6,))
@@ -145,6 +184,17 @@ def _train(case, base, strategy, dtype, start, check=True, spe=1, summed=False):
     return model, history
 
 
+# What several cases train alike (one device's reference, kd with the check
+# off), trained once per process: `_sub` cases differ only in the check.
+_TRAINED = {}
+
+
+def _once(key, train):
+    if key not in _TRAINED:
+        _TRAINED[key] = train()
+    return _TRAINED[key]
+
+
 def _differences(reference, model, history):
     ref_model, ref_history = reference
     weights = max(relative(a, b) for a, b in zip(ref_model.get_weights(), model.get_weights()))
@@ -169,14 +219,17 @@ def report(case, dtype, strategy):
     try:
         summed = case == "exact_summed"
         start = build(case.split("_")[0], keras.Model).get_weights()
-        reference = _train(case.split("_")[0], keras.Model, tf.distribute.get_strategy(), dtype, start,
-                           summed=summed)
+        def reference():
+            return _once(("reference", case.split("_")[0], dtype, summed), lambda: _train(
+                case.split("_")[0], keras.Model, tf.distribute.get_strategy(), dtype, start,
+                summed=summed))
+
         if case.startswith("exact"):
             spe = 2 if case == "exact_spe2" else 1
             on, on_history = _train("exact", kd.Model, strategy, dtype, start, spe=spe, summed=summed)
-            off, _ = _train("exact", kd.Model, strategy, dtype, start, check=False, spe=spe,
-                            summed=summed)
-            item["weights"], item["logs"] = _differences(reference, on, on_history)
+            off, _ = _once(("off", dtype, spe, summed), lambda: _train(
+                "exact", kd.Model, strategy, dtype, start, check=False, spe=spe, summed=summed))
+            item["weights"], item["logs"] = _differences(reference(), on, on_history)
             item["same_on_and_off"] = _same(_state(on), _state(off))
         else:
             from keras_distrib.training import penalties
@@ -204,9 +257,9 @@ def report(case, dtype, strategy):
                 except ValueError as error:
                     item["refusal"] = f"{type(error).__name__}: {error}"
                 item["restored"] = _same(before, _state(model))
-                if case != "subclassed":  # (the functional model's contrast stands for both)
+                if case == "blinded":  # (the functional model's contrast stands for all)
                     off, off_history = _train("blinded", kd.Model, strategy, dtype, start, check=False)
-                    item["weights_off"], item["logs_off"] = _differences(reference, off, off_history)
+                    item["weights_off"], item["logs_off"] = _differences(reference(), off, off_history)
             finally:
                 penalties._kind_of_op_output = original
     except Exception as error:  # reported; the test decides
@@ -427,10 +480,11 @@ def main(config):
         strategy = kd.make_strategy("mirrored")
         cases = [("exact", "float64"), ("exact", "float32"), ("exact_spe2", "float64"),
                  ("exact_summed", "float64"), ("blinded", "float64"), ("subclassed", "float64"),
-                 ("exact_sub", "float64"), ("blinded_sub", "float64")]
+                 ("ownstep", "float64"), ("exact_sub", "float64"), ("blinded_sub", "float64")]
     else:
         strategy = kd.make_strategy("multi_worker")
-        cases = [("exact", "float64"), ("blinded", "float64")]
+        cases = [("exact", "float64"), ("blinded", "float64"), ("exact_sub", "float64"),
+                 ("blinded_sub", "float64")]
     for case, dtype in cases:
         report(case, dtype, strategy)
 
