@@ -124,3 +124,23 @@ def test_compile_refuses_a_first_step_check_that_is_not_a_bool():
         model.compile(optimizer="sgd", loss="mse", first_step_check="no")
     model.compile(optimizer="sgd", loss="mse", first_step_check=False)
     assert model.get_compile_config()["first_step_check"] is False
+
+
+def test_first_layer_apart_needs_only_each_replicas_rows():
+    # What a worker holds once the batch is gathered: each replica's rows, in
+    # the split's order; no strategy. A layer centring on the batch's mean
+    # reads other rows (named); a row-wise model has no such layer.
+    import keras
+    from keras import ops
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, name="embed")(inputs)
+    centred = keras.layers.Lambda(lambda h: h - ops.mean(h, axis=0, keepdims=True), name="centre")
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(centred(hidden)))
+    rows = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+    pieces = [(rows[:3], np.zeros(3)), (rows[3:], np.zeros(3))]
+    name, kind, gap = first_step.first_layer_apart(model, pieces, 2e-5)
+    assert (name, kind) == ("centre", "Lambda") and gap > 1e-3, (name, kind, gap)
+    row_wise = keras.Model(inputs, model.get_layer("head")(hidden))
+    assert first_step.first_layer_apart(row_wise, pieces, 2e-5) is None

@@ -158,6 +158,8 @@ PRIVATE_NAMES = (
     ("keras.src.models.functional", "Functional", "class"),
     ("keras.src.ops.function.Function", "_operations",
      "attribute: the layers and ops of the functional graph, in order (set in __init__)"),
+    ("keras.src.ops.function.Function", "_nodes_by_depth",
+     "attribute: the functional graph's calls (nodes) by depth from its outputs (set in __init__)"),
     ("keras.src.models.model", "functional_init_arguments", "function(args, kwargs)"),
     ("keras.src.backend.tensorflow.random", "normal", "function(shape, seed), replaced (kd steps lay draws out)"),
     ("keras.src.backend.tensorflow.random", "uniform", "function(shape, seed), replaced"),
@@ -355,6 +357,7 @@ from keras_distrib._keras_compat.optimizer import updated_variables  # noqa: F40
 from keras_distrib._keras_compat.layers import batch_norm_axes  # noqa: F401
 from keras_distrib._keras_compat.layers import flatten_layers  # noqa: F401
 from keras_distrib._keras_compat.layers import get_keras_mask  # noqa: F401
+from keras_distrib._keras_compat.layers import graph_calls  # noqa: F401
 from keras_distrib._keras_compat.layers import is_sync_batch_norm  # noqa: F401
 from keras_distrib._keras_compat.layers import keep_keras_logits  # noqa: F401
 from keras_distrib._keras_compat.layers import owned_seed_generators  # noqa: F401

@@ -14,6 +14,7 @@ __all__ = [
     "batch_norm_axes",
     "flatten_layers",
     "get_keras_mask",
+    "graph_calls",
     "is_sync_batch_norm",
     "keep_keras_logits",
     "owned_seed_generators",
@@ -32,6 +33,21 @@ _BATCH_NORM_LAYERS = weakref.WeakSet()
 def flatten_layers(model):
     """Every layer of `model`, nested ones included (the model first)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+def graph_calls(model):
+    """Each call in `model`'s functional graph, from its inputs on: `[(layer or op, symbolic outputs)]`.
+
+    The model's own nodes: a layer called twice has two, and a layer shared
+    with another model only its calls in this one (`layer.output` is the
+    output of its first call, perhaps in the other model). None where
+    `model` is no functional graph (a subclassed model).
+    """
+    by_depth = getattr(model, "_nodes_by_depth", None)
+    if not by_depth or not getattr(model, "inputs", None):
+        return None
+    return [(node.operation, list(node.outputs)) for depth in sorted(by_depth, reverse=True)
+            for node in by_depth[depth] if not isinstance(node.operation, keras.layers.InputLayer)]
 
 
 def record_add_loss(layer, record):

@@ -442,9 +442,10 @@ def first_layer_apart(model, pieces, tolerance):
     replicas). One device runs the model in inference mode (no random
     draw, BatchNormalization's moving statistics) on the global batch,
     then on each replica's rows apart: a functional model through a model
-    of its layers' outputs, any other model (a subclassed one) through its
-    own `call` on the batch's inputs, each layer's outputs recorded as its
-    calls return (`_RecordedCalls`; inner layers first). A layer computed
+    of the outputs of its own graph's calls (`graph_calls`: a layer shared
+    with another model counts only here), any other model (a subclassed
+    one) through its own `call` on the batch's inputs, each layer's outputs
+    recorded as its calls return (`_RecordedCalls`; inner layers first). A layer computed
     only in a custom `train_step`, outside the model's `call`, is not seen
     (`_layers_apart` says which layers were). A layer whose outputs differ
     reads other rows of the batch than its own (its rows meet), so a
@@ -457,16 +458,19 @@ def first_layer_apart(model, pieces, tolerance):
 def _layers_apart(model, pieces, tolerance):
     """`(first_layer_apart's answer, the layers the forward ran, nested ones included)`."""
     inputs = [keras.utils.unpack_x_y_sample_weight(piece)[0] for piece in pieces]
-    probe = None
-    if getattr(model, "_run_through_graph", None) and getattr(model, "inputs", None):
-        layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    calls, probe = _keras_compat.graph_calls(model), None
+    if calls:
         try:
-            probe = keras.Model(model.inputs, [layer.output for layer in layers])
-        except (AttributeError, ValueError, TypeError):  # a layer called twice, a nested output
+            probe = keras.Model(model.inputs, [t for _, outputs in calls for t in outputs])
+        except (AttributeError, ValueError, TypeError):  # a graph the probe cannot cut
             probe = None
     if probe is not None:
         def outputs_of(x):
-            return layers, [tree.flatten(o) for o in probe(x, training=False)]
+            flat, grouped = list(tree.flatten(probe(x, training=False))), []
+            for _, outputs in calls:
+                grouped.append(flat[:len(outputs)])
+                flat = flat[len(outputs):]
+            return [layer for layer, _ in calls], grouped
     else:
         # A subclassed model (or a graph the probe cannot cut): every layer's
         # outputs as its calls return, inner layers before the ones holding them.
@@ -482,7 +486,8 @@ def _layers_apart(model, pieces, tolerance):
             return whole, apart
 
     (layers, whole), apart = _in_own_thread(forward)
-    seen = {id(inner): inner for layer in layers for inner in _keras_compat.flatten_layers(layer)}
+    seen = {id(inner): inner for layer in layers if isinstance(layer, keras.layers.Layer)
+            for inner in _keras_compat.flatten_layers(layer)}
     # Calls matched in order: where the replicas' rows took other calls, nothing is named.
     if any(len(called) != len(layers) or any(a is not b for a, b in zip(called, layers))
            for called, _ in apart):
