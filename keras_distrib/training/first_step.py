@@ -519,6 +519,8 @@ def _step_layer_apart(model, step, data, pieces, before, after, seen, tolerance)
     input has other rows (two views stacked, say) cannot be split by
     replica: it is returned as not compared.
     """
+    if all(id(layer) in seen for layer in _keras_compat.flatten_layers(model) if layer is not model):
+        return None, []  # every layer ran in the model's call: none is left to look at
     with _RecordedCalls(model) as recorded:
         _one_device(model, step, data, before, after)
     counts = [int(tf.shape(tree.flatten(keras.utils.unpack_x_y_sample_weight(p)[0])[0])[0])
@@ -692,8 +694,7 @@ def check(model, strategy, step, logs, captured, snapshot, rerun=None):
     layers = list(dict.fromkeys(_layer_of(v, model) for v in differing))
     more = ""
     if layers:
-        shown = ", ".join(repr(name) for name in layers[:4]) + (", ..." if len(layers) > 4 else "")
-        more = f"; the gradients of {len(layers)} layers differ too, from the first: {shown}"
+        more = f"; the gradients of {len(layers)} layers differ too, from the first: {_listed(layers)}"
     apart, step_only, not_compared = None, False, []
     try:
         apart, seen = _layers_apart(model, pieces, _tolerance(model))
@@ -731,8 +732,12 @@ def _cause(apart, step_only, not_compared):
              "rows), so each replica computed it from its own rows")
     if not not_compared:
         return cause
-    shown = ", ".join(repr(name) for name in not_compared[:4]) + (", ..." if len(not_compared) > 4 else "")
     return (f"{cause}. No layer kd could run on each replica's rows apart reads other rows; the "
-            f"model's own train_step also calls {shown} on tensors whose rows are not the batch's "
-            "(views stacked, say), which kd cannot split by replica to compare: the rows may meet "
-            "there, or in the loss")
+            f"model's own train_step also calls {_listed(not_compared)} on tensors whose rows are "
+            "not the batch's (views stacked, say), which kd cannot split by replica to compare: "
+            "the rows may meet there, or in the loss")
+
+
+def _listed(names, shown=4):
+    """The first `shown` names quoted, then "..." where there are more."""
+    return ", ".join(repr(name) for name in names[:shown]) + (", ..." if len(names) > shown else "")
