@@ -144,3 +144,56 @@ def test_first_layer_apart_needs_only_each_replicas_rows():
     assert (name, kind) == ("centre", "Lambda") and gap > 1e-3, (name, kind, gap)
     row_wise = keras.Model(inputs, model.get_layer("head")(hidden))
     assert first_step.first_layer_apart(row_wise, pieces, 2e-5) is None
+
+
+def test_a_layer_called_only_in_train_step_on_other_rows_is_named_as_not_compared():
+    # The centring layer runs only in the model's own train_step, on both
+    # views stacked (twice the batch's rows): kd cannot split its input by
+    # replica, so the refusal names it as not compared instead of guessing.
+    # (Called on the batch's own rows, it is named: the cluster test's `ownstep`.)
+    import keras
+    import tensorflow as tf
+    from keras import ops
+
+    import keras_distrib as kd
+    from keras_distrib.training import step as step_lib
+
+    class Stacked(kd.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.embed = keras.layers.Dense(4, name="embed")
+            self.centre = keras.layers.Lambda(lambda h: h - ops.mean(h, axis=0, keepdims=True),
+                                              name="centre")
+            self.head = keras.layers.Dense(2, name="head")
+
+        def build(self, shape):
+            self.head.build(self.embed.compute_output_shape(shape))
+            self.embed.build(shape)
+
+        def call(self, x, training=False):
+            return self.head(self.embed(x))
+
+        def train_step(self, data):
+            x, _ = data
+            with tf.GradientTape() as tape:
+                loss = ops.mean(ops.square(self.head(self.centre(ops.concatenate(
+                    [self.embed(x), self.embed(2 * x)], axis=0)))))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    keras.utils.set_random_seed(1)
+    model = Stacked()
+    model.build((None, 3))
+    model.compile(optimizer="sgd")
+    rows = tf.constant(np.random.default_rng(0).normal(size=(6, 3)), "float32")
+    pieces = [(rows[:3], tf.zeros(3)), (rows[3:], tf.zeros(3))]
+    named, seen = first_step._layers_apart(model, pieces, 2e-5)
+    assert named is None and set(seen) == {id(model.embed), id(model.head)}, named
+    found = first_step._step_layer_apart(
+        model, step_lib.replica_function(model, "train", one_device=True), (rows, tf.zeros(6)),
+        pieces, first_step.Snapshot(model), first_step.Snapshot(model, trainable_only=True), seen,
+        2e-5)
+    assert found == (None, ["centre"]), found
+    assert "the model's own train_step also calls 'centre' on tensors whose rows are not the " \
+        "batch's" in first_step._cause(None, False, found[1])

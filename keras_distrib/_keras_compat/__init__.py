@@ -158,6 +158,8 @@ PRIVATE_NAMES = (
     ("keras.src.models.functional", "Functional", "class"),
     ("keras.src.ops.function.Function", "_operations",
      "attribute: the layers and ops of the functional graph, in order (set in __init__)"),
+    ("keras.src.ops.function.Function", "_inputs_struct",
+     "attribute: the functional graph's inputs, as its call takes them (set in __init__)"),
     ("keras.src.ops.function.Function", "_nodes_by_depth",
      "attribute: the functional graph's calls (nodes) by depth from its outputs (set in __init__)"),
     ("keras.src.models.model", "functional_init_arguments", "function(args, kwargs)"),

@@ -36,18 +36,20 @@ def flatten_layers(model):
 
 
 def graph_calls(model):
-    """Each call in `model`'s functional graph, from its inputs on: `[(layer or op, symbolic outputs)]`.
+    """`model`'s functional graph: `(its inputs, as structured, [(layer or op, symbolic outputs)])`.
 
-    The model's own nodes: a layer called twice has two, and a layer shared
-    with another model only its calls in this one (`layer.output` is the
-    output of its first call, perhaps in the other model). None where
-    `model` is no functional graph (a subclassed model).
+    Each call from the inputs on, the model's own nodes: a layer called
+    twice has two, and a layer shared with another model only its calls in
+    this one (`layer.output` is the output of its first call, perhaps in
+    the other model). None where `model` is no functional graph (a
+    subclassed model).
     """
     by_depth = getattr(model, "_nodes_by_depth", None)
     if not by_depth or not getattr(model, "inputs", None):
         return None
-    return [(node.operation, list(node.outputs)) for depth in sorted(by_depth, reverse=True)
-            for node in by_depth[depth] if not isinstance(node.operation, keras.layers.InputLayer)]
+    calls = [(node.operation, list(node.outputs)) for depth in sorted(by_depth, reverse=True)
+             for node in by_depth[depth] if not isinstance(node.operation, keras.layers.InputLayer)]
+    return model._inputs_struct, calls
 
 
 def record_add_loss(layer, record):

@@ -458,10 +458,11 @@ def first_layer_apart(model, pieces, tolerance):
 def _layers_apart(model, pieces, tolerance):
     """`(first_layer_apart's answer, the layers the forward ran, nested ones included)`."""
     inputs = [keras.utils.unpack_x_y_sample_weight(piece)[0] for piece in pieces]
-    calls, probe = _keras_compat.graph_calls(model), None
-    if calls:
+    graph, probe = _keras_compat.graph_calls(model), None
+    if graph is not None:
+        graph_inputs, calls = graph
         try:
-            probe = keras.Model(model.inputs, [t for _, outputs in calls for t in outputs])
+            probe = keras.Model(graph_inputs, [t for _, outputs in calls for t in outputs])
         except (AttributeError, ValueError, TypeError):  # a graph the probe cannot cut
             probe = None
     if probe is not None:
