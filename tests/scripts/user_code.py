@@ -1,21 +1,26 @@
 """User code as Keras's guides and keras-io write it, under kd, against one device.
 
-Usage: user_code.py CONFIG PATTERN[,PATTERN...]
+Usage: user_code.py PATTERN[,PATTERN...]
 
-CONFIG: "mirrored2" (kd on 2 mirrored replicas, virtual CPUs) or
-"plain-mirrored2" (the same classes on `keras.Model` under the strategy: the
-contrast). Float64. Each pattern is written the way the guide it names
-writes it (our own code): the class on `keras.Model` trained on one device
-is the reference; the class on `kd.Model` under the strategy starts from the
-reference's initial weights and sees the same global batches (65 rows in
-batches of 16: the last batch has 1 row, so one replica has none). Prints one
-'RESULT {json}' line per pattern: the largest |a - b| / (1 + |a|) over the
-weights and over every logged value, or the error.
+Float64, 2 mirrored replicas (virtual CPUs). Each pattern is written the way
+the guide it names writes it (our own code): the class on `keras.Model`
+trained on one device is the reference; the class on `kd.Model` under the
+strategy starts from the reference's initial weights and sees the same
+global batches (65 rows in batches of 16: the last batch has 1 row, so one
+replica has none). "plain:PATTERN" trains the `keras.Model` class under the
+strategy (the contrast). Prints one 'RESULT {json}' line per pattern: the
+largest |a - b| / (1 + |a|) over the weights and over every logged value
+(History, or the loop's loss per step), or the error.
 
 Patterns:
+  compiled        "Customizing what happens in fit()": compile's loss and
+                  metrics, `self.optimizer.apply`, `{m.name: m.result()}`.
+  sample_weight   the same step unpacking `(x, y, sample_weight)`.
+  low_level       the guide's step without compile's loss: its own
+                  `MeanSquaredError()`, `Mean` and `MeanAbsoluteError`.
   compute_loss    Keras's `Trainer.compute_loss` docstring: an override that
-                  returns a plain mean plus `sum(self.losses)` and feeds its
-                  own tracker, under the default `train_step`.
+                  returns a plain mean plus `ops.sum(self.losses)` and feeds
+                  its own tracker, under the default `train_step`.
   dcgan           keras-io's DCGAN: a discriminator with Dropout and a
                   sigmoid, `BinaryCrossentropy()`, latent vectors from
                   `keras.random.normal` with the model's SeedGenerator.
@@ -27,6 +32,8 @@ Patterns:
   add_loss_loop   the same model in a hand-written `strategy.run` loop with
                   kd's recipe; the reference is the guide's loop on one
                   device (`loss_fn(y, logits) + sum(model.losses)`).
+  add_loss_loop_verbatim  the guide's loop body unchanged inside
+                  `strategy.run` (kd model, `kd.exact_optimizer`).
 """
 
 import json
@@ -76,6 +83,60 @@ def _compute_loss(base, keras, ops):
     hidden = _BatchMean(keras, ops)(hidden)
     model = TrackedLoss(inputs, keras.layers.Dense(1)(hidden))
     model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def _guide_steps(pattern, base, keras, ops):
+    """The guide's first three `train_step`s: compile's loss and metrics, sample weights, no compile loss."""
+    import tensorflow as tf
+
+    class Compiled(base):
+        def train_step(self, data):
+            if pattern == "sample_weight" and len(data) == 3:
+                x, y, sample_weight = data
+            else:
+                (x, y), sample_weight = data, None
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(gradients, self.trainable_variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred, sample_weight=sample_weight)
+            return {m.name: m.result() for m in self.metrics}
+
+    class LowLevel(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+            self.loss_fn = keras.losses.MeanSquaredError()
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.loss_fn(y, y_pred)
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(gradients, self.trainable_variables)
+            self.loss_tracker.update_state(loss)
+            self.mae_metric.update_state(y, y_pred)
+            return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker, self.mae_metric]
+
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    model = (LowLevel if pattern == "low_level" else Compiled)(inputs, keras.layers.Dense(1)(hidden))
+    if pattern == "low_level":
+        model.compile(optimizer=keras.optimizers.Adam(0.02))
+    else:
+        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
     return model
 
 
@@ -254,27 +315,29 @@ def build(pattern, base):
     import keras
     from keras import ops
 
+    if pattern in ("compiled", "sample_weight", "low_level"):
+        return _guide_steps(pattern, base, keras, ops), "xy"
     if pattern == "compute_loss":
         return _compute_loss(base, keras, ops), "xy"
     if pattern == "dcgan":
         return _dcgan(base, keras, ops), "images"
     if pattern == "vae_guide":
         return _vae(base, keras, ops), "images"
-    if pattern in ("add_loss_fit", "add_loss_loop"):
+    if pattern.startswith("add_loss"):
         model = _penalized(base, keras, ops)
         model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
         return model, "xy"
     raise ValueError(f"unknown pattern {pattern!r}")
 
 
-def _guide_loop(model, strategy):
-    """The writing-a-training-loop guide's loop; under a strategy, kd's recipe."""
+def _guide_loop(model, strategy, recipe=True):
+    """The writing-a-training-loop guide's loop; under a strategy, kd's recipe (unless not `recipe`)."""
     import keras
     import tensorflow as tf
 
     x, y, _ = _data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    loss_fn = keras.losses.MeanSquaredError(reduction=None if strategy else "sum_over_batch_size")
+    loss_fn = keras.losses.MeanSquaredError(reduction=None if strategy and recipe else "sum_over_batch_size")
     optimizer = model.optimizer
     if strategy is not None:
         dataset = strategy.experimental_distribute_dataset(dataset)
@@ -284,7 +347,7 @@ def _guide_loop(model, strategy):
     def replica_step(x_batch, y_batch):
         with tf.GradientTape() as tape:
             logits = model(x_batch, training=True)
-            if strategy is None:
+            if strategy is None or not recipe:
                 loss_value = loss_fn(y_batch, logits) + sum(model.losses)
             else:
                 penalty = kd.losses.scale_regularization(model.losses, local_rows=tf.shape(x_batch)[0])
@@ -319,17 +382,21 @@ def train(pattern, base, strategy, initial=None, loop=False):
                 variable.assign(value)
     start = [np.array(v) for v in model.variables]
     if loop:
-        history = _guide_loop(model, None if initial is None else strategy)
+        history = _guide_loop(model, None if initial is None else strategy,
+                              recipe=pattern == "add_loss_loop")
     else:
         arguments = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         if data == "images":
             history = model.fit(images, **arguments).history
+        elif pattern == "sample_weight":
+            weights = np.linspace(0.2, 2.0, ROWS)
+            history = model.fit(x, y, sample_weight=weights, **arguments).history
         else:
             history = model.fit(x, y, **arguments).history
     return start, dict(history=history, weights=[np.array(w) for w in model.trainable_weights])
 
 
-def main(config, patterns):
+def main(patterns):
     kd.virtual_devices(2)
     import keras
 
@@ -337,13 +404,15 @@ def main(config, patterns):
     import tensorflow as tf
 
     strategy = kd.make_strategy("mirrored")
-    base = keras.Model if config.startswith("plain-") else kd.Model
-    for pattern in patterns:
-        item = dict(pattern=pattern, config=config, replicas=strategy.num_replicas_in_sync)
-        loop = pattern == "add_loss_loop"
+    for name in patterns:
+        plain = name.startswith("plain:")
+        pattern = name.removeprefix("plain:")
+        item = dict(pattern=name, replicas=strategy.num_replicas_in_sync)
+        loop = pattern.startswith("add_loss_loop")
         try:
             start, expected = train(pattern, keras.Model, tf.distribute.get_strategy(), loop=loop)
-            _, actual = train(pattern, base, strategy, initial=start, loop=loop)
+            _, actual = train(pattern, keras.Model if plain else kd.Model, strategy, initial=start,
+                              loop=loop)
             item.update(differences(expected, actual))
         except Exception as error:  # reported; the test decides
             item.update(failure(error))
@@ -351,4 +420,4 @@ def main(config, patterns):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2].split(","))
+    main(sys.argv[1].split(","))
