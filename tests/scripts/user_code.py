@@ -80,7 +80,7 @@ def _compute_loss(base, keras, ops):
 
     inputs = keras.Input((5,))
     hidden = keras.layers.Dense(4, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2))(inputs)
-    hidden = _BatchMean(keras, ops)(hidden)
+    hidden = _batch_mean(keras, ops)(hidden)
     model = TrackedLoss(inputs, keras.layers.Dense(1)(hidden))
     model.compile(optimizer=keras.optimizers.SGD(0.1))
     return model
@@ -140,7 +140,7 @@ def _guide_steps(pattern, base, keras, ops):
     return model
 
 
-def _BatchMean(keras, ops, rate=0.05):
+def _batch_mean(keras, ops, rate=0.05):
     class BatchMean(keras.layers.Layer):
         """The subclassing guide's `ActivityRegularizationLayer`: a mean over the batch."""
 
@@ -166,7 +166,7 @@ def _penalized(base, keras, ops):
     inputs = keras.Input((5,))
     hidden = keras.layers.Dense(4, activation="tanh")(inputs)
     hidden = _activity(keras, ops)(hidden)
-    hidden = _BatchMean(keras, ops)(hidden)
+    hidden = _batch_mean(keras, ops)(hidden)
     return base(inputs, keras.layers.Dense(1)(hidden))
 
 
