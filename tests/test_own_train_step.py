@@ -85,3 +85,36 @@ def test_draw_kd_cannot_lay_out_is_refused():
     assert "StatefulNoise.train_step draws random numbers with TensorFlow's stateful ops: " \
            "RandomStandardNormal" in error, stateful
     assert "keras.random.normal(shape, seed=self.seed_generator)" in error, stateful
+
+
+@pytest.mark.cluster
+def test_guides_user_code_matches_one_device():
+    """User code nobody on the team wrote, as the guides write it (tests/scripts/user_code.py).
+
+    Keras's own `compute_loss` override example (`ops.sum(self.losses)`:
+    stacked terms kd once refused at `Pack`), keras-io's DCGAN (Dropout in
+    the discriminator, on the generated and real rows together and on the
+    generated alone), and `add_loss` terms (an activity sum, a batch mean)
+    through fit and through a hand-written loop with kd's recipe; float64,
+    2 replicas, one of them empty at the last batch. The guide's loop body
+    unchanged in `strategy.run` is refused.
+    """
+    patterns = ["compute_loss", "dcgan", "add_loss_fit", "add_loss_loop"]
+    others = ["add_loss_loop_verbatim", "plain:compute_loss"]
+    code, output = _harness.run_script("user_code.py", ",".join(patterns + others), timeout=600)
+    assert code == 0, output[-4000:]
+    results = {r["pattern"]: r for r in _harness.results_of(output)}
+    assert sorted(results) == sorted(patterns + others), results
+    for pattern in patterns:
+        result = results[pattern]
+        assert result["replicas"] == 2 and "error" not in result, result
+        assert result["weights"] <= TOLERANCE["float64"] and result["logs"] <= TOLERANCE["float64"], result
+    # The guide's loop body unchanged in `strategy.run`: its Keras loss object
+    # gives each replica's mean / R, refused at the first trace, naming the fix.
+    error = results["add_loss_loop_verbatim"].get("error", "")
+    assert "The loss object MeanSquaredError(reduction='sum_over_batch_size') is called in a " \
+        "hand-written loop's replica step on 2 replicas" in error, results["add_loss_loop_verbatim"]
+    assert "kd.losses.global_mean(loss_fn(y, y_pred))" in error, error
+    # The contrast: the same override on plain Keras under the strategy.
+    contrast = results["plain:compute_loss"]
+    assert contrast["weights"] > 1e-3 and contrast["logs"] > 1e-2, contrast

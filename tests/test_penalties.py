@@ -71,6 +71,10 @@ def test_keras_regularizers(static_rows):
     (lambda x: tf.reduce_mean(tf.reduce_sum(tf.abs(x), axis=1)), penalties.ROW_MEAN),
     (lambda x: tf.reduce_sum(tf.reduce_mean(x, axis=0)) * 0.5, penalties.ROW_MEAN),
     (lambda x: tf.constant(0.25), penalties.FIXED),
+    # Terms stacked or added up (`ops.sum(self.losses)` in Keras's compute_loss docstring).
+    (lambda x: keras.ops.sum([tf.reduce_mean(x), tf.constant(0.25)]), penalties.ROW_MEAN),
+    (lambda x: tf.add_n([tf.reduce_mean(x), tf.constant(0.25)]), penalties.ROW_MEAN),
+    (lambda x: keras.ops.sum([tf.reduce_sum(x), 2.0 * tf.reduce_sum(x)]), penalties.ROW_SUM),
 ])
 def test_sums_means_and_constants(penalty, expected):
     assert _kinds([keras.layers.Dense(4), _Adds(penalty)]) == [expected]
@@ -91,6 +95,14 @@ def test_what_has_no_split_is_unknown():
     assert isinstance(mixed, penalties.Unknown) and "neither one sum nor one mean" in mixed.mixing
     assert isinstance(product, penalties.Unknown) and "(Mul) combines sums or means" in product.mixing
     assert mean_plus == penalties.ROW_MEAN
+    # Stacked: a sum beside a weight term, and a maximum of the stacked terms, stay unread.
+    stacked_sum, stacked_max = _kinds([
+        keras.layers.Dense(4),
+        _Adds(lambda x: keras.ops.sum([tf.reduce_sum(x), tf.constant(0.25)])),
+        _Adds(lambda x: tf.reduce_max(tf.stack([tf.reduce_mean(x), tf.reduce_mean(x * x)]))),
+    ])
+    assert isinstance(stacked_sum, penalties.Unknown) and stacked_sum.unread, stacked_sum
+    assert isinstance(stacked_max, penalties.Unknown) and stacked_max.unread, stacked_max
 
 
 def test_eager_tensors_are_unknown():

@@ -7,7 +7,8 @@ one of three scopes:
   every caller in the process goes through kd's version once it is there.
   These three are installed together by `install_for_process`, at a kd
   model's first step (`make_train_function` and its siblings), never on
-  import. Each returns at once with Keras's or TensorFlow's own result
+  import; `Loss.__call__` also at a kd model's first forward pass in a
+  hand-written loop (where it refuses a reducing loss object). Each returns at once with Keras's or TensorFlow's own result
   outside a kd replica step (no `ReplicaBatch` open on the calling thread),
   so plain Keras code run later in the same process trains bit for bit as
   in a process without kd (`tests/test_keras_compat.py` compares the
@@ -176,7 +177,9 @@ REPLACEMENTS = (
     Replacement(
         "keras.losses.Loss.__call__", THIS_PROCESS, replace_loss_object_call,
         "In a kd replica step (a custom train_step's `self.loss_fn(y, y_pred)`): this replica's "
-        "share of the global-batch loss. Elsewhere, and in a kd model's forward pass: Keras's."),
+        "share of the global-batch loss. In a hand-written loop's replica after a kd model's "
+        "forward pass on several replicas, a reducing loss object is refused (each replica's "
+        "mean / R is not one device's loss). Elsewhere, and in a kd model's forward pass: Keras's."),
     Replacement(
         "tf.GradientTape.gradient", THIS_PROCESS, replace_tape_gradient,
         "In a kd replica step on several replicas: first reads how the target adds up over "

@@ -41,6 +41,7 @@ from keras_distrib.training import scaling
 from keras_distrib.training.coupling import global_batch  # kd.losses.global_batch
 from keras_distrib import validation
 from keras_distrib.training.replica import current_batch
+from keras_distrib.training.replica import in_hand_written_loop
 from keras_distrib.training.replica import is_share
 from keras_distrib.training.replica import mark_share
 from keras_distrib.training.replica import replica_sum
@@ -601,6 +602,8 @@ def loss_object_call(keras_call):
 
     def call(loss, y_true, y_pred, sample_weight=None):
         batch = current_batch()
+        if loss.reduction not in (None, "none") and replicas_in_sync() > 1 and in_hand_written_loop():
+            raise ValueError(_reduced_in_loop(loss))
         if batch is None or batch.forward.in_forward or loss.reduction in (None, "none"):
             return keras_call(loss, y_true, y_pred, sample_weight)
         # A loss object of the user's may see other rows than the batch's (a
@@ -611,6 +614,19 @@ def loss_object_call(keras_call):
         return mark_share(wrapped(y_true, y_pred, sample_weight=sample_weight))
 
     return call
+
+
+def _reduced_in_loop(loss):
+    return (
+        f"The loss object {type(loss).__name__}(reduction={loss.reduction!r}) is called in a "
+        f"hand-written loop's replica step on {replicas_in_sync()} replicas: Keras divides each "
+        "replica's mean by the replicas, so replicas with different row counts (the last batch) "
+        "weigh the same, and the summed gradient is not one device's. kd computes a loss object "
+        "exactly in `fit` and `kd.TrainLoop`; in your own loop, make it with `reduction=None` and "
+        "take `kd.losses.global_mean(loss_fn(y, y_pred))`, adding "
+        "`kd.losses.scale_regularization(model.losses, local_rows=tf.shape(x)[0])` for the "
+        "model's `add_loss` terms (see the hand-written loops guide)."
+    )
 
 
 @tf.autograph.experimental.do_not_convert

@@ -20,6 +20,7 @@ from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
 from keras_distrib.training import forward
 from keras_distrib.training import hooks
+from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import penalties
 from keras_distrib.training import replica
 from keras_distrib.training import step as step_lib
@@ -78,6 +79,9 @@ def _call_opening_batch(model, args, kwargs):
     # BatchNormalization statistics and random layers are laid out over
     # the global batch as in `fit`.
     hooks.install_layer_hooks(model)
+    # A Keras loss object called after this forward pass gives each replica's
+    # mean / R: refused there (`losses.loss_object_call`).
+    _keras_compat.replace_loss_object_call(kd_losses.loss_object_call)
     forward.check_loop_shape()
     first = forward.first_input(args, kwargs)
     with replica.replica_batch(replica.batch_rows(first), forward.loop_plan(model)) as batch:

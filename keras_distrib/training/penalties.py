@@ -540,8 +540,24 @@ def _unary(op, index, kinds):
 
 def _add_n(op, index, kinds):
     kind_set = set(kinds)
-    return kinds[0] if len(kind_set) == 1 and kinds[0] in (FIXED, ROWS, ROW_SUM, ROW_MEAN) \
-        else _unread(op)
+    if len(kind_set) == 1 and kinds[0] in (FIXED, ROWS, ROW_SUM, ROW_MEAN):
+        return kinds[0]
+    return _statistics(kind_set) or _unread(op)
+
+
+def _statistics(kind_set):
+    """The kind of terms added up or stacked (`sum(self.losses)`, `ops.sum(self.losses)`), or None.
+
+    Sums over rows add up as sums; means over rows and terms of the weights
+    add up as a mean (each weighted by n_r / N, a weight term counts once);
+    a sum beside a weight term has no kind (the term would count once per
+    replica).
+    """
+    if kind_set == {ROW_SUM}:
+        return ROW_SUM
+    if ROW_MEAN in kind_set and kind_set <= {ROW_MEAN, FIXED}:
+        return ROW_MEAN
+    return None
 
 
 def _arg_reduce(op, index, kinds):
@@ -567,7 +583,9 @@ def _pack(op, index, kinds):
     if _COUNT in kinds and set(kinds) <= {_COUNT, FIXED} and op.get_attr("axis") == 0:
         return _meeting(op, "shapes a tensor by the batch size on an axis after the first (e.g. "
                             "`eye(batch_size)`)")
-    return _unread(op)
+    # Loss terms stacked to be summed (`ops.sum(self.losses)`): each entry
+    # keeps its kind, and the sums and means `_reduce` reads of them add up.
+    return _statistics(set(kinds)) or _unread(op)
 
 
 def _merges_rows(op):

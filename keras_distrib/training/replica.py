@@ -20,6 +20,7 @@ correct the scale afterwards: one collective per step.
 import contextlib
 import dataclasses
 import threading
+import weakref
 
 import tensorflow as tf
 from keras import tree
@@ -42,6 +43,7 @@ __all__ = [
     "StepPlan",
     "batch_rows",
     "current_batch",
+    "in_hand_written_loop",
     "is_share",
     "keep_losses",
     "kept_losses",
@@ -672,11 +674,24 @@ def replica_batch(local_rows, plan=None):
 
 
 def keep_losses(owner, losses):
-    """Keeps the `add_loss` terms of `owner`'s latest forward pass on this thread (a replica's)."""
+    """Keeps the `add_loss` terms of `owner`'s latest forward pass on this thread (a replica's).
+
+    Called after a kd model's forward pass in a hand-written loop; it also
+    records the graph that pass was traced in (`in_hand_written_loop`).
+    """
     kept = getattr(_STATE, "losses", None)
     if kept is None:
         kept = _STATE.losses = {}
     kept[id(owner)] = (owner, list(losses or ()))
+    _STATE.loop_graph = weakref.ref(tf.compat.v1.get_default_graph())
+
+
+def in_hand_written_loop():
+    """Whether this thread traces a replica of a hand-written loop: a kd model's forward pass
+    opened its own batch in the current graph, and no kd step is open."""
+    graph = getattr(_STATE, "loop_graph", None)
+    return current_batch() is None and graph is not None and \
+        graph() is tf.compat.v1.get_default_graph()
 
 
 def kept_losses(owner):
