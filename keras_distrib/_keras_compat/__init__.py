@@ -348,6 +348,7 @@ from keras_distrib._keras_compat.variables import replace_seed_next  # noqa: F40
 from keras_distrib._keras_compat.variables import weight_partitions  # noqa: F401
 from keras_distrib._keras_compat.variables import write_from_first_replica  # noqa: F401
 from keras_distrib._keras_compat.variables import write_seed_state_from_last_replica  # noqa: F401
+from keras_distrib._keras_compat.optimizer import apply_reduced  # noqa: F401
 from keras_distrib._keras_compat.optimizer import base_optimizer  # noqa: F401
 from keras_distrib._keras_compat.optimizer import has_gradient_pipeline  # noqa: F401
 from keras_distrib._keras_compat.optimizer import install_gradient_pipeline  # noqa: F401

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import ps_values
 
 __all__ = [
+    "apply_reduced",
     "base_optimizer",
     "has_gradient_pipeline",
     "install_gradient_pipeline",
@@ -26,7 +27,10 @@ __all__ = [
 # allows a `merge_call` inside a branch. Both are set on the optimizer
 # instance only: other optimizers keep Keras's behaviour.
 
-_PIPELINE_OPTIMIZERS = weakref.WeakSet()
+# Each pipeline optimizer's own `apply` (Keras's), which applies gradients
+# already summed over the replicas: its function, called with the optimizer
+# (a bound method would keep the optimizer alive).
+_KERAS_APPLY = weakref.WeakKeyDictionary()
 _REPLICA_THREAD_STRATEGIES = (
     tf.distribute.MirroredStrategy,
     tf.distribute.MultiWorkerMirroredStrategy,
@@ -41,7 +45,17 @@ def base_optimizer(optimizer):
 
 def has_gradient_pipeline(optimizer):
     """Whether kd's gradient pipeline is installed on `optimizer`."""
-    return optimizer in _PIPELINE_OPTIMIZERS
+    return optimizer in _KERAS_APPLY
+
+
+def apply_reduced(optimizer, grads, trainable_variables):
+    """Keras's `optimizer.apply` on gradients already summed over the replicas.
+
+    For a step that all-reduces at its own call (kd's `train_step`): the
+    optimizer, which has kd's pipeline, updates as on one device, with no
+    reduction of its own and no second one of kd's.
+    """
+    return _KERAS_APPLY[optimizer](optimizer, grads, trainable_variables)
 
 
 def updated_variables(optimizer, trainable_variables=None):
@@ -57,9 +71,11 @@ def install_gradient_pipeline(optimizer, aggregate, before_apply):
     `before_apply(optimizer, trainable_variables)` runs first (kd builds an
     unbuilt optimizer there); `aggregate` all-reduces the replicas'
     gradients; after it every replica holds the global gradient, and the
-    optimizer's own reduction is skipped.
+    optimizer's own reduction is skipped. The replaced `apply` is for a
+    user's own step (`optimizer.apply_gradients(...)`); a step that
+    all-reduces at its own call applies through `apply_reduced`.
     """
-    if optimizer in _PIPELINE_OPTIMIZERS:
+    if optimizer in _KERAS_APPLY:
         return
     outer_apply = optimizer.apply
 
@@ -86,7 +102,10 @@ def install_gradient_pipeline(optimizer, aggregate, before_apply):
 
     object.__setattr__(base, "_backend_apply_gradients", backend_apply_gradients)
     object.__setattr__(base, "assign", _first_replica_optimizer_assign(base.assign))
-    _PIPELINE_OPTIMIZERS.add(optimizer)
+    if getattr(outer_apply, "__self__", None) is optimizer:
+        _KERAS_APPLY[optimizer] = outer_apply.__func__
+    else:  # an `apply` set on the instance before kd's
+        _KERAS_APPLY[optimizer] = lambda _, *args: outer_apply(*args)
 
 
 def _first_replica_optimizer_assign(optimizer_assign):

@@ -130,8 +130,9 @@ def install_step_hooks(model, *, kd_compute_loss):
     the rows first: `gradients.classify_gradient_target`) and each
     optimizer's `apply` (which all-reduces the gradients before Keras's
     update: `gradients.exact_optimizer`) are what keep a user's own
-    `train_step` exact; kd's own `train_step` goes through the same two
-    calls.
+    `train_step` exact. kd's own `train_step` takes its gradient through
+    the first, and all-reduces and applies at calls of its own
+    (`gradients.all_reduce`, `gradients.apply_reduced`).
 
     `kd_compute_loss`: kd's own `compute_loss` (`DistributedModelMixin`'s);
     a model's `compute_loss` of its own runs on the global batch where its
