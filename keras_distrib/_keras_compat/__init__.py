@@ -352,6 +352,7 @@ from keras_distrib._keras_compat.optimizer import apply_reduced  # noqa: F401
 from keras_distrib._keras_compat.optimizer import base_optimizer  # noqa: F401
 from keras_distrib._keras_compat.optimizer import has_gradient_pipeline  # noqa: F401
 from keras_distrib._keras_compat.optimizer import install_gradient_pipeline  # noqa: F401
+from keras_distrib._keras_compat.optimizer import replace_reduced_apply  # noqa: F401
 from keras_distrib._keras_compat.optimizer import updated_variables  # noqa: F401
 from keras_distrib._keras_compat.layers import batch_norm_axes  # noqa: F401
 from keras_distrib._keras_compat.layers import flatten_layers  # noqa: F401

@@ -14,6 +14,7 @@ __all__ = [
     "base_optimizer",
     "has_gradient_pipeline",
     "install_gradient_pipeline",
+    "replace_reduced_apply",
     "updated_variables",
 ]
 
@@ -56,6 +57,17 @@ def apply_reduced(optimizer, grads, trainable_variables):
     reduction of its own and no second one of kd's.
     """
     return _KERAS_APPLY[optimizer](optimizer, grads, trainable_variables)
+
+
+def replace_reduced_apply(optimizer, apply):
+    """Makes `apply_reduced` on `optimizer` call `apply(optimizer, grads, trainable_variables)`.
+
+    Returns the function it replaces, to put back the same way (kd's
+    first-step check records the update instead of writing it).
+    """
+    kept = _KERAS_APPLY[optimizer]
+    _KERAS_APPLY[optimizer] = apply
+    return kept
 
 
 def updated_variables(optimizer, trainable_variables=None):
