@@ -260,6 +260,7 @@ PRIVATE_NAMES = (
 from keras_distrib._keras_compat.losses import CompileLoss  # noqa: F401
 from keras_distrib._keras_compat.losses import compile_loss_arguments  # noqa: F401
 from keras_distrib._keras_compat.losses import compiled_loss  # noqa: F401
+from keras_distrib._keras_compat.losses import compiled_loss_tracker_names  # noqa: F401
 from keras_distrib._keras_compat.losses import compiled_losses  # noqa: F401
 from keras_distrib._keras_compat.losses import compute_loss  # noqa: F401
 from keras_distrib._keras_compat.losses import exit_summary_contexts  # noqa: F401

@@ -540,15 +540,11 @@ class GlobalCompileLoss(_keras_compat.CompileLoss):
 
     def build(self, y_true, y_pred):
         super().build(y_true, y_pred)
-        _keras_compat.replace_compile_losses(
-            self, _wrap_loss, lambda name: GlobalShareMean(name, weighting="steps")
-        )
-
-
-def _wrap_loss(loss):
-    if isinstance(loss, GlobalReductionLoss):
-        return loss
-    return GlobalReductionLoss(loss)
+        losses = [loss if isinstance(loss, GlobalReductionLoss) else GlobalReductionLoss(loss)
+                  for loss in _keras_compat.compiled_losses(self)]
+        trackers = [GlobalShareMean(name, weighting="steps")
+                    for name in _keras_compat.compiled_loss_tracker_names(self)]
+        _keras_compat.replace_compile_losses(self, losses, trackers)
 
 
 def install_global_losses(model):
