@@ -355,7 +355,6 @@ from keras_distrib._keras_compat.optimizer import has_gradient_pipeline  # noqa:
 from keras_distrib._keras_compat.optimizer import install_gradient_pipeline  # noqa: F401
 from keras_distrib._keras_compat.optimizer import replace_reduced_apply  # noqa: F401
 from keras_distrib._keras_compat.optimizer import updated_variables  # noqa: F401
-from keras_distrib._keras_compat.layers import batch_norm_axes  # noqa: F401
 from keras_distrib._keras_compat.layers import flatten_layers  # noqa: F401
 from keras_distrib._keras_compat.layers import get_keras_mask  # noqa: F401
 from keras_distrib._keras_compat.layers import is_sync_batch_norm  # noqa: F401
