@@ -367,8 +367,15 @@ class GlobalReductionLoss(keras.losses.Loss):
         with tf.name_scope(self.name):
             # Where the rows of the batch meet in the loss (in-batch negatives, a
             # mined triplet), it is computed on the global batch (`coupling`).
-            (numerator, denominator, values), global_batch = coupling.call_on_global_batch(
-                self.inner, self._terms, (y_true, y_pred, sample_weight, in_mask))
+            args = (y_true, y_pred, sample_weight, in_mask)
+            global_batch = not coupling.on_replica_rows_first(self.inner)
+            if not global_batch:
+                terms = self._terms(*args)
+                global_batch = coupling.rows_meet_in(self.inner, terms)
+            if global_batch:
+                with coupling.on_global_batch(self.inner, args) as global_args:
+                    terms = self._terms(*global_args)
+            numerator, denominator, values = terms
             if reduction in (None, "none"):
                 return values
             whole = batch is not None and batch.coupling.global_region
