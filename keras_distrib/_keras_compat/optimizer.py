@@ -167,6 +167,17 @@ def _apply_in_cross_replica(optimizer, distribution, grads, variables):
 
     Every replica holds the same (all-reduced) gradient, so each branch runs
     the same replica function on every replica, as one device would run it.
+
+    Keras's own method cannot serve here. In a replica, its `ops.cond`
+    (accumulation, EMA overwrite) holds the update, whose `merge_call`
+    (`_backend_update_step`, `_apply_weight_decay`) TensorFlow refuses in a
+    branch ("`merge_call` called while defining a new graph or a
+    tf.function"); in cross-replica context its arithmetic on the gradients
+    (`(g + acc_g) / steps`, clipping) refuses the per-replica values
+    `merge_call` hands over ("using a PerReplica object while not inside a
+    replica context"). No smaller method holds the conditionals. The pieces
+    called here are Keras's own; `tests/test_keras_compat.py` checks that
+    Keras's method still holds each of them.
     """
 
     def on_replicas(function):
