@@ -509,6 +509,11 @@ def test_keras_optimizer_still_reduces_inside_its_update_step():
                   "_backend_update_step", "_backend_increment_gradient_accumulators",
                   "_update_model_variables_moving_average", "ema_overwrite_frequency"):
         assert piece in source, piece
+    # kd's copy of it (its conditionals in cross-replica context) reads the
+    # optimizer's state and methods Keras's reads, no more, no fewer: a step
+    # Keras adds to its method fails here, not silently in training.
+    copy = inspect.getsource(_keras_compat.optimizer._apply_in_cross_replica)
+    assert set(re.findall(r"\bself\.(\w+)", source)) == set(re.findall(r"\boptimizer\.(\w+)", copy))
 
 
 def test_compile_loss_layout_is_as_expected():

@@ -11,7 +11,6 @@ import tensorflow as tf
 from keras.src.backend.common import masking as keras_masking
 
 __all__ = [
-    "batch_norm_axes",
     "flatten_layers",
     "get_keras_mask",
     "graph_calls",
@@ -112,22 +111,19 @@ def replace_call(layer, make_call):
 
 
 def replace_batch_norm_moments(layer, moments):
-    """Makes a BatchNormalization use `moments(layer, x, mask, original)`.
+    """Makes a BatchNormalization use `moments(layer, x, mask, original, axes)`.
 
-    `original` is Keras's `_moments`; `layer_axes(layer)` gives the axes.
+    `original` is Keras's `_moments`; `axes` the axes the layer reduces over
+    (all but its channels), as a list.
     """
     if layer in _BATCH_NORM_LAYERS:
         return
     original = layer._moments
     object.__setattr__(
-        layer, "_moments", lambda inputs, mask: moments(layer, inputs, mask, original)
+        layer, "_moments",
+        lambda inputs, mask: moments(layer, inputs, mask, original, list(layer._reduction_axes)),
     )
     _BATCH_NORM_LAYERS.add(layer)
-
-
-def batch_norm_axes(layer):
-    """The axes a BatchNormalization layer reduces over (all but its channels)."""
-    return list(layer._reduction_axes)
 
 
 def get_keras_mask(tensor):

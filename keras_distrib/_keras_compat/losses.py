@@ -16,6 +16,7 @@ __all__ = [
     "backend_variable",
     "compile_loss_arguments",
     "compiled_loss",
+    "compiled_loss_tracker_names",
     "compiled_losses",
     "compute_loss",
     "default_reduce_destination",
@@ -42,16 +43,21 @@ def squeeze_or_expand_to_same_rank(x1, x2):
 CompileLoss = compile_utils.CompileLoss
 
 
-def replace_compile_losses(compile_loss, wrap_loss, make_tracker):
-    """After `CompileLoss.build`: wraps each loss and replaces each per-output tracker.
+def compiled_loss_tracker_names(compile_loss):
+    """The names of a built `CompileLoss`'s per-output trackers (`<name>_loss`), in order."""
+    return [metric.name for metric in compile_loss._metrics]
 
-    `wrap_loss(loss)` returns the loss to use; `make_tracker(name)` the
-    tracker for a per-output `<name>_loss`.
+
+def replace_compile_losses(compile_loss, losses, trackers):
+    """After `CompileLoss.build`: its losses and per-output trackers replaced.
+
+    `losses`: one per output, in `compiled_losses`'s order; `trackers`: one
+    per name of `compiled_loss_tracker_names`, in its order.
     """
     compile_loss._flat_losses = [
-        entry._replace(loss=wrap_loss(entry.loss)) for entry in compile_loss._flat_losses
+        entry._replace(loss=loss) for entry, loss in zip(compile_loss._flat_losses, losses, strict=True)
     ]
-    trackers = [make_tracker(metric.name) for metric in compile_loss._metrics]
+    trackers = list(trackers)
     compile_loss._metrics.clear()
     compile_loss._metrics.extend(trackers)
 
@@ -141,9 +147,9 @@ def _replace_on_instance(owner, name, make):
     object.__setattr__(owner, name, replacement)
 
 
-def replace_metric_result(metric, make_result):
-    """Makes `metric.result()` call `make_result(metric, keras_result)` (idempotent)."""
-    _replace_on_instance(metric, "result", make_result)
+def replace_metric_result(metric, record):
+    """Makes `metric.result()` return `record(metric, value)` of Keras's result `value` (idempotent)."""
+    _replace_on_instance(metric, "result", lambda owner, result: lambda: record(owner, result()))
 
 
 def replace_mean_update(metric, make_update):

@@ -10,9 +10,11 @@ import tensorflow as tf
 from tensorflow.python.distribute import ps_values
 
 __all__ = [
+    "apply_reduced",
     "base_optimizer",
     "has_gradient_pipeline",
     "install_gradient_pipeline",
+    "replace_reduced_apply",
     "updated_variables",
 ]
 
@@ -26,7 +28,10 @@ __all__ = [
 # allows a `merge_call` inside a branch. Both are set on the optimizer
 # instance only: other optimizers keep Keras's behaviour.
 
-_PIPELINE_OPTIMIZERS = weakref.WeakSet()
+# Each pipeline optimizer's own `apply` (Keras's), which applies gradients
+# already summed over the replicas: its function, called with the optimizer
+# (a bound method would keep the optimizer alive).
+_KERAS_APPLY = weakref.WeakKeyDictionary()
 _REPLICA_THREAD_STRATEGIES = (
     tf.distribute.MirroredStrategy,
     tf.distribute.MultiWorkerMirroredStrategy,
@@ -41,7 +46,28 @@ def base_optimizer(optimizer):
 
 def has_gradient_pipeline(optimizer):
     """Whether kd's gradient pipeline is installed on `optimizer`."""
-    return optimizer in _PIPELINE_OPTIMIZERS
+    return optimizer in _KERAS_APPLY
+
+
+def apply_reduced(optimizer, grads, trainable_variables):
+    """Keras's `optimizer.apply` on gradients already summed over the replicas.
+
+    For a step that all-reduces at its own call (kd's `train_step`): the
+    optimizer, which has kd's pipeline, updates as on one device, with no
+    reduction of its own and no second one of kd's.
+    """
+    return _KERAS_APPLY[optimizer](optimizer, grads, trainable_variables)
+
+
+def replace_reduced_apply(optimizer, apply):
+    """Makes `apply_reduced` on `optimizer` call `apply(optimizer, grads, trainable_variables)`.
+
+    Returns the function it replaces, to put back the same way (kd's
+    first-step check records the update instead of writing it).
+    """
+    kept = _KERAS_APPLY[optimizer]
+    _KERAS_APPLY[optimizer] = apply
+    return kept
 
 
 def updated_variables(optimizer, trainable_variables=None):
@@ -57,9 +83,11 @@ def install_gradient_pipeline(optimizer, aggregate, before_apply):
     `before_apply(optimizer, trainable_variables)` runs first (kd builds an
     unbuilt optimizer there); `aggregate` all-reduces the replicas'
     gradients; after it every replica holds the global gradient, and the
-    optimizer's own reduction is skipped.
+    optimizer's own reduction is skipped. The replaced `apply` is for a
+    user's own step (`optimizer.apply_gradients(...)`); a step that
+    all-reduces at its own call applies through `apply_reduced`.
     """
-    if optimizer in _PIPELINE_OPTIMIZERS:
+    if optimizer in _KERAS_APPLY:
         return
     outer_apply = optimizer.apply
 
@@ -86,7 +114,10 @@ def install_gradient_pipeline(optimizer, aggregate, before_apply):
 
     object.__setattr__(base, "_backend_apply_gradients", backend_apply_gradients)
     object.__setattr__(base, "assign", _first_replica_optimizer_assign(base.assign))
-    _PIPELINE_OPTIMIZERS.add(optimizer)
+    if getattr(outer_apply, "__self__", None) is optimizer:
+        _KERAS_APPLY[optimizer] = outer_apply.__func__
+    else:  # an `apply` set on the instance before kd's
+        _KERAS_APPLY[optimizer] = lambda _, *args: outer_apply(*args)
 
 
 def _first_replica_optimizer_assign(optimizer_assign):
@@ -136,6 +167,17 @@ def _apply_in_cross_replica(optimizer, distribution, grads, variables):
 
     Every replica holds the same (all-reduced) gradient, so each branch runs
     the same replica function on every replica, as one device would run it.
+
+    Keras's own method cannot serve here. In a replica, its `ops.cond`
+    (accumulation, EMA overwrite) holds the update, whose `merge_call`
+    (`_backend_update_step`, `_apply_weight_decay`) TensorFlow refuses in a
+    branch ("`merge_call` called while defining a new graph or a
+    tf.function"); in cross-replica context its arithmetic on the gradients
+    (`(g + acc_g) / steps`, clipping) refuses the per-replica values
+    `merge_call` hands over ("using a PerReplica object while not inside a
+    replica context"). No smaller method holds the conditionals. The pieces
+    called here are Keras's own; `tests/test_keras_compat.py` checks that
+    Keras's method still holds each of them.
     """
 
     def on_replicas(function):

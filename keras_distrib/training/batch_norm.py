@@ -29,12 +29,14 @@ __all__ = [
 PER_REPLICA_BATCH_NORM = weakref.WeakSet()
 
 
-def global_moments(layer, inputs, mask, keras_moments):
+def global_moments(layer, inputs, mask, keras_moments, axes):
     """Mean and variance of a BatchNormalization over every replica.
 
     Every BatchNormalization of a kd model on several replicas uses it
     (unless compiled with `batch_norm="per_replica"`, and then still the
     synchronized ones), so statistics are those of the global batch.
+    `keras_moments` is the layer's own (Keras's) moments; `axes` the axes
+    the layer reduces over (all but its channels).
 
     One all-reduce in the forward pass (and so one in the backward pass):
     each replica computes its own row count n_i, mean m_i and sum of
@@ -68,7 +70,6 @@ def global_moments(layer, inputs, mask, keras_moments):
         # the replica's statistics fed back into its rows.
         mean, variance = keras_moments(inputs, mask)
         return penalties.mark_fixed(mean), penalties.mark_fixed(variance)
-    axes = _keras_compat.batch_norm_axes(layer)
     if mask is None:
         moments = _unmasked_global_moments(context, batch, inputs, axes)
         if moments is not None:

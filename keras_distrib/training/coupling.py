@@ -66,9 +66,12 @@ __all__ = [
     "mark_layout",
     "meets",
     "meets_at_any",
+    "on_global_batch",
+    "on_replica_rows_first",
     "planned_data",
     "request_anchors",
     "row_layout",
+    "rows_meet_in",
 ]
 
 MODES = ("global", "per_replica")
@@ -366,25 +369,61 @@ def call_on_global_batch(site, function, args, *, share_scalars=False):
     rows meet, the row-aligned tensors among `args` are gathered and it runs
     again inside the global region, where kd's own sites leave the global
     batch alone. `site` keys the decision (the loss object, the model).
+    The three steps, for a caller that writes them out:
+    `on_replica_rows_first`, `rows_meet_in`, `on_global_batch`.
 
     Returns:
         `(result, on_global_batch)`. With `share_scalars`, a scalar result
         computed on the global batch comes back as this replica's share of
         it (1/R, recorded as a share); other results are GLOBAL.
     """
-    batch = replica.current_batch()
-    if not _active(batch):
-        return function(*args), False
-    decision = _decision(site, "call")
-    if decision is None:
+    if on_replica_rows_first(site):
         result = function(*args)
-        where = meets(result)
-        if where is None:
-            _decide(site, "call", _CLEAN)
+        if not rows_meet_in(site, result):
             return result, False
-        _retrace_or_go_on(batch, site, "call", where)
-    elif decision == _CLEAN:
-        return function(*args), False
+    with on_global_batch(site, args) as global_args:
+        result = function(*global_args)
+    if share_scalars:
+        batch = replica.current_batch()
+        result = tree.map_structure(lambda v: _as_share(v, batch), result)
+    return result, True
+
+
+def on_replica_rows_first(site):
+    """Whether a call at `site` runs on the replica's rows first (then `rows_meet_in` reads it).
+
+    False where kd already knows, in this trace, that the rows meet there:
+    the call runs `on_global_batch` straight away.
+    """
+    return not _active(replica.current_batch()) or _decision(site, "call") in (None, _CLEAN)
+
+
+def rows_meet_in(site, result):
+    """Whether the rows of the batch meet in `result`, what a call at `site` returned on the replica's rows.
+
+    Decided once per trace from `result`'s graph (`meets`). Where they meet,
+    kd's step traces again where it can (`RowsMeet`); otherwise the call
+    runs again `on_global_batch`.
+    """
+    batch = replica.current_batch()
+    if not _active(batch) or _decision(site, "call") == _CLEAN:
+        return False
+    where = meets(result)
+    if where is None:
+        _decide(site, "call", _CLEAN)
+        return False
+    _retrace_or_go_on(batch, site, "call", where)
+    return True
+
+
+@contextlib.contextmanager
+def on_global_batch(site, args):
+    """Yields `args` with their row-aligned tensors gathered from every replica, in the global region.
+
+    A call at `site` made inside runs on the global batch, where kd's own
+    sites leave the global batch alone.
+    """
+    batch = replica.current_batch()
     flat = tree.flatten(args)
     positions = _row_aligned(flat, f"what {_site_name(site)} is given")
     # A softmax or sigmoid output's logits, from which Keras's losses compute
@@ -398,10 +437,7 @@ def call_on_global_batch(site, function, args, *, share_scalars=False):
     for (position, _), value in zip(logits, gathered[len(positions):]):
         flat[position]._keras_logits = value
     with _global_region(batch):
-        result = function(*tree.pack_sequence_as(args, flat))
-    if share_scalars:
-        result = tree.map_structure(lambda v: _as_share(v, batch), result)
-    return result, True
+        yield tree.pack_sequence_as(args, flat)
 
 
 def _site_name(site):

@@ -308,12 +308,13 @@ def _tolerance(model, *dtypes, table=TOLERANCE):
 
 
 class _RecordedUpdates:
-    """Each optimizer's `apply` records its gradients and writes nothing (one device's reference).
+    """Each optimizer's update records its gradients and writes nothing (one device's reference).
 
     The gradients go through kd's `all_reduce` (on one device: as they are),
-    which records them on the step's batch, as in the distributed step.
-    What the step reads after the update are the weights the distributed
-    step wrote (`after`).
+    which records them on the step's batch, as in the distributed step: kd's
+    own step calls it, and the optimizer's `apply` does in a step of one's
+    own. What the step reads after the update are the weights the
+    distributed step wrote (`after`).
     """
 
     def __init__(self, model, scope, after):
@@ -322,9 +323,14 @@ class _RecordedUpdates:
         self._after = after
 
     def __enter__(self):
-        # kd's pipeline is the optimizer's own `apply` attribute: kept, and put back.
-        self._kept = [vars(optimizer).get("apply") for optimizer in self._optimizers]
+        # kd's pipeline is the optimizer's own `apply` attribute (a step of
+        # one's own), and Keras's apply after kd's all-reduce that of
+        # `gradients.apply_reduced` (kd's own step): both kept, and put back.
+        self._kept = []
         for optimizer in self._optimizers:
+            gradients_lib.exact_optimizer(optimizer)
+            self._kept.append((vars(optimizer).get("apply"),
+                               _keras_compat.replace_reduced_apply(optimizer, self._write_after)))
             object.__setattr__(optimizer, "apply", self._apply_of(optimizer))
         return self
 
@@ -332,18 +338,22 @@ class _RecordedUpdates:
         def apply(grads, trainable_variables=None):
             variables = _keras_compat.updated_variables(optimizer, trainable_variables)
             gradients_lib.all_reduce(list(grads), variables)
-            for variable in variables:
-                if id(variable) in self._after:
-                    self._scope.add_update((variable, self._after[id(variable)]))
+            self._write_after(optimizer, grads, variables)
 
         return apply
 
+    def _write_after(self, optimizer, grads, trainable_variables):
+        for variable in _keras_compat.updated_variables(optimizer, trainable_variables):
+            if id(variable) in self._after:
+                self._scope.add_update((variable, self._after[id(variable)]))
+
     def __exit__(self, *exc):
-        for optimizer, kept in zip(self._optimizers, self._kept):
-            if kept is None:
+        for optimizer, (apply, reduced_apply) in zip(self._optimizers, self._kept):
+            if apply is None:
                 object.__delattr__(optimizer, "apply")
             else:
-                object.__setattr__(optimizer, "apply", kept)
+                object.__setattr__(optimizer, "apply", apply)
+            _keras_compat.replace_reduced_apply(optimizer, reduced_apply)
 
 
 def _in_own_thread(function):

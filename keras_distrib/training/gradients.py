@@ -37,6 +37,7 @@ from keras_distrib.cluster import strategies
 __all__ = [
     "SparseGradientInLoop",
     "all_reduce",
+    "apply_reduced",
     "bucket_plan",
     "exact_optimizer",
     "install",
@@ -391,6 +392,26 @@ def exact_optimizer(optimizer):
         )
     _keras_compat.install_gradient_pipeline(optimizer, all_reduce, _build_outside_replicas)
     return optimizer
+
+
+def apply_reduced(optimizer, grads, variables):
+    """Updates `variables` through `optimizer` with gradients `all_reduce` summed.
+
+    kd's own `train_step` all-reduces at its own call and applies here:
+    Keras's `apply` (unscale, accumulate, clip, update, in one-device order)
+    with the optimizer's own reduction skipped, as kd's pipeline does after
+    its all-reduce in a user's `optimizer.apply_gradients(...)`.
+
+    Args:
+        optimizer: A Keras optimizer (given kd's pipeline here if it has
+            not got it).
+        grads: The global gradients, from `all_reduce`.
+        variables: The variables they are the gradients of.
+    """
+    exact_optimizer(optimizer)
+    variables = list(variables)
+    _build_outside_replicas(optimizer, variables)
+    _keras_compat.apply_reduced(optimizer, list(grads), variables)
 
 
 def install(optimizer):

@@ -130,8 +130,9 @@ def install_step_hooks(model, *, kd_compute_loss):
     the rows first: `gradients.classify_gradient_target`) and each
     optimizer's `apply` (which all-reduces the gradients before Keras's
     update: `gradients.exact_optimizer`) are what keep a user's own
-    `train_step` exact; kd's own `train_step` goes through the same two
-    calls.
+    `train_step` exact. kd's own `train_step` takes its gradient through
+    the first, and all-reduces and applies at calls of its own
+    (`gradients.all_reduce`, `gradients.apply_reduced`).
 
     `kd_compute_loss`: kd's own `compute_loss` (`DistributedModelMixin`'s);
     a model's `compute_loss` of its own runs on the global batch where its
@@ -150,21 +151,16 @@ def install_step_hooks(model, *, kd_compute_loss):
     kd_losses.exact_trackers(metrics)
     kd_losses.exact_metric_updates(metrics)
     for metric in metrics:
-        _keras_compat.replace_metric_result(metric, _recorded_result)
+        _keras_compat.replace_metric_result(metric, _record_result)
 
 
-def _recorded_result(metric, result):
-    """`metric.result` that tells kd's step which logs are this metric's (see step.py)."""
-
-    def recorded():
-        value = result()
-        batch = replica.current_batch()
-        if batch is not None:
-            for key, leaf in logs_lib.result_leaves(metric.name, value):
-                batch.metrics.results[id(leaf)] = (leaf, key)
-        return value
-
-    return recorded
+def _record_result(metric, value):
+    """Tells kd's step which logs are `metric`'s result `value` (see step.py); returns `value`."""
+    batch = replica.current_batch()
+    if batch is not None:
+        for key, leaf in logs_lib.result_leaves(metric.name, value):
+            batch.metrics.results[id(leaf)] = (leaf, key)
+    return value
 
 
 def _compute_loss_on_global_batch(model, kd_compute_loss):

@@ -368,8 +368,15 @@ class GlobalReductionLoss(keras.losses.Loss):
         with tf.name_scope(self.name):
             # Where the rows of the batch meet in the loss (in-batch negatives, a
             # mined triplet), it is computed on the global batch (`coupling`).
-            (numerator, denominator, values), global_batch = coupling.call_on_global_batch(
-                self.inner, self._terms, (y_true, y_pred, sample_weight, in_mask))
+            args = (y_true, y_pred, sample_weight, in_mask)
+            global_batch = not coupling.on_replica_rows_first(self.inner)
+            if not global_batch:
+                terms = self._terms(*args)
+                global_batch = coupling.rows_meet_in(self.inner, terms)
+            if global_batch:
+                with coupling.on_global_batch(self.inner, args) as global_args:
+                    terms = self._terms(*global_args)
+            numerator, denominator, values = terms
             if reduction in (None, "none"):
                 return values
             whole = batch is not None and batch.coupling.global_region
@@ -541,15 +548,11 @@ class GlobalCompileLoss(_keras_compat.CompileLoss):
 
     def build(self, y_true, y_pred):
         super().build(y_true, y_pred)
-        _keras_compat.replace_compile_losses(
-            self, _wrap_loss, lambda name: GlobalShareMean(name, weighting="steps")
-        )
-
-
-def _wrap_loss(loss):
-    if isinstance(loss, GlobalReductionLoss):
-        return loss
-    return GlobalReductionLoss(loss)
+        losses = [loss if isinstance(loss, GlobalReductionLoss) else GlobalReductionLoss(loss)
+                  for loss in _keras_compat.compiled_losses(self)]
+        trackers = [GlobalShareMean(name, weighting="steps")
+                    for name in _keras_compat.compiled_loss_tracker_names(self)]
+        _keras_compat.replace_compile_losses(self, losses, trackers)
 
 
 def install_global_losses(model):

@@ -309,11 +309,12 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
                 grads = tape.gradient(loss, variables)
-                # Sums the replicas' gradients first (gradients.all_reduce, the
-                # step's one all-reduce, with the scaling rule's correction:
-                # training/scaling.py), then Keras's optimizer updates as on
-                # one device: kd's pipeline, installed on it at compile.
-                self.optimizer.apply_gradients(zip(grads, variables))
+                # The step's one all-reduce: the replicas' gradients summed,
+                # with the scaling rule's correction (training/scaling.py)
+                # and the metric states riding along. Then Keras's optimizer
+                # updates as on one device, with no reduction of its own.
+                grads = gradients.all_reduce(grads, variables)
+                gradients.apply_reduced(self.optimizer, grads, variables)
             else:
                 warnings.warn("The model does not have any trainable weights.")
             batch.own_step.metric_variables = None
