@@ -95,11 +95,13 @@ def test_guides_user_code_matches_one_device():
     stacked terms kd once refused at `Pack`), keras-io's DCGAN (Dropout in
     the discriminator, on the generated and real rows together and on the
     generated alone), and `add_loss` terms (an activity sum, a batch mean)
-    through fit and through a hand-written loop with kd's recipe; float64,
+    through fit and through a hand-written loop with kd's recipe, and an
+    optimizer whose `apply_gradients` override centres the gradients (kd's
+    step calls it, as Keras's does); float64,
     2 replicas, one of them empty at the last batch. The guide's loop body
     unchanged in `strategy.run` is refused.
     """
-    patterns = ["compute_loss", "dcgan", "add_loss_fit", "add_loss_loop"]
+    patterns = ["compute_loss", "dcgan", "add_loss_fit", "add_loss_loop", "centralized"]
     others = ["add_loss_loop_verbatim", "plain:compute_loss"]
     code, output = _harness.run_script("user_code.py", ",".join(patterns + others), timeout=600)
     assert code == 0, output[-4000:]

@@ -42,6 +42,7 @@ __all__ = [
     "exact_optimizer",
     "install",
     "optimizers_of",
+    "overrides_apply_gradients",
     "report_bucket_plan",
 ]
 
@@ -412,6 +413,11 @@ def apply_reduced(optimizer, grads, variables):
     variables = list(variables)
     _build_outside_replicas(optimizer, variables)
     _keras_compat.apply_reduced(optimizer, list(grads), variables)
+
+
+def overrides_apply_gradients(optimizer):
+    """Whether `optimizer`'s class overrides Keras's `apply_gradients` (its own step then calls it)."""
+    return type(optimizer).apply_gradients is not keras.optimizers.Optimizer.apply_gradients
 
 
 def install(optimizer):

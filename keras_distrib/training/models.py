@@ -309,12 +309,18 @@ class DistributedModelMixin(_keras_compat.ModelHooks):
             if self.trainable_weights:
                 variables = _keras_compat.optimizer_variables(self)
                 grads = tape.gradient(loss, variables)
-                # The step's one all-reduce: the replicas' gradients summed,
-                # with the scaling rule's correction (training/scaling.py)
-                # and the metric states riding along. Then Keras's optimizer
-                # updates as on one device, with no reduction of its own.
-                grads = gradients.all_reduce(grads, variables)
-                gradients.apply_reduced(self.optimizer, grads, variables)
+                if gradients.overrides_apply_gradients(self.optimizer):
+                    # Keras's own step calls `apply_gradients`: an optimizer
+                    # that overrides it gets it called, and kd's pipeline
+                    # all-reduces inside its `apply` (hooks.install_step_hooks).
+                    self.optimizer.apply_gradients(zip(grads, variables))
+                else:
+                    # The step's one all-reduce: the replicas' gradients summed,
+                    # with the scaling rule's correction (training/scaling.py)
+                    # and the metric states riding along. Then Keras's optimizer
+                    # updates as on one device, with no reduction of its own.
+                    grads = gradients.all_reduce(grads, variables)
+                    gradients.apply_reduced(self.optimizer, grads, variables)
             else:
                 warnings.warn("The model does not have any trainable weights.")
             batch.own_step.metric_variables = None

@@ -34,6 +34,9 @@ Patterns:
                   device (`loss_fn(y, logits) + sum(model.losses)`).
   add_loss_loop_verbatim  the guide's loop body unchanged inside
                   `strategy.run` (kd model, `kd.exact_optimizer`).
+  centralized     keras-io's gradient centralization: an optimizer whose
+                  `apply_gradients` override subtracts each kernel
+                  gradient's mean over its inputs, then calls Keras's.
 """
 
 import json
@@ -311,6 +314,23 @@ def _vae(base, keras, ops):
     return model
 
 
+def _centralized(base, keras, ops):
+    class CentralizedSGD(keras.optimizers.SGD):
+        def apply_gradients(self, grads_and_vars):
+            centred = []
+            for grad, variable in grads_and_vars:
+                if len(grad.shape) > 1:
+                    grad = grad - ops.mean(grad, axis=tuple(range(len(grad.shape) - 1)), keepdims=True)
+                centred.append((grad, variable))
+            return super().apply_gradients(centred)
+
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    model = base(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=CentralizedSGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
 def build(pattern, base):
     import keras
     from keras import ops
@@ -319,6 +339,8 @@ def build(pattern, base):
         return _guide_steps(pattern, base, keras, ops), "xy"
     if pattern == "compute_loss":
         return _compute_loss(base, keras, ops), "xy"
+    if pattern == "centralized":
+        return _centralized(base, keras, ops), "xy"
     if pattern == "dcgan":
         return _dcgan(base, keras, ops), "images"
     if pattern == "vae_guide":
