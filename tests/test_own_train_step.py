@@ -102,7 +102,7 @@ def test_guides_user_code_matches_one_device():
     unchanged in `strategy.run` is refused.
     """
     patterns = ["compute_loss", "dcgan", "add_loss_fit", "add_loss_loop", "centralized"]
-    others = ["add_loss_loop_verbatim", "plain:compute_loss"]
+    others = ["add_loss_loop_verbatim", "normalized", "plain:compute_loss"]
     code, output = _harness.run_script("user_code.py", ",".join(patterns + others), timeout=600)
     assert code == 0, output[-4000:]
     results = {r["pattern"]: r for r in _harness.results_of(output)}
@@ -117,6 +117,11 @@ def test_guides_user_code_matches_one_device():
     assert "The loss object MeanSquaredError(reduction='sum_over_batch_size') is called in a " \
         "hand-written loop's replica step on 2 replicas" in error, results["add_loss_loop_verbatim"]
     assert "kd.losses.global_mean(loss_fn(y, y_pred))" in error, error
+    # An `apply_gradients` override that is not linear in the gradients (it
+    # gets each replica's): refused at the first step, naming the override.
+    error = results["normalized"].get("error", "")
+    assert "FirstStepMismatch" in error and "the optimizer's own apply_gradients ('CentralizedSGD') " \
+        "gets each replica's gradients" in error and "Override `apply` instead" in error, results["normalized"]
     # The contrast: the same override on plain Keras under the strategy.
     contrast = results["plain:compute_loss"]
     assert contrast["weights"] > 1e-3 and contrast["logs"] > 1e-2, contrast

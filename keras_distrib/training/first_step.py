@@ -717,14 +717,26 @@ def check(model, strategy, step, logs, captured, snapshot, rerun=None):
         pass
     finally:
         snapshot.restore()
+    overriding = [type(o).__name__ for o in gradients_lib.optimizers_of(model)
+                  if gradients_lib.overrides_apply_gradients(o)]
+    if apart is None and overriding:
+        # Keras's step (and kd's) calls an `apply_gradients` override with
+        # each replica's gradients; kd's all-reduce comes after it, in `apply`.
+        advice = (f"the optimizer's own apply_gradients ({_listed(overriding)}) gets each "
+                  "replica's gradients, as Keras's step gives it under a strategy, and changes "
+                  "them in a way that does not add up over the replicas (a norm, say), so the sum "
+                  "of the replicas' changed gradients is not one device's. Override `apply` "
+                  "instead: kd hands it the gradients summed over every replica")
+    else:
+        advice = (f"{_cause(apart, step_only, not_compared)}. Gather the rows yourself with "
+                  "kd.losses.global_batch(tensor), or compile with rows_meet=\"per_replica\" and "
+                  "first_step_check=False to keep Keras's per-replica behaviour knowingly")
     raise FirstStepMismatch(
         f"The first training step of {type(model).__name__} on {strategy.num_replicas_in_sync} "
         f"replicas differs from one device's on the same {where}: {what} is off by "
         f"{distance:.3g} relative to its largest value (round-off allows {tolerance:.0e}){more}. "
         f"Nothing was trained: every variable is as it was before the step. Likely cause: "
-        f"{_cause(apart, step_only, not_compared)}. Gather the rows yourself with "
-        "kd.losses.global_batch(tensor), or compile with rows_meet=\"per_replica\" and "
-        "first_step_check=False to keep Keras's per-replica behaviour knowingly."
+        f"{advice}."
     )
 
 

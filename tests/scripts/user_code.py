@@ -37,6 +37,9 @@ Patterns:
   centralized     keras-io's gradient centralization: an optimizer whose
                   `apply_gradients` override subtracts each kernel
                   gradient's mean over its inputs, then calls Keras's.
+  normalized      an `apply_gradients` override that divides each gradient
+                  by its norm: not linear, so each replica's normalized
+                  gradients do not add up to one device's (refused).
 """
 
 import json
@@ -314,12 +317,14 @@ def _vae(base, keras, ops):
     return model
 
 
-def _centralized(base, keras, ops):
+def _centralized(base, keras, ops, normalized=False):
     class CentralizedSGD(keras.optimizers.SGD):
         def apply_gradients(self, grads_and_vars):
             centred = []
             for grad, variable in grads_and_vars:
-                if len(grad.shape) > 1:
+                if normalized:
+                    grad = grad / ops.sqrt(ops.sum(grad * grad))
+                elif len(grad.shape) > 1:
                     grad = grad - ops.mean(grad, axis=tuple(range(len(grad.shape) - 1)), keepdims=True)
                 centred.append((grad, variable))
             return super().apply_gradients(centred)
@@ -339,8 +344,8 @@ def build(pattern, base):
         return _guide_steps(pattern, base, keras, ops), "xy"
     if pattern == "compute_loss":
         return _compute_loss(base, keras, ops), "xy"
-    if pattern == "centralized":
-        return _centralized(base, keras, ops), "xy"
+    if pattern in ("centralized", "normalized"):
+        return _centralized(base, keras, ops, normalized=pattern == "normalized"), "xy"
     if pattern == "dcgan":
         return _dcgan(base, keras, ops), "images"
     if pattern == "vae_guide":
