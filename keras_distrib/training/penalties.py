@@ -1279,6 +1279,9 @@ def loss_terms(target, replicas):
         op = tensor.op
         if _scalar_const(tensor) is not None or op.type in ("Const", "StopGradient", "PreventGradient"):
             continue  # no gradient
+        if _MARKS.get(tensor.graph, {}).get(tensor.name) is not None:
+            terms.append(Term(tensor, kind(tensor), power))  # kd's own (a share): read as a whole
+            continue
         if op.type in _IDENTITY or op.type in _ADDS:
             stack.extend((t, power) for t in op.inputs)
             continue
