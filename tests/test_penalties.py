@@ -196,15 +196,23 @@ def test_loss_terms_split_a_loss_and_count_the_replicas_in_its_constants():
                 tf.reduce_sum(per_example), tf.cast(tf.shape(per_example)[0] * 2, tf.float32)),
             "scaled": scale * (tf.reduce_mean(per_example) + tf.add_n([penalty, penalty]) / 2.0),
             "half": 0.5 * penalty + tf.stop_gradient(tf.reduce_mean(per_example)) + 3.0,
+            "counted": tf.reduce_sum(per_example) / tf.cast(tf.shape(per_example)[0], tf.float32),
         }
         for name, value in terms.items():
             found[name] = sorted((t.kind, t.replica_power) for t in penalties.loss_terms(value, 2))
         return tf.constant(0.0)
 
     tf.function(loss, input_signature=[tf.TensorSpec((None, 3), tf.float32)])(tf.ones((4, 3)))
-    assert found == {
+    unknown_rows = dict(found)
+    # A static batch shape: the row count is known when traced, still a
+    # count; divided by rows * R it counts the global batch's rows (every
+    # replica has as many).
+    tf.function(loss, input_signature=[tf.TensorSpec((4, 3), tf.float32)])(tf.ones((4, 3)))
+    assert found == dict(unknown_rows, no_global_batch_size=[(penalties.ROW_SUM, 0)]), found
+    assert unknown_rows == {
         "compute_average_loss": [(penalties.ROW_SUM, 0)],
         "no_global_batch_size": [(penalties.ROW_MEAN, -1)],
         "scaled": [(penalties.FIXED, -1), (penalties.FIXED, -1), (penalties.ROW_MEAN, 0)],
         "half": [(penalties.FIXED, -1)],
-    }, found
+        "counted": [(penalties.ROW_MEAN, 0)],
+    }, unknown_rows

@@ -1202,10 +1202,24 @@ _SCALES = {"Mul", "MulNoNan"}
 _DIVIDES = {"RealDiv", "Div", "DivNoNan"}
 
 
-def _scalar_const(tensor):
-    """`tensor`'s value if it is a constant single number when traced, else None."""
+def _scalar_const(tensor, depth=0):
+    """`tensor`'s value if it is a constant single number when traced, else None.
+
+    Also an entry of a constant shape (`tf.shape(x)[0]` of a static shape
+    is a constant vector sliced), cast or scaled by constants.
+    """
     try:
         value = _const(tensor)
+        op = tensor.op
+        if value is None and depth < 4 and op.type in _IDENTITY:
+            value = _scalar_const(op.inputs[0], depth + 1)
+        elif value is None and depth < 4 and op.type in _FOLDED:
+            a, b = (_scalar_const(t, depth + 1) for t in op.inputs)
+            value = None if a is None or b is None else _FOLDED[op.type](a, b)
+        elif value is None and op.type == "StridedSlice" and op.get_attr("shrink_axis_mask") == 1:
+            whole, begin = _const(op.inputs[0]), _const(op.inputs[1])
+            if whole is not None and begin is not None and np.ndim(whole) == 1 and np.size(begin) == 1:
+                value = whole[int(np.reshape(begin, ()))]
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return None
     if value is None or np.size(value) != 1:
@@ -1261,6 +1275,15 @@ def loss_terms(target, replicas):
     Returns:
         A list of `Term`s.
     """
+    try:
+        return _loss_terms(target, replicas)
+    finally:
+        _ROW_SIZES.clear()
+
+
+def _loss_terms(target, replicas):
+    # One walk for every term: the ops it read, and the static row counts it
+    # noted (`_static_rows`), serve the next term's walk.
     memo = {}
 
     def kind(tensor):
@@ -1268,8 +1291,6 @@ def loss_terms(target, replicas):
             found = _walk(tensor, memo)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError):
             return Unknown(tensor.op.name)
-        finally:
-            _ROW_SIZES.clear()
         found = _settled(found)
         return ROW_SUM if found in (ROWS, ROW_BLOCKS) else found
 
@@ -1292,9 +1313,22 @@ def loss_terms(target, replicas):
         if op.type == "Sum" and _rank(op.inputs[0]) == 0:
             stack.append((op.inputs[0], power))
             continue
+        if op.type in _DIVIDES and kind(tensor) == ROW_MEAN and kind(op.inputs[0]) != ROW_MEAN:
+            # A sum over rows divided by their count, known when traced
+            # where the batch's shape is static: a mean, not a constant scale.
+            terms.append(Term(tensor, ROW_MEAN, power - _divisor_power(op.inputs[1], replicas)))
+            continue
         if op.type in _SCALES | _DIVIDES:
             a, b = op.inputs[0], op.inputs[1]
             constants = [_scalar_const(a), _scalar_const(b)]
+            if constants[1] is not None and op.type in _DIVIDES and kind(a) == ROW_SUM and \
+                    float(constants[1]).is_integer() and int(constants[1]) in _static_rows(op.graph):
+                # A sum over rows divided by the replica's static row count
+                # (`tf.shape(x)[0]` is a constant where the shape is static):
+                # a mean. (Divided by R times it, every replica's rows counted:
+                # exact, as every replica has those rows.)
+                terms.append(Term(tensor, ROW_MEAN, power))
+                continue
             if constants[1] is not None:
                 sign = -1 if op.type in _DIVIDES else 1
                 stack.append((a, power + sign * _power_of(constants[1], replicas)))
@@ -1309,7 +1343,5 @@ def loss_terms(target, replicas):
             if op.type in _SCALES and kinds[0] == FIXED and kinds[1] != FIXED and (_rank(a) or 0) == 0:
                 stack.append((b, power))
                 continue
-            if op.type in _DIVIDES:
-                power -= _divisor_power(b, replicas)
         terms.append(Term(tensor, kind(tensor), power))
     return terms
