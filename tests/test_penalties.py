@@ -181,7 +181,8 @@ def test_loss_terms_split_a_loss_and_count_the_replicas_in_its_constants():
     TensorFlow's `compute_average_loss` without `global_batch_size` divides by
     rows * R: a mean divided by R. A rate that happens to be 1/R counts as a
     division by R; a variable scale (a loss scale), a stopped gradient and a
-    constant change nothing.
+    constant change nothing. A static batch shape folds `tf.shape(x)[0]` into
+    a constant: a sum divided by it is still a mean.
     """
     weight = tf.Variable([[0.5], [-1.0], [2.0]])
     scale = tf.Variable(4.0)
