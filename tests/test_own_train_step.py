@@ -100,9 +100,20 @@ def test_guides_user_code_matches_one_device():
     step calls it, as Keras's does); float64,
     2 replicas, one of them empty at the last batch. The guide's loop body
     unchanged in `strategy.run` is refused.
+
+    A hand-written loop reducing its loss with plain ops (`loop:...`, L2
+    weight regularizers): TensorFlow's recipe and a sum over rows / the
+    global batch + the weight terms / R train as the same code on one
+    device; a mean over the replica's rows, `sum(model.losses)`, and
+    `tf.nn.compute_average_loss` without `global_batch_size` are refused at
+    the first trace, each named with its fix (plain Keras under the
+    strategy trains those off, the contrast).
     """
-    patterns = ["compute_loss", "dcgan", "add_loss_fit", "add_loss_loop", "centralized"]
-    others = ["add_loss_loop_verbatim", "normalized", "plain:compute_loss"]
+    patterns = ["compute_loss", "dcgan", "add_loss_fit", "add_loss_loop", "centralized",
+                "loop:tf_recipe", "loop:global_sum"]
+    refused = ["loop:mean_losses", "loop:mean", "loop:no_global"]
+    others = ["add_loss_loop_verbatim", "normalized", "plain:compute_loss",
+              "plain:loop:mean_losses", "plain:loop:no_global"] + refused
     code, output = _harness.run_script("user_code.py", ",".join(patterns + others), timeout=600)
     assert code == 0, output[-4000:]
     results = {r["pattern"]: r for r in _harness.results_of(output)}
@@ -125,3 +136,24 @@ def test_guides_user_code_matches_one_device():
     # The contrast: the same override on plain Keras under the strategy.
     contrast = results["plain:compute_loss"]
     assert contrast["weights"] > 1e-3 and contrast["logs"] > 1e-2, contrast
+    # A loop's loss reduced with plain ops: each wrong term named, with its fix.
+    errors = {name: results[name].get("error", "") for name in refused}
+    for name, error in errors.items():
+        assert "ValueError: The loss whose gradient a hand-written loop takes on 2 replicas does " \
+            "not add up to one device's loss" in error and "kd.TrainLoop" in error, results[name]
+    mean = ("is a mean over this replica's rows (e.g. `tf.reduce_mean(per_example_loss)`): each "
+            "replica's mean weighs as the whole batch's, so the summed gradient is about 2 times "
+            "one device's. Take `kd.losses.global_mean(per_example_loss)`")
+    weights = ("are each a term of the weights alone (e.g. `sum(model.losses)`'s weight "
+               "regularization), the same on every replica, not divided by the replicas: its "
+               "gradient counts 2 times. Divide it by the 2 replicas once "
+               "(`tf.nn.scale_regularization_loss(term)`)")
+    assert mean in errors["loop:mean_losses"] and weights in errors["loop:mean_losses"], errors
+    assert mean in errors["loop:mean"] and "term of the weights" not in errors["loop:mean"], errors
+    assert "div_no_nan` is a mean over this replica's rows divided by the 2 replicas (what " \
+        "`tf.nn.compute_average_loss(per_example_loss)` gives without `global_batch_size=`" in \
+        errors["loop:no_global"] and "Pass `global_batch_size=`" in errors["loop:no_global"], errors
+    assert "term of the weights" not in errors["loop:no_global"], errors  # divided by R: exact
+    # The contrast: the same loops with plain Keras under the strategy train off.
+    for name in ("plain:loop:mean_losses", "plain:loop:no_global"):
+        assert results[name]["weights"] > 1e-3, results[name]

@@ -173,3 +173,47 @@ def test_a_sequence_loss_and_a_broadcast_embedding_keep_the_rows():
     forward(tf.zeros((2, 8, 5)), tf.zeros((2, 8), tf.int32))
     assert found == {"loss": penalties.ROWS, "mean": penalties.ROW_MEAN,
                      "position": penalties.ROWS}
+
+
+def test_loss_terms_split_a_loss_and_count_the_replicas_in_its_constants():
+    """`loss_terms` (a hand-written loop's loss, read term by term with its power of R=2).
+
+    TensorFlow's `compute_average_loss` without `global_batch_size` divides by
+    rows * R: a mean divided by R. A rate that happens to be 1/R counts as a
+    division by R; a variable scale (a loss scale), a stopped gradient and a
+    constant change nothing. A static batch shape folds `tf.shape(x)[0]` into
+    a constant: a sum divided by it is still a mean.
+    """
+    weight = tf.Variable([[0.5], [-1.0], [2.0]])
+    scale = tf.Variable(4.0)
+    found = {}
+
+    def loss(x):
+        per_example = tf.reduce_sum(tf.square(x @ weight), axis=1)
+        penalty = 0.1 * tf.reduce_sum(tf.square(weight))  # a regularizer's own rate: not R
+        terms = {
+            "compute_average_loss": tf.nn.compute_average_loss(per_example, global_batch_size=16),
+            "no_global_batch_size": tf.math.divide_no_nan(
+                tf.reduce_sum(per_example), tf.cast(tf.shape(per_example)[0] * 2, tf.float32)),
+            "scaled": scale * (tf.reduce_mean(per_example) + tf.add_n([penalty, penalty]) / 2.0),
+            "half": 0.5 * penalty + tf.stop_gradient(tf.reduce_mean(per_example)) + 3.0,
+            "counted": tf.reduce_sum(per_example) / tf.cast(tf.shape(per_example)[0], tf.float32),
+        }
+        for name, value in terms.items():
+            found[name] = sorted((t.kind, t.replica_power) for t in penalties.loss_terms(value, 2))
+        return tf.constant(0.0)
+
+    tf.function(loss, input_signature=[tf.TensorSpec((None, 3), tf.float32)])(tf.ones((4, 3)))
+    unknown_rows = dict(found)
+    # A static batch shape: the row count is known when traced, still a
+    # count; divided by rows * R it counts the global batch's rows (every
+    # replica has as many).
+    tf.function(loss, input_signature=[tf.TensorSpec((4, 3), tf.float32)])(tf.ones((4, 3)))
+    assert found == dict(unknown_rows, no_global_batch_size=[(penalties.ROW_SUM, 0)]), found
+    assert unknown_rows == {
+        "compute_average_loss": [(penalties.ROW_SUM, 0)],
+        "no_global_batch_size": [(penalties.ROW_MEAN, -1)],
+        "scaled": [(penalties.FIXED, -1), (penalties.FIXED, -1), (penalties.ROW_MEAN, 0)],
+        "half": [(penalties.FIXED, -1)],
+        "counted": [(penalties.ROW_MEAN, 0)],
+    }, unknown_rows

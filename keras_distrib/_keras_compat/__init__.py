@@ -283,6 +283,7 @@ from keras_distrib._keras_compat.replacements import REPLACEMENTS  # noqa: F401
 from keras_distrib._keras_compat.replacements import install_for_process  # noqa: F401
 from keras_distrib._keras_compat.replacements import installed_for_process  # noqa: F401
 from keras_distrib._keras_compat.replacements import replace_loss_object_call  # noqa: F401
+from keras_distrib._keras_compat.replacements import replace_tape_gradient  # noqa: F401
 from keras_distrib._keras_compat.trainer import Functional  # noqa: F401
 from keras_distrib._keras_compat.trainer import ModelHooks  # noqa: F401
 from keras_distrib._keras_compat.trainer import assert_compiled  # noqa: F401

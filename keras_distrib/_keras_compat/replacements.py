@@ -7,8 +7,9 @@ one of three scopes:
   every caller in the process goes through kd's version once it is there.
   These three are installed together by `install_for_process`, at a kd
   model's first step (`make_train_function` and its siblings), never on
-  import; `Loss.__call__` also at a kd model's first forward pass in a
-  hand-written loop (where it refuses a reducing loss object). Each returns at once with Keras's or TensorFlow's own result
+  import; `Loss.__call__` and `GradientTape.gradient` also at a kd model's
+  first forward pass in a hand-written loop (where they refuse a reducing
+  loss object, and a loss whose summed gradient is not one device's). Each returns at once with Keras's or TensorFlow's own result
   outside a kd replica step (no `ReplicaBatch` open on the calling thread),
   so plain Keras code run later in the same process trains bit for bit as
   in a process without kd (`tests/test_keras_compat.py` compares the
@@ -110,11 +111,12 @@ def replace_loss_object_call(make_call):
 
 
 def replace_tape_gradient(before_gradient):
-    """Makes `tf.GradientTape.gradient` call `before_gradient(target)` first (idempotent).
+    """Makes `tf.GradientTape.gradient` call `before_gradient(target, sources)` first (idempotent).
 
     Not a Keras internal: TensorFlow's public tape. `before_gradient`
-    returns at once outside a kd step; its result is not used (it records
-    on kd's batch how the target adds up over replicas).
+    returns at once outside a kd step or a hand-written loop's replica; its
+    result is not used (it records on kd's batch how the target adds up
+    over replicas, or refuses a loop's target that does not).
     """
     current = tf.GradientTape.gradient
     if getattr(current, "replaced_by_kd", False):
@@ -122,7 +124,7 @@ def replace_tape_gradient(before_gradient):
 
     @functools.wraps(current)
     def gradient(self, target, sources, *args, **kwargs):
-        before_gradient(target)
+        before_gradient(target, sources)
         return current(self, target, sources, *args, **kwargs)
 
     gradient.replaced_by_kd = True
@@ -152,7 +154,7 @@ def install_for_process(*, loss_call, before_gradient, random_draw):
 
     Args:
         loss_call: `make_call(keras_call)` for `keras.losses.Loss.__call__`.
-        before_gradient: Called with `tape.gradient`'s target first.
+        before_gradient: Called with `tape.gradient`'s target and sources first.
         random_draw: `make_draw(name, shaped, keras_draw)` for each of
             `RANDOM_DRAWS`.
     """
@@ -183,8 +185,10 @@ REPLACEMENTS = (
     Replacement(
         "tf.GradientTape.gradient", THIS_PROCESS, replace_tape_gradient,
         "In a kd replica step on several replicas: first reads how the target adds up over "
-        "replicas (a share, a sum over rows, rows meeting). Elsewhere: returns at once; the "
-        "gradient is always TensorFlow's."),
+        "replicas (a share, a sum over rows, rows meeting). In a hand-written loop's replica "
+        "after a kd model's forward pass on several replicas, a loss whose summed gradient is "
+        "not one device's (a mean over the replica's rows, a weight term not divided by the "
+        "replicas) is refused. Elsewhere: returns at once; the gradient is always TensorFlow's."),
     *(Replacement(
         f"keras.src.backend.tensorflow.random.{name}", THIS_PROCESS, replace_random_draws,
         "In a kd replica step on several replicas, a draw shaped by the batch: drawn for the "

@@ -39,6 +39,7 @@ __all__ = [
     "all_reduce",
     "apply_reduced",
     "bucket_plan",
+    "check_loop_target",
     "exact_optimizer",
     "install",
     "optimizers_of",
@@ -235,11 +236,14 @@ def _sum_with_metric_states(context, batch, tensors):
     return summed
 
 
-def classify_gradient_target(target):
+def classify_gradient_target(target, sources=()):
     """Classifies how `tape.gradient`'s `target` adds up over replicas, in a kd step (or refuses it).
 
     Records the kind on the replica's batch (`ReducedState.gradient_kind`),
-    which `all_reduce` reads.
+    which `all_reduce` reads. In a hand-written loop's replica (no kd step,
+    a kd model's forward pass traced), a target whose gradient, summed over
+    the replicas, is not one device's is refused instead
+    (`check_loop_target`).
 
     A loss share kd computed is summed over replicas as it is. Any other
     target (plain ops on the replica's rows) is classified from its graph
@@ -254,6 +258,9 @@ def classify_gradient_target(target):
     is weighted by n_r / N (`scaling.row_weighted_gradients`).
     """
     batch = replica.current_batch()
+    if batch is None and replica.in_hand_written_loop():
+        check_loop_target(target, sources)
+        return
     if batch is None or replica.replicas_in_sync() == 1 \
             or tf.executing_eagerly() or not isinstance(target, tf.Tensor):
         return
@@ -288,6 +295,104 @@ def classify_gradient_target(target):
         batch.reduced.gradient_kind = replica.SHARE
     else:
         batch.reduced.gradient_kind = None
+
+
+def check_loop_target(target, sources=()):
+    """Refuses a hand-written loop's loss whose gradient, summed over the replicas, is not one device's.
+
+    A hand-written loop's optimizer sums the replicas' gradients (Keras's
+    own all-reduce, or kd's: `exact_optimizer`), so each term of the loss
+    must add up over the replicas to one device's value of it. Read term
+    by term (`penalties.loss_terms`):
+
+    - a share kd computed (`kd.losses.global_mean`,
+      `kd.losses.scale_regularization`), or a sum over the replica's rows
+      times constants (`tf.reduce_sum(x) / GLOBAL_BATCH`,
+      `tf.nn.compute_average_loss(x, global_batch_size=GLOBAL_BATCH)`):
+      the replicas' values add up to the global batch's;
+    - a term of the weights alone, or one computed on the global batch
+      (the same on every replica), divided by R once
+      (`tf.nn.scale_regularization_loss(...)`): its R copies add up to one;
+    - refused: a mean over the replica's rows (`tf.reduce_mean`): R of them
+      count R times, and divided by R (`tf.nn.compute_average_loss`
+      without `global_batch_size`) they weigh a replica of 1 row as one
+      of 16 on an uneven last batch; a term of the weights not divided by
+      R once (`sum(model.losses)`); a term kd cannot split (rows meeting,
+      an op it cannot read).
+
+    Only a gradient with respect to variables (the loss's) is read, on
+    several replicas, in a traced function.
+
+    Raises:
+        ValueError: naming every refused term, what is wrong and the fix.
+    """
+    replicas = replica.replicas_in_sync()
+    if replicas == 1 or tf.executing_eagerly():
+        return
+    if not any(isinstance(s, (tf.Variable, keras.Variable)) for s in tf.nest.flatten(sources)):
+        return  # a gradient with respect to inputs (a gradient penalty) is not summed
+    named = {}  # what is wrong -> the terms it is wrong with
+    for tensor in tf.nest.flatten(target):
+        if not isinstance(tensor, tf.Tensor) or not hasattr(tensor, "op"):
+            continue
+        for term in penalties.loss_terms(tensor, replicas):
+            problem = _loop_term_problem(term, replicas)
+            if problem:
+                named.setdefault(problem, []).append(f"`{term.tensor.op.name}`")
+    problems = [f"{', '.join(names)} {'is' if len(names) == 1 else 'are each'} {problem}"
+                for problem, names in named.items()]
+    if problems:
+        raise ValueError(
+            f"The loss whose gradient a hand-written loop takes on {replicas} replicas does not "
+            "add up to one device's loss: the optimizer sums the replicas' gradients, so each "
+            "term must be this replica's share of the global batch's value. "
+            + " ".join(problems) + " kd's recipe: `kd.losses.global_mean(per_example_loss) + "
+            "kd.losses.scale_regularization(model.losses, local_rows=tf.shape(x)[0])` (exact "
+            "on any split, an uneven last batch included); TensorFlow's: "
+            "`tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH) + "
+            "tf.nn.scale_regularization_loss(model.losses)`; or train with `kd.TrainLoop` (see "
+            "the hand-written loops guide)."
+        )
+
+
+def _loop_term_problem(term, replicas):
+    """What is wrong with one term of a hand-written loop's loss, in words ("" where nothing is)."""
+    kind, power = term.kind, term.replica_power
+    if kind in (penalties.SHARE, penalties.ROW_SUM):
+        return ""
+    if kind in (penalties.FIXED, penalties.GLOBAL):
+        if power == -1:
+            return ""
+        what = "a term of the weights alone (e.g. `sum(model.losses)`'s weight regularization)" \
+            if kind == penalties.FIXED else "a term computed on the global batch"
+        scale = "not divided by the replicas" if power == 0 else \
+            f"scaled by the replicas to the power {power}, not -1"
+        return (f"{what}, the same on every replica, {scale}: its gradient counts "
+                f"{replicas ** (power + 1):g} times. Divide it by the {replicas} replicas once "
+                "(`tf.nn.scale_regularization_loss(term)`), or take "
+                "`kd.losses.scale_regularization([term], local_rows=tf.shape(x)[0])`.")
+    if kind == penalties.ROW_MEAN:
+        if power == -1:
+            return (f"a mean over this replica's rows divided by the {replicas} "
+                    "replicas (what `tf.nn.compute_average_loss(per_example_loss)` gives without "
+                    "`global_batch_size=`, or `tf.nn.scale_regularization_loss` of an activity "
+                    "regularizer's mean): exact only when every replica has as many rows; on an "
+                    "uneven batch (the last one) a replica of few rows weighs as one of many. Pass "
+                    "`global_batch_size=` (the global batch's row count) to "
+                    "`tf.nn.compute_average_loss`, or take `kd.losses.global_mean(per_example_loss)` "
+                    "(and `kd.losses.scale_regularization` for `add_loss` terms).")
+        scale = f"about {replicas} times" if power == 0 else \
+            f"scaled by the replicas to the power {power + 1}, about {replicas ** (power + 1):g} times"
+        return ("a mean over this replica's rows (e.g. "
+                "`tf.reduce_mean(per_example_loss)`): each replica's mean weighs as the whole "
+                f"batch's, so the summed gradient is {scale} one device's. Take "
+                "`kd.losses.global_mean(per_example_loss)` (or `tf.nn.compute_average_loss("
+                "per_example_loss, global_batch_size=GLOBAL_BATCH)`).")
+    if isinstance(kind, penalties.Unknown):
+        return (f"a term kd cannot split over the replicas: {kind.why}. Compute the loss from "
+                "per-row terms (gathering with `kd.losses.global_batch(tensor)` where the rows "
+                "meet).")
+    return f"a value kd cannot split over the replicas ({kind})."
 
 
 def _all_reduce_in_loop(context, batch, gradients):

@@ -19,6 +19,7 @@ from keras import tree
 from keras_distrib import _keras_compat
 from keras_distrib.training import coupling
 from keras_distrib.training import forward
+from keras_distrib.training import gradients
 from keras_distrib.training import hooks
 from keras_distrib.training import losses as kd_losses
 from keras_distrib.training import penalties
@@ -80,8 +81,10 @@ def _call_opening_batch(model, args, kwargs):
     # the global batch as in `fit`.
     hooks.install_layer_hooks(model)
     # A Keras loss object called after this forward pass gives each replica's
-    # mean / R: refused there (`losses.loss_object_call`).
+    # mean / R: refused there (`losses.loss_object_call`); so is a loss whose
+    # summed gradient is not one device's (`gradients.check_loop_target`).
     _keras_compat.replace_loss_object_call(kd_losses.loss_object_call)
+    _keras_compat.replace_tape_gradient(gradients.classify_gradient_target)
     forward.check_loop_shape()
     first = forward.first_input(args, kwargs)
     with replica.replica_batch(replica.batch_rows(first), forward.loop_plan(model)) as batch:

@@ -63,11 +63,13 @@ __all__ = [
     "ROW_MEAN",
     "ROW_SUM",
     "SHARE",
+    "Term",
     "Unknown",
     "holds_no_rows",
     "kind_of",
     "kind_of_value",
     "layout_of_op",
+    "loss_terms",
     "mark_fixed",
     "mark_gathered",
     "mark_kind",
@@ -1176,3 +1178,170 @@ def row_mixing(tensor):
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return ""
     return kind.mixing if isinstance(kind, Unknown) else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One term of a loss that adds terms up (see `loss_terms`).
+
+    `tensor`: the term; `kind`: what it is to the rows (as `kind_of` says);
+    `replica_power`: how many times a constant equal to the replicas in
+    sync multiplies it (-1: divided by R once, `x / R` or `x * (1 / R)`;
+    a row count times R in a divisor counts too). Other constants (a
+    regularizer's rate) do not count: the rule asks where R is, not what
+    the term's scale is.
+    """
+
+    tensor: tf.Tensor
+    kind: object
+    replica_power: int
+
+
+_ADDS = {"Add", "AddV2", "Sub", "AddN", "Neg"}
+_SCALES = {"Mul", "MulNoNan"}
+_DIVIDES = {"RealDiv", "Div", "DivNoNan"}
+
+
+def _scalar_const(tensor, depth=0):
+    """`tensor`'s value if it is a constant single number when traced, else None.
+
+    Also an entry of a constant shape (`tf.shape(x)[0]` of a static shape
+    is a constant vector sliced), cast or scaled by constants.
+    """
+    try:
+        value = _const(tensor)
+        op = tensor.op
+        if value is None and depth < 4 and op.type in _IDENTITY:
+            value = _scalar_const(op.inputs[0], depth + 1)
+        elif value is None and depth < 4 and op.type in _FOLDED:
+            a, b = (_scalar_const(t, depth + 1) for t in op.inputs)
+            value = None if a is None or b is None else _FOLDED[op.type](a, b)
+        elif value is None and op.type == "StridedSlice" and op.get_attr("shrink_axis_mask") == 1:
+            whole, begin = _const(op.inputs[0]), _const(op.inputs[1])
+            if whole is not None and begin is not None and np.ndim(whole) == 1 and np.size(begin) == 1:
+                value = whole[int(np.reshape(begin, ()))]
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return None
+    if value is None or np.size(value) != 1:
+        return None
+    return float(np.reshape(value, ()))
+
+
+def _power_of(value, replicas):
+    """+1 if the constant `value` is R, -1 if it is 1/R, else 0."""
+    if np.isclose(value, replicas, rtol=1e-6, atol=0):
+        return 1
+    if np.isclose(value * replicas, 1.0, rtol=1e-6, atol=0):
+        return -1
+    return 0
+
+
+def _divisor_power(tensor, replicas):
+    """The power of R in a divisor that is not constant (`cast(rows * R)`: 1)."""
+    power = 0
+    while True:
+        op = tensor.op
+        if op.type in _IDENTITY:
+            tensor = op.inputs[0]
+            continue
+        if op.type in _SCALES:
+            constants = [_scalar_const(t) for t in op.inputs]
+            if constants[1] is not None:
+                power, tensor = power + _power_of(constants[1], replicas), op.inputs[0]
+                continue
+            if constants[0] is not None:
+                power, tensor = power + _power_of(constants[0], replicas), op.inputs[1]
+                continue
+        return power
+
+
+@tf.autograph.experimental.do_not_convert
+def loss_terms(target, replicas):
+    """The terms a scalar loss adds up, each with its kind and its power of R (see `Term`).
+
+    Walks down from `target` through what adds terms (`+`, `-`, `tf.add_n`,
+    a `reduce_sum` of stacked terms), what leaves them as they are (casts,
+    identities) and what scales them by a number the same on every replica
+    (a constant, a variable: a loss scale); every other op ends a term,
+    whose kind `kind_of` reads. Constants equal to R (`replicas`) or 1/R on
+    the way are counted (`Term.replica_power`), as is R in a divisor that
+    counts rows (`tf.nn.compute_average_loss` without `global_batch_size`
+    divides by `rows * R`). A constant term (its gradient is 0) is left out.
+
+    Args:
+        target: A graph tensor (the loss whose gradient is taken).
+        replicas: R, the replicas in sync.
+
+    Returns:
+        A list of `Term`s.
+    """
+    try:
+        return _loss_terms(target, replicas)
+    finally:
+        _ROW_SIZES.clear()
+
+
+def _loss_terms(target, replicas):
+    # One walk for every term: the ops it read, and the static row counts it
+    # noted (`_static_rows`), serve the next term's walk.
+    memo = {}
+
+    def kind(tensor):
+        try:
+            found = _walk(tensor, memo)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            return Unknown(tensor.op.name)
+        found = _settled(found)
+        return ROW_SUM if found in (ROWS, ROW_BLOCKS) else found
+
+    terms, stack = [], [(target, 0)]
+    while stack:
+        tensor, power = stack.pop()
+        op = tensor.op
+        if _scalar_const(tensor) is not None or op.type in ("Const", "StopGradient", "PreventGradient"):
+            continue  # no gradient
+        if _MARKS.get(tensor.graph, {}).get(tensor.name) is not None:
+            terms.append(Term(tensor, kind(tensor), power))  # kd's own (a share): read as a whole
+            continue
+        if op.type in _IDENTITY or op.type in _ADDS:
+            stack.extend((t, power) for t in op.inputs)
+            continue
+        if op.type == "Sum" and op.inputs[0].op.type == "Pack" and (_rank(op.inputs[0]) or 0) == 1 \
+                and kind(op.inputs[1]) == FIXED:
+            stack.extend((t, power) for t in op.inputs[0].op.inputs)  # sum of stacked terms
+            continue
+        if op.type == "Sum" and _rank(op.inputs[0]) == 0:
+            stack.append((op.inputs[0], power))
+            continue
+        if op.type in _DIVIDES and kind(tensor) == ROW_MEAN and kind(op.inputs[0]) != ROW_MEAN:
+            # A sum over rows divided by their count, known when traced
+            # where the batch's shape is static: a mean, not a constant scale.
+            terms.append(Term(tensor, ROW_MEAN, power - _divisor_power(op.inputs[1], replicas)))
+            continue
+        if op.type in _SCALES | _DIVIDES:
+            a, b = op.inputs[0], op.inputs[1]
+            constants = [_scalar_const(a), _scalar_const(b)]
+            if constants[1] is not None and op.type in _DIVIDES and kind(a) == ROW_SUM and \
+                    float(constants[1]).is_integer() and int(constants[1]) in _static_rows(op.graph):
+                # A sum over rows divided by the replica's static row count
+                # (`tf.shape(x)[0]` is a constant where the shape is static):
+                # a mean. (Divided by R times it, every replica's rows counted:
+                # exact, as every replica has those rows.)
+                terms.append(Term(tensor, ROW_MEAN, power))
+                continue
+            if constants[1] is not None:
+                sign = -1 if op.type in _DIVIDES else 1
+                stack.append((a, power + sign * _power_of(constants[1], replicas)))
+                continue
+            if constants[0] is not None and op.type in _SCALES:
+                stack.append((b, power + _power_of(constants[0], replicas)))
+                continue
+            kinds = [kind(a), kind(b)]
+            if kinds[1] == FIXED and kinds[0] != FIXED and (_rank(b) or 0) == 0:
+                stack.append((a, power))  # scaled by a number the same on every replica
+                continue
+            if op.type in _SCALES and kinds[0] == FIXED and kinds[1] != FIXED and (_rank(a) or 0) == 0:
+                stack.append((b, power))
+                continue
+        terms.append(Term(tensor, kind(tensor), power))
+    return terms

@@ -489,6 +489,8 @@ def mark_share(value):
     if batch is not None and tf.is_tensor(value) and not batch.coupling.global_region:
         batch.loss.shares[id(value)] = value
         penalties.mark_share(value)
+    elif batch is None and tf.is_tensor(value) and in_hand_written_loop():
+        penalties.mark_share(value)  # read by the check of the loop's gradient target
     return value
 
 

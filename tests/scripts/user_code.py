@@ -34,6 +34,17 @@ Patterns:
                   device (`loss_fn(y, logits) + sum(model.losses)`).
   add_loss_loop_verbatim  the guide's loop body unchanged inside
                   `strategy.run` (kd model, `kd.exact_optimizer`).
+  loop:VARIANT    a hand-written `strategy.run` loop of a model with L2
+                  weight regularizers, its loss reduced with plain ops (as
+                  TensorFlow's guides write it), the same code on one device
+                  as the reference; VARIANT (R: the replicas in sync):
+                    tf_recipe    `tf.nn.compute_average_loss(l, global_batch_size=16)
+                                 + tf.nn.scale_regularization_loss(model.losses)`
+                    global_sum   `tf.reduce_sum(l) / 16 + sum(model.losses) / R`
+                    mean_losses  `tf.reduce_mean(l) + sum(model.losses)` (refused)
+                    mean         `tf.reduce_mean(l)` (refused)
+                    no_global    `tf.nn.compute_average_loss(l)
+                                 + tf.nn.scale_regularization_loss(model.losses)` (refused)
   centralized     keras-io's gradient centralization: an optimizer whose
                   `apply_gradients` override subtracts each kernel
                   gradient's mean over its inputs, then calls Keras's.
@@ -350,6 +361,12 @@ def build(pattern, base):
         return _dcgan(base, keras, ops), "images"
     if pattern == "vae_guide":
         return _vae(base, keras, ops), "images"
+    if pattern.startswith("loop:"):
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(4, activation="tanh",
+                                    kernel_regularizer=keras.regularizers.L2(1e-2))(inputs)
+        outputs = keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L2(1e-2))(hidden)
+        return base(inputs, outputs), "xy"
     if pattern.startswith("add_loss"):
         model = _penalized(base, keras, ops)
         model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
@@ -397,6 +414,60 @@ def _guide_loop(model, strategy, recipe=True):
     return {"loss": losses}
 
 
+def _reduced_loss(variant, per_example, model_losses):
+    """A loop's loss reduced with plain ops, as `loop:VARIANT` says (see the module docstring)."""
+    import tensorflow as tf
+
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if variant == "tf_recipe":
+        return tf.nn.compute_average_loss(per_example, global_batch_size=BATCH) + \
+            tf.nn.scale_regularization_loss(model_losses)
+    if variant == "global_sum":
+        return tf.reduce_sum(per_example) / BATCH + sum(model_losses) / replicas
+    if variant == "mean_losses":
+        return tf.reduce_mean(per_example) + sum(model_losses)
+    if variant == "mean":
+        return tf.reduce_mean(per_example)
+    if variant == "no_global":
+        return tf.nn.compute_average_loss(per_example) + tf.nn.scale_regularization_loss(model_losses)
+    raise ValueError(f"unknown loop variant {variant!r}")
+
+
+def _plain_ops_loop(model, strategy, variant):
+    """TensorFlow's custom-training loop shape, the loss reduced with plain ops (`_reduced_loss`)."""
+    import keras
+    import tensorflow as tf
+
+    x, y, _ = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        optimizer = keras.optimizers.Adam(0.02)
+        optimizer.build(model.trainable_variables)
+    if strategy is not None:
+        dataset = strategy.experimental_distribute_dataset(dataset)
+
+    def replica_step(x_batch, y_batch):
+        with tf.GradientTape() as tape:
+            predictions = model(x_batch, training=True)
+            per_example = keras.losses.mean_squared_error(y_batch, predictions)
+            loss = _reduced_loss(variant, per_example, model.losses)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(x_batch, y_batch):
+        if strategy is None:
+            return replica_step(x_batch, y_batch)
+        return strategy.reduce("SUM", strategy.run(replica_step, args=(x_batch, y_batch)), axis=None)
+
+    losses = []
+    for _ in range(EPOCHS):
+        for x_batch, y_batch in dataset:
+            losses.append(float(train_step(x_batch, y_batch)))
+    return {"loss": losses}
+
+
 def train(pattern, base, strategy, initial=None, loop=False):
     import keras
 
@@ -408,7 +479,10 @@ def train(pattern, base, strategy, initial=None, loop=False):
             for variable, value in zip(model.variables, initial):
                 variable.assign(value)
     start = [np.array(v) for v in model.variables]
-    if loop:
+    if pattern.startswith("loop:"):
+        history = _plain_ops_loop(model, None if initial is None else strategy,
+                                  pattern.removeprefix("loop:"))
+    elif loop:
         history = _guide_loop(model, None if initial is None else strategy,
                               recipe=pattern == "add_loss_loop")
     else:
