@@ -242,3 +242,40 @@ def test_demo_and_test_asked_for_a_route_out_they_cannot_have_name_the_command_t
         (advised,) = re.findall(r"`(keras-distrib [^`]*)`", text)
         assert cli.build_parser().parse_args(advised.split()[1:]).command == command
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_demos_local_stages_share_a_process_and_one_it_did_not_reach_fails_with_its_last_line(
+        tmp_path, monkeypatch):
+    # The local stages run in one process, each row printed as its stage ends;
+    # a process that dies after the first leaves the others failed, not lost.
+    from keras_distrib.commands import demo
+
+    (tmp_path / "one_device.npz").write_bytes(b"")
+    started = []
+
+    class Dies:
+        def __init__(self, argv, **kwargs):
+            started.append(argv)
+            self.stdout = iter(["loading\n", "kd-demo: said by the first\n", f"{demo._DONE}one_device\n",
+                                "Segmentation fault (core dumped)\n"])
+            self.returncode = -11
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):
+            raise AssertionError("an ended process is not killed")
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(demo.subprocess, "Popen", Dies)
+    ended = list(demo._local_stages(["one_device", "kd_mirrored", "kd_loop"], str(tmp_path), 1, 10,
+                                    False, {}))
+    assert len(started) == 1 and started[0][-2:] == ["--stage", "one_device,kd_mirrored,kd_loop"]
+    assert ended == [
+        ("one_device", 0, "loading\nkd-demo: said by the first\n", ["said by the first"]),
+        ("kd_mirrored", -11, "Segmentation fault (core dumped)\n", []),
+        ("kd_loop", -11, "", []),
+    ]
+    assert demo._failure(str(tmp_path), "kd_mirrored", ended[1][2]) == "Segmentation fault (core dumped)"

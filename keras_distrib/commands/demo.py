@@ -1,16 +1,22 @@
 """`keras-distrib demo`: the same global batches give the same model.
 
-Trains one small classifier several ways (each in its own process, since a
-process holds one device layout) and prints a table of final loss, accuracy
-and the largest weight difference against plain Keras on one device:
+Trains one small classifier several ways and prints a table of final loss,
+accuracy and the largest weight difference against plain Keras on one
+device:
 
 - plain Keras, one device (the reference);
 - kd under MirroredStrategy on 2 virtual CPU devices;
-- kd on 2 local worker processes (MultiWorkerMirroredStrategy, via the
-  launcher), the chief alone writing the checkpoint and TensorBoard logs;
 - a kd.TrainLoop with 10 steps per compiled call, on 2 virtual devices;
 - for contrast, plain Keras under the same mirrored strategy (wrong on the
-  uneven last batch) and on 2 workers (it crashes).
+  uneven last batch);
+- kd on 2 local worker processes (MultiWorkerMirroredStrategy, via the
+  launcher), the chief alone writing the checkpoint and TensorBoard logs;
+- for contrast, plain Keras on 2 workers (it crashes).
+
+The first four share one process split into 2 virtual devices (`LOCAL`: one
+device layout, one collective group size; the reference runs on the first
+device), so TensorFlow is imported once for them; each worker stage is its
+own processes.
 
 The whole output fits on one screen: a row per run as it finishes, a failed
 run as its error's type and first line, the network the worker processes
@@ -25,7 +31,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 from keras_distrib import report
 from keras_distrib import tf_logs
@@ -74,11 +82,14 @@ def build(model_class):
 STAGES = (
     ("one_device", "plain Keras, 1 device (reference)"),
     ("kd_mirrored", "kd, mirrored, 2 virtual devices"),
-    ("kd_workers", "kd, 2 worker processes (launcher)"),
     ("kd_loop", "kd.TrainLoop, 10 steps/call, 2 devices"),
     ("plain_mirrored", "plain Keras, mirrored, 2 devices"),
+    ("kd_workers", "kd, 2 worker processes (launcher)"),
     ("plain_workers", "plain Keras, 2 worker processes"),
 )
+# The stages run one after the other in one process on 2 virtual devices.
+LOCAL = ("one_device", "kd_mirrored", "kd_loop", "plain_mirrored")
+_DONE = "kd-demo-done: "  # a local stage has ended (its name follows): its row can be printed
 _SAY = "kd-demo: "  # stage lines the demo shows (the rest only with --verbose)
 _NETWORK_NOTE = "[launcher] network: "  # the launcher's line naming the workers' network, shown too
 
@@ -87,8 +98,8 @@ def _stage(name, out, epochs, rows, verbose):
     """Runs one stage in this process; writes `<out>/<name>.npz` (chief only)."""
     import keras_distrib as kd
 
-    if name in ("kd_mirrored", "plain_mirrored", "kd_loop"):
-        kd.virtual_devices(2)
+    if name in LOCAL:
+        kd.virtual_devices(2)  # (once per process: a later call with the same layout does nothing)
     strategy = {
         "one_device": None,
         "kd_mirrored": "mirrored",
@@ -138,11 +149,46 @@ def _stage(name, out, epochs, rows, verbose):
             print(f"{_SAY}not the chief: took part in every save, kept no file", flush=True)
 
 
-def _run(argv, env, timeout):
-    process = subprocess.run(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env
-    )
-    return process.returncode, process.stdout
+def _local_stages(names, out, epochs, rows, verbose, env, timeout=600):
+    """Runs the local stages `names` in one process, in order; yields `(name, code, output, said)`
+    for each as it ends (code 0: it wrote its result).
+
+    A stage the process did not reach (it crashed, or ran out of `timeout`
+    seconds) ends with the process's exit code and its last output.
+    """
+    argv = [sys.executable, "-u", "-m", "keras_distrib.commands.demo", "--out", out,
+            "--epochs", str(epochs), "--rows", str(rows), "--stage", ",".join(names)]
+    if verbose:
+        argv.append("--verbose")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env)
+    timer = threading.Timer(timeout, process.kill)
+    timer.start()
+    left, lines = list(names), []
+    try:
+        for line in process.stdout:
+            if line.startswith(_DONE):
+                name = line[len(_DONE):].strip()
+                code = 0 if os.path.exists(os.path.join(out, f"{name}.npz")) else 1
+                yield name, code, "".join(lines), _said(lines)
+                left.remove(name)
+                lines = []
+                continue
+            lines.append(line)
+            if verbose:
+                print(line, end="", flush=True)
+    finally:
+        timer.cancel()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    for name in left:
+        yield name, process.returncode or 1, "".join(lines), _said(lines)
+        lines = []
+
+
+def _said(lines):
+    return [line.rstrip("\n").replace(_SAY, "", 1) for line in lines if line.startswith(_SAY)]
 
 
 def _load(out, name):
@@ -171,7 +217,8 @@ def _run_stage(name, out, epochs, rows, verbose, env, network):
     """Runs a stage (in a process, or 2 for the worker stages); returns (code, output, said).
 
     A worker stage that no private network allows here gives code None and,
-    as its output, why and the command that runs it.
+    as its output, why and the command that runs it. (`main` runs the
+    `LOCAL` stages together, through `_local_stages`.)
     """
     stage_args = ["--out", out, "--epochs", str(epochs), "--rows", str(rows), "--stage", name]
     if verbose:
@@ -201,11 +248,7 @@ def _run_stage(name, out, epochs, rows, verbose, env, network):
         except requests.NoPrivateNetwork as error:
             return None, f"not run: {error.reason}; {error.remedy('keras-distrib demo')}", said
         return result.returncode, "\n".join(lines), said
-    argv = [sys.executable, "-u", "-m", "keras_distrib.commands.demo", *stage_args]
-    code, output = _run(argv, env, timeout=300)
-    if verbose:
-        print(output, end="", flush=True)
-    said = [line.replace(_SAY, "", 1) for line in output.splitlines() if line.startswith(_SAY)]
+    ((_, code, output, said),) = _local_stages([name], out, epochs, rows, verbose, env, timeout=300)
     return code, output, said
 
 
@@ -239,13 +282,23 @@ def main(quick=False, out="kd_demo_out", verbose=False, network="auto"):
         return (f"{left:{widths[0]}s}" + "".join(f"{c:>{w}s}" for c, w in zip(right, widths[1:]))).rstrip()
 
     print(row(headers), flush=True)
+    titles = dict(STAGES)
     table, reference, not_run = [], None, None
-    for name, title in STAGES:
-        started = time.monotonic()
-        if name.endswith("_workers") and not_run is not None:
-            code, output, said = None, "not run: as above", []
-        else:
-            code, output, said = _run_stage(name, out, epochs, rows, verbose, env, network)
+
+    def ended():
+        """`(name, code, output, said)` of each stage as it ends, in the order of STAGES."""
+        yield from _local_stages([n for n, _ in STAGES if n in LOCAL], out, epochs, rows, verbose, env)
+        for name, _ in STAGES:
+            if name in LOCAL:
+                continue
+            if not_run is not None:
+                yield name, None, "not run: as above", []
+            else:
+                yield (name, *_run_stage(name, out, epochs, rows, verbose, env, network))
+
+    started = time.monotonic()
+    for name, code, output, said in ended():
+        title = titles[name]
         seconds = f"{time.monotonic() - started:.1f} s"
         if code is None:
             not_run = output
@@ -266,6 +319,7 @@ def main(quick=False, out="kd_demo_out", verbose=False, network="auto"):
             table.append({"run": name, "loss": loss, "accuracy": accuracy, "max_weight_diff": diff})
         for line in said:
             print(f"  {line}", flush=True)
+        started = time.monotonic()
     with open(os.path.join(out, "demo_table.json"), "w") as f:
         json.dump(table, f, indent=1)
     kd_ok = all(
@@ -295,18 +349,23 @@ def _stage_main(argv=None):
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--verbose", action="store_true")
     options = parser.parse_args(argv)
-    try:
-        _stage(options.stage, options.out, options.epochs, options.rows, options.verbose)
-    except Exception as error:
-        if options.verbose:
-            raise
-        # The contrast stages fail on purpose: one line for the table, not
-        # a traceback that prints whole tensors.
-        path = _error_path(options.out, options.stage)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-            f.write(report.error_line(error))
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
-        print(f"{report.error_line(error)} (--verbose shows the traceback)", flush=True)
+    failed = False
+    for name in options.stage.split(","):
+        try:
+            _stage(name, options.out, options.epochs, options.rows, options.verbose)
+        except Exception as error:
+            failed = True
+            if options.verbose:
+                traceback.print_exc()
+            # The contrast stages fail on purpose: one line for the table, not
+            # a traceback that prints whole tensors.
+            path = _error_path(options.out, name)
+            with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+                f.write(report.error_line(error))
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
+            print(f"{report.error_line(error)} (--verbose shows the traceback)", flush=True)
+        print(f"{_DONE}{name}", flush=True)
+    if failed:
         sys.exit(1)
 
 
