@@ -68,6 +68,8 @@ def main(path, names):
     else:
         strategy = kd.make_strategy(kind, **options)
     model_class = keras.Model if path.startswith("plain-") else kd.Model
+    if kind not in ("multi_worker", "parameter_server"):  # (workers take the features together)
+        names = features.in_ready_order(names)
     for name in names:
         started = time.monotonic()
         result = features.compare(

@@ -716,6 +716,11 @@ def error_summary(error):
     return ((informative or lines or [""])[-1])[:600]
 
 
+def in_ready_order(names):
+    """The features `names`, those whose reference no other process is computing first."""
+    return reference_cache.in_ready_order(names, lambda name: f"feature-{name}")
+
+
 def compare(name, model_class, *, evaluate_only=False, **kwargs):
     """Trains feature `name` with `model_class` and compares with the reference.
 

@@ -347,10 +347,9 @@ def main(configs, patterns, dtypes):
     import keras
 
     strategy = kd.make_strategy(kind)
+    runs = []
     for config in configs:
         for dtype in dtypes:
-            keras.config.set_floatx(dtype)
-            keras.config.set_dtype_policy(dtype)  # (cached at its first use otherwise)
             for pattern in patterns:
                 # What kd refuses is refused once: in the first config and dtype;
                 # steps_per_execution and the contrast run in the first dtype
@@ -360,7 +359,13 @@ def main(configs, patterns, dtypes):
                 if config.startswith(("spe3-", "per_replica-")) and (
                         dtype != dtypes[0] or pattern == "by_hand"):
                     continue
-                report(config, pattern, dtype, strategy)
+                runs.append((config, dtype, pattern))
+    if kind != "multi_worker":  # (workers take the runs together)
+        runs = reference_cache.in_ready_order(runs, lambda run: f"rows_meet-{run[2]}-{run[1]}")
+    for config, dtype, pattern in runs:
+        keras.config.set_floatx(dtype)
+        keras.config.set_dtype_policy(dtype)  # (cached at its first use otherwise)
+        report(config, pattern, dtype, strategy)
 
 
 def report(config, pattern, dtype, strategy):
