@@ -110,6 +110,8 @@ PARTS = (
                                    "tensorflow/python/autograph/converters/*",
                                    "tensorflow/python/autograph/impl/conversion.py:*",
                                    "tensorflow/python/autograph/impl/api.py:_convert_actual")),
+    ("the first-step check (copies, one device's step, comparison)",
+     ("keras_distrib/training/first_step.py:*",)),
     ("first calls (graph optimization, run)",
      ("tensorflow/python/eager/execute.py:quick_execute",)),
     ("kd's own code (top frame)", ("top:keras_distrib/*",)),
