@@ -400,12 +400,19 @@ def _guide_loop(model, strategy, recipe=True):
         optimizer.apply_gradients(zip(grads, model.trainable_weights))
         return loss_value
 
+    return _epochs(replica_step, strategy, dataset)
+
+
+def _epochs(replica_step, strategy, dataset):
+    """`replica_step` on every batch of `dataset` for EPOCHS epochs, in one `tf.function` step
+    (each replica's under `strategy`, their returned values summed); the steps' losses."""
+    import tensorflow as tf
+
     @tf.function
     def train_step(x_batch, y_batch):
         if strategy is None:
             return replica_step(x_batch, y_batch)
-        shares = strategy.run(replica_step, args=(x_batch, y_batch))
-        return strategy.reduce("SUM", shares, axis=None)
+        return strategy.reduce("SUM", strategy.run(replica_step, args=(x_batch, y_batch)), axis=None)
 
     losses = []
     for _ in range(EPOCHS):
@@ -455,17 +462,7 @@ def _plain_ops_loop(model, strategy, variant):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    @tf.function
-    def train_step(x_batch, y_batch):
-        if strategy is None:
-            return replica_step(x_batch, y_batch)
-        return strategy.reduce("SUM", strategy.run(replica_step, args=(x_batch, y_batch)), axis=None)
-
-    losses = []
-    for _ in range(EPOCHS):
-        for x_batch, y_batch in dataset:
-            losses.append(float(train_step(x_batch, y_batch)))
-    return {"loss": losses}
+    return _epochs(replica_step, strategy, dataset)
 
 
 def train(pattern, base, strategy, initial=None, loop=False):

@@ -1,0 +1,118 @@
+"""The CPU seconds of each test, every process it started counted: a pytest plugin, and its table.
+
+The suite's cluster tests run their scripts in children forked by the
+harness's warm interpreters (tests/_warm.py), and the launcher's tasks in
+processes of their own sessions, so neither pytest's clock nor
+`RUSAGE_CHILDREN` sees their CPU. This plugin gives each test a `cpuacct`
+cgroup (cgroup v1, root) and moves the xdist worker and its warm
+interpreters into it when the test starts: every process the test starts,
+forked or launched, counts there, and what a test leaves running keeps
+counting in its own. One JSON line per test goes to `$KD_SUITE_CPU_DIR`.
+
+    mkdir -p /tmp/suite_cpu
+    KD_SUITE_CPU_DIR=/tmp/suite_cpu PYTHONPATH=tools python -m pytest -q -p suite_cpu
+    python tools/suite_cpu.py /tmp/suite_cpu
+
+The second command prints a Markdown table of CPU and wall seconds by test
+file, then the tests with the most CPU. Nothing here is timed against a
+bound: read the figures of one run, on a machine whose load you know.
+"""
+
+import itertools
+import json
+import os
+import sys
+import time
+
+__all__ = ["pytest_runtest_protocol", "summarize"]
+
+CGROUPS = "/sys/fs/cgroup/cpuacct"
+_tests = itertools.count()
+_out = None
+
+
+def _group(name):
+    path = os.path.join(CGROUPS, "kd_suite_cpu", name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _move(path, pids):
+    for pid in pids:
+        try:
+            with open(os.path.join(path, "cgroup.procs"), "w") as procs:
+                procs.write(str(pid))
+        except OSError:  # gone already
+            pass
+
+
+def _warm_interpreters():
+    """This process's children running tests/_warm.py."""
+    mine, found = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = stat.read().rsplit(")", 1)[1].split()[1]
+            if parent != mine:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as command:
+                if b"_warm.py" in command.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _hookwrapper(function):
+    import pytest
+
+    return pytest.hookimpl(hookwrapper=True)(function)
+
+
+@_hookwrapper
+def pytest_runtest_protocol(item, nextitem):
+    global _out
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if _out is None:
+        folder = os.environ.get("KD_SUITE_CPU_DIR")
+        if not folder or not os.path.isdir(folder) or not os.access(CGROUPS, os.W_OK):
+            raise RuntimeError(
+                f"suite_cpu needs `KD_SUITE_CPU_DIR` set to an existing folder (got {folder!r}) and "
+                f"write access to {CGROUPS} (root, cgroup v1): see tools/suite_cpu.py")
+        _out = open(os.path.join(folder, f"{worker}.jsonl"), "a")
+    group = _group(f"{worker}_{next(_tests)}")
+    _move(group, [os.getpid(), *_warm_interpreters()])
+    started = time.monotonic()
+    yield
+    wall = time.monotonic() - started
+    _move(_group(f"{worker}_between"), [os.getpid()])
+    with open(os.path.join(group, "cpuacct.usage")) as usage:
+        cpu = int(usage.read()) / 1e9
+    _out.write(json.dumps({"test": item.nodeid, "cpu": cpu, "wall": wall}) + "\n")
+    _out.flush()
+
+
+def summarize(folder, most=15):
+    """The Markdown table of the plugin's lines in `folder`."""
+    tests = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as lines:
+                tests += [json.loads(line) for line in lines]
+    files = {}
+    for test in tests:
+        cpu, wall = files.get(test["test"].split("::")[0], (0.0, 0.0))
+        files[test["test"].split("::")[0]] = (cpu + test["cpu"], wall + test["wall"])
+    rows = ["| test file | CPU s | wall s (its tests' sum) |", "|---|---:|---:|"]
+    rows += [f"| {name} | {cpu:.0f} | {wall:.0f} |"
+             for name, (cpu, wall) in sorted(files.items(), key=lambda item: -item[1][0])]
+    rows.append(f"| **{len(tests)} tests** | **{sum(t['cpu'] for t in tests):.0f}** | "
+                f"{sum(t['wall'] for t in tests):.0f} |")
+    rows += ["", "| test | CPU s | wall s |", "|---|---:|---:|"]
+    rows += [f"| {t['test']} | {t['cpu']:.1f} | {t['wall']:.1f} |"
+             for t in sorted(tests, key=lambda t: -t["cpu"])[:most]]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(summarize(sys.argv[1]))
