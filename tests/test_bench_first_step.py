@@ -58,6 +58,8 @@ def test_ratios_are_medians_of_each_rounds_ratio_and_depth_is_a_least_squares_sl
     bench_first_step.print_table(table, ["keras", "kd"], lines.append)
     assert lines[2] == "| resnet9 | 2.00 / 2.00 | 4.00 / 4.00 | 1.50 / 1.50 |"
     assert "resnet21 keras failed: exit code 1: boom" in lines
+    # The check's share is of the rest of the same processes' first step.
+    assert bench_first_step._check_cell({"check_cpu": 0.05, "cpu": 0.55, "runs": 1}) == "0.050 (10%)"
 
 
 def test_the_sampler_puts_a_trace_in_the_tracing_part():
@@ -108,6 +110,7 @@ def test_a_short_run_prints_its_table_and_profile(capsys):
     assert cli.main(["bench", "--first-step", "--models", "mlp", "--frameworks", "kd",
                      "--repeats", "1", "--timeout", "300", "--profile"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^\| mlp \| [0-9.]+ / [0-9.]+ \|$", out, re.M), out
+    # kd's check, timed inside its process: above nothing, below the first step.
+    assert re.search(r"^\| mlp \| [0-9.]+ / [0-9.]+ \| 0\.\d{3} \(\d{1,2}%\) \|$", out, re.M), out
     assert re.search(r"^\| tracing \(every function traced\) \| [0-9.]+ \|$", out, re.M), out
     assert re.search(r"^\| · step traced per replica \(all replicas\) \| [0-9.]+ \|$", out, re.M), out

@@ -488,6 +488,28 @@ def test_every_random_function_of_keras_is_one_kd_lays_out():
     assert functions == set(_keras_compat.replacements.RANDOM_DRAWS)
 
 
+def test_eager_ops_run_as_their_kernels_only_inside_eager_ops_as_kernels():
+    # TensorFlow wraps every eager op in a function of that one op, listed in
+    # the context's function library as "__wrapped__<Op>..."; the first-step
+    # check turns the wrapping off around its eager work. A TensorFlow that
+    # drops the switch or wraps ops another way fails here. (Op signatures
+    # no other test runs: a cached kernel would make no function either way.)
+    from tensorflow.python.eager import context
+
+    def functions_made_by(op):
+        before = set(context.context().list_function_names())
+        op()
+        return set(context.context().list_function_names()) - before
+
+    x = tf.constant([[0.5, -1.5]], tf.float64)
+    with _keras_compat.eager_ops_as_kernels():
+        with _keras_compat.eager_ops_as_kernels():
+            pass  # a nested use ending leaves the outer one's setting
+        assert functions_made_by(lambda: tf.math.bessel_i0e(x)) == set()
+    wrapped = functions_made_by(lambda: tf.math.bessel_i1e(x))
+    assert [name for name in wrapped if name.startswith("__wrapped__BesselI1e")], wrapped
+
+
 def test_keras_still_scales_losses_by_replica_count():
     # GlobalShareMean undoes exactly this multiplication by R.
     source = inspect.getsource(_resolve("keras.src.losses.loss.unscale_loss_for_distribution"))

@@ -82,13 +82,14 @@ def pytest_runtest_protocol(item, nextitem):
         _out = open(os.path.join(folder, f"{worker}.jsonl"), "a")
     group = _group(f"{worker}_{next(_tests)}")
     _move(group, [os.getpid(), *_warm_interpreters()])
-    started = time.monotonic()
+    began, started = time.time(), time.monotonic()
     yield
     wall = time.monotonic() - started
     _move(_group(f"{worker}_between"), [os.getpid()])
     with open(os.path.join(group, "cpuacct.usage")) as usage:
         cpu = int(usage.read()) / 1e9
-    _out.write(json.dumps({"test": item.nodeid, "cpu": cpu, "wall": wall}) + "\n")
+    _out.write(json.dumps({"test": item.nodeid, "cpu": cpu, "wall": wall, "began": began,
+                               "worker": worker}) + "\n")
     _out.flush()
 
 

@@ -253,6 +253,9 @@ PRIVATE_NAMES = (
     ("tensorflow.python.eager.context.Context", "set_config_key_value", "method(key, value)"),
     ("tensorflow.python.eager.context.Context", "get_config_key_value", "method(key, timeout_in_ms=0)"),
     ("tensorflow.python.eager.context.Context", "delete_config_key_value", "method(key)"),
+    # The first-step check's eager ops run as kernels (strategies.eager_ops_as_kernels).
+    ("tensorflow.python.eager.context.Context", "_handle", "attribute: the TFE_Context"),
+    ("tensorflow.python.pywrap_tfe", "TFE_ContextSetRunEagerOpAsFunction", "builtin: (context handle, enable)"),
     # TensorFlow 2.20 does not export it as tf.NoneTensorSpec.
     ("tensorflow.python.framework.none_tensor", "NoneTensorSpec", "class: an absent optional input's spec"),
     # A kd model's save wraps it (trainer.saved_config).
@@ -334,6 +337,7 @@ from keras_distrib._keras_compat.strategies import cpu_replicas_per_worker  # no
 from keras_distrib._keras_compat.strategies import dataset_calls_python  # noqa: F401
 from keras_distrib._keras_compat.strategies import dataset_ops_used  # noqa: F401
 from keras_distrib._keras_compat.strategies import default_strategy  # noqa: F401
+from keras_distrib._keras_compat.strategies import eager_ops_as_kernels  # noqa: F401
 from keras_distrib._keras_compat.strategies import in_xla_context  # noqa: F401
 from keras_distrib._keras_compat.strategies import is_multi_worker  # noqa: F401
 from keras_distrib._keras_compat.strategies import isolated_mirrored_strategy  # noqa: F401

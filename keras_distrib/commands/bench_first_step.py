@@ -31,7 +31,11 @@ for b blocks per stage: `resnet9`, `resnet21`, `resnet39`, `resnet75`),
 download; kd's is `kd.DistributedModelMixin` over it).
 
 The table gives medians over the repeats and the ratio kd / Keras 3 (the
-median of each round's ratio: the two ran next to each other). The depth
+median of each round's ratio: the two ran next to each other). With `kd`
+among the frameworks it also gives the first-step check's own CPU seconds,
+timed inside kd's processes (the checked call less the step it checks), and
+their share of the rest of that first step: one round's ratio kd / kd
+unchecked moves by about 0.1 either way, the check's own time does not. The depth
 curve fits CPU seconds to the number of BatchNormalization layers of the
 ResNets (seconds per layer): kd should grow no faster than Keras 3.
 
@@ -307,6 +311,53 @@ class _Sampler:
         return parts
 
 
+class _CheckClock:
+    """The CPU seconds of the first-step check in this process, the step it checks aside.
+
+    A checked call (`Step._checked_call`) copies the variables, runs the
+    step (its first `Step._call`) and checks it; `seconds` is the checked
+    calls' CPU time less that step's: the check's own cost, measured in the
+    process rather than as the difference of two processes' noisy totals.
+    """
+
+    def __init__(self):
+        from keras_distrib.training import step
+
+        self.seconds = 0.0
+        self._class = step.Step
+        self._kept = None
+        if not hasattr(step.Step, "_checked_call"):  # a checkout from before the check (--before)
+            return
+        self._kept = (step.Step._checked_call, step.Step._call)
+        checked_call, call = self._kept
+        inside = []
+
+        def timed_checked_call(step_self, *args, **kwargs):
+            inside.append(None)  # the first `_call` inside is the step checked
+            started = time.process_time()
+            try:
+                return checked_call(step_self, *args, **kwargs)
+            finally:
+                inside.pop()
+                self.seconds += time.process_time() - started
+
+        def timed_call(step_self, *args, **kwargs):
+            if not inside or inside[-1] is not None:
+                return call(step_self, *args, **kwargs)
+            inside[-1] = "step"
+            started = time.process_time()
+            try:
+                return call(step_self, *args, **kwargs)
+            finally:
+                self.seconds -= time.process_time() - started
+
+        step.Step._checked_call, step.Step._call = timed_checked_call, timed_call
+
+    def close(self):
+        if self._kept is not None:
+            self._class._checked_call, self._class._call = self._kept
+
+
 def task(framework, model_name, replicas, profile=False):
     """Runs in the child process: builds, compiles and fits one model; prints its times.
 
@@ -346,6 +397,7 @@ def task(framework, model_name, replicas, profile=False):
                     sampler.stop()
 
     sampler = _Sampler() if profile else None
+    check = _CheckClock()
     if sampler is not None:
         sampler.start()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -353,7 +405,9 @@ def task(framework, model_name, replicas, profile=False):
               callbacks=[FirstStep()])
     fit_wall, fit_cpu = time.perf_counter() - wall, time.process_time() - cpu
     result = {"cpu": marks["cpu"] - cpu, "wall": marks["wall"] - wall,
-              "fit_cpu": fit_cpu, "fit_wall": fit_wall, "build_cpu": build_cpu}
+              "fit_cpu": fit_cpu, "fit_wall": fit_wall, "build_cpu": build_cpu,
+              "check_cpu": check.seconds}
+    check.close()
     if sampler is not None:
         result["parts"] = sampler.report()
     print("FIRST_STEP " + json.dumps(result), flush=True)
@@ -418,6 +472,7 @@ def summarize(runs, frameworks, models):
             good = [t for t in times if isinstance(t, dict)]
             row[framework] = {
                 "cpu": _median([t["cpu"] for t in good]),
+                "check_cpu": _median([t.get("check_cpu", 0.0) for t in good]),
                 "wall": _median([t["wall"] for t in good]),
                 "runs": len(good),
                 "failed": [t for t in times if isinstance(t, str)],
@@ -462,8 +517,10 @@ def print_table(table, frameworks, print_fn=print):
     ratios = [r for r in ("kd / Keras 3", "kd / Keras 3, one device", "kd / kd unchecked",
                           "kd / kd before")
               if any(table[m].get(f"{r} (cpu)") is not None for m in table)]
+    checked = "kd" in frameworks and any(table[m]["kd"]["check_cpu"] for m in table)
     header = ["model"] + [f"{names[f]} CPU s / wall s" for f in frameworks] + \
-        [f"{r} (CPU / wall)" for r in ratios]
+        [f"{r} (CPU / wall)" for r in ratios] + \
+        (["kd's first-step check alone: CPU s (share of the rest of kd's first step)"] if checked else [])
     print_fn("| " + " | ".join(header) + " |")
     print_fn("|---|" + "---:|" * (len(header) - 1))
     for model, row in table.items():
@@ -474,11 +531,21 @@ def print_table(table, frameworks, print_fn=print):
                          if entry["runs"] else "failed")
         for name in ratios:
             cells.append(f"{_cell(row[f'{name} (cpu)'])} / {_cell(row[f'{name} (wall)'])}")
+        if checked:
+            cells.append(_check_cell(row["kd"]))
         print_fn("| " + " | ".join(cells) + " |")
     for model, row in table.items():
         for framework in frameworks:
             for why in row[framework]["failed"][:1]:
                 print_fn(f"{model} {framework} failed: {why}")
+
+
+def _check_cell(entry):
+    """The check's median CPU s, and its share of the rest of the first step (same processes)."""
+    check, whole = entry["check_cpu"], entry["cpu"]
+    if not entry["runs"] or check is None or whole is None or whole <= check:
+        return "-"
+    return f"{check:.3f} ({check / (whole - check):.0%})"
 
 
 def print_depth(table, frameworks, print_fn=print):

@@ -47,6 +47,11 @@ written back when the two agree.
 Random layers draw the same numbers in both: kd lays the replicas' draws out
 over the global batch from the seed state one device starts from.
 
+The check's eager work (the copies, one device's step, the comparison) runs
+each op as its kernel (`_keras_compat.eager_ops_as_kernels`, entered by
+`step.Step`): TensorFlow would otherwise make a function of each new eager
+op first, which cost more than the step's own arithmetic on small models.
+
 `model.compile(first_step_check=False)` turns it off.
 """
 

@@ -519,11 +519,11 @@ class Step:
         device's before the call goes on; a difference raises with every
         variable put back as it was before the step.
         """
-        with self.strategy.scope():
+        with self.strategy.scope(), _keras_compat.eager_ops_as_kernels():
             snapshot = first_step.Snapshot(self.model)
         result = self._call(iterator, 1, logs, alone=True)
         captured, self._captured = self._captured, None
-        with self.strategy.scope():
+        with self.strategy.scope(), _keras_compat.eager_ops_as_kernels():
             first_step.check(self.model, self.strategy, self._single_one_device(), result,
                              {**captured, "variables": self._capture["variables"]}, snapshot,
                              rerun=lambda batches: self._rerun(batches, logs))
