@@ -510,6 +510,42 @@ def test_eager_ops_run_as_their_kernels_only_inside_eager_ops_as_kernels():
     assert [name for name in wrapped if name.startswith("__wrapped__BesselI1e")], wrapped
 
 
+def test_step_calls_drop_the_gradients_traced_all_reduces_register_and_keep_a_users():
+    # In graph mode TensorFlow registers a gradient for every
+    # ReplicaContext.all_reduce it traces (a tf.custom_gradient) and never
+    # removes it, so the traced graph lives as long as the process. kd's step
+    # calls drop those (and kd's own) at their end and keep a user's. A
+    # TensorFlow that registers them otherwise fails here.
+    from tensorflow.python.framework import ops
+
+    registry = ops._gradient_registry._registry
+    strategy = tf.distribute.MirroredStrategy(["CPU:0"])
+
+    @tf.custom_gradient
+    def users_own(x):
+        return tf.identity(x), lambda dy: 2.0 * dy
+
+    def trace():
+        before = set(registry)
+        replica_step = lambda x: users_own(tf.distribute.get_replica_context().all_reduce(
+            "sum", tf.identity(x)))  # (an op on the replica's device: its destination)
+        tf.function(lambda x: strategy.run(replica_step, args=(x,)))(tf.constant(1.0))
+        return {name: _keras_compat.strategies._custom_gradient_owner(registry[name]["type"])
+                for name in set(registry) - before}
+
+    registered = trace()  # as TensorFlow leaves them: both stay
+    assert sorted(name for _, name in registered.values()) == [
+        "ReplicaContextBase.all_reduce.<locals>.grad_wrapper.<locals>.<lambda>",
+        "test_step_calls_drop_the_gradients_traced_all_reduces_register_and_keep_a_users"
+        ".<locals>.users_own.<locals>.<lambda>",
+    ], registered
+    with _keras_compat.released_custom_gradients():
+        registered = trace()
+    left = [owner for name, owner in registered.items() if name in registry]
+    assert len(registered) == 2 and [name.rsplit(".", 3)[-3] for _, name in left] == ["users_own"], \
+        (registered, left)
+
+
 def test_keras_still_scales_losses_by_replica_count():
     # GlobalShareMean undoes exactly this multiplication by R.
     source = inspect.getsource(_resolve("keras.src.losses.loss.unscale_loss_for_distribution"))

@@ -26,6 +26,11 @@ What kd corrects here, at the narrowest point it can reach:
 - The forward pass: `add_loss` terms recorded per replica, batch
   normalization with exact global moments, random layers drawing for the
   global batch (their `call` replaced per layer).
+- TensorFlow's runtime, around kd's own calls only: a step call drops the
+  gradients its trace registered for all-reduces, which would keep the
+  step's graph alive for the life of the process
+  (`released_custom_gradients`); the first-step check runs its eager ops
+  as kernels, not as one-op functions (`eager_ops_as_kernels`).
 
 Importing keras_distrib replaces nothing. `replacements` lists every
 replacement with its scope: three for the whole process (Keras's
@@ -256,6 +261,11 @@ PRIVATE_NAMES = (
     # The first-step check's eager ops run as kernels (strategies.eager_ops_as_kernels).
     ("tensorflow.python.eager.context.Context", "_handle", "attribute: the TFE_Context"),
     ("tensorflow.python.pywrap_tfe", "TFE_ContextSetRunEagerOpAsFunction", "builtin: (context handle, enable)"),
+    # Step traces drop the gradients TensorFlow registers for their all-reduces
+    # (strategies.released_custom_gradients).
+    ("tensorflow.python.framework.ops", "_gradient_registry", "Registry: the process-wide op gradients"),
+    ("tensorflow.python.framework.registry.Registry", "_registry",
+     "attribute set in __init__: {name: {'type': function, 'location': ...}}, in registration order"),
     # TensorFlow 2.20 does not export it as tf.NoneTensorSpec.
     ("tensorflow.python.framework.none_tensor", "NoneTensorSpec", "class: an absent optional input's spec"),
     # A kd model's save wraps it (trainer.saved_config).
@@ -338,6 +348,7 @@ from keras_distrib._keras_compat.strategies import dataset_calls_python  # noqa:
 from keras_distrib._keras_compat.strategies import dataset_ops_used  # noqa: F401
 from keras_distrib._keras_compat.strategies import default_strategy  # noqa: F401
 from keras_distrib._keras_compat.strategies import eager_ops_as_kernels  # noqa: F401
+from keras_distrib._keras_compat.strategies import released_custom_gradients  # noqa: F401
 from keras_distrib._keras_compat.strategies import in_xla_context  # noqa: F401
 from keras_distrib._keras_compat.strategies import is_multi_worker  # noqa: F401
 from keras_distrib._keras_compat.strategies import isolated_mirrored_strategy  # noqa: F401

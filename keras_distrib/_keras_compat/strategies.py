@@ -17,6 +17,7 @@ from tensorflow.python.distribute import values as distribute_values
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 from tensorflow.python.eager import context as tf_context
+from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 
 from keras_distrib._keras_compat.data import dataset_sources
@@ -44,6 +45,7 @@ __all__ = [
     "parameter_server_workers",
     "per_worker_iterator",
     "pulls_from_in_graph_iterator",
+    "released_custom_gradients",
     "reshuffles_each_iteration",
     "sum_in_merge",
 ]
@@ -345,3 +347,58 @@ def eager_ops_as_kernels():
             _kernels_depth -= 1
             if _kernels_depth == 0:
                 pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction(handle, True)
+
+
+def _custom_gradient_owner(registered):
+    """`(module, qualified name)` of the function a `tf.custom_gradient`'s registered gradient calls.
+
+    In graph mode `tf.custom_gradient` registers `internal_grad_fn`, which
+    calls `tape_grad_fn`, which calls the user's `grad_fn`. None for any
+    other registered function.
+    """
+    function = registered
+    for name in ("tape_grad_fn", "grad_fn"):
+        code = getattr(function, "__code__", None)
+        if code is None or name not in code.co_freevars:
+            return None
+        function = function.__closure__[code.co_freevars.index(name)].cell_contents
+    return getattr(function, "__module__", None) or "", getattr(function, "__qualname__", "")
+
+
+def _released(owner):
+    module, name = owner
+    return module.startswith("keras_distrib.") or (
+        module == "tensorflow.python.distribute.distribute_lib"
+        and name.startswith("ReplicaContextBase.all_reduce."))
+
+
+@contextlib.contextmanager
+def released_custom_gradients():
+    """Drops, at its end, the gradients that traces inside it registered for TF's all-reduce and kd.
+
+    In graph mode `tf.custom_gradient` registers its gradient function in
+    TensorFlow's process-wide gradient registry under a new name, and nothing
+    ever removes it. `ReplicaContext.all_reduce` wraps every collective it
+    traces in one, and the function holds the traced tensors: each step
+    function traced under a strategy (its graph, tens of thousands of
+    Python objects) then lives as long as the process, plain Keras's too,
+    and every full garbage collection walks it again. A step function's
+    gradients are built while it is traced (the tape records the same
+    functions), and nothing differentiates a compiled step afterwards, so
+    kd drops the entries its step traces made, for TensorFlow's all-reduce
+    and kd's own custom gradients only. A user's `tf.custom_gradient` is
+    kept. Cheap where nothing was traced: two lengths compared.
+    `tests/test_keras_compat.py` checks what is dropped and what is kept.
+    """
+    registry = tf_ops._gradient_registry._registry
+    count = len(registry)
+    try:
+        yield
+    finally:
+        if len(registry) > count:
+            for name in list(registry)[count:]:
+                if not name.startswith("CustomGradient-"):
+                    continue
+                owner = _custom_gradient_owner(registry[name]["type"])
+                if owner is not None and _released(owner):
+                    registry.pop(name, None)

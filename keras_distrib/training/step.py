@@ -481,7 +481,8 @@ class Step:
         """
         if self._read_function is None:
             self._read_function = self._compiled(self._read)
-        return self._read_function()
+        with _keras_compat.released_custom_gradients():
+            return self._read_function()
 
     def _compiled(self, function):
         if self.model.run_eagerly:
@@ -546,34 +547,38 @@ class Step:
         return replica_function(self.model, self.kind, one_device=True)
 
     def _call(self, iterator, count, logs, alone=False):
-        count = self.steps_per_call if count is None else int(count)
-        functions = self._functions
-        # Without logs (evaluation whose logs are read once, at its end:
-        # `read_logs`) a call reads no metric and makes no collective for it.
-        quiet = "" if logs or self.kind != "test" else "quiet_"
-        try:
-            # With more than one step per call, every call (a last, shorter
-            # one too) runs the looped function: one trace, not two.
-            if alone or (count == 1 and self.steps_per_call == 1):
-                return self._logs_of(functions[quiet + "one"](iterator))
-            if self._looping:
-                try:
-                    return self._call_many(iterator, count, quiet)
-                except (gradients.SparseGradientInLoop, coupling.GatherInLoop) as why:
-                    self._looping = False
-                    _warn_stepwise(self.model, count, why)
-                except _CompositeInLoop:  # ragged or sparse predictions
-                    self._looping = False
-            return self._stepwise(iterator, count, quiet)
-        except tf.errors.OutOfRangeError:
-            raise StopIteration from None
-        except tf.errors.InvalidArgumentError as error:
-            message = str(error.message)
-            if replica.DRAW_REFUSAL in message:
-                raise ValueError(replica.DRAW_REFUSAL) from None
-            if coupling.ROWS_REFUSAL in message:
-                raise ValueError(message[message.index(coupling.ROWS_REFUSAL):].split("\n")[0]) from None
-            raise
+        # A call that traces drops what its trace registered in TensorFlow's
+        # gradient registry for all-reduces (released_custom_gradients):
+        # else every step function traced stays alive with its graph.
+        with _keras_compat.released_custom_gradients():
+            count = self.steps_per_call if count is None else int(count)
+            functions = self._functions
+            # Without logs (evaluation whose logs are read once, at its end:
+            # `read_logs`) a call reads no metric and makes no collective for it.
+            quiet = "" if logs or self.kind != "test" else "quiet_"
+            try:
+                # With more than one step per call, every call (a last, shorter
+                # one too) runs the looped function: one trace, not two.
+                if alone or (count == 1 and self.steps_per_call == 1):
+                    return self._logs_of(functions[quiet + "one"](iterator))
+                if self._looping:
+                    try:
+                        return self._call_many(iterator, count, quiet)
+                    except (gradients.SparseGradientInLoop, coupling.GatherInLoop) as why:
+                        self._looping = False
+                        _warn_stepwise(self.model, count, why)
+                    except _CompositeInLoop:  # ragged or sparse predictions
+                        self._looping = False
+                return self._stepwise(iterator, count, quiet)
+            except tf.errors.OutOfRangeError:
+                raise StopIteration from None
+            except tf.errors.InvalidArgumentError as error:
+                message = str(error.message)
+                if replica.DRAW_REFUSAL in message:
+                    raise ValueError(replica.DRAW_REFUSAL) from None
+                if coupling.ROWS_REFUSAL in message:
+                    raise ValueError(message[message.index(coupling.ROWS_REFUSAL):].split("\n")[0]) from None
+                raise
 
     def _call_many(self, iterator, count, quiet=""):
         for attempt in range(3):

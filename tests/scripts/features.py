@@ -721,6 +721,18 @@ def in_ready_order(names):
     return reference_cache.in_ready_order(names, lambda name: f"feature-{name}")
 
 
+def _all_reduce_gradients():
+    """The names of the gradients TensorFlow's registry holds for traced `ReplicaContext.all_reduce`s."""
+    from tensorflow.python.framework import ops
+
+    from keras_distrib._keras_compat import strategies
+
+    registry = ops._gradient_registry._registry
+    return {name for name in list(registry) if name.startswith("CustomGradient-")
+            and (strategies._custom_gradient_owner(registry[name]["type"]) or ("", ""))[1]
+            .startswith("ReplicaContextBase.all_reduce.")}
+
+
 def compare(name, model_class, *, evaluate_only=False, **kwargs):
     """Trains feature `name` with `model_class` and compares with the reference.
 
@@ -730,11 +742,15 @@ def compare(name, model_class, *, evaluate_only=False, **kwargs):
     expected = reference(name)
     if evaluate_only:
         kwargs["weights"] = expected["weights"]
+    registered = _all_reduce_gradients()
     try:
         actual = train(model_class, name, **kwargs)
     except Exception as error:  # reported, and the test decides
         return dict(feature=name, error=f"{type(error).__name__}: {error_summary(error)}")
-    result = dict(feature=name, tolerance=tolerance(name))
+    # TensorFlow's gradient registry keeps a step graph for each all-reduce
+    # traced in it (plain Keras's stay; kd's step calls drop them).
+    result = dict(feature=name, tolerance=tolerance(name),
+                  graphs_kept=len(_all_reduce_gradients() - registered))
     keys = ("evaluate", "predict") if evaluate_only else \
         ("weights", "history") if name in TRAINING_ONLY else ("weights", "history", "evaluate", "predict")
     for key in keys:
