@@ -14,8 +14,12 @@ counting in its own. One JSON line per test goes to `$KD_SUITE_CPU_DIR`.
     python tools/suite_cpu.py /tmp/suite_cpu
 
 The second command prints a Markdown table of CPU and wall seconds by test
-file, then the tests with the most CPU. Nothing here is timed against a
-bound: read the figures of one run, on a machine whose load you know.
+file, then the tests with the most CPU. With `--windows N` it prints instead
+how busy the machine's cores were in each N seconds of the run (pytest's own
+process samples `/proc/stat` every second into `machine.txt`) and the tests
+that ran then, longest first: where the run left cores idle, and what held
+them. Nothing here is timed against a bound: read the figures of one run, on
+a machine whose load you know.
 """
 
 import itertools
@@ -24,7 +28,7 @@ import os
 import sys
 import time
 
-__all__ = ["pytest_runtest_protocol", "summarize"]
+__all__ = ["pytest_configure", "pytest_runtest_protocol", "summarize", "windows"]
 
 CGROUPS = "/sys/fs/cgroup/cpuacct"
 _tests = itertools.count()
@@ -63,6 +67,29 @@ def _warm_interpreters():
     return found
 
 
+def _sample_machine(path):
+    """Appends `time busy_jiffies all_jiffies` (all cores, from /proc/stat) to `path` every second."""
+    with open(path, "a") as out:
+        while True:
+            with open("/proc/stat") as stat:
+                values = [int(v) for v in stat.readline().split()[1:]]
+            idle = values[3] + values[4]  # idle and iowait
+            out.write(f"{time.time():.2f} {sum(values) - idle} {sum(values)}\n")
+            out.flush()
+            time.sleep(1)
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker; the run's own process samples the machine
+    folder = os.environ.get("KD_SUITE_CPU_DIR")
+    if folder and os.path.isdir(folder):
+        import threading
+
+        threading.Thread(target=_sample_machine, args=(os.path.join(folder, "machine.txt"),),
+                         name="suite_cpu-machine", daemon=True).start()
+
+
 def _hookwrapper(function):
     import pytest
 
@@ -95,11 +122,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 def summarize(folder, most=15):
     """The Markdown table of the plugin's lines in `folder`."""
-    tests = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(folder, name)) as lines:
-                tests += [json.loads(line) for line in lines]
+    tests = _tests(folder)
     files = {}
     for test in tests:
         cpu, wall = files.get(test["test"].split("::")[0], (0.0, 0.0))
@@ -115,5 +138,45 @@ def summarize(folder, most=15):
     return "\n".join(rows)
 
 
+def _tests(folder):
+    tests = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as lines:
+                tests += [json.loads(line) for line in lines]
+    return tests
+
+
+def windows(folder, seconds=30, shown=4):
+    """The Markdown table of the cores' busy share per `seconds` of the run, and the tests then."""
+    tests = [t for t in _tests(folder) if "began" in t]
+    with open(os.path.join(folder, "machine.txt")) as lines:
+        samples = [tuple(float(v) for v in line.split()) for line in lines]
+    cores = os.cpu_count()
+    start = min(t["began"] for t in tests)
+    end = max(t["began"] + t["wall"] for t in tests)
+    busy, idle = {}, 0.0
+    for (t0, busy0, all0), (t1, busy1, all1) in zip(samples, samples[1:]):
+        if start <= t0 and t1 <= end and all1 > all0:
+            share = (busy1 - busy0) / (all1 - all0)
+            busy.setdefault(int((t0 - start) // seconds), []).append(share)
+            idle += (1 - share) * cores * (t1 - t0)
+    rows = [f"| from (s) | cores busy (of {cores}) | the longest tests running then |", "|---:|---:|---|"]
+    for index in sorted(busy):
+        share = sum(busy[index]) / len(busy[index])
+        low, high = start + index * seconds, start + (index + 1) * seconds
+        running = sorted((t for t in tests if t["began"] < high and t["began"] + t["wall"] > low),
+                         key=lambda t: -t["wall"])[:shown]
+        names = "; ".join(f"{t['test'].split('::')[-1][:60]} ({t['cpu'] / max(t['wall'], 1e-9):.2f} "
+                          "CPU s/s)" for t in running)
+        rows.append(f"| {index * seconds} | {share * cores:.2f} | {names} |")
+    rows.append(f"\n{end - start:.0f} s from the first test's start to the last one's end; the "
+                f"cores stood idle {idle:.0f} core-seconds of it.")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    print(summarize(sys.argv[1]))
+    if len(sys.argv) == 4 and sys.argv[2] == "--windows":
+        print(windows(sys.argv[1], int(sys.argv[3])))
+    else:
+        print(summarize(sys.argv[1]))
