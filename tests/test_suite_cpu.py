@@ -3,6 +3,10 @@
 import json
 import os
 import runpy
+import subprocess
+import sys
+
+import pytest
 
 from tests import _project
 
@@ -35,3 +39,31 @@ def test_the_tables_add_up_each_tests_cpu_and_the_cores_idle_time(tmp_path):
     assert rows[0].split(" | ")[2].startswith("test_one (0.75 CPU s/s); test_three (1.00 CPU s/s)"), table
     # Half the cores for 30 of the 50 s.
     assert table.endswith(f"cores stood idle {cores * 30 / 2:.0f} core-seconds of it."), table
+
+
+@pytest.mark.cluster
+def test_the_plugin_counts_a_tests_children_and_takes_its_cgroups_back(tmp_path):
+    """The plugin as the page runs it, in a pytest of its own: a test whose CPU is a child's."""
+    if not os.access(TOOL["CGROUPS"], os.W_OK):
+        pytest.skip(f"needs write access to {TOOL['CGROUPS']} (root, cgroup v1), as the plugin does")
+    (tmp_path / "test_child.py").write_text(
+        "import subprocess, sys\n\n"
+        "def test_child():\n"
+        "    subprocess.run([sys.executable, '-c', 'sum(range(30_000_000))'], check=True)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "KD_SUITE_CPU_DIR": str(out),
+           "PYTHONPATH": os.path.join(_project.REPO, "tools")}
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "suite_cpu", "-p", "no:cacheprovider",
+                          "test_child.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        output = run.communicate(timeout=120)[0]
+    finally:
+        run.kill()
+    assert run.returncode == 0, output[-3000:]
+    (line,) = (out / "main.jsonl").read_text().splitlines()
+    test = json.loads(line)
+    assert test["test"] == "test_child.py::test_child" and test["cpu"] > 0.2, test
+    # The run's cgroups (under its pytest's pid) are gone with it.
+    assert not os.path.exists(os.path.join(TOOL["CGROUPS"], "kd_suite_cpu", str(run.pid)))

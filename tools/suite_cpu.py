@@ -28,16 +28,20 @@ import os
 import sys
 import time
 
-__all__ = ["pytest_configure", "pytest_runtest_protocol", "summarize", "windows"]
+__all__ = ["pytest_configure", "pytest_runtest_protocol", "pytest_unconfigure", "summarize", "windows"]
 
 CGROUPS = "/sys/fs/cgroup/cpuacct"
-_tests = itertools.count()
+_numbers = itertools.count()
 _out = None
+_made = []  # the cgroups this process made, removed at its end
 
 
 def _group(name):
-    path = os.path.join(CGROUPS, "kd_suite_cpu", name)
-    os.makedirs(path, exist_ok=True)
+    """The cgroup `name` of this run (made at first use)."""
+    path = os.path.join(CGROUPS, "kd_suite_cpu", os.environ["KD_SUITE_CPU_RUN"], name)
+    if not os.path.isdir(path):
+        os.makedirs(path)
+        _made.append(path)
     return path
 
 
@@ -82,6 +86,7 @@ def _sample_machine(path):
 def pytest_configure(config):
     if hasattr(config, "workerinput"):
         return  # an xdist worker; the run's own process samples the machine
+    os.environ["KD_SUITE_CPU_RUN"] = str(os.getpid())  # the workers' cgroups' folder
     folder = os.environ.get("KD_SUITE_CPU_DIR")
     if folder and os.path.isdir(folder):
         import threading
@@ -107,7 +112,7 @@ def pytest_runtest_protocol(item, nextitem):
                 f"suite_cpu needs `KD_SUITE_CPU_DIR` set to an existing folder (got {folder!r}) and "
                 f"write access to {CGROUPS} (root, cgroup v1): see tools/suite_cpu.py")
         _out = open(os.path.join(folder, f"{worker}.jsonl"), "a")
-    group = _group(f"{worker}_{next(_tests)}")
+    group = _group(f"{worker}_{next(_numbers)}")
     _move(group, [os.getpid(), *_warm_interpreters()])
     began, started = time.time(), time.monotonic()
     yield
@@ -118,6 +123,24 @@ def pytest_runtest_protocol(item, nextitem):
     _out.write(json.dumps({"test": item.nodeid, "cpu": cpu, "wall": wall, "began": began,
                                "worker": worker}) + "\n")
     _out.flush()
+
+
+def pytest_unconfigure(config):
+    """This process back in the root cgroup, and the cgroups it made removed where nothing runs in
+    them (what a test left running keeps its own until it ends)."""
+    if not _made:
+        return
+    _move(CGROUPS, [os.getpid()])
+    for path in reversed(_made):
+        try:
+            os.rmdir(path)
+        except OSError:  # processes still in it
+            pass
+    for folder in (os.path.dirname(_made[0]), os.path.dirname(os.path.dirname(_made[0]))):
+        try:
+            os.rmdir(folder)  # the run's, then the tool's: when empty
+        except OSError:
+            pass
 
 
 def summarize(folder, most=15):
