@@ -54,6 +54,19 @@ def _receive(connection):
     return json.loads(data), descriptors
 
 
+def _read_at_import(env):
+    """What modules imported here read from the environment at their import, read from `env`.
+
+    TensorFlow imports matplotlib, which takes its backend from MPLBACKEND
+    then: a Jupyter kernel's (ipykernel sets it to its inline backend where
+    unset) is applied as a fresh import would apply it. The other variables
+    read at import are compared instead (`IMPORT_TIME`: FRESH where they differ).
+    """
+    matplotlib = sys.modules.get("matplotlib")
+    if matplotlib is not None and env.get("MPLBACKEND"):
+        matplotlib.rcParams["backend"] = env["MPLBACKEND"]
+
+
 def _run_child(request, descriptors):
     """In the forked child: become `python -u argv...` and run the script.
 
@@ -72,6 +85,7 @@ def _run_child(request, descriptors):
         signal.signal(signum, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(request["env"])
+    _read_at_import(os.environ)
     tempfile.tempdir = None  # chosen at first use from TMPDIR, as in a fresh interpreter
     os.chdir(request["cwd"])
     script = request["argv"][0]

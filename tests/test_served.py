@@ -133,8 +133,7 @@ def test_bad_input_is_named(service, one_device):
 def test_two_training_and_two_data_workers_exact_resumed_and_exactly_once_with_a_data_worker_killed(
         tmp_path):
     result, output = _harness.run_cluster("served_input.py", str(tmp_path), workers=2,
-                                          data_workers=2, max_restarts=1, timeout=500,
-                                          warm=False, private_network=False)
+                                          data_workers=2, max_restarts=1, timeout=500)
     assert result.returncode == 0, output[-4000:]
     found = _harness.task_results(output)
     exact = [r for r in found if r["part"] == "exact"]

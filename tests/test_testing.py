@@ -1,9 +1,11 @@
 """kd.testing: assert_parity catches broken models and passes good ones, as a user's pytest plugin.
 
 The main test writes a user's test file (and a conftest.py loading the plugin)
-into a temporary directory and runs pytest on it in a fresh process: the
-plugin must split the CPU before TensorFlow starts its devices, which this
-suite's own process did long ago. The broken models are the ones users
+into a temporary directory and runs pytest on it in a process of its own
+(forked from the harness's warm interpreter: TensorFlow imported, its devices
+not started, as when a fresh pytest has loaded the plugin): the plugin must
+split the CPU before TensorFlow starts its devices, which this suite's own
+process did long ago. The broken models are the ones users
 write: a plain keras.Model subclass with gradient clipping, BatchNormalization
 that is not synchronized, Dropout, a train_step that averages its loss over
 the replica's rows, and a plain model on an uneven last batch.
@@ -11,8 +13,6 @@ the replica's rows, and a plain model on an uneven last batch.
 
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,8 +21,8 @@ import tensorflow as tf
 import keras_distrib as kd
 from keras_distrib import report
 from keras_distrib import testing
+from tests import _harness
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 USER_TESTS = '''
 import re
@@ -319,16 +319,12 @@ _IN_PROCESS_FIRST = ("test_custom_reduction_is_caught or test_good_model_matches
 def test_plugin_in_a_user_test_file(tmp_path, selection, count):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["keras_distrib.testing"]\n')
     (tmp_path / "test_user_model.py").write_text(USER_TESTS)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("TF_CONFIG", None)
-    process = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kd-devices", "2",
-         "-W", "ignore::UserWarning", "-k", selection, "test_user_model.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
-    )
-    output = process.stdout + process.stderr
-    assert process.returncode == 0, output[-6000:]
+    # `python -m pytest ...`, forked from the warm interpreter (TensorFlow imported, not started).
+    code, output = _harness.run_python(
+        [os.path.join(os.path.dirname(pytest.__file__), "__main__.py"), "-q", "-p", "no:cacheprovider",
+         "--kd-devices", "2", "-W", "ignore::UserWarning", "-k", selection, "test_user_model.py"],
+        _harness._env(), str(tmp_path), timeout=540)
+    assert code == 0, output[-6000:]
     assert re.search(rf"\b{count} passed\b", output), output[-3000:]
 
 

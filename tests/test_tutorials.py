@@ -2,21 +2,26 @@
 
 import json
 import os
+import shutil
+import tempfile
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
 from keras_distrib import tf_logs
+from tests import _harness
 
 TUTORIALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials")
 
 
-def run_notebook(name, parameters, report, workdir, figures=0):
+def run_notebook(name, parameters, report, workdir, figures=0, fresh=False):
     """Executes tutorials/<name>.ipynb with `parameters` injected after its
     parameters cell (as papermill does) and returns the `report` expression's value.
 
-    `figures`: how many figures (PNG outputs: its curves) the run must show at least."""
+    `figures`: how many figures (PNG outputs: its curves) the run must show at least.
+    The kernel is a child of the harness's warm interpreter (its imports done), or
+    with `fresh` a new `python -m ipykernel_launcher`, whose start-up shows too."""
     notebook = nbformat.read(os.path.join(TUTORIALS, f"{name}.ipynb"), as_version=4)
     index = next(i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", []))
     injected = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
@@ -24,10 +29,13 @@ def run_notebook(name, parameters, report, workdir, figures=0):
     notebook.cells.append(nbformat.v4.new_code_cell(f"import json\nprint('REPORT ' + json.dumps({report}))"))
     env_before = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    kernels = tempfile.mkdtemp(prefix="kd_kernel_")
     try:
-        NotebookClient(notebook, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(workdir)}}).execute()
+        kernel = {"kernel_name": "python3"} if fresh else {"km": _harness.notebook_kernel(kernels)}
+        NotebookClient(notebook, timeout=600, resources={"metadata": {"path": str(workdir)}},
+                       **kernel).execute()
     finally:
+        shutil.rmtree(kernels)
         if env_before is None:
             os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
     # Readable output: kd hides TensorFlow's start-up notices (keras_distrib.tf_logs).
@@ -50,7 +58,7 @@ def test_overview(tmp_path):
         "distributed_training_overview", {"DATA": "digits", "EPOCHS": 3, "LIMIT": 2000},
         "{'accuracy': TEST_ACCURACY, 'diff': MAX_WEIGHT_DIFF, 'plain': PLAIN_WEIGHT_DIFF, "
         "'replicas': strategy.num_replicas_in_sync}",
-        tmp_path, figures=1,
+        tmp_path, figures=1, fresh=True,  # the first tutorial, from its first import as a reader runs it
     )
     assert result["replicas"] == 2
     assert result["diff"] <= 1e-5

@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from keras_distrib.cluster import launcher
 from keras_distrib.cluster import watchdog
 from tests import _harness
 
@@ -30,14 +29,11 @@ def _launch(workers, ps, act_on, signum, args=(), watchdog_seconds=None, timeout
             sent["at"] = time.monotonic()
             os.kill(pids[act_on], signum)
 
-    env = _harness._env()
-    if watchdog_seconds:
-        env[watchdog.ENV] = str(watchdog_seconds)
+    env = {watchdog.ENV: str(watchdog_seconds)} if watchdog_seconds else {}
     started = time.monotonic()
-    result = launcher.launch(os.path.join(_harness.SCRIPTS, "stall.py"), workers=workers, ps=ps,
-                             args=tuple(args), timeout=timeout, env=env, sink=sink)
+    result, output = _harness.run_cluster("stall.py", *args, workers=workers, ps=ps, timeout=timeout,
+                                          env=env, sink=sink)
     ended = time.monotonic()
-    output = "\n".join(lines)
     for label, pid in pids.items():  # the launcher left nothing behind
         assert not _harness.survivors([pid]), f"{label} (pid {pid}) is still there 5 s after the launcher returned"
     return result, output, ended - sent.get("at", started), pids
