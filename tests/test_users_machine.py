@@ -16,6 +16,7 @@ The demo's numbers are checked against plain Keras on one device retrained
 here, not against the demo's own reference row.
 """
 
+import functools
 import json
 import os
 import re
@@ -87,6 +88,7 @@ def no_namespaces(tmp_path_factory):
     return out, _situation(out, no_namespaces=True)
 
 
+@functools.lru_cache  # the same in every test of this process that checks a demo
 def _one_device_reference(epochs, rows):
     import keras
 
