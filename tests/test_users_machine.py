@@ -7,10 +7,13 @@ namespaces). tests/scripts/users_machine.py hides those components for real
 in a mount namespace of its own (kd looks in the system directories too, so
 PATH alone would not do), and, for the second situation, makes network
 namespaces unavailable for real (the kernel's per-user-namespace limits set
-to 0). Each situation is one process run: `keras-distrib demo --quick` (the
-README's first command, fewer epochs) and `keras-distrib test`. Both must
-finish with exit code 0, every kd row that ran matching one device, and no
-traceback; what could not run says why and names a command that runs it.
+to 0). Each situation is one process run: `keras-distrib launch`, `keras-distrib
+demo --quick` (the README's first command, fewer epochs) and `keras-distrib
+test`. Both must finish with exit code 0, every kd row that ran matching one
+device, and no traceback; what could not run says why and names a command that
+runs it. On the bare machine the demo runs as a user without root, installed
+by that user: tests/test_reliability.py's unprivileged user hides the same
+components and checks it with `check_bare_demo`.
 
 The demo's numbers are checked against plain Keras on one device retrained
 here, not against the demo's own reference row.
@@ -46,7 +49,7 @@ SCRIPT = os.path.join(_harness.SCRIPTS, "users_machine.py")
 NOISE = ("I0000", "E0000", "W0000", "oneDNN", "cuInit", "absl::InitializeLog", "Traceback")
 
 
-def _situation(out, *, no_namespaces):
+def _situation(out, *, no_namespaces, demo):
     env = _harness._env()
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the commands' own default: TensorFlow's notices hidden
     argv = ["unshare", "--mount", "--propagation", "private"]
@@ -58,7 +61,8 @@ def _situation(out, *, no_namespaces):
                     "CAP_SYS_ADMIN (`docker run --cap-add SYS_ADMIN`)"
                     + (", and `sysctl user.max_user_namespaces` above 0" if no_namespaces else ""))
     process = subprocess.Popen([*argv, sys.executable, "-u", SCRIPT, str(out)]
-                               + (["--no-namespaces"] if no_namespaces else []),
+                               + (["--no-namespaces"] if no_namespaces else [])
+                               + ([] if demo else ["--no-demo"]),
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:
@@ -76,16 +80,16 @@ def _situation(out, *, no_namespaces):
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory):
-    """Root on a machine without slirp4netns, pasta, Chromium or Slurm."""
+    """Root on a machine without slirp4netns, pasta, Chromium or Slurm (its demo: `check_bare_demo`)."""
     out = tmp_path_factory.mktemp("bare")
-    return out, _situation(out, no_namespaces=False)
+    return out, _situation(out, no_namespaces=False, demo=False)
 
 
 @pytest.fixture(scope="module")
 def no_namespaces(tmp_path_factory):
     """The same, where no network namespace can be made."""
     out = tmp_path_factory.mktemp("no_namespaces")
-    return out, _situation(out, no_namespaces=True)
+    return out, _situation(out, no_namespaces=True, demo=True)
 
 
 @functools.lru_cache  # the same in every test of this process that checks a demo
@@ -121,17 +125,20 @@ def _clean_output(report, command):
     """`command`'s output, after checking it succeeded and printed none of `NOISE` (start-up logs, a
     traceback)."""
     result = report[command]
-    output = result["output"]
-    assert result["code"] == 0, output[-4000:]
+    assert result["code"] == 0, result["output"][-4000:]
+    return _without_noise(result["output"])
+
+
+def _without_noise(output):
     for noise in NOISE:
         assert noise not in output, (noise, output)
     return output
 
 
-def test_the_demo_on_a_bare_machine_runs_its_workers_privately_without_a_route_out(bare):
-    out, report = bare
-    output = _clean_output(report, "demo")
-    out = out / "demo"
+def check_bare_demo(out, output):
+    """`keras-distrib demo --quick --out OUT` on a machine without slirp4netns, pasta, Chromium or
+    Slurm, where network namespaces can be made: its files in `out` and its `output` (exit code 0)."""
+    _without_noise(output)
     table = {row["run"]: row for row in json.loads((out / "demo_table.json").read_text())}
     _check_demo_runs(out, ("one_device", "kd_mirrored", "kd_workers", "kd_loop"))
     for run in ("kd_mirrored", "kd_workers", "kd_loop"):
@@ -150,7 +157,7 @@ def test_the_demo_on_a_bare_machine_runs_its_workers_privately_without_a_route_o
     # The network the workers got, in one line: the most private this machine allows.
     assert re.search(r"^  network: private, without a route out \(neither slirp4netns nor pasta is "
                      r"installed here\)", output, re.M), output
-    # A person can read it: one screen (no TensorFlow start-up logs, no traceback: `_clean_output`).
+    # A person can read it: one screen (no TensorFlow start-up logs, no traceback: `_without_noise`).
     assert len(output.splitlines()) <= 40, output
     assert "[worker 0] chief: wrote 2 checkpoints" in output
     assert "[worker 1] not the chief" in output

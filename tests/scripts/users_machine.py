@@ -1,7 +1,8 @@
 """A user's machine: the README's first command and `keras-distrib test`, without the extras.
 
 Usage: unshare --mount --propagation private [--user --map-root-user] \
-           python tests/scripts/users_machine.py OUT [--no-namespaces]
+           python tests/scripts/users_machine.py OUT [--no-namespaces] [--no-demo]
+       python tests/scripts/users_machine.py --hide   (in such a mount namespace)
 
 Run in a mount namespace of its own (as root, or as root of a user
 namespace), where what it mounts is seen by nothing outside. It hides the
@@ -18,10 +19,14 @@ profile or a kernel without unprivileged user namespaces refuses it
 (EPERM). No switch in kd is involved.
 
 Then it runs `keras-distrib launch --workers 2` of a script that prints a
-line, `keras-distrib demo --quick --out OUT/demo` and `keras-distrib test`,
-one after the other, and prints `RESULT {json}`: what was hidden, what is
-left, whether a network namespace can be made, and each command's exit code,
-output, wall time and CPU time.
+line, `keras-distrib demo --quick --out OUT/demo` (not with --no-demo) and
+`keras-distrib test`, one after the other, and prints `RESULT {json}`: what
+was hidden, what is left, whether a network namespace can be made, and each
+command's exit code, output, wall time and CPU time.
+
+With --hide it only hides the components and prints what is left (`LEFT
+[...]`): the commands that follow in the namespace (tests/test_reliability.py's
+unprivileged user) run on the bare machine.
 """
 
 import json
@@ -76,7 +81,7 @@ def _children_cpu():
     return usage.ru_utime + usage.ru_stime
 
 
-def main(out, no_namespaces):
+def main(out, no_namespaces, demo=True):
     if no_namespaces:
         for limit in LIMITS:
             with open(limit, "w") as f:
@@ -87,10 +92,15 @@ def main(out, no_namespaces):
     with open(script, "w") as f:
         f.write("print('hello from', __import__('os').environ['KD_TASK'])\n")
     report["launch"] = _run(["launch", "--workers", "2", script])
-    report["demo"] = _run(["demo", "--quick", "--out", os.path.join(out, "demo")])
+    if demo:
+        report["demo"] = _run(["demo", "--quick", "--out", os.path.join(out, "demo")])
     report["test"] = _run(["test"])
     print("RESULT " + json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--no-namespaces" in sys.argv[2:])
+    if sys.argv[1:] == ["--hide"]:
+        _hide()
+        print("LEFT " + json.dumps(_found()), flush=True)
+    else:
+        main(sys.argv[1], "--no-namespaces" in sys.argv[2:], demo="--no-demo" not in sys.argv[2:])
