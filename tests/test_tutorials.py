@@ -30,11 +30,14 @@ def run_notebook(name, parameters, report, workdir, figures=0, fresh=False):
     env_before = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     kernels = tempfile.mkdtemp(prefix="kd_kernel_")
+    km = None if fresh else _harness.notebook_kernel(kernels)
     try:
-        kernel = {"kernel_name": "python3"} if fresh else {"km": _harness.notebook_kernel(kernels)}
+        kernel = {"kernel_name": "python3"} if fresh else {"km": km}
         NotebookClient(notebook, timeout=600, resources={"metadata": {"path": str(workdir)}},
                        **kernel).execute()
     finally:
+        if km is not None and km.has_kernel:  # (NotebookClient shuts down only the kernels it made)
+            km.shutdown_kernel()
         shutil.rmtree(kernels)
         if env_before is None:
             os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)

@@ -104,7 +104,8 @@ def _hookwrapper(function):
 @_hookwrapper
 def pytest_runtest_protocol(item, nextitem):
     global _out
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # (not the environment,
+    # which a pytest started by a test inherits)
     if _out is None:
         folder = os.environ.get("KD_SUITE_CPU_DIR")
         if not folder or not os.path.isdir(folder) or not os.access(CGROUPS, os.W_OK):
