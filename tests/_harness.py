@@ -232,11 +232,7 @@ def notebook_kernel(folder):
     from jupyter_client.kernelspec import KernelSpecManager
 
     env = {**_env(), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}  # as ipykernel sets it
-    argv = [sys.executable, "-u"]
-    if _WARM.serves(env):
-        env[WARM_SOCKET] = _WARM.start(_env())
-        argv.append(os.path.join(REPO, "tests", "_warm_task.py"))
-    argv += [ipykernel_launcher.__file__, "-f", "{connection_file}"]
+    argv = _warm_script([sys.executable, "-u", ipykernel_launcher.__file__, "-f", "{connection_file}"], env)
     spec = os.path.join(folder, "kernels", "kd_warm")
     os.makedirs(spec)
     with open(os.path.join(spec, "kernel.json"), "w") as f:
@@ -319,8 +315,7 @@ def run_cluster(name, *args, workers=2, timeout=300, warm=True, env=None, sink=N
     """
     env, target = {**_env(), **(env or {})}, os.path.join(SCRIPTS, name)
     if warm and "private_network" not in kwargs and _WARM.serves(env):
-        env[WARM_SOCKET] = _WARM.start(_env())
-        target, args = os.path.join(REPO, "tests", "_warm_task.py"), (target, *args)
+        target, args = _warm_task(env), (target, *args)
         kwargs["private_network"] = False
     lines = []
 
@@ -382,8 +377,14 @@ def _warm_script(argv, env):
     interpreter serves `env` (which then names its socket); any other command as it is."""
     if argv[:2] != [sys.executable, "-u"] or not str(argv[2]).endswith(".py") or not _WARM.serves(env):
         return argv
+    return [sys.executable, "-u", _warm_task(env), *argv[2:]]
+
+
+def _warm_task(env):
+    """tests/_warm_task.py's path, after naming the warm interpreter's socket in `env` (started
+    at first use): the command's script then runs in a warm child."""
     env[WARM_SOCKET] = _WARM.start(_env())
-    return [sys.executable, "-u", os.path.join(REPO, "tests", "_warm_task.py"), *argv[2:]]
+    return os.path.join(REPO, "tests", "_warm_task.py")
 
 
 def kill_groups(processes, timeout=30):

@@ -530,8 +530,7 @@ def test_step_calls_drop_the_gradients_traced_all_reduces_register_and_keep_a_us
         replica_step = lambda x: users_own(tf.distribute.get_replica_context().all_reduce(
             "sum", tf.identity(x)))  # (an op on the replica's device: its destination)
         tf.function(lambda x: strategy.run(replica_step, args=(x,)))(tf.constant(1.0))
-        return {name: _keras_compat.strategies._custom_gradient_owner(registry[name]["type"])
-                for name in set(registry) - before}
+        return _keras_compat.strategies.custom_gradients(set(registry) - before)
 
     registered = trace()  # as TensorFlow leaves them: both stay
     assert sorted(name for _, name in registered.values()) == [

@@ -30,11 +30,13 @@ __all__ = [
     "PYTHON_OPS",
     "collective_key_base",
     "cpu_replicas_per_worker",
+    "custom_gradients",
     "dataset_calls_python",
     "dataset_ops_used",
     "default_strategy",
     "eager_ops_as_kernels",
     "in_xla_context",
+    "is_all_reduce",
     "is_multi_worker",
     "isolated_mirrored_strategy",
     "iterators_before_epoch",
@@ -365,11 +367,28 @@ def _custom_gradient_owner(registered):
     return getattr(function, "__module__", None) or "", getattr(function, "__qualname__", "")
 
 
-def _released(owner):
+def custom_gradients(names=None):
+    """`{name: (module, qualified name)}` of the `tf.custom_gradient`s in TensorFlow's gradient
+    registry, among `names` (default: every entry): whose `grad_fn` each one calls."""
+    registry = tf_ops._gradient_registry._registry
+    found = {}
+    for name in list(registry) if names is None else names:
+        if name.startswith("CustomGradient-"):
+            owner = _custom_gradient_owner(registry[name]["type"])
+            if owner is not None:
+                found[name] = owner
+    return found
+
+
+def is_all_reduce(owner):
+    """Whether a `custom_gradients` owner is the gradient `ReplicaContext.all_reduce` traces."""
     module, name = owner
-    return module.startswith("keras_distrib.") or (
-        module == "tensorflow.python.distribute.distribute_lib"
-        and name.startswith("ReplicaContextBase.all_reduce."))
+    return (module == "tensorflow.python.distribute.distribute_lib"
+            and name.startswith("ReplicaContextBase.all_reduce."))
+
+
+def _released(owner):
+    return owner[0].startswith("keras_distrib.") or is_all_reduce(owner)
 
 
 @contextlib.contextmanager
@@ -396,9 +415,6 @@ def released_custom_gradients():
         yield
     finally:
         if len(registry) > count:
-            for name in list(registry)[count:]:
-                if not name.startswith("CustomGradient-"):
-                    continue
-                owner = _custom_gradient_owner(registry[name]["type"])
-                if owner is not None and _released(owner):
+            for name, owner in custom_gradients(list(registry)[count:]).items():
+                if _released(owner):
                     registry.pop(name, None)

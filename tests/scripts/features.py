@@ -723,14 +723,9 @@ def in_ready_order(names):
 
 def _all_reduce_gradients():
     """The names of the gradients TensorFlow's registry holds for traced `ReplicaContext.all_reduce`s."""
-    from tensorflow.python.framework import ops
-
     from keras_distrib._keras_compat import strategies
 
-    registry = ops._gradient_registry._registry
-    return {name for name in list(registry) if name.startswith("CustomGradient-")
-            and (strategies._custom_gradient_owner(registry[name]["type"]) or ("", ""))[1]
-            .startswith("ReplicaContextBase.all_reduce.")}
+    return {name for name, owner in strategies.custom_gradients().items() if strategies.is_all_reduce(owner)}
 
 
 def compare(name, model_class, *, evaluate_only=False, **kwargs):
