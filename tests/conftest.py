@@ -15,13 +15,20 @@ import pytest
 
 from keras_distrib import tf_logs
 
-# kd loads TensorFlow at first use; the test process loads it here, once,
-# notices hidden. Its import runs `uname -p` (Python's `platform`), which the
-# check below would otherwise count against whichever test needs it first.
-tf_logs.import_tensorflow()
+
+def _runs_tests(config):
+    """Whether this process collects and runs tests: not the xdist controller, which hands them out."""
+    return (hasattr(config, "workerinput") or config.getoption("dist", "no") == "no"
+            or config.getoption("collectonly"))
 
 
 def pytest_configure(config):
+    # kd loads TensorFlow at first use; a process that runs tests loads it
+    # here, once, notices hidden. Its import runs `uname -p` (Python's
+    # `platform`), which the check below would otherwise count against
+    # whichever test needs it first.
+    if _runs_tests(config):
+        tf_logs.import_tensorflow()
     if hasattr(config, "workerinput"):
         return  # an xdist worker: the environment below is inherited
     # Every process the run starts keeps its temporary files in one folder,

@@ -12,6 +12,7 @@ in the first. The Slurm recipe runs in tests/test_slurm.py.
 """
 
 import re
+import threading
 
 import keras
 import numpy as np
@@ -31,6 +32,13 @@ def service():
     worker = data_service.WorkerServer(data_service.WorkerConfig(
         dispatcher_address=dispatcher.target.split("://")[1]))
     yield dispatcher.target
+    # kd's reading threads end once the service has ended their epoch's job,
+    # shortly after the epoch's last step: stopped before that, the dispatcher
+    # would leave their iteration clients warning every second, for the rest
+    # of the process, that they cannot reach it.
+    for thread in threading.enumerate():
+        if thread.name == "kd-served-read":
+            thread.join(timeout=30)
     worker._stop()
     dispatcher._stop()
 
