@@ -64,25 +64,21 @@ def run_script(name, *args, timeout=300, fresh=False):
     KD_TESTS_FRESH_PROCESSES=1 gives every script a fresh interpreter, and
     `fresh=True` this one (a script that must not find kd imported).
     """
-    argv = [os.path.join(SCRIPTS, name), *map(str, args)]
-    env = _env()
-    if not fresh and _WARM.serves(env):
-        code, output = _WARM.run(argv, env, timeout)
-    else:
-        code, output = _run_fresh([sys.executable, "-u", *argv], env, timeout)
-    _report_crash(output)
-    return code, output
+    return run_python([os.path.join(SCRIPTS, name), *map(str, args)], _env(), timeout=timeout, fresh=fresh)
 
 
-def run_python(argv, env, cwd, timeout=300):
+def run_python(argv, env, cwd=None, timeout=300, fresh=False):
     """`python -u argv...` with `env` in `cwd`, as `run_script` runs a script: (returncode, output).
 
     `argv[0]` is a script's path (a module's: `runpy`'s `__main__` file, such
     as pytest's `pytest/__main__.py`).
     """
-    if _WARM.serves(env):
-        return _WARM.run(argv, env, timeout, cwd=cwd)
-    return _run_fresh([sys.executable, "-u", *argv], env, timeout, cwd)
+    if not fresh and _WARM.serves(env):
+        code, output = _WARM.run(argv, env, timeout, cwd=cwd)
+    else:
+        code, output = _run_fresh([sys.executable, "-u", *argv], env, timeout, cwd)
+    _report_crash(output)
+    return code, output
 
 
 def _report_crash(output):

@@ -4,6 +4,7 @@ Every process test has a timeout and kills what it started by pid.
 """
 
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -551,8 +552,6 @@ def _edit_progress(ckpt, progress):
 
     (An edit alone fails the manifest check first: tests/test_checkpoint.py.)
     """
-    import json
-
     from keras_distrib.checkpointing import checkpoint as checkpoint_lib
 
     (ckpt / "progress.json").write_text(json.dumps(progress))
@@ -574,8 +573,6 @@ def _backup_after_one_epoch(backup):
     (8, 4, 999, r"the backup's position, step 999 of epoch 1, is past the epoch's 2 batches"),
 ])
 def test_resuming_with_other_data_is_refused(rows, batch_size, step, match, tmp_path):
-    import json
-
     import keras_distrib as kd
     from keras_distrib.checkpointing.checkpoint import CheckpointError
 
@@ -654,8 +651,6 @@ def test_a_declared_change_resumes_exactly_from_the_backup_and_is_recorded(setti
 
     On 4c0b8d4 the resume was refused with no way to say "I meant it".
     """
-    import json
-
     import keras
     import numpy as np
 
@@ -751,8 +746,6 @@ def test_a_dataset_of_unknown_length_resumed_with_another_batch_size_is_refused(
      r"one; this run's is 8\); `batches_per_epoch` is missing .*this run's is 2\)"),
 ])
 def test_an_old_or_hand_edited_progress_file_is_refused(edit, match, tmp_path):
-    import json
-
     import keras_distrib as kd
     from keras_distrib.checkpointing.checkpoint import CheckpointError
 
@@ -1280,7 +1273,6 @@ def test_a_backup_of_another_run_is_refused_naming_both_runs_and_the_ways_out(ho
     plain.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
     for a, b in zip(plain.get_weights(), resumed.get_weights()):
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
-    import json
 
     record = json.loads((ours / ".kd-run.json").read_text())
     assert [a["checkpoint"] for a in record["adopted"]] == ["ckpt-3"]
@@ -1371,7 +1363,6 @@ def test_a_backup_the_clean_up_cannot_remove_is_reported_and_refused_by_the_next
     """On e2df62d it was left without a word, and the next run resumed from it: steps skipped."""
     import keras
 
-    import keras_distrib as kd
     from keras_distrib.checkpointing.checkpoint import CheckpointError
 
     backup = tmp_path / "backup"
@@ -1571,8 +1562,6 @@ def _as_nobody(place, script, timeout, *, before="true", pythonpath=""):
 
 
 def _unprivileged_run(place, tmp_path):
-    import json
-
     from tests.test_users_machine import _check_demo_runs
     from tests.test_users_machine import check_bare_demo
 

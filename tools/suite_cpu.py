@@ -104,8 +104,9 @@ def _hookwrapper(function):
 @_hookwrapper
 def pytest_runtest_protocol(item, nextitem):
     global _out
-    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # (not the environment,
-    # which a pytest started by a test inherits)
+    # The xdist worker's name from pytest's config, not the environment, which
+    # a pytest that a test starts inherits.
+    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
     if _out is None:
         folder = os.environ.get("KD_SUITE_CPU_DIR")
         if not folder or not os.path.isdir(folder) or not os.access(CGROUPS, os.W_OK):
